@@ -1,0 +1,251 @@
+"""The asyncio streaming load generator: sends a request stream, records every chunk.
+
+`run_stream` sends each `Request` at its arrival offset (after any concurrency cap — a
+request's clock starts when it is actually sent) as a streaming `/v1/completions` call with the
+prompt as token ids, `ignore_eos` and `return_token_ids` (vLLM's; `vllm_extras=False` omits them
+for servers that reject unknown fields). Each `RequestRecord` holds the send time, every chunk's
+arrival time and token count, the HTTP status, the error (cause and message), the server's
+`X-Request-Id`, and the server's per-leg timings when it reports them — in a response header
+`X-Splitserve-Timings` (JSON) or in a top-level `splitserve*` field of an SSE chunk.
+
+`BusySampler` polls each worker's Prometheus `/metrics` and reports the fraction of samples in
+which the engine had requests running or waiting (its busy fraction).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import httpx
+
+from splitserve.bench.workload import Request
+
+TIMINGS_HEADER = "x-splitserve-timings"
+
+
+@dataclass
+class RequestRecord:
+    """What the client saw for one request. Times are seconds since the run's start."""
+
+    index: int
+    kind: str
+    input_len: int
+    requested_output_len: int
+    scheduled_s: float
+    send_s: float = 0.0
+    chunk_times: list[float] = field(default_factory=list)
+    chunk_tokens: list[int] = field(default_factory=list)
+    status: int | None = None
+    error_cause: str | None = None  # e.g. "http_503", "timeout", "connect", "stream", "empty"
+    error: str | None = None
+    request_id: str | None = None
+    server_timings: dict[str, Any] = field(default_factory=dict)
+    usage_output_tokens: int | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error_cause is None
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(self.chunk_tokens)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RequestRecord:
+        return cls(**d)
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    """How to talk to the endpoint."""
+
+    url: str
+    model: str | None = None  # default: the first model `/v1/models` lists
+    api_key: str | None = None
+    timeout_s: float = 600.0
+    vllm_extras: bool = True
+    run_tag: str = "bench"
+
+    def __post_init__(self) -> None:
+        if not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"url must start with http:// or https://, got {self.url!r}")
+        if self.timeout_s <= 0:
+            raise ValueError("timeout_s must be positive")
+
+    @property
+    def base(self) -> str:
+        return self.url.rstrip("/")
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+
+async def resolve_model(client: httpx.AsyncClient, cfg: ClientConfig) -> str:
+    if cfg.model:
+        return cfg.model
+    resp = await client.get(f"{cfg.base}/v1/models", headers=cfg.headers())
+    resp.raise_for_status()
+    return str(resp.json()["data"][0]["id"])
+
+
+def _chunk_tokens(choice: dict[str, Any]) -> int:
+    ids = choice.get("token_ids")
+    if isinstance(ids, list):
+        return len(ids)
+    return 1 if choice.get("text") else 0
+
+
+def _absorb_chunk(rec: RequestRecord, data: dict[str, Any], now: float) -> None:
+    for key, value in data.items():
+        if key.startswith("splitserve") and isinstance(value, dict):
+            rec.server_timings.update(value)
+    if data.get("usage"):
+        rec.usage_output_tokens = data["usage"].get("completion_tokens")
+    if "error" in data:
+        rec.error_cause = rec.error_cause or "stream_error"
+        rec.error = json.dumps(data["error"])[:500]
+    n = sum(_chunk_tokens(c) for c in data.get("choices", []))
+    if n:
+        rec.chunk_times.append(now)
+        rec.chunk_tokens.append(n)
+
+
+async def send_one(client: httpx.AsyncClient, cfg: ClientConfig, model: str, req: Request,
+                   rec: RequestRecord, t0: float) -> None:
+    """Send one request and fill `rec` in place. Never raises for a request-level failure."""
+    body: dict[str, Any] = {
+        "model": model, "prompt": list(req.prompt_token_ids), "max_tokens": req.output_len,
+        "stream": True, "stream_options": {"include_usage": True}, "temperature": 0.0,
+    }
+    if cfg.vllm_extras:
+        body |= {"ignore_eos": True, "return_token_ids": True}
+    sent_id = f"{cfg.run_tag}-{req.index}"
+    headers = cfg.headers() | {"X-Request-Id": sent_id}
+    rec.send_s = time.perf_counter() - t0
+    try:
+        async with client.stream("POST", f"{cfg.base}/v1/completions", json=body,
+                                 headers=headers) as resp:
+            rec.status = resp.status_code
+            rec.request_id = resp.headers.get("x-request-id", sent_id)
+            if resp.headers.get(TIMINGS_HEADER):
+                rec.server_timings.update(json.loads(resp.headers[TIMINGS_HEADER]))
+            if resp.status_code != 200:
+                text = (await resp.aread()).decode(errors="replace")
+                rec.error_cause, rec.error = f"http_{resp.status_code}", text[:500]
+                return
+            async for line in resp.aiter_lines():
+                now = time.perf_counter() - t0
+                if not line.startswith("data:"):
+                    continue
+                payload = line[5:].strip()
+                if payload == "[DONE]":
+                    break
+                _absorb_chunk(rec, json.loads(payload), now)
+    except httpx.TimeoutException as exc:
+        rec.error_cause, rec.error = "timeout", repr(exc)
+    except httpx.ConnectError as exc:
+        rec.error_cause, rec.error = "connect", repr(exc)
+    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        rec.error_cause, rec.error = "stream", repr(exc)
+    if rec.error_cause is None and not rec.chunk_times:
+        rec.error_cause, rec.error = "empty", "stream ended without any token"
+
+
+def new_record(req: Request) -> RequestRecord:
+    return RequestRecord(index=req.index, kind=req.kind, input_len=req.input_len,
+                         requested_output_len=req.output_len, scheduled_s=req.arrival_s)
+
+
+async def run_stream(cfg: ClientConfig, requests: list[Request], warmup: list[Request],
+                     max_concurrency: int | None = None,
+                     on_done: Callable[[RequestRecord], None] | None = None,
+                     ) -> tuple[list[RequestRecord], float]:
+    """Send `warmup` (excluded, awaited first), then `requests` at their arrival offsets.
+
+    Returns the records of the measured requests (in stream order) and the run's duration in
+    seconds: from the first scheduled send to the last response's end (the tail drain included).
+    """
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    timeout = httpx.Timeout(cfg.timeout_s, connect=30.0)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+        model = await resolve_model(client, cfg)
+        w0 = time.perf_counter()
+        await asyncio.gather(*(send_one(client, cfg, model, w, new_record(w), w0)
+                               for w in warmup))
+        sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+        records = [new_record(r) for r in requests]
+        t0 = time.perf_counter()
+
+        async def one(req: Request, rec: RequestRecord) -> None:
+            delay = req.arrival_s - (time.perf_counter() - t0)
+            if delay > 0:
+                await asyncio.sleep(delay)
+            if sem is None:
+                await send_one(client, cfg, model, req, rec, t0)
+            else:
+                async with sem:
+                    await send_one(client, cfg, model, req, rec, t0)
+            if on_done is not None:
+                on_done(rec)
+
+        await asyncio.gather(*(one(r, rec) for r, rec in zip(requests, records, strict=True)))
+        return records, time.perf_counter() - t0
+
+
+def parse_busy(metrics_text: str) -> bool:
+    """True when a vLLM `/metrics` page shows requests running or waiting."""
+    for line in metrics_text.splitlines():
+        if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting{")):
+            try:
+                if float(line.rsplit(" ", 1)[1]) > 0:
+                    return True
+            except ValueError:
+                continue
+    return False
+
+
+class BusySampler:
+    """Samples workers' `/metrics` every `interval_s` while a run is in progress."""
+
+    def __init__(self, worker_urls: dict[str, str], interval_s: float = 0.1) -> None:
+        if interval_s <= 0:
+            raise ValueError("interval_s must be positive")
+        self._urls = dict(worker_urls)
+        self._interval = interval_s
+        self._busy = dict.fromkeys(self._urls, 0)
+        self._samples = dict.fromkeys(self._urls, 0)
+        self._task: asyncio.Task[None] | None = None
+
+    async def _loop(self) -> None:
+        async with httpx.AsyncClient(timeout=5.0) as client:
+            while True:
+                for name, url in self._urls.items():
+                    try:
+                        resp = await client.get(f"{url.rstrip('/')}/metrics")
+                    except httpx.HTTPError:
+                        continue
+                    self._samples[name] += 1
+                    self._busy[name] += parse_busy(resp.text)
+                await asyncio.sleep(self._interval)
+
+    def start(self) -> None:
+        if self._urls:
+            self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def stop(self) -> dict[str, float]:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        return {n: (self._busy[n] / self._samples[n]) if self._samples[n] else float("nan")
+                for n in self._urls}

@@ -1,0 +1,121 @@
+"""One benchmark run, repeats and rate sweeps: stream → client → metrics → result dict.
+
+A result dict is the JSON written by `splitserve bench` (schema `splitserve.bench/1`):
+vLLM's `bench serve` keys at the top level (see metrics.py), plus `system`, `busy_fraction`
+(per worker), `run_sheet`, `requests` (the raw per-request records), and, when asked for,
+`repeats` + `spread` (the top-level metrics are then those of the first repeat) or `sweep`
+(points per rate and `distserve_goodput`; the top-level metrics are those of the highest rate).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from splitserve.bench.client import BusySampler, ClientConfig, RequestRecord, run_stream
+from splitserve.bench.metrics import SLO, compute_metrics, distserve_goodput, spread
+from splitserve.bench.runsheet import run_sheet
+from splitserve.bench.workload import WorkloadSpec, build_stream, build_warmup
+
+SCHEMA = "splitserve.bench/1"
+ProgressFactory = Callable[[str, int], Callable[[RequestRecord], None]]
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """Everything about a run that is not the workload or the endpoint."""
+
+    slo: SLO = SLO()
+    repeats: int = 1
+    sweep_rates: tuple[float, ...] = ()
+    busy_sample_s: float = 0.1
+    total_cores: int | None = None  # for goodput per core
+
+    def __post_init__(self) -> None:
+        if self.repeats < 1:
+            raise ValueError("repeats must be >= 1")
+        if any(r <= 0 for r in self.sweep_rates):
+            raise ValueError("sweep rates must be positive")
+        if self.total_cores is not None and self.total_cores < 1:
+            raise ValueError("total_cores must be >= 1")
+
+
+def _scalars(result: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in result.items()
+            if isinstance(v, int | float) and not isinstance(v, bool)}
+
+
+async def run_once(client: ClientConfig, spec: WorkloadSpec, system: str,
+                   deployment: dict[str, Any], worker_metrics: dict[str, str],
+                   opts: RunOptions, progress: ProgressFactory | None = None) -> dict[str, Any]:
+    """Send `spec`'s stream to `client.url` once and return its result dict."""
+    requests, warmup = build_stream(spec), build_warmup(spec)
+    on_done = progress(system, len(requests)) if progress else None
+    sampler = BusySampler(worker_metrics, opts.busy_sample_s)
+    sampler.start()
+    try:
+        records, duration = await run_stream(client, requests, warmup,
+                                             spec.arrival.max_concurrency, on_done)
+    finally:
+        busy = await sampler.stop()
+    result: dict[str, Any] = {"schema": SCHEMA, "system": system}
+    result |= compute_metrics(records, duration, opts.slo)
+    result["busy_fraction"] = busy
+    result["run_sheet"] = run_sheet(spec, requests, client.model, deployment)
+    result["requests"] = [r.to_dict() for r in records]
+    return result
+
+
+async def run_bench(client: ClientConfig, spec: WorkloadSpec, system: str,
+                    deployment: dict[str, Any], worker_metrics: dict[str, str] | None = None,
+                    opts: RunOptions = RunOptions(), progress: ProgressFactory | None = None,
+                    ) -> dict[str, Any]:
+    """A run with repeats, or a rate sweep when `opts.sweep_rates` is set."""
+    metrics_urls = worker_metrics or {}
+    if opts.sweep_rates:
+        return await run_sweep(client, spec, system, deployment, metrics_urls, opts, progress)
+    runs = []
+    for i in range(opts.repeats):
+        tagged = replace(client, run_tag=f"{client.run_tag}-r{i}")
+        runs.append(await run_once(tagged, spec, system, deployment, metrics_urls, opts,
+                                   progress))
+    result = runs[0]
+    if opts.repeats > 1:
+        result["repeats"] = [_scalars(r) for r in runs]
+        result["spread"] = spread(result["repeats"])
+    return result
+
+
+async def run_sweep(client: ClientConfig, spec: WorkloadSpec, system: str,
+                    deployment: dict[str, Any], worker_metrics: dict[str, str],
+                    opts: RunOptions, progress: ProgressFactory | None = None) -> dict[str, Any]:
+    """Run the same workload at each rate; attainment per rate and DistServe goodput."""
+    if opts.slo.empty:
+        raise ValueError("a rate sweep needs an SLO (--slo-ttft-ms and/or --slo-tpot-ms)")
+    points = []
+    last: dict[str, Any] = {}
+    for rate in sorted(opts.sweep_rates):
+        tagged = replace(client, run_tag=f"{client.run_tag}-rate{rate:g}")
+        last = await run_once(tagged, spec.with_rate(rate), f"{system}@{rate:g}",
+                              deployment, worker_metrics, opts, progress)
+        points.append({"rate": rate} | {k: last.get(k) for k in (
+            "slo_attainment", "request_goodput", "request_throughput", "completed", "failed",
+            "median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms", "median_tpot_ms")})
+    goodput = distserve_goodput([(p["rate"], p["slo_attainment"]) for p in points])
+    if opts.total_cores and goodput["value"] is not None:
+        goodput["per_core"] = goodput["value"] / opts.total_cores
+    last["system"] = system
+    last["sweep"] = {"points": points, "distserve_goodput": goodput}
+    last["distserve_goodput"] = goodput["value"]
+    return last
+
+
+def records_of(result: dict[str, Any]) -> list[RequestRecord]:
+    return [RequestRecord.from_dict(d) for d in result.get("requests", [])]
+
+
+def compare_streams(results: Sequence[dict[str, Any]]) -> bool:
+    """True when every result ran the identical request stream (same digest)."""
+    digests = {r["run_sheet"]["stream"]["digest"] for r in results}
+    return len(digests) == 1
