@@ -1,0 +1,231 @@
+"""`splitserve bench`, `splitserve bench compare` and `splitserve bench report`.
+
+    splitserve bench --url URL --result-json PATH [workload, SLO, repeat/sweep options]
+    splitserve bench compare --url NAME=URL --url NAME=URL --out DIR [same options]
+    splitserve bench report A.json B.json --out DIR
+
+`compare` sends the identical stream (same seed, prompts, lengths, arrival times) to every
+endpoint in turn and writes DIR/NAME.json per endpoint plus DIR/report.html.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from splitserve.bench.client import ClientConfig
+from splitserve.bench.metrics import SLO
+from splitserve.bench.report import print_summary, progress_bars, save_result, write_report
+from splitserve.bench.runner import RunOptions, compare_streams, run_bench
+from splitserve.bench.verdict import verdict
+from splitserve.bench.workload import (
+    ARRIVAL_KINDS,
+    INTERFERENCE,
+    LENGTH_KINDS,
+    SOURCES,
+    ArrivalSpec,
+    InterferenceMix,
+    LengthDist,
+    WorkloadSpec,
+)
+
+
+def _rates(text: str) -> tuple[float, ...]:
+    return tuple(float(x) for x in text.split(",") if x.strip())
+
+
+def add_workload_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("workload")
+    g.add_argument("--workload", choices=SOURCES, default="synthetic")
+    g.add_argument("--spec-json", help="a WorkloadSpec as JSON (overrides the options below)")
+    g.add_argument("--dataset-path", help="ShareGPT JSON (--workload sharegpt) or trace CSV")
+    g.add_argument("--num-prompts", type=int, default=100)
+    for side, mean in (("input", 128), ("output", 64)):
+        g.add_argument(f"--{side}-dist", choices=LENGTH_KINDS, default="fixed")
+        g.add_argument(f"--{side}-len", type=int, default=mean, help="fixed length or mean")
+        g.add_argument(f"--{side}-min", type=int, default=1)
+        g.add_argument(f"--{side}-max", type=int, default=8192)
+        g.add_argument(f"--{side}-std", type=float, default=0.0)
+    g.add_argument("--arrival", choices=ARRIVAL_KINDS, default="poisson")
+    g.add_argument("--request-rate", type=float, default=1.0)
+    g.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 = Poisson")
+    g.add_argument("--ramp-end-rate", type=float, default=None)
+    g.add_argument("--max-concurrency", type=int, default=None)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--warmup", type=int, default=2)
+    g.add_argument("--interference-duration", type=float, default=INTERFERENCE.duration_s)
+    g.add_argument("--interference-short-rate", type=float, default=INTERFERENCE.short_rate)
+    g.add_argument("--interference-long-period", type=float,
+                   default=INTERFERENCE.long_period_s)
+
+    r = p.add_argument_group("measurement")
+    r.add_argument("--model", default=None, help="model name (default: the endpoint's first)")
+    r.add_argument("--api-key", default=None)
+    r.add_argument("--slo-ttft-ms", type=float, default=None)
+    r.add_argument("--slo-tpot-ms", type=float, default=None)
+    r.add_argument("--repeats", type=int, default=1)
+    r.add_argument("--sweep-rates", type=_rates, default=(), help="e.g. 1,2,4,8")
+    r.add_argument("--cores", type=int, default=None, help="total cores (goodput per core)")
+    r.add_argument("--no-vllm-extras", action="store_true",
+                   help="omit ignore_eos/return_token_ids (for non-vLLM servers)")
+
+
+def spec_from_args(args: argparse.Namespace) -> WorkloadSpec:
+    if args.spec_json:
+        return WorkloadSpec.from_dict(json.loads(Path(args.spec_json).read_text()))
+
+    def dist(side: str) -> LengthDist:
+        return LengthDist(getattr(args, f"{side}_dist"), getattr(args, f"{side}_len"),
+                          getattr(args, f"{side}_min"), getattr(args, f"{side}_max"),
+                          getattr(args, f"{side}_std"))
+
+    mix = InterferenceMix(duration_s=args.interference_duration,
+                          short_rate=args.interference_short_rate,
+                          long_period_s=args.interference_long_period,
+                          short_input=INTERFERENCE.short_input,
+                          short_output=INTERFERENCE.short_output,
+                          long_input=INTERFERENCE.long_input,
+                          long_output=INTERFERENCE.long_output)
+    arrival = ArrivalSpec(args.arrival, args.request_rate, args.burstiness, args.ramp_end_rate,
+                          args.max_concurrency)
+    return WorkloadSpec(source=args.workload, num_requests=args.num_prompts, input=dist("input"),
+                        output=dist("output"), arrival=arrival, interference=mix,
+                        path=args.dataset_path, seed=args.seed, warmup=args.warmup)
+
+
+def options_from_args(args: argparse.Namespace) -> RunOptions:
+    return RunOptions(slo=SLO(args.slo_ttft_ms, args.slo_tpot_ms), repeats=args.repeats,
+                      sweep_rates=args.sweep_rates, total_cores=args.cores)
+
+
+def discover_workers(url: str, api_key: str | None = None) -> tuple[dict[str, str], Any]:
+    """Worker `/metrics` URLs to sample: a router's `/workers` list, else the URL itself."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        resp = httpx.get(f"{url.rstrip('/')}/workers", headers=headers, timeout=5.0)
+        if resp.status_code == 200:
+            body = resp.json()
+            items = body.get("workers", body) if isinstance(body, dict) else body
+            found = {f"{w.get('role', 'worker')}:{w['url']}": w["url"]
+                     for w in items if isinstance(w, dict) and w.get("url")}
+            if found:
+                return found, items
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        pass
+    return {"endpoint": url}, None
+
+
+def _deployment(url: str, text: str | None, workers: Any) -> dict[str, Any]:
+    dep: dict[str, Any] = {"url": url}
+    if text:
+        try:
+            dep |= json.loads(text)
+        except json.JSONDecodeError:
+            dep["description"] = text
+    if workers is not None:
+        dep["workers"] = workers
+    return dep
+
+
+async def _bench_endpoints(endpoints: dict[str, str], args: argparse.Namespace,
+                           deployments: dict[str, str | None]) -> dict[str, dict[str, Any]]:
+    spec, opts = spec_from_args(args), options_from_args(args)
+    results: dict[str, dict[str, Any]] = {}
+    with progress_bars() as progress:
+        for name, url in endpoints.items():
+            metrics_urls, workers = discover_workers(url, args.api_key)
+            client = ClientConfig(url=url, model=args.model, api_key=args.api_key,
+                                  vllm_extras=not args.no_vllm_extras, run_tag=name)
+            results[name] = await run_bench(
+                client, spec, name, _deployment(url, deployments.get(name), workers),
+                metrics_urls, opts, progress)
+    return results
+
+
+def run_single(args: argparse.Namespace) -> int:
+    if not args.url or not args.result_json:
+        raise SystemExit("splitserve bench: --url and --result-json are required")
+    results = asyncio.run(_bench_endpoints({args.system: args.url}, args,
+                                           {args.system: args.deployment}))
+    save_result(results[args.system], args.result_json)
+    if args.report_dir:
+        write_report(results, args.report_dir)
+    print_summary(results)
+    return 0
+
+
+_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
+
+
+def parse_named_url(text: str) -> tuple[str, str]:
+    """NAME=URL (NAME: letters, digits, _ . -)."""
+    name, sep, url = text.partition("=")
+    if not sep or not _NAME.match(name) or not url.startswith(("http://", "https://")):
+        raise argparse.ArgumentTypeError(f"expected NAME=URL, got {text!r}")
+    return name, url
+
+
+def run_compare(args: argparse.Namespace) -> int:
+    endpoints = dict(args.url)
+    if len(endpoints) < 2:
+        raise SystemExit("splitserve bench compare: give at least two --url NAME=URL")
+    deployments = dict(args.deployment or [])
+    results = asyncio.run(_bench_endpoints(endpoints, args, deployments))
+    out = Path(args.out)
+    for name, res in results.items():
+        save_result(res, out / f"{name}.json")
+    line = verdict(results)
+    if not compare_streams(list(results.values())):
+        line += " (WARNING: the systems did not see the identical stream)"
+    path = write_report(results, out, line)
+    print_summary(results, line)
+    print(f"wrote {path}")
+    return 0
+
+
+def run_report(args: argparse.Namespace) -> int:
+    results = {}
+    for p in args.results:
+        res = json.loads(Path(p).read_text())
+        results[res.get("system") or Path(p).stem] = res
+    line = verdict(results) if len(results) > 1 else None
+    path = write_report(results, args.out, line)
+    print_summary(results, line)
+    print(f"wrote {path}")
+    return 0
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    bench = sub.add_parser("bench", help="benchmark an OpenAI-compatible endpoint",
+                           allow_abbrev=False)
+    bench.add_argument("--url", help="endpoint base URL, e.g. http://127.0.0.1:8000")
+    bench.add_argument("--result-json", help="where to write the result JSON")
+    bench.add_argument("--system", default="system", help="name of the system under test")
+    bench.add_argument("--deployment", default=None,
+                       help="deployment description for the run sheet (JSON or text)")
+    bench.add_argument("--report-dir", default=None, help="also write plots + report.html here")
+    add_workload_arguments(bench)
+    bench.set_defaults(func=run_single)
+    bsub = bench.add_subparsers(dest="bench_command")
+
+    cmp_ = bsub.add_parser("compare", help="the same stream against two or more endpoints",
+                          allow_abbrev=False)
+    cmp_.add_argument("--url", type=parse_named_url, action="append", required=True,
+                      metavar="NAME=URL")
+    cmp_.add_argument("--deployment", type=lambda s: tuple(s.split("=", 1)), action="append",
+                      metavar="NAME=DESCRIPTION", help="per-endpoint deployment description")
+    cmp_.add_argument("--out", default="bench-results", help="output directory")
+    add_workload_arguments(cmp_)
+    cmp_.set_defaults(func=run_compare)
+
+    rep = bsub.add_parser("report", help="rebuild plots + report.html from result JSON files",
+                         allow_abbrev=False)
+    rep.add_argument("results", nargs="+")
+    rep.add_argument("--out", default="bench-results")
+    rep.set_defaults(func=run_report)
