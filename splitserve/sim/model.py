@@ -1,0 +1,217 @@
+"""The cost model the simulator runs on, and the profile JSON that carries it.
+
+A `Profile` says how long one engine step takes on one worker (DistServe's form):
+
+- prefill step over prompt chunks q_i (each after p_i tokens already prefilled):
+  `a + b·Σq + c·Σ(q² + 2·p·q)` — for unchunked prompts this is `a + b·Σl + c·Σl²`, and chunking
+  a prompt keeps the quadratic (attention) part equal to `c·l²` while paying `a` per chunk;
+- decode step: `a + b·Σcontext + c·batch`;
+- a mixed step (decodes plus a prefill chunk, as vLLM's chunked prefill runs them) pays the
+  prefill's fixed cost once plus both variable parts.
+
+KV transfer: bytes per token = `2 × layers × kv_heads × head_dim × dtype_bytes`; time =
+`bytes / bandwidth + latency` per transport (`TransferLink`).
+
+Every profile is stamped with the engine (name, version), the model, the hardware, and whether
+it was measured or derived analytically. `load_profile` refuses a profile from another engine
+version unless asked to accept it, in which case it comes back flagged (`mismatch`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any, Literal
+
+SCHEMA = "splitserve.profile/1"
+ProfileKind = Literal["measured", "analytic"]
+PROFILE_KINDS: tuple[str, ...] = ("measured", "analytic")
+
+
+def _finite_nonneg(owner: str, **values: float) -> None:
+    for name, v in values.items():
+        if not math.isfinite(v) or v < 0:
+            raise ValueError(f"{owner}.{name} must be a finite number >= 0, got {v}")
+
+
+@dataclass(frozen=True)
+class PrefillCost:
+    """Seconds for one prefill step: a + b·Σq + c·Σ(q² + 2pq)."""
+
+    a: float
+    b: float
+    c: float = 0.0
+
+    def __post_init__(self) -> None:
+        _finite_nonneg("PrefillCost", a=self.a, b=self.b, c=self.c)
+
+    def time(self, tokens: float, quad: float) -> float:
+        """`tokens` = Σq, `quad` = Σ(q² + 2pq)."""
+        return self.a + self.b * tokens + self.c * quad
+
+    def whole(self, prompt_len: int) -> float:
+        """One unchunked prompt alone in a step."""
+        return self.a + self.b * prompt_len + self.c * prompt_len * prompt_len
+
+
+@dataclass(frozen=True)
+class DecodeCost:
+    """Seconds for one decode step: a + b·Σcontext + c·batch."""
+
+    a: float
+    b: float
+    c: float = 0.0
+
+    def __post_init__(self) -> None:
+        _finite_nonneg("DecodeCost", a=self.a, b=self.b, c=self.c)
+
+    def time(self, batch: int, context: float) -> float:
+        return self.a + self.b * context + self.c * batch
+
+
+@dataclass(frozen=True)
+class TransferLink:
+    """One transport's KV transfer: time = bytes / bandwidth + latency."""
+
+    bandwidth_Bps: float
+    latency_s: float = 0.0
+    source: str = "default"  # where the numbers came from (benchmark JSON path, "analytic", ...)
+
+    def __post_init__(self) -> None:
+        if not (self.bandwidth_Bps > 0 and math.isfinite(self.bandwidth_Bps)):
+            raise ValueError(f"bandwidth_Bps must be positive, got {self.bandwidth_Bps}")
+        _finite_nonneg("TransferLink", latency_s=self.latency_s)
+
+    def time(self, nbytes: float) -> float:
+        return nbytes / self.bandwidth_Bps + self.latency_s
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the cost of moving KV depends on."""
+
+    name: str
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype_bytes: int
+
+    def __post_init__(self) -> None:
+        for k in ("layers", "kv_heads", "head_dim", "dtype_bytes"):
+            if getattr(self, k) < 1:
+                raise ValueError(f"ModelShape.{k} must be >= 1")
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
+
+
+@dataclass(frozen=True)
+class Engine:
+    name: str = "vllm"
+    version: str = "unknown"
+
+
+@dataclass(frozen=True)
+class Profile:
+    """One worker type's cost model, stamped with where it came from."""
+
+    kind: ProfileKind
+    engine: Engine
+    model: ModelShape
+    hardware: dict[str, Any]
+    prefill: PrefillCost
+    decode: DecodeCost
+    token_budget: int  # max_num_batched_tokens of the measured engine
+    kv_capacity_tokens: int
+    transfer: dict[str, TransferLink] = field(default_factory=dict)
+    fit: dict[str, Any] = field(default_factory=dict)  # measured points and fit quality
+    created: str = ""
+    mismatch: str | None = None  # set by load_profile when accepted despite a version mismatch
+
+    def __post_init__(self) -> None:
+        if self.kind not in PROFILE_KINDS:
+            raise ValueError(f"kind must be one of {PROFILE_KINDS}, got {self.kind!r}")
+        if self.token_budget < 1 or self.kv_capacity_tokens < 1:
+            raise ValueError("token_budget and kv_capacity_tokens must be >= 1")
+
+    def link(self, transport: str) -> TransferLink:
+        if transport not in self.transfer:
+            raise ValueError(f"profile has no transfer numbers for {transport!r} "
+                             f"(has {sorted(self.transfer)})")
+        return self.transfer[transport]
+
+    def with_transfer(self, transport: str, link: TransferLink) -> Profile:
+        return replace(self, transfer={**self.transfer, transport: link})
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("mismatch")
+        d["schema"] = SCHEMA
+        d["model"]["kv_bytes_per_token"] = self.model.kv_bytes_per_token
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Profile:
+        if d.get("schema") != SCHEMA:
+            raise ValueError(f"not a splitserve profile (schema {d.get('schema')!r}, "
+                             f"expected {SCHEMA!r})")
+        model = {k: v for k, v in d["model"].items() if k != "kv_bytes_per_token"}
+        return cls(
+            kind=d["kind"], engine=Engine(**d["engine"]), model=ModelShape(**model),
+            hardware=dict(d.get("hardware", {})), prefill=PrefillCost(**d["prefill"]),
+            decode=DecodeCost(**d["decode"]), token_budget=int(d["token_budget"]),
+            kv_capacity_tokens=int(d["kv_capacity_tokens"]),
+            transfer={k: TransferLink(**v) for k, v in d.get("transfer", {}).items()},
+            fit=dict(d.get("fit", {})), created=d.get("created", ""),
+        )
+
+
+class ProfileMismatch(ValueError):
+    """The profile was measured on another engine version than the one it is used with."""
+
+
+def save_profile(profile: Profile, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(profile.to_dict(), indent=2, sort_keys=True) + "\n")
+
+
+def load_profile(path: str | Path, engine_version: str | None = None,
+                 accept_mismatch: bool = False) -> Profile:
+    """Read a profile. If `engine_version` is given and differs from the profile's (ignoring a
+    local `+cpu` suffix), raise `ProfileMismatch` — or, with `accept_mismatch`, return the
+    profile with `mismatch` saying what differs. Analytic profiles carry no engine timing and
+    are never refused for the version."""
+    profile = Profile.from_dict(json.loads(Path(path).read_text()))
+    if engine_version is None or profile.kind == "analytic":
+        return profile
+    want, have = engine_version.split("+")[0], profile.engine.version.split("+")[0]
+    if want == have:
+        return profile
+    msg = (f"profile {path} was measured on {profile.engine.name} {profile.engine.version}, "
+           f"but this engine is {engine_version}: its step times may not hold")
+    if not accept_mismatch:
+        raise ProfileMismatch(msg + " (re-profile, or accept the mismatch explicitly)")
+    return replace(profile, mismatch=msg)
+
+
+def transfer_arrival(link: TransferLink, nbytes: float, layers: int, prefill_start: float,
+                     prefill_end: float, overlap: bool, link_free: float = 0.0
+                     ) -> tuple[float, float]:
+    """When a prompt's KV is all at D, and when the link is free again.
+
+    Without overlap the whole KV goes after the prefill: it starts when the prefill ends and the
+    link is free. With layer-wise overlap, layer i's KV can leave once layer i is computed (layers
+    take equal time); the last layer's share still has to cross after the prefill ends. The link
+    is a FIFO server: a transfer starts no earlier than `link_free`.
+    """
+    send = nbytes / link.bandwidth_Bps
+    if not overlap:
+        start = max(prefill_end, link_free)
+        end = start + send
+    else:
+        first_ready = prefill_start + (prefill_end - prefill_start) / layers
+        start = max(first_ready, link_free)
+        end = max(start + send, prefill_end + send / layers)
+    return end + link.latency_s, end

@@ -1,0 +1,124 @@
+"""A simulated run written in the benchmark's result schema (vLLM `bench serve` key names), and
+SLO attainment.
+
+Definitions follow vLLM: TTFT = first token − send; TPOT = (E2EL − TTFT) / (output − 1) for
+requests with more than one output token; ITL = every gap between consecutive tokens, pooled over
+requests (one token per streamed chunk), percentiles by linear interpolation (`np.percentile`);
+duration = last completion − start of the run. Failed requests are counted in `failed` and are
+misses for attainment.
+
+ITL is pooled without materialising every gap: a decode segment contributes its step durations
+with the batch size as weight, and each request's handover gap (t2 − t1) counts once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from splitserve.sim.simulator import SimOutcome
+
+PERCENTILES = (50.0, 90.0, 99.0)
+
+
+def weighted_percentiles(values: np.ndarray, weights: np.ndarray,
+                         ps: tuple[float, ...] = PERCENTILES) -> dict[float, float]:
+    """np.percentile of the multiset where values[i] appears weights[i] times (integer
+    weights), without expanding it."""
+    keep = weights > 0
+    values, weights = values[keep], weights[keep]
+    if len(values) == 0:
+        return {p: float("nan") for p in ps}
+    order = np.argsort(values, kind="stable")
+    v, cw = values[order], np.cumsum(weights[order])
+    n = int(cw[-1])
+    out = {}
+    for p in ps:
+        pos = p / 100.0 * (n - 1)
+        lo, hi = int(np.floor(pos)), int(np.ceil(pos))
+        vlo = v[np.searchsorted(cw, lo, side="right")]
+        vhi = v[np.searchsorted(cw, hi, side="right")]
+        out[p] = float(vlo + (vhi - vlo) * (pos - lo))
+    return out
+
+
+def itl_samples(o: SimOutcome) -> tuple[np.ndarray, np.ndarray]:
+    """(values, weights) of the pooled inter-token gaps, in seconds."""
+    k = o.seg_k
+    idx = np.repeat(np.arange(len(k)), k)
+    starts = np.cumsum(k) - k
+    j = np.arange(int(k.sum())) - np.repeat(starts, k)
+    steps = o.seg_alpha[idx] + o.seg_beta[idx] * j
+    w = o.seg_batch[idx].copy()
+    first = starts[k > 0]
+    w[first] -= o.seg_new[k > 0]
+    multi = (o.output_lens > 1) & ~o.failed
+    hand = (o.second_token - o.first_token)[multi]
+    return (np.concatenate([steps, hand]),
+            np.concatenate([w, np.ones(len(hand), dtype=np.int64)]))
+
+
+def _stats(prefix: str, values_s: np.ndarray, weights: np.ndarray | None = None
+           ) -> dict[str, float]:
+    ms = values_s * 1000.0
+    wts = np.ones(len(ms), dtype=np.int64) if weights is None else weights
+    tot = wts.sum()
+    if tot == 0:
+        nan = float("nan")
+        return {f"mean_{prefix}_ms": nan, f"median_{prefix}_ms": nan, f"std_{prefix}_ms": nan,
+                f"p90_{prefix}_ms": nan, f"p99_{prefix}_ms": nan}
+    mean = float((ms * wts).sum() / tot)
+    std = float(np.sqrt((wts * (ms - mean) ** 2).sum() / tot))
+    pct = weighted_percentiles(ms, wts)
+    return {f"mean_{prefix}_ms": mean, f"median_{prefix}_ms": pct[50.0],
+            f"std_{prefix}_ms": std, f"p90_{prefix}_ms": pct[90.0],
+            f"p99_{prefix}_ms": pct[99.0]}
+
+
+def _max_concurrent(start: np.ndarray, end: np.ndarray) -> int:
+    times = np.concatenate([start, end])
+    delta = np.concatenate([np.ones(len(start)), -np.ones(len(end))])
+    order = np.lexsort((delta, times))  # ends before starts at equal times
+    return int(np.cumsum(delta[order]).max(initial=0))
+
+
+def summarize(o: SimOutcome, per_request: bool = False) -> dict[str, Any]:
+    ok = ~o.failed & np.isfinite(o.finish)
+    dur = float(np.nanmax(o.finish)) if ok.any() else 0.0
+    ttft = o.first_token[ok] - o.arrivals[ok]
+    e2el = o.finish[ok] - o.arrivals[ok]
+    multi = ok & (o.output_lens > 1)
+    tpot = (o.finish[multi] - o.first_token[multi]) / (o.output_lens[multi] - 1)
+    iv, iw = itl_samples(o)
+    out_tok = int(o.output_lens[ok].sum())
+    in_tok = int(o.prompt_lens[ok].sum())
+    res: dict[str, Any] = {
+        "duration": dur, "completed": int(ok.sum()), "failed": int((~ok).sum()),
+        "total_input_tokens": in_tok, "total_output_tokens": out_tok,
+        "request_throughput": ok.sum() / dur if dur else 0.0,
+        "output_throughput": out_tok / dur if dur else 0.0,
+        "total_token_throughput": (in_tok + out_tok) / dur if dur else 0.0,
+        "max_concurrent_requests": _max_concurrent(o.arrivals[ok], o.finish[ok]),
+        "mean_kv_transfer_ms": float(np.nanmean(o.kv_transfer_s) * 1000)
+        if np.isfinite(o.kv_transfer_s).any() else float("nan"),
+        "simulated": True, "sim_events": o.events,
+    }
+    res |= _stats("ttft", ttft) | _stats("tpot", tpot) | _stats("itl", iv, iw)
+    res |= _stats("e2el", e2el)
+    if per_request:
+        res |= {"input_lens": o.prompt_lens.tolist(), "output_lens": o.output_lens.tolist(),
+                "ttfts": (o.first_token - o.arrivals).tolist(),
+                "start_times": o.arrivals.tolist()}
+    return res
+
+
+def attainment(o: SimOutcome, ttft_slo_s: float, tpot_slo_s: float) -> float:
+    """Share of all requests that completed with TTFT and TPOT within their SLOs (a request with
+    one output token has no TPOT and meets it)."""
+    ok = ~o.failed & np.isfinite(o.finish)
+    ttft = o.first_token - o.arrivals
+    multi = o.output_lens > 1
+    tpot = np.where(multi, (o.finish - o.first_token) / np.maximum(o.output_lens - 1, 1), 0.0)
+    good = ok & (ttft <= ttft_slo_s) & (tpot <= tpot_slo_s)
+    return float(good.sum() / len(good))

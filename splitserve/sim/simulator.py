@@ -1,0 +1,428 @@
+"""Discrete-event simulation of a splitserve deployment (router, P- and D-workers, KV links) or
+of the colocated baselines (one engine doing both, with or without chunked prefill).
+
+Workers step like vLLM's v1 scheduler: continuous batching, a token budget per step (decodes
+first, one token each, then prompt chunks FIFO), KV capacity checked when a request is admitted
+(its whole prompt + output is reserved; no preemption), requests arriving during a step join at
+the next step. A step's duration comes from the profile's cost model.
+
+Speed: while a worker only decodes and nothing arrives, its steps are deterministic, so it
+advances to the next finishing request in one event (a *segment*: step k lasts
+`α + β·k` with α = a + b·context + c·batch, β = b·batch); an arrival cuts the segment at the next
+step boundary (solved from the quadratic). Per-step work is never a Python loop over the batch:
+finishing requests come off a heap keyed by the absolute step they finish on.
+
+Disaggregated flow: the router picks P (least queued prompt tokens, per policy) and D (fewest
+requests) on arrival; P's last prefill step emits t1 (TTFT); the KV crosses the link
+(`model.transfer_arrival`, overlap and link sharing per `SimConfig`); the decode leg joins D at
+max(t1 + router hop, KV arrival) and produces t2..tN. P holds the prompt's KV until the
+transfer ends.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+from splitserve.sim.model import Profile, transfer_arrival
+from splitserve.sim.workload import SimWorkload
+
+Mode = Literal["disagg", "colocated", "chunked"]
+Policy = Literal["round_robin", "random", "power_of_two", "least_loaded"]
+MODES: tuple[str, ...] = ("disagg", "colocated", "chunked")
+POLICIES: tuple[str, ...] = ("round_robin", "random", "power_of_two", "least_loaded")
+_P, _D, _BOTH = 0, 1, 2
+_STEP, _SEG, _WAIT = 0, 1, 2
+_EV_STEP, _EV_JOIN = 0, 1
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """A deployment to simulate. `colocated` runs whole prompts in one step; `chunked` splits
+    them to fit `token_budget` (vLLM's chunked prefill). `n_prefill`/`n_decode` are used by
+    `disagg`, `n_workers` by the colocated modes."""
+
+    mode: Mode = "disagg"
+    n_prefill: int = 1
+    n_decode: int = 1
+    n_workers: int = 2
+    token_budget: int | None = None  # None: the profile's
+    p_policy: Policy = "power_of_two"
+    d_policy: Policy = "power_of_two"
+    transport: str = "tcp"
+    overlap: bool = True  # layer-wise KV push during the prefill
+    shared_link: bool = False  # one link for the whole cluster instead of one per P-worker
+    router_hop_s: float = 0.0  # router overhead added to each leg
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        for name in ("p_policy", "d_policy"):
+            if getattr(self, name) not in POLICIES:
+                raise ValueError(f"{name} must be one of {POLICIES}")
+        if self.mode == "disagg" and (self.n_prefill < 1 or self.n_decode < 1):
+            raise ValueError("disaggregated serving needs n_prefill >= 1 and n_decode >= 1")
+        if self.mode != "disagg" and self.n_workers < 1:
+            raise ValueError("n_workers must be >= 1")
+        if self.token_budget is not None and self.token_budget < 1:
+            raise ValueError("token_budget must be >= 1")
+        if self.router_hop_s < 0:
+            raise ValueError("router_hop_s must be >= 0")
+
+    @property
+    def workers(self) -> int:
+        return self.n_prefill + self.n_decode if self.mode == "disagg" else self.n_workers
+
+
+@dataclass(frozen=True, eq=False)
+class SimOutcome:
+    """Per-request times (s, NaN where not reached) and the pooled decode-step record for ITL:
+    segment i has `seg_k[i]` steps lasting `seg_alpha[i] + seg_beta[i]·j`, each step yielding
+    `seg_batch[i]` inter-token gaps, except the first, which yields `seg_batch - seg_new`."""
+
+    arrivals: np.ndarray
+    prompt_lens: np.ndarray
+    output_lens: np.ndarray
+    first_token: np.ndarray
+    second_token: np.ndarray
+    finish: np.ndarray
+    failed: np.ndarray
+    seg_alpha: np.ndarray
+    seg_beta: np.ndarray
+    seg_k: np.ndarray
+    seg_batch: np.ndarray
+    seg_new: np.ndarray
+    kv_transfer_s: np.ndarray
+    events: int
+
+
+class _Worker:
+    __slots__ = ("role", "queue", "head_done", "waiting", "running", "B", "C", "S", "busy",
+                 "kind", "t0", "alpha", "beta", "k", "cut", "ver", "kv_used", "kv_release",
+                 "load", "chunks", "new", "nnew", "step_dur")
+
+    def __init__(self, role: int) -> None:
+        self.role = role
+        self.queue: deque[int] = deque()
+        self.head_done = 0
+        self.waiting: deque[int] = deque()
+        self.running: list[tuple[int, int]] = []
+        self.B = self.S = self.k = self.ver = self.kv_used = self.load = self.nnew = 0
+        self.C = 0
+        self.busy = self.cut = False
+        self.kind = _STEP
+        self.t0 = self.alpha = self.beta = self.step_dur = 0.0
+        self.kv_release: list[tuple[float, int]] = []
+        self.chunks: list[tuple[int, int, int]] = []
+        self.new: list[int] = []
+
+
+def _steps_done(alpha: float, beta: float, elapsed: float) -> int:
+    """Largest k with T(k) = α·k + β·k(k−1)/2 <= elapsed."""
+    if beta <= 0.0:
+        k = int(elapsed / alpha)
+    else:
+        h = alpha - beta / 2
+        k = int((-h + math.sqrt(h * h + 2 * beta * elapsed)) / beta)
+    while k > 0 and alpha * k + beta * k * (k - 1) / 2 > elapsed:
+        k -= 1
+    while alpha * (k + 1) + beta * (k + 1) * k / 2 <= elapsed:
+        k += 1
+    return k
+
+
+class Simulation:
+    """One run of one workload on one deployment. `run()` returns a `SimOutcome`."""
+
+    def __init__(self, profile: Profile, config: SimConfig, workload: SimWorkload) -> None:
+        self.profile, self.cfg, self.wl = profile, config, workload
+        self.budget = config.token_budget or profile.token_budget
+        self.cap = profile.kv_capacity_tokens
+        if config.mode == "disagg":
+            self.link = profile.link(config.transport)
+            self.P = [_Worker(_P) for _ in range(config.n_prefill)]
+            self.D = [_Worker(_D) for _ in range(config.n_decode)]
+        else:
+            self.P = [_Worker(_BOTH) for _ in range(config.n_workers)]
+            self.D = []
+        self.W = self.P + self.D
+        self.link_free = [0.0] * len(self.P)
+        self.chunked = config.mode != "colocated"
+        n = len(workload)
+        self.arr = workload.arrivals.tolist()
+        self.pl = workload.prompt_lens.tolist()
+        self.ol = workload.output_lens.tolist()
+        nan = float("nan")
+        self.t1, self.t2, self.tend = [nan] * n, [nan] * n, [nan] * n
+        self.pstart, self.xfer = [nan] * n, [nan] * n
+        self.failed = [False] * n
+        self.dsel = [0] * n
+        self.heap: list[tuple[float, int, int, int, int]] = []
+        self.seq = 0
+        self.segs: list[tuple[float, float, int, int, int]] = []
+        self.shared_free = 0.0
+        self.rng = np.random.default_rng(config.seed)
+
+    # routing ---------------------------------------------------------------------------
+    def _pick_all(self, pool: list[_Worker], policy: str, n: int) -> list[int] | None:
+        """Choices that do not depend on load, drawn for all requests at once."""
+        m = len(pool)
+        if policy == "round_robin":
+            return [i % m for i in range(n)]
+        if policy == "random":
+            return self.rng.integers(0, m, size=n).tolist()
+        return None
+
+    def _pick(self, pool: list[_Worker], policy: str, pre: list[int] | None, i: int,
+              two: list[list[int]]) -> int:
+        if pre is not None:
+            return pre[i]
+        if policy == "power_of_two":
+            a, b = two[0][i], two[1][i]
+            return a if pool[a].load <= pool[b].load else b
+        return min(range(len(pool)), key=lambda j: pool[j].load)
+
+    # worker mechanics ------------------------------------------------------------------
+    def _push(self, t: float, kind: int, a: int, b: int) -> None:
+        self.seq += 1
+        heapq.heappush(self.heap, (t, self.seq, kind, a, b))
+
+    def _schedule(self, wi: int, w: _Worker, end: float) -> None:
+        w.ver += 1
+        w.busy = True
+        self._push(end, _EV_STEP, wi, w.ver)
+
+    def _admit(self, w: _Worker) -> None:
+        pl, ol, cap = self.pl, self.ol, self.cap
+        while w.waiting:
+            r = w.waiting[0]
+            need = pl[r] + ol[r]
+            if w.kv_used + need > cap:
+                if need > cap:  # can never fit
+                    w.waiting.popleft()
+                    self.failed[r] = True
+                    w.load -= 1
+                    continue
+                break
+            w.waiting.popleft()
+            w.kv_used += need
+            heapq.heappush(w.running, (w.S + ol[r] - 1, r))
+            w.B += 1
+            w.C += pl[r] + 1
+            w.new.append(r)
+
+    def _plan(self, wi: int, w: _Worker, t: float) -> None:
+        pf, dc = self.profile.prefill, self.profile.decode
+        chunks = w.chunks
+        chunks.clear()
+        if w.queue:
+            rel = w.kv_release
+            while rel and rel[0][0] <= t:
+                w.kv_used -= heapq.heappop(rel)[1]
+            budget = self.budget - w.B
+            pl, ol, cap = self.pl, self.ol, self.cap
+            while w.queue and budget > 0:
+                r = w.queue[0]
+                done = w.head_done
+                if done == 0:
+                    need = pl[r] + (ol[r] if w.role == _BOTH else 0)
+                    if need > cap:
+                        w.queue.popleft()
+                        self.failed[r] = True
+                        w.load -= pl[r] if w.role == _P else 1
+                        continue
+                    if w.kv_used + need > cap:
+                        break
+                rest = pl[r] - done
+                if not self.chunked and rest > budget and chunks:
+                    break
+                q = rest if not self.chunked else min(rest, budget)
+                if done == 0:
+                    w.kv_used += need
+                    self.pstart[r] = t
+                chunks.append((r, q, done))
+                budget -= q
+                if q == rest:
+                    w.queue.popleft()
+                    w.head_done = 0
+                else:
+                    w.head_done = done + q
+        if chunks:
+            tok = sum(c[1] for c in chunks)
+            quad = sum(q * q + 2 * p * q for _, q, p in chunks)
+            dur = pf.time(tok, quad)
+            if w.B:
+                dur += dc.b * w.C + dc.c * w.B
+            w.kind, w.step_dur, first = _STEP, dur, dur
+            end = t + dur
+        elif w.B:
+            k = w.running[0][0] - w.S
+            alpha = dc.a + dc.b * w.C + dc.c * w.B
+            beta = dc.b * w.B
+            w.kind, w.t0, w.alpha, w.beta, w.k, w.cut = _SEG, t, alpha, beta, k, False
+            end = t + alpha * k + beta * k * (k - 1) / 2
+            first = alpha
+        else:
+            w.busy = False
+            if w.queue and w.kv_release:  # blocked on KV that a transfer still holds
+                w.kind = _WAIT
+                self._schedule(wi, w, w.kv_release[0][0])
+            w.new.clear()
+            return
+        for r in w.new:
+            self.t2[r] = t + first
+        w.nnew = len(w.new)
+        w.new.clear()
+        self._schedule(wi, w, end)
+
+    def _boundary(self, wi: int, w: _Worker, t: float) -> None:
+        """The step (or segment) in progress on `w` ends at `t`."""
+        pl, ol = self.pl, self.ol
+        if w.kind == _SEG:
+            k = w.k
+            self.segs.append((w.alpha, w.beta, k, w.B, w.nnew))
+            w.S += k
+            w.C += k * w.B
+        elif w.kind == _STEP:
+            if w.B:
+                self.segs.append((w.step_dur, 0.0, 1, w.B, w.nnew))
+            w.S += 1
+            w.C += w.B
+            for r, q, p in w.chunks:
+                if p + q < pl[r]:
+                    continue
+                if w.role == _P:
+                    self._prefilled(wi, w, r, t)
+                    continue
+                self.t1[r] = t
+                if ol[r] == 1:
+                    self.tend[r] = t
+                    w.kv_used -= pl[r] + 1
+                    w.load -= 1
+                else:
+                    heapq.heappush(w.running, (w.S + ol[r] - 1, r))
+                    w.B += 1
+                    w.C += pl[r] + 1
+                    w.new.append(r)
+            w.chunks.clear()
+        run = w.running
+        while run and run[0][0] <= w.S:
+            r = heapq.heappop(run)[1]
+            self.tend[r] = t
+            w.B -= 1
+            w.C -= pl[r] + ol[r]
+            w.kv_used -= pl[r] + ol[r]
+            w.load -= 1
+        w.busy = False
+        if w.waiting:
+            self._admit(w)
+        self._plan(wi, w, t)
+
+    def _prefilled(self, wi: int, w: _Worker, r: int, t: float) -> None:
+        """P finished request r's prompt at t: emit t1, start the KV transfer."""
+        hop = self.cfg.router_hop_s
+        t1 = t + hop
+        self.t1[r] = t1
+        w.load -= self.pl[r]
+        if self.ol[r] == 1:
+            self.tend[r] = t1
+            w.kv_used -= self.pl[r]
+            return
+        nbytes = self.kvbpt * self.pl[r]
+        free = self.shared_free if self.cfg.shared_link else self.link_free[wi]
+        arrive, free = transfer_arrival(self.link, nbytes, self.layers, self.pstart[r], t,
+                                        self.cfg.overlap, free)
+        if self.cfg.shared_link:
+            self.shared_free = free
+        else:
+            self.link_free[wi] = free
+        heapq.heappush(w.kv_release, (free, self.pl[r]))
+        self.xfer[r] = arrive - t
+        self._push(max(arrive, t1 + hop), _EV_JOIN, r, 0)
+
+    def _poke(self, wi: int, w: _Worker, t: float) -> None:
+        """New work reached `w` at t: start it now if idle, else at the next step boundary."""
+        if not w.busy:
+            if w.waiting:
+                self._admit(w)
+            self._plan(wi, w, t)
+        elif w.kind == _SEG and not w.cut:
+            w.cut = True
+            k = _steps_done(w.alpha, w.beta, t - w.t0) + 1
+            if k < w.k:
+                w.k = k
+                self._schedule(wi, w, w.t0 + w.alpha * k + w.beta * k * (k - 1) / 2)
+
+    def run(self) -> SimOutcome:
+        cfg, n = self.cfg, len(self.arr)
+        shape = self.profile.model
+        self.kvbpt, self.layers = shape.kv_bytes_per_token, shape.layers
+        P, D, W = self.P, self.D, self.W
+        npw = len(P)
+        two_p = [self.rng.integers(0, len(P), size=n).tolist() for _ in range(2)]
+        pre_p = self._pick_all(P, cfg.p_policy, n)
+        if D:
+            two_d = [self.rng.integers(0, len(D), size=n).tolist() for _ in range(2)]
+            pre_d = self._pick_all(D, cfg.d_policy, n)
+        heap, arr, pl, ol = self.heap, self.arr, self.pl, self.ol
+        pop = heapq.heappop
+        i, events = 0, 0
+        inf = float("inf")
+        while i < n or heap:
+            ta = arr[i] if i < n else inf
+            if heap and heap[0][0] < ta:
+                t, _, kind, a, b = pop(heap)
+                events += 1
+                if kind == _EV_STEP:
+                    w = W[a]
+                    if b != w.ver:
+                        continue
+                    if w.kind == _WAIT:
+                        w.busy = False
+                        w.kind = _STEP
+                        self._plan(a, w, t)
+                    else:
+                        self._boundary(a, w, t)
+                else:  # decode leg reaches D
+                    di = self.dsel[a]
+                    w = D[di]
+                    w.waiting.append(a)
+                    self._poke(npw + di, w, t)
+                continue
+            r, i = i, i + 1
+            events += 1
+            p = self._pick(P, cfg.p_policy, pre_p, r, two_p)
+            w = P[p]
+            w.queue.append(r)
+            if D:
+                w.load += pl[r]
+                if ol[r] > 1:
+                    d = self._pick(D, cfg.d_policy, pre_d, r, two_d)
+                    self.dsel[r] = d
+                    D[d].load += 1
+            else:
+                w.load += 1
+            self._poke(p, w, ta)
+        return self._outcome(events)
+
+    def _outcome(self, events: int) -> SimOutcome:
+        segs = np.asarray(self.segs, dtype=np.float64).reshape(-1, 5)
+        f = np.asarray
+        return SimOutcome(
+            arrivals=self.wl.arrivals, prompt_lens=self.wl.prompt_lens,
+            output_lens=self.wl.output_lens, first_token=f(self.t1), second_token=f(self.t2),
+            finish=f(self.tend), failed=f(self.failed, dtype=bool), seg_alpha=segs[:, 0],
+            seg_beta=segs[:, 1], seg_k=segs[:, 2].astype(np.int64),
+            seg_batch=segs[:, 3].astype(np.int64), seg_new=segs[:, 4].astype(np.int64),
+            kv_transfer_s=f(self.xfer), events=events,
+        )
+
+
+def simulate(profile: Profile, config: SimConfig, workload: SimWorkload) -> SimOutcome:
+    return Simulation(profile, config, workload).run()
