@@ -17,7 +17,10 @@ from typing import Any
 
 import numpy as np
 
+from splitserve.bench.metrics import SLO, STATS
 from splitserve.sim.simulator import SimOutcome
+
+SCHEMA = "splitserve.bench/1"
 
 PERCENTILES = (50.0, 90.0, 99.0)
 
@@ -60,20 +63,20 @@ def itl_samples(o: SimOutcome) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _stats(prefix: str, values_s: np.ndarray, weights: np.ndarray | None = None
-           ) -> dict[str, float]:
-    ms = values_s * 1000.0
+           ) -> dict[str, float | None]:
+    """`{stat}_{prefix}_ms` for the benchmark's STATS; None for an empty set (as the bench)."""
+    ms = np.asarray(values_s, dtype=np.float64) * 1000.0
     wts = np.ones(len(ms), dtype=np.int64) if weights is None else weights
-    tot = wts.sum()
+    tot = int(wts.sum())
     if tot == 0:
-        nan = float("nan")
-        return {f"mean_{prefix}_ms": nan, f"median_{prefix}_ms": nan, f"std_{prefix}_ms": nan,
-                f"p90_{prefix}_ms": nan, f"p99_{prefix}_ms": nan}
+        return {f"{stat}_{prefix}_ms": None for stat in STATS}
     mean = float((ms * wts).sum() / tot)
-    std = float(np.sqrt((wts * (ms - mean) ** 2).sum() / tot))
-    pct = weighted_percentiles(ms, wts)
-    return {f"mean_{prefix}_ms": mean, f"median_{prefix}_ms": pct[50.0],
-            f"std_{prefix}_ms": std, f"p90_{prefix}_ms": pct[90.0],
-            f"p99_{prefix}_ms": pct[99.0]}
+    pct = weighted_percentiles(ms, wts, (50.0, 90.0, 99.0, 99.9))
+    vals = {"mean": mean, "median": pct[50.0],
+            "std": float(np.sqrt((wts * (ms - mean) ** 2).sum() / tot)),
+            "p90": pct[90.0], "p99": pct[99.0], "p999": pct[99.9],
+            "max": float(ms[wts > 0].max())}
+    return {f"{stat}_{prefix}_ms": vals[stat] for stat in STATS}
 
 
 def _max_concurrent(start: np.ndarray, end: np.ndarray) -> int:
@@ -83,7 +86,9 @@ def _max_concurrent(start: np.ndarray, end: np.ndarray) -> int:
     return int(np.cumsum(delta[order]).max(initial=0))
 
 
-def summarize(o: SimOutcome, per_request: bool = False) -> dict[str, Any]:
+def summarize(o: SimOutcome, system: str = "sim", slo: SLO | None = None,
+              per_request: bool = False) -> dict[str, Any]:
+    """The benchmark's result keys for a simulated run (`simulated: true`)."""
     ok = ~o.failed & np.isfinite(o.finish)
     dur = float(np.nanmax(o.finish)) if ok.any() else 0.0
     ttft = o.first_token[ok] - o.arrivals[ok]
@@ -93,19 +98,31 @@ def summarize(o: SimOutcome, per_request: bool = False) -> dict[str, Any]:
     iv, iw = itl_samples(o)
     out_tok = int(o.output_lens[ok].sum())
     in_tok = int(o.prompt_lens[ok].sum())
+    n = len(o.arrivals)
+    slo = slo or SLO()
+    att = None if slo.empty else attainment(
+        o, (slo.ttft_ms or float("inf")) / 1000, (slo.tpot_ms or float("inf")) / 1000)
     res: dict[str, Any] = {
-        "duration": dur, "completed": int(ok.sum()), "failed": int((~ok).sum()),
+        "schema": SCHEMA, "system": system, "simulated": True,
+        "duration": dur, "num_prompts": n, "completed": int(ok.sum()),
+        "failed": int((~ok).sum()), "error_rate": float((~ok).sum() / n),
+        "errors": {"kv_capacity": int((~ok).sum())} if (~ok).any() else {},
         "total_input_tokens": in_tok, "total_output_tokens": out_tok,
-        "request_throughput": ok.sum() / dur if dur else 0.0,
+        "request_throughput": float(ok.sum() / dur) if dur else 0.0,
+        "request_goodput": att * n / dur if att is not None and dur else None,
+        "slo": {"ttft_ms": slo.ttft_ms, "tpot_ms": slo.tpot_ms}, "slo_attainment": att,
         "output_throughput": out_tok / dur if dur else 0.0,
         "total_token_throughput": (in_tok + out_tok) / dur if dur else 0.0,
         "max_concurrent_requests": _max_concurrent(o.arrivals[ok], o.finish[ok]),
-        "mean_kv_transfer_ms": float(np.nanmean(o.kv_transfer_s) * 1000)
-        if np.isfinite(o.kv_transfer_s).any() else float("nan"),
-        "simulated": True, "sim_events": o.events,
+        "sim_events": o.events,
     }
     res |= _stats("ttft", ttft) | _stats("tpot", tpot) | _stats("itl", iv, iw)
-    res |= _stats("e2el", e2el)
+    res |= _stats("e2el", e2el) | _stats("handover", (o.second_token - o.first_token)[multi])
+    xfer = o.kv_transfer_s[np.isfinite(o.kv_transfer_s)]
+    if len(xfer):
+        res |= {"mean_kv_transfer_ms": float(xfer.mean() * 1000),
+                "median_kv_transfer_ms": float(np.median(xfer) * 1000),
+                "p99_kv_transfer_ms": float(np.percentile(xfer, 99) * 1000)}
     if per_request:
         res |= {"input_lens": o.prompt_lens.tolist(), "output_lens": o.output_lens.tolist(),
                 "ttfts": (o.first_token - o.arrivals).tolist(),

@@ -1,0 +1,160 @@
+"""D's side of the KV channel: accept authenticated pushers and control clients.
+
+One thread per connection. A push connection's transfers are written into the StagingArea;
+every LAYER is verified against its checksum as it lands, END is answered with an ACK (ok, or
+the failure's cause). A connection that drops fails every transfer it had not ended.
+Control connections answer QUERY with the connector's state or one transfer's record.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import xxhash
+
+from splitserve.connector.protocol import (
+    Fingerprint,
+    Op,
+    ProtocolError,
+    recv_exact_into,
+    recv_frame,
+    send_frame,
+    server_handshake,
+)
+from splitserve.connector.staging import StagedTransfer, StagingArea, StagingRefused
+
+REAP_INTERVAL_S = 0.5
+
+
+class KVListener:
+    def __init__(self, host: str, port: int, token: str, fingerprint: Fingerprint,
+                 staging: StagingArea | None, answer: Callable[[dict[str, Any]], dict[str, Any]]
+                 ) -> None:
+        self._token = token
+        self._fingerprint = fingerprint
+        self._staging = staging
+        self._answer = answer
+        self._stop = threading.Event()
+        self._server = socket.create_server((host, port), reuse_port=False)
+        self._server.settimeout(0.5)
+        self.port = int(self._server.getsockname()[1])
+        threading.Thread(target=self._accept_loop, daemon=True, name="splitserve-kv-accept").start()
+        if staging is not None:
+            threading.Thread(target=self._reap_loop, daemon=True, name="splitserve-reaper").start()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._server.close()
+
+    def _reap_loop(self) -> None:
+        assert self._staging is not None
+        while not self._stop.wait(REAP_INTERVAL_S):
+            self._staging.reap()
+
+    def _accept_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._server.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True,
+                             name="splitserve-kv-conn").start()
+
+    def _staging_info(self) -> dict[str, Any]:
+        if self._staging is None:
+            return {}
+        return {"shm_path": self._staging.segment.path, "size": self._staging.segment.size}
+
+    def _serve(self, conn: socket.socket) -> None:
+        open_transfers: dict[str, StagedTransfer] = {}
+        with conn:
+            try:
+                conn.settimeout(10.0)  # the handshake must not hold a thread forever
+                purpose = server_handshake(conn, self._token, self._fingerprint,
+                                           self._staging_info())
+                conn.settimeout(None)
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                if purpose == "control":
+                    self._serve_control(conn)
+                else:
+                    self._serve_push(conn, open_transfers)
+            except (OSError, ProtocolError):
+                pass
+            finally:
+                if self._staging is not None:
+                    for st in open_transfers.values():
+                        self._staging.fail(st, "peer_gone")
+                        self._staging.writer_done(st)
+
+    def _serve_control(self, conn: socket.socket) -> None:
+        while True:
+            op, body = recv_frame(conn)
+            if op != Op.QUERY:
+                raise ProtocolError("control connections may only QUERY")
+            send_frame(conn, Op.ANSWER, self._answer(body))
+
+    def _serve_push(self, conn: socket.socket, open_transfers: dict[str, StagedTransfer]) -> None:
+        staging = self._staging
+        while True:
+            op, body = recv_frame(conn)
+            tid = str(body.get("transfer_id", ""))
+            if op == Op.BEGIN:
+                if staging is None:
+                    send_frame(conn, Op.BEGIN_REFUSED, {"transfer_id": tid,
+                                                        "cause": "not_a_decode_worker"})
+                    continue
+                try:
+                    st = staging.begin(tid, int(body.get("tokens", 0)))
+                except StagingRefused as exc:
+                    send_frame(conn, Op.BEGIN_REFUSED, {"transfer_id": tid, "cause": exc.cause})
+                    continue
+                open_transfers[tid] = st
+                send_frame(conn, Op.BEGIN_OK, {"transfer_id": tid, "offset": st.offset})
+            elif op == Op.LAYER:
+                st = open_transfers.get(tid)
+                if st is None or staging is None:
+                    raise ProtocolError("LAYER for a transfer that was not begun")
+                self._receive_layer(conn, staging, st, body)
+            elif op == Op.END:
+                st = open_transfers.pop(tid, None)
+                if st is None or staging is None:
+                    continue
+                ok = staging.end(st)
+                staging.writer_done(st)
+                send_frame(conn, Op.ACK, {"transfer_id": tid, "ok": ok, "cause": st.failed})
+            elif op == Op.ABORT:
+                st = open_transfers.pop(tid, None)
+                if st is not None and staging is not None:
+                    staging.fail(st, "aborted_by_prefill")
+                    staging.writer_done(st)
+            else:
+                raise ProtocolError(f"unexpected op {op!r} on a push connection")
+
+    def _receive_layer(self, conn: socket.socket, staging: StagingArea, st: StagedTransfer,
+                       body: dict[str, Any]) -> None:
+        shape = staging.shape
+        layer, start, end = int(body["layer"]), int(body["start"]), int(body["end"])
+        inline = bool(body.get("inline", True))
+        valid = 0 <= layer < shape.num_layers and 0 <= start < end <= st.num_tokens
+        nbytes = int(body.get("nbytes", 0))
+        expected = (end - start) * shape.bytes_per_token_layer if valid else -1
+        if nbytes != expected:
+            raise ProtocolError("LAYER frame does not match the transfer's shape")
+        row = (end - start) * shape.head_dim * shape.elem_bytes
+        digest = xxhash.xxh3_64()
+        for kv in range(2):
+            for h in range(shape.num_kv_heads):
+                view = staging.region(st, shape.row_offset(st.num_tokens, layer, kv, h, start),
+                                      row)
+                if inline:
+                    recv_exact_into(conn, view)
+                digest.update(view)
+        if digest.hexdigest() != body.get("checksum"):
+            staging.fail(st, "checksum_mismatch")
+            return
+        staging.layer_received(st, layer, end - start)

@@ -1,0 +1,190 @@
+"""The KV channel's wire protocol: framing, messages, and the authenticated handshake.
+
+Every frame is `HEADER` (magic, op, body length) followed by a JSON body. A `LAYER` frame's body
+names `nbytes`; over tcp that many payload bytes follow the frame, over shm the payload is already
+in D's staging segment. One connection carries one peer's transfers, in order.
+
+Handshake (server = the D-side listener, client = a P-side pusher or a control client):
+  server -> HELLO  {nonce}
+  client -> AUTH   {client_nonce, mac = HMAC(token, "client" | nonce | client_nonce), purpose,
+                    fingerprint}
+  server -> WELCOME {mac = HMAC(token, "server" | client_nonce | nonce), staging}   or REFUSE
+No KV moves before both macs verify and, for `purpose == "push"`, the model fingerprints match.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import hmac
+import json
+import secrets
+import socket
+import struct
+from dataclasses import asdict, dataclass
+from typing import Any
+
+MAGIC = b"SS"
+PROTOCOL_VERSION = 1
+HEADER = struct.Struct("!2sBI")
+MAX_BODY = 1 << 20
+
+
+class Op(enum.IntEnum):
+    HELLO = 1
+    AUTH = 2
+    WELCOME = 3
+    REFUSE = 4
+    BEGIN = 10  # P -> D: reserve staging for a transfer
+    BEGIN_OK = 11  # D -> P: reserved (with the region's offset for shm)
+    BEGIN_REFUSED = 12  # D -> P: cannot stage (full, duplicate id, bad shape)
+    LAYER = 13  # P -> D: one layer's KV for a token range, with its checksum
+    END = 14  # P -> D: every layer of every token has been sent
+    ACK = 15  # D -> P: transfer received and verified (or failed, with a cause)
+    ABORT = 16  # P -> D: drop this transfer
+    QUERY = 20  # control client -> D: state or one transfer's record
+    ANSWER = 21
+
+
+class ProtocolError(ConnectionError):
+    """The peer broke the protocol, failed authentication, or went away mid-frame."""
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """What must match between P and D before KV moves."""
+
+    config_hash: str
+    dtype: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    vllm_version: str
+
+    def mismatch(self, other: Fingerprint) -> str | None:
+        for key, mine in asdict(self).items():
+            theirs = getattr(other, key)
+            if mine != theirs:
+                return f"{key} differs: decode has {mine!r}, prefill has {theirs!r}"
+        return None
+
+
+def config_hash(hf_config_dict: dict[str, Any]) -> str:
+    drop = {"_name_or_path", "transformers_version", "torch_dtype", "dtype", "architectures"}
+    canonical = {k: v for k, v in hf_config_dict.items() if k not in drop}
+    blob = json.dumps(canonical, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def send_frame(sock: socket.socket, op: Op, body: dict[str, Any] | None = None) -> None:
+    data = json.dumps(body or {}, separators=(",", ":")).encode()
+    sock.sendall(HEADER.pack(MAGIC, int(op), len(data)) + data)
+
+
+def recv_exact_into(sock: socket.socket, view: memoryview) -> None:
+    got = 0
+    n = len(view)
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            raise ProtocolError("peer closed the connection mid-frame")
+        got += k
+
+
+def recv_frame(sock: socket.socket) -> tuple[Op, dict[str, Any]]:
+    head = bytearray(HEADER.size)
+    recv_exact_into(sock, memoryview(head))
+    magic, op, length = HEADER.unpack(head)
+    if magic != MAGIC or length > MAX_BODY:
+        raise ProtocolError("not a splitserve KV frame")
+    body = bytearray(length)
+    recv_exact_into(sock, memoryview(body))
+    try:
+        return Op(op), json.loads(body) if length else {}
+    except (ValueError, json.JSONDecodeError) as exc:
+        raise ProtocolError(f"malformed frame: {exc}") from exc
+
+
+def _mac(token: str, side: bytes, a: str, b: str) -> str:
+    msg = b"|".join((side, a.encode(), b.encode(), str(PROTOCOL_VERSION).encode()))
+    return hmac.new(token.encode(), msg, hashlib.sha256).hexdigest()
+
+
+def server_handshake(sock: socket.socket, token: str, mine: Fingerprint,
+                     staging: dict[str, Any]) -> str:
+    """Authenticate a client; return its purpose ("push" or "control"). Raises ProtocolError."""
+    nonce = secrets.token_hex(16)
+    send_frame(sock, Op.HELLO, {"nonce": nonce, "version": PROTOCOL_VERSION})
+    op, body = recv_frame(sock)
+    if op != Op.AUTH:
+        raise ProtocolError("expected AUTH")
+    client_nonce = str(body.get("client_nonce", ""))
+    expected = _mac(token, b"client", nonce, client_nonce)
+    if len(client_nonce) < 16 or not hmac.compare_digest(expected, str(body.get("mac", ""))):
+        send_frame(sock, Op.REFUSE, {"reason": "authentication failed"})
+        raise ProtocolError("authentication failed")
+    purpose = body.get("purpose")
+    if purpose == "push":
+        try:
+            theirs = Fingerprint(**body.get("fingerprint", {}))
+        except TypeError:
+            send_frame(sock, Op.REFUSE, {"reason": "malformed fingerprint"})
+            raise ProtocolError("malformed fingerprint") from None
+        problem = mine.mismatch(theirs)
+        if problem:
+            send_frame(sock, Op.REFUSE, {"reason": f"model mismatch: {problem}"})
+            raise ProtocolError(f"model mismatch: {problem}")
+    elif purpose != "control":
+        send_frame(sock, Op.REFUSE, {"reason": "unknown purpose"})
+        raise ProtocolError("unknown purpose")
+    send_frame(sock, Op.WELCOME, {"mac": _mac(token, b"server", client_nonce, nonce),
+                                  "staging": staging})
+    return str(purpose)
+
+
+def client_handshake(sock: socket.socket, token: str, purpose: str,
+                     fingerprint: Fingerprint | None) -> dict[str, Any]:
+    """Prove the token to the server and check its proof; return the server's staging info."""
+    op, body = recv_frame(sock)
+    if op != Op.HELLO or body.get("version") != PROTOCOL_VERSION:
+        raise ProtocolError("peer is not a compatible splitserve KV listener")
+    nonce = str(body["nonce"])
+    client_nonce = secrets.token_hex(16)
+    send_frame(sock, Op.AUTH, {
+        "client_nonce": client_nonce, "mac": _mac(token, b"client", nonce, client_nonce),
+        "purpose": purpose, "fingerprint": asdict(fingerprint) if fingerprint else {},
+    })
+    op, body = recv_frame(sock)
+    if op == Op.REFUSE:
+        raise ProtocolError(f"refused by peer: {body.get('reason')}")
+    if op != Op.WELCOME or not hmac.compare_digest(
+        str(body.get("mac", "")), _mac(token, b"server", client_nonce, nonce)
+    ):
+        raise ProtocolError("peer failed to prove the deployment token")
+    return dict(body.get("staging", {}))
+
+
+def connect(host: str, port: int, token: str, purpose: str, fingerprint: Fingerprint | None,
+            timeout_s: float) -> tuple[socket.socket, dict[str, Any]]:
+    sock = socket.create_connection((host, port), timeout=timeout_s)
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        info = client_handshake(sock, token, purpose, fingerprint)
+    except BaseException:
+        sock.close()
+        raise
+    sock.settimeout(None)
+    return sock, info
+
+
+def query(host: str, port: int, token: str, body: dict[str, Any],
+          timeout_s: float = 2.0) -> dict[str, Any]:
+    """One control round trip to a listener (state, or one transfer's record)."""
+    sock, _ = connect(host, port, token, "control", None, timeout_s)
+    with sock:
+        sock.settimeout(timeout_s)
+        send_frame(sock, Op.QUERY, body)
+        op, answer = recv_frame(sock)
+        if op != Op.ANSWER:
+            raise ProtocolError("expected ANSWER")
+        return answer

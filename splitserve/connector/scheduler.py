@@ -1,0 +1,185 @@
+"""The connector's scheduler side (EngineCore process): decides what to push and what to load.
+
+Per step it hands the worker side a `SplitserveMeta`:
+- saves: for each prefill-leg request (`do_remote_decode`) scheduled this step, the token range to
+  push after each layer. The first range starts at 0, so tokens P had in its prefix cache are sent.
+- loads: for each decode-leg request (`do_remote_prefill`) that got blocks, the staged transfer
+  to copy into them. Start is D's local prefix-cache hit (block-aligned), end is the prompt
+  length P computed (decode prompt = P's prompt + [t1]; t1's KV is computed by D itself).
+- cancels: prefill requests preempted mid-transfer (their blocks are about to be reused).
+
+Invariants: `get_num_new_matched_tokens` has no side effects; a request's load is claimed once (in
+`update_state_after_alloc`), so a failed load is recomputed rather than retried; a finished
+prefill request's blocks are held (`request_finished` -> True) exactly when a save was emitted
+for it, and the worker reports it in `finished_sending` once the push is settled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+
+@dataclass(frozen=True)
+class SaveSpec:
+    request_id: str
+    transfer_id: str
+    host: str
+    port: int
+    block_ids: tuple[int, ...]
+    start: int
+    end: int
+    prompt_len: int
+
+    @property
+    def first(self) -> bool:
+        return self.start == 0
+
+    @property
+    def last(self) -> bool:
+        return self.end >= self.prompt_len
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    request_id: str
+    transfer_id: str
+    block_ids: tuple[int, ...]
+    start: int
+    end: int  # start == end: nothing to load, just release the staged transfer
+
+
+@dataclass
+class SplitserveMeta(KVConnectorMetadata):
+    saves: list[SaveSpec] = field(default_factory=list)
+    loads: list[LoadSpec] = field(default_factory=list)
+    cancels: list[str] = field(default_factory=list)  # request ids
+
+
+@dataclass
+class _Prefill:
+    transfer_id: str
+    host: str
+    port: int
+    prompt_len: int
+    block_ids: list[int] = field(default_factory=list)
+    sent_upto: int = 0
+
+
+def transfer_params(request: Request) -> dict[str, Any]:
+    return request.kv_transfer_params or {}
+
+
+class SchedulerSide:
+    def __init__(self) -> None:
+        self._prefills: dict[str, _Prefill] = {}
+        self._saving: set[str] = set()  # a save was emitted: blocks are held at finish
+        self._awaiting_send: set[str] = set()  # finished, held, not yet reported
+        self._load_claimed: set[str] = set()
+        self._pending = SplitserveMeta()
+
+    # -- prefill (P) side --------------------------------------------------------------------
+    def on_new_request(self, request: Request) -> None:
+        p = transfer_params(request)
+        if p.get("do_remote_decode") and p.get("transfer_id") and p.get("remote_port"):
+            self._prefills[request.request_id] = _Prefill(
+                transfer_id=str(p["transfer_id"]), host=str(p.get("remote_host", "127.0.0.1")),
+                port=int(p["remote_port"]), prompt_len=len(request.prompt_token_ids or ()),
+            )
+
+    # -- decode (D) side ---------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
+                                   ) -> tuple[int, bool]:
+        p = transfer_params(request)
+        if not p.get("do_remote_prefill") or not p.get("transfer_id"):
+            return 0, False
+        if request.request_id in self._load_claimed:
+            return 0, False
+        remote = len(request.prompt_token_ids or ()) - 1
+        n = remote - num_computed_tokens
+        return (n, True) if n > 0 else (0, False)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        p = transfer_params(request)
+        if (not p.get("do_remote_prefill") or not p.get("transfer_id")
+                or request.request_id in self._load_claimed):
+            return
+        self._load_claimed.add(request.request_id)
+        end = len(request.prompt_token_ids or ()) - 1
+        start = end - num_external_tokens if num_external_tokens > 0 else end
+        block_ids = tuple(blocks.get_block_ids()[0]) if num_external_tokens > 0 else ()
+        self._pending.loads.append(
+            LoadSpec(request.request_id, str(p["transfer_id"]), block_ids, start, end))
+
+    # -- every step --------------------------------------------------------------------------
+    def build_connector_meta(self, so: SchedulerOutput) -> SplitserveMeta:
+        meta, self._pending = self._pending, SplitserveMeta()
+        for new in so.scheduled_new_reqs:
+            pf = self._prefills.get(new.req_id)
+            if pf is not None:
+                pf.block_ids = list(new.block_ids[0])
+                self._emit_save(meta, new.req_id, pf,
+                                new.num_computed_tokens + so.num_scheduled_tokens[new.req_id])
+        cached = so.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            pf = self._prefills.get(rid)
+            if pf is None or pf.sent_upto >= pf.prompt_len:
+                continue
+            if rid in cached.resumed_req_ids:  # preempted and resumed: the push was cancelled
+                continue
+            new_blocks = cached.new_block_ids[i]
+            if new_blocks is not None:
+                pf.block_ids.extend(new_blocks[0])
+            self._emit_save(meta, rid, pf,
+                            cached.num_computed_tokens[i] + so.num_scheduled_tokens[rid])
+        for rid in so.preempted_req_ids or ():
+            if rid in self._prefills and rid in self._saving:
+                meta.cancels.append(rid)
+                self._prefills[rid].sent_upto = self._prefills[rid].prompt_len
+        return meta
+
+    def _emit_save(self, meta: SplitserveMeta, rid: str, pf: _Prefill, end: int) -> None:
+        end = min(end, pf.prompt_len)
+        if end <= pf.sent_upto:
+            return
+        meta.saves.append(SaveSpec(rid, pf.transfer_id, pf.host, pf.port, tuple(pf.block_ids),
+                                   pf.sent_upto, end, pf.prompt_len))
+        pf.sent_upto = end
+        self._saving.add(rid)
+
+    def request_finished(self, request: Request, block_ids: list[int]
+                         ) -> tuple[bool, dict[str, Any] | None]:
+        rid = request.request_id
+        claimed = rid in self._load_claimed
+        self._load_claimed.discard(rid)
+        pf = self._prefills.pop(rid, None)
+        p = transfer_params(request)
+        if p.get("do_remote_prefill") and p.get("transfer_id") and not claimed:
+            # A decode request that never claimed its transfer (rejected, aborted while
+            # queued): release the staged KV now rather than at lease expiry.
+            if not any(ld.request_id == rid for ld in self._pending.loads):
+                self._pending.loads.append(LoadSpec(rid, str(p["transfer_id"]), (), 0, 0))
+        if pf is None:
+            return False, None
+        params = {"transfer_id": pf.transfer_id, "pushed_tokens": pf.sent_upto}
+        if rid in self._saving:
+            self._awaiting_send.add(rid)
+            return True, params
+        return False, params
+
+    def update_connector_output(self, out: KVConnectorOutput) -> None:
+        for rid in out.finished_sending or ():
+            self._awaiting_send.discard(rid)
+            self._saving.discard(rid)
+
+    def has_pending_push_work(self) -> bool:
+        return bool(self._awaiting_send)

@@ -1,0 +1,257 @@
+"""D's staging area: one owner-only shared-memory segment, carved into per-transfer regions.
+
+Contract (the swap point between transports and the loader):
+- `begin` reserves a region for a whole transfer or refuses (full, duplicate, too large) before
+  any KV moves; P never stalls mid-prefill on a D that cannot take the transfer.
+- A region is written only by its transfer's connection (tcp: `recv_into`; shm: P's memcpy),
+  and read only by the loader after the transfer is `complete` (every layer of every token
+  received and its checksum verified, and the END marker seen).
+- Every region is freed exactly once, when both its writer is done (END, ABORT or the connection
+  dropped) and its reader is done (loaded into vLLM's blocks, given up on, failed while
+  unclaimed, or its lease expired with no decode request claiming it). The reaper scans every
+  entry, not just the oldest.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from splitserve.connector.layout import KVShape
+from splitserve.connector.stats import ConnectorStats, TransferRecord
+
+ALIGN = 4096
+
+
+class StagingRefused(Exception):
+    """D cannot stage this transfer; `cause` is a short machine-readable reason."""
+
+    def __init__(self, cause: str) -> None:
+        super().__init__(cause)
+        self.cause = cause
+
+
+class SharedSegment:
+    """An owner-only (0600) file in /dev/shm, mapped; P maps the same file for the shm transport."""
+
+    def __init__(self, size: int, path: str | None = None) -> None:
+        self.owner = path is None
+        self.path = path or f"/dev/shm/splitserve-{os.getpid()}-{secrets.token_hex(6)}"
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if self.owner else 0)
+        fd = os.open(self.path, flags, 0o600)
+        try:
+            if self.owner:
+                os.ftruncate(fd, size)
+            self.size = os.fstat(fd).st_size
+            self._map = mmap.mmap(fd, self.size)
+        finally:
+            os.close(fd)
+        self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
+
+    def close(self) -> None:
+        del self.tensor
+        try:
+            self._map.close()
+        except BufferError:  # a view is still alive somewhere; the OS reclaims at exit
+            pass
+        if self.owner:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+
+
+class RegionAllocator:
+    """First-fit allocator of aligned byte ranges; not thread-safe (StagingArea locks)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._free: list[tuple[int, int]] = [(0, capacity)]  # sorted (offset, size)
+
+    def alloc(self, size: int) -> int | None:
+        size = -(-size // ALIGN) * ALIGN
+        for i, (off, avail) in enumerate(self._free):
+            if avail >= size:
+                rest = (off + size, avail - size)
+                self._free[i:i + 1] = [rest] if rest[1] else []
+                return off
+        return None
+
+    def free(self, off: int, size: int) -> None:
+        size = -(-size // ALIGN) * ALIGN
+        self._free.append((off, size))
+        self._free.sort()
+        merged: list[tuple[int, int]] = []
+        for o, s in self._free:
+            if merged and merged[-1][0] + merged[-1][1] == o:
+                merged[-1] = (merged[-1][0], merged[-1][1] + s)
+            else:
+                merged.append((o, s))
+        self._free = merged
+
+    @property
+    def free_bytes(self) -> int:
+        return sum(s for _, s in self._free)
+
+
+@dataclass
+class StagedTransfer:
+    transfer_id: str
+    num_tokens: int
+    offset: int
+    nbytes: int
+    record: TransferRecord
+    lease_deadline: float
+    tokens_per_layer: list[int] = field(default_factory=list)
+    ended: bool = False
+    claimed: bool = False
+    writer_done: bool = False  # the pushing connection will not write again
+    reader_done: bool = False  # no decode request will read it (loaded, given up, expired)
+    failed: str | None = None  # cause
+
+    @property
+    def complete(self) -> bool:
+        return self.ended and self.failed is None and all(
+            n == self.num_tokens for n in self.tokens_per_layer)
+
+
+class StagingArea:
+    """Thread-safe registry of staged transfers over one SharedSegment."""
+
+    def __init__(self, capacity: int, shape: KVShape, lease_s: float, stats: ConnectorStats
+                 ) -> None:
+        self.segment = SharedSegment(capacity)
+        self.shape = shape
+        self.lease_s = lease_s
+        self.stats = stats
+        self._alloc = RegionAllocator(self.segment.size)
+        self._lock = threading.Lock()
+        self._transfers: dict[str, StagedTransfer] = {}
+        self._done: dict[str, str] = {}  # transfer_id -> final status, for fast load errors
+
+    # -- receiving side (listener threads) --------------------------------------------------
+    def begin(self, transfer_id: str, num_tokens: int) -> StagedTransfer:
+        nbytes = self.shape.transfer_bytes(num_tokens)
+        with self._lock:
+            if transfer_id in self._transfers or transfer_id in self._done:
+                raise StagingRefused("duplicate_transfer_id")
+            if num_tokens <= 0:
+                raise StagingRefused("empty_transfer")
+            offset = self._alloc.alloc(nbytes)
+            if offset is None:
+                self._remember(transfer_id, "refused")
+                raise StagingRefused("staging_full")
+            rec = self.stats.open(transfer_id, "recv", num_tokens, nbytes)
+            st = StagedTransfer(transfer_id, num_tokens, offset, nbytes, rec,
+                                time.monotonic() + self.lease_s,
+                                tokens_per_layer=[0] * self.shape.num_layers)
+            self._transfers[transfer_id] = st
+            return st
+
+    def region(self, st: StagedTransfer, start: int, nbytes: int) -> memoryview:
+        base = st.offset + start
+        if start < 0 or start + nbytes > st.nbytes:
+            raise ValueError("write outside the transfer's region")
+        return memoryview(self.segment.tensor[base:base + nbytes].numpy())
+
+    def layer_received(self, st: StagedTransfer, layer: int, tokens: int) -> None:
+        with self._lock:
+            if st.record.first_byte_s is None:
+                st.record.first_byte_s = time.time()
+            st.tokens_per_layer[layer] += tokens
+
+    def end(self, st: StagedTransfer) -> bool:
+        """Mark the END marker seen; True if the transfer is complete and verified."""
+        with self._lock:
+            st.ended = True
+            ok = st.complete
+        if ok:
+            self.stats.close(st.record, "complete")
+        else:
+            self.fail(st, st.failed or "short_transfer")
+        return ok
+
+    def fail(self, st: StagedTransfer, cause: str) -> None:
+        """The transfer went wrong. An unclaimed one needs no reader any more."""
+        with self._lock:
+            if st.failed is None:
+                st.failed = cause
+            if not st.claimed:
+                st.reader_done = True
+                self._done[st.transfer_id] = "failed"
+            self._free_if_done_locked(st, "failed")
+        self.stats.close(st.record, "failed", cause)
+
+    def writer_done(self, st: StagedTransfer) -> None:
+        """The pushing connection will never write this region again."""
+        with self._lock:
+            st.writer_done = True
+            self._free_if_done_locked(st, "failed" if st.failed else "complete")
+
+    # -- loading side (the worker's main thread) --------------------------------------------
+    def claim(self, transfer_id: str) -> StagedTransfer | None:
+        """Pin a transfer for a decode request (the reaper no longer frees it)."""
+        with self._lock:
+            st = self._transfers.get(transfer_id)
+            if st is None or st.reader_done:
+                return None
+            st.claimed = True
+            return st
+
+    def final_status(self, transfer_id: str) -> str | None:
+        """"failed", "refused", "expired", "loaded"... once a transfer can no longer be loaded."""
+        with self._lock:
+            return self._done.get(transfer_id)
+
+    def release(self, st: StagedTransfer, status: str) -> None:
+        """The loader is done with a claimed transfer (loaded, or gave up on it)."""
+        with self._lock:
+            st.reader_done = True
+            self._done[st.transfer_id] = status
+            self._free_if_done_locked(st, status)
+
+    def reap(self, now: float | None = None) -> list[str]:
+        """End the lease of every unclaimed transfer past its deadline; return their ids."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            expired = [st for st in self._transfers.values()
+                       if not st.claimed and not st.reader_done and st.lease_deadline <= now]
+            for st in expired:
+                st.reader_done = True
+                st.failed = st.failed or "lease_expired"
+                self._done[st.transfer_id] = "expired"
+                self._free_if_done_locked(st, "expired")
+        for st in expired:
+            self.stats.close(st.record, "expired", "lease_expired")
+        return [st.transfer_id for st in expired]
+
+    def _free_if_done_locked(self, st: StagedTransfer, status: str) -> None:
+        if st.writer_done and st.reader_done and st.transfer_id in self._transfers:
+            del self._transfers[st.transfer_id]
+            self._alloc.free(st.offset, st.nbytes)
+            self._remember(st.transfer_id, self._done.get(st.transfer_id, status))
+
+    def state(self) -> dict[str, int]:
+        with self._lock:
+            return {
+                "staged_bytes": sum(st.nbytes for st in self._transfers.values()),
+                "staging_capacity_bytes": self._alloc.capacity,
+                "staging_free_bytes": self._alloc.free_bytes,
+                "open_leases": sum(1 for st in self._transfers.values() if not st.claimed),
+                "claimed_transfers": sum(1 for st in self._transfers.values() if st.claimed),
+            }
+
+    def check_integrity(self) -> None:
+        """Invariant when idle: free + staged bytes (aligned) == capacity."""
+        with self._lock:
+            staged = sum(-(-st.nbytes // ALIGN) * ALIGN for st in self._transfers.values())
+            assert staged + self._alloc.free_bytes == self._alloc.capacity, "staging leak"
+
+    def close(self) -> None:
+        self.segment.close()

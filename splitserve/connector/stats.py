@@ -1,0 +1,97 @@
+"""Connector metrics: counters in aggregate and one record per transfer, in the worker process.
+
+Read through the listener's QUERY op (so they are observable while the engine is idle) and
+exported by the worker plugin as Prometheus families `splitserve_kv_*`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter, OrderedDict
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+MAX_RECORDS = 4096
+
+
+@dataclass
+class TransferRecord:
+    """One transfer as seen by this worker (`side` "recv" on D, "send" on P)."""
+
+    transfer_id: str
+    side: str
+    tokens: int = 0
+    bytes: int = 0
+    status: str = "open"  # open -> complete -> loaded | failed | expired | aborted
+    cause: str | None = None
+    started_s: float = field(default_factory=time.time)
+    first_byte_s: float | None = None
+    complete_s: float | None = None
+    load_s: float | None = None  # D: seconds to copy staged KV into vLLM's blocks
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        end = self.complete_s
+        d["duration_s"] = (end - self.started_s) if end else None
+        d["gbps"] = (self.bytes / (end - self.started_s) / 1e9
+                     if end and end > self.started_s else None)
+        return d
+
+
+class ConnectorStats:
+    """Thread-safe counters and a bounded table of recent transfer records."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._records: OrderedDict[tuple[str, str], TransferRecord] = OrderedDict()
+        self.counts: Counter[str] = Counter()  # "<side>_<status>"
+        self.failures: Counter[str] = Counter()  # cause -> count
+        self.bytes_total: Counter[str] = Counter()  # side -> bytes
+        self.seconds_total: Counter[str] = Counter()  # side -> seconds of completed transfers
+
+    def open(self, transfer_id: str, side: str, tokens: int, nbytes: int) -> TransferRecord:
+        rec = TransferRecord(transfer_id, side, tokens=tokens, bytes=nbytes)
+        with self._lock:
+            self._records[(side, transfer_id)] = rec
+            while len(self._records) > MAX_RECORDS:
+                self._records.popitem(last=False)
+        return rec
+
+    def get(self, transfer_id: str, side: str) -> TransferRecord | None:
+        with self._lock:
+            return self._records.get((side, transfer_id))
+
+    def close(self, rec: TransferRecord, status: str, cause: str | None = None) -> None:
+        """Record a final (or complete) status once; later calls only refine `status`."""
+        with self._lock:
+            first_close = rec.status == "open"
+            rec.status = status
+            if cause:
+                rec.cause = cause
+            if first_close:
+                rec.complete_s = time.time()
+                self.counts[f"{rec.side}_{status}"] += 1
+                if status == "complete":
+                    self.bytes_total[rec.side] += rec.bytes
+                    self.seconds_total[rec.side] += rec.complete_s - rec.started_s
+            elif status != "complete":
+                self.counts[f"{rec.side}_{status}"] += 1
+            if cause:
+                self.failures[cause] += 1
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "counts": dict(self.counts),
+                "failures": dict(self.failures),
+                "bytes_total": dict(self.bytes_total),
+                "seconds_total": dict(self.seconds_total),
+            }
+
+    def record(self, transfer_id: str) -> dict[str, Any] | None:
+        with self._lock:
+            recs = [r.as_dict() for (s, t), r in self._records.items() if t == transfer_id]
+        if not recs:
+            return None
+        return {"transfer_id": transfer_id, **{r["side"]: r for r in recs}}

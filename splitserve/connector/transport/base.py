@@ -1,0 +1,259 @@
+"""P's side of the KV channel: one authenticated connection to one D, fed by a queue.
+
+Contract (the swap point between transports):
+- `PushChannel.submit` never blocks the forward pass; a sender thread does the I/O.
+- A transport only decides how a LAYER's payload reaches D's staging region
+  (`write_payload`); framing, handshake, BEGIN/END/ABORT and ACK handling are shared here.
+- Every transfer ends in exactly one of: `acked` (D verified it), `failed` (refused, peer gone,
+  D reported a failure, or no ACK in time), or `cancelled`. `is_settled` tells the worker when
+  P's blocks may be freed: once settled, the channel never touches the transfer's blocks again.
+"""
+
+from __future__ import annotations
+
+import queue
+import socket
+import threading
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+import xxhash
+
+from splitserve.connector.faults import Faults
+from splitserve.connector.protocol import (
+    Fingerprint,
+    Op,
+    ProtocolError,
+    connect,
+    recv_frame,
+    send_frame,
+)
+from splitserve.connector.stats import ConnectorStats, TransferRecord
+
+
+@dataclass
+class SendState:
+    transfer_id: str
+    num_tokens: int
+    record: TransferRecord
+    deadline: float  # no ACK by then -> failed
+    status: str = "pending"  # pending | acked | failed | cancelled
+    offset: int = -1  # D's staging offset (from BEGIN_OK)
+    began: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def settled(self) -> bool:
+        return self.status != "pending"
+
+
+@dataclass(frozen=True)
+class LayerItem:
+    """One layer's KV for tokens [start, end): `groups[kv*H + h]` holds that row's pieces."""
+
+    transfer_id: str
+    layer: int
+    start: int
+    end: int
+    groups: list[list[memoryview]]
+
+
+Item = tuple[str, Any]  # ("begin", SendState) | ("layer", LayerItem) | ("end"|"abort", id)
+
+
+def checksum(groups: list[list[memoryview]]) -> str:
+    h = xxhash.xxh3_64()
+    for pieces in groups:
+        for p in pieces:
+            h.update(p)
+    return h.hexdigest()
+
+
+class PushChannel(ABC):
+    """Pushes transfers to one D listener over one connection."""
+
+    def __init__(self, host: str, port: int, token: str, fingerprint: Fingerprint,
+                 stats: ConnectorStats, faults: Faults, num_layers: int,
+                 connect_timeout_s: float, begin_timeout_s: float = 5.0) -> None:
+        self.host, self.port = host, port
+        self._token, self._fingerprint = token, fingerprint
+        self._stats, self._faults = stats, faults
+        self._num_layers = num_layers
+        self._connect_timeout_s = connect_timeout_s
+        self._begin_timeout_s = begin_timeout_s
+        self._queue: queue.SimpleQueue[Item | None] = queue.SimpleQueue()
+        self._states: dict[str, SendState] = {}
+        self._lock = threading.Lock()
+        self._busy_with: str | None = None  # transfer id the sender is touching right now
+        self._idle = threading.Condition(self._lock)
+        self._sock: socket.socket | None = None
+        self._closed = False
+        self._sender = threading.Thread(target=self._send_loop, daemon=True,
+                                        name=f"splitserve-push-{host}:{port}")
+        self._sender.start()
+
+    # -- called from the worker's main thread ----------------------------------------------
+    def begin(self, transfer_id: str, num_tokens: int, nbytes: int, ack_timeout_s: float
+              ) -> SendState:
+        rec = self._stats.open(transfer_id, "send", num_tokens, nbytes)
+        st = SendState(transfer_id, num_tokens, rec, time.monotonic() + ack_timeout_s)
+        with self._lock:
+            self._states[transfer_id] = st
+        self._queue.put(("begin", st))
+        return st
+
+    def push_layer(self, item: LayerItem) -> None:
+        self._queue.put(("layer", item))
+
+    def end(self, transfer_id: str) -> None:
+        self._queue.put(("end", transfer_id))
+
+    def cancel(self, transfer_id: str) -> None:
+        """Stop touching the transfer's blocks; returns once the sender is off them."""
+        with self._lock:
+            st = self._states.get(transfer_id)
+            if st is not None and not st.settled:
+                st.status = "cancelled"
+            while self._busy_with == transfer_id:
+                self._idle.wait(0.05)
+        if st is not None:
+            self._stats.close(st.record, "failed", "cancelled")
+            self._queue.put(("abort", transfer_id))
+
+    def poll(self, transfer_id: str) -> SendState | None:
+        """The transfer's state; a pending one past its ACK deadline is failed here."""
+        with self._lock:
+            st = self._states.get(transfer_id)
+            if st is not None and not st.settled and time.monotonic() > st.deadline:
+                st.status = "failed"
+                timed_out = True
+            else:
+                timed_out = False
+        if timed_out and st is not None:
+            self._stats.close(st.record, "failed", "ack_timeout")
+        return st
+
+    def forget(self, transfer_id: str) -> None:
+        with self._lock:
+            self._states.pop(transfer_id, None)
+
+    def close(self) -> None:
+        self._closed = True
+        self._queue.put(None)
+        if self._sock is not None:
+            try:
+                self._sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    # -- transport-specific ----------------------------------------------------------------
+    @abstractmethod
+    def on_connected(self, staging_info: dict[str, Any]) -> None:
+        """Prepare the payload path once the handshake succeeded (e.g. map D's segment)."""
+
+    @abstractmethod
+    def write_payload(self, sock: socket.socket, st: SendState, item: LayerItem) -> int:
+        """Deliver the layer's bytes into D's staging; return the payload bytes sent inline."""
+
+    # -- the sender thread -------------------------------------------------------------------
+    def _ensure_connected(self) -> socket.socket:
+        if self._sock is None:
+            sock, info = connect(self.host, self.port, self._token, "push", self._fingerprint,
+                                 self._connect_timeout_s)
+            self.on_connected(info)
+            self._sock = sock
+            threading.Thread(target=self._reply_loop, args=(sock,), daemon=True,
+                             name=f"splitserve-acks-{self.host}:{self.port}").start()
+        return self._sock
+
+    def _fail(self, st: SendState, cause: str) -> None:
+        with self._lock:
+            if st.settled:
+                return
+            st.status = "failed"
+        st.began.set()
+        self._stats.close(st.record, "failed", cause)
+
+    def _connection_lost(self, cause: str) -> None:
+        with self._lock:
+            self._sock = None
+            pending = [st for st in self._states.values() if not st.settled]
+        for st in pending:
+            self._fail(st, cause)
+
+    def _send_loop(self) -> None:
+        while (item := self._queue.get()) is not None:
+            kind, payload = item
+            tid = payload.transfer_id if kind in ("begin", "layer") else payload
+            with self._lock:
+                st = self._states.get(tid)
+                if st is None or (st.settled and kind != "abort"):
+                    continue
+                self._busy_with = tid
+            try:
+                self._handle(kind, payload, st)
+            except (OSError, ProtocolError) as exc:
+                cause = "peer_refused" if "refused by peer" in str(exc) else "peer_unreachable"
+                self._connection_lost(cause)
+            finally:
+                with self._lock:
+                    self._busy_with = None
+                    self._idle.notify_all()
+
+    def _handle(self, kind: str, payload: Any, st: SendState) -> None:
+        if kind == "begin":
+            if self._faults.drop(st.transfer_id):
+                return
+            sock = self._ensure_connected()
+            send_frame(sock, Op.BEGIN, {"transfer_id": st.transfer_id, "tokens": st.num_tokens})
+            if not st.began.wait(self._begin_timeout_s):
+                self._fail(st, "begin_timeout")
+        elif kind == "layer":
+            if st.offset < 0 or self._faults.drop(st.transfer_id):
+                return
+            if self._faults.skip_layer(st.transfer_id, payload.layer, self._num_layers):
+                return
+            if delay := self._faults.delay_s(st.transfer_id):
+                time.sleep(delay)
+            sock = self._ensure_connected()
+            self.write_payload(sock, st, payload)
+        elif kind == "end":
+            if st.offset >= 0:
+                send_frame(self._ensure_connected(), Op.END, {"transfer_id": st.transfer_id})
+        elif kind == "abort" and self._sock is not None and st.offset >= 0:
+            send_frame(self._sock, Op.ABORT, {"transfer_id": st.transfer_id})
+
+    def layer_header(self, item: LayerItem, nbytes: int) -> dict[str, Any]:
+        digest = checksum(item.groups)
+        if self._faults.corrupt_layer(item.transfer_id, item.layer):
+            digest = format(int(digest, 16) ^ 1, "016x")
+        return {"transfer_id": item.transfer_id, "layer": item.layer, "start": item.start,
+                "end": item.end, "nbytes": nbytes, "checksum": digest}
+
+    def _reply_loop(self, sock: socket.socket) -> None:
+        try:
+            while True:
+                op, body = recv_frame(sock)
+                with self._lock:
+                    st = self._states.get(str(body.get("transfer_id")))
+                if st is None:
+                    continue
+                if op == Op.BEGIN_OK:
+                    st.offset = int(body["offset"])
+                    st.began.set()
+                elif op == Op.BEGIN_REFUSED:
+                    self._fail(st, f"refused_{body.get('cause', 'unknown')}")
+                elif op == Op.ACK:
+                    if body.get("ok"):
+                        with self._lock:
+                            acked = not st.settled
+                            if acked:
+                                st.status = "acked"
+                        if acked:
+                            self._stats.close(st.record, "complete")
+                    else:
+                        self._fail(st, str(body.get("cause", "decode_rejected")))
+        except (OSError, ProtocolError):
+            if not self._closed:
+                self._connection_lost("peer_gone")

@@ -1,0 +1,253 @@
+"""The connector's worker side (the process that owns the KV cache).
+
+P: after each layer, queue that layer's KV for the scheduled token range on the channel to D
+(no copy on the forward path: the sender reads P's blocks, which stay held until the push is
+settled). D: a listener receives pushes into the staging area; a decode request's load is
+registered in `start_load_kv` and completed in `get_transfer_results` once its transfer is
+complete and verified — never blocking the running batch — or reported failed (late, short,
+corrupt, refused, peer gone), which vLLM's `kv_load_failure_policy` turns into a recompute or
+an error.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+
+from splitserve.config import ConnectorConfig, load_token
+from splitserve.connector.faults import Faults
+from splitserve.connector.layout import (
+    KVShape,
+    paged_view,
+    scatter_into_paged,
+    source_pieces,
+    staging_rows,
+)
+from splitserve.connector.listener import KVListener
+from splitserve.connector.protocol import Fingerprint, config_hash
+from splitserve.connector.scheduler import LoadSpec, SplitserveMeta
+from splitserve.connector.staging import StagedTransfer, StagingArea
+from splitserve.connector.stats import ConnectorStats
+from splitserve.connector.transport.base import LayerItem, PushChannel, SendState
+from splitserve.connector.transport.shm import ShmPushChannel
+from splitserve.connector.transport.tcp import TcpPushChannel
+
+
+@dataclass
+class _Send:
+    channel: PushChannel
+    state: SendState
+    ended: bool = False
+    finished: bool = False  # vLLM finished the request; its blocks are held for us
+
+
+@dataclass
+class _Load:
+    spec: LoadSpec
+    deadline: float
+    staged: StagedTransfer | None = None
+
+
+def _layer_index(name: str) -> int:
+    found = re.findall(r"\d+", name)
+    return int(found[0]) if found else 0
+
+
+class WorkerSide:
+    def __init__(self, cfg: ConnectorConfig, engine_id: str, hf_config: dict[str, Any],
+                 dtype: torch.dtype, vllm_version: str) -> None:
+        self.cfg = cfg
+        self.engine_id = engine_id
+        self._token = load_token(required=True) or ""
+        self._faults = Faults.from_env()
+        self._hf_config = hf_config
+        self._dtype = dtype
+        self._vllm_version = vllm_version
+        self.stats = ConnectorStats()
+        self._layers: dict[str, int] = {}
+        self._paged: list[torch.Tensor] = []
+        self.shape: KVShape | None = None
+        self.fingerprint: Fingerprint | None = None
+        self.staging: StagingArea | None = None
+        self.listener: KVListener | None = None
+        self._channels: dict[tuple[str, int], PushChannel] = {}
+        self._sends: dict[str, _Send] = {}
+        self._loads: dict[str, _Load] = {}
+
+    # -- setup -------------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        names = sorted(kv_caches, key=_layer_index)
+        self._layers = {n: i for i, n in enumerate(names)}
+        self._paged = [paged_view(kv_caches[n]) for n in names]
+        _, heads, _, _, head_dim = self._paged[0].shape
+        self.shape = KVShape(len(names), heads, head_dim, self._paged[0].dtype)
+        self.fingerprint = Fingerprint(
+            config_hash=config_hash(self._hf_config), dtype=str(self._dtype).replace("torch.", ""),
+            num_layers=len(names), num_kv_heads=heads, head_dim=head_dim,
+            vllm_version=self._vllm_version,
+        )
+        if self.cfg.role in ("decode", "both"):
+            self.staging = StagingArea(self.cfg.staging_bytes, self.shape, self.cfg.lease_s,
+                                       self.stats)
+        self.listener = KVListener(self.cfg.kv_host, self.cfg.kv_port, self._token,
+                                   self.fingerprint, self.staging, self.answer)
+
+    def answer(self, query: dict[str, Any]) -> dict[str, Any]:
+        """The listener's QUERY handler: state, or one transfer's record."""
+        if query.get("what") == "transfer":
+            rec = self.stats.record(str(query.get("transfer_id", "")))
+            return rec if rec is not None else {"error": "unknown transfer"}
+        staging = self.staging.state() if self.staging else {
+            "staged_bytes": 0, "staging_capacity_bytes": 0, "staging_free_bytes": 0,
+            "open_leases": 0, "claimed_transfers": 0}
+        return {
+            "role": self.cfg.role, "transport": self.cfg.transport, "kv_host": self.cfg.kv_host,
+            "kv_port": self.cfg.kv_port, "engine_id": self.engine_id,
+            "model_fingerprint": self.fingerprint.__dict__ if self.fingerprint else None,
+            "vllm_version": self._vllm_version, **staging,
+            "pending_loads": len(self._loads), "held_sends": len(self._sends),
+            "transfers": self.stats.snapshot(),
+        }
+
+    def _channel(self, host: str, port: int) -> PushChannel:
+        key = (host, port)
+        if key not in self._channels:
+            assert self.shape is not None and self.fingerprint is not None
+            cls = ShmPushChannel if self.cfg.transport == "shm" else TcpPushChannel
+            ch = cls(host, port, self._token, self.fingerprint, self.stats, self._faults,
+                     self.shape.num_layers, self.cfg.connect_timeout_s)
+            if isinstance(ch, ShmPushChannel):
+                ch.shape = self.shape
+            self._channels[key] = ch
+        return self._channels[key]
+
+    # -- prefill side ------------------------------------------------------------------------
+    def save_kv_layer(self, meta: SplitserveMeta, layer_name: str, kv_layer: torch.Tensor
+                      ) -> None:
+        layer = self._layers[layer_name]
+        for spec in meta.saves:
+            send = self._sends.get(spec.request_id)
+            if send is None:
+                if not spec.first:
+                    continue  # its push was cancelled (preemption); nothing more to send
+                assert self.shape is not None
+                ch = self._channel(spec.host, spec.port)
+                nbytes = self.shape.transfer_bytes(spec.prompt_len)
+                state = ch.begin(spec.transfer_id, spec.prompt_len, nbytes, self.cfg.ack_timeout_s)
+                send = self._sends[spec.request_id] = _Send(ch, state)
+            if send.ended:
+                continue
+            groups = source_pieces(paged_view(kv_layer), spec.block_ids, spec.start, spec.end)
+            send.channel.push_layer(LayerItem(spec.transfer_id, layer, spec.start, spec.end,
+                                              groups))
+
+    def wait_for_save(self, meta: SplitserveMeta) -> None:
+        for spec in meta.saves:
+            send = self._sends.get(spec.request_id)
+            if spec.last and send is not None and not send.ended:
+                send.channel.end(spec.transfer_id)
+                send.ended = True
+
+    def handle_preemptions(self, meta: SplitserveMeta) -> None:
+        for rid in meta.cancels:
+            send = self._sends.get(rid)
+            if send is not None and not send.ended:
+                send.channel.cancel(send.state.transfer_id)  # returns once off the blocks
+                send.ended = True
+
+    # -- decode side -------------------------------------------------------------------------
+    def start_load_kv(self, meta: SplitserveMeta) -> None:
+        now = time.monotonic()
+        for spec in meta.loads:
+            self._loads[spec.request_id] = _Load(spec, now + self.cfg.load_timeout_s)
+
+    def _copy_into_blocks(self, st: StagedTransfer, spec: LoadSpec) -> None:
+        assert self.staging is not None and self.shape is not None
+        layer_bytes = self.shape.layer_bytes(st.num_tokens)
+        seg = self.staging.segment.tensor
+        for layer, paged in enumerate(self._paged):
+            base = st.offset + layer * layer_bytes
+            region = seg[base:base + layer_bytes].view(self.shape.dtype)
+            rows = staging_rows(region, self.shape.num_kv_heads, st.num_tokens)
+            scatter_into_paged(paged, rows, spec.block_ids, spec.start, spec.end)
+
+    def _poll_load(self, load: _Load, now: float) -> str | None:
+        """None while waiting; "ok"; or a failure cause."""
+        assert self.staging is not None
+        spec = load.spec
+        if load.staged is None:
+            load.staged = self.staging.claim(spec.transfer_id)
+        st = load.staged
+        if st is None:
+            final = self.staging.final_status(spec.transfer_id)
+            if final is not None:
+                return f"transfer_{final}"
+            return "load_timeout" if now > load.deadline else None
+        if st.failed:
+            cause = st.failed
+        elif st.complete:
+            if st.num_tokens != spec.end:
+                cause = "length_mismatch"
+            else:
+                t0 = time.perf_counter()
+                self._copy_into_blocks(st, spec)
+                st.record.load_s = time.perf_counter() - t0
+                self.staging.release(st, "loaded")
+                self.stats.close(st.record, "loaded")
+                return "ok"
+        elif now > load.deadline:
+            cause = "load_timeout"
+        else:
+            return None
+        self.staging.release(st, "failed")
+        self.stats.close(st.record, "failed", cause)
+        return cause
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        out = KVConnectorTransferResults()
+        for rid in finished_req_ids:
+            send = self._sends.get(rid)
+            if send is not None:
+                send.finished = True
+                if not send.ended:  # finished before its last layer: aborted mid-prefill
+                    send.channel.cancel(send.state.transfer_id)
+                    send.ended = True
+        for rid, send in list(self._sends.items()):
+            if send.finished:
+                state = send.channel.poll(send.state.transfer_id)
+                if state is None or state.settled:
+                    out.finished_sending.add(rid)
+                    send.channel.forget(send.state.transfer_id)
+                    del self._sends[rid]
+        now = time.monotonic()
+        for rid, load in list(self._loads.items()):
+            if self.staging is None:
+                result: str | None = "not_a_decode_worker"
+            elif load.spec.start == load.spec.end:  # nothing to load: release, report nothing
+                st = self.staging.claim(load.spec.transfer_id)
+                if st is not None:
+                    self.staging.release(st, "discarded")
+                del self._loads[rid]
+                continue
+            else:
+                result = self._poll_load(load, now)
+            if result is None:
+                continue
+            del self._loads[rid]
+            out.finished_recving.add(rid)
+            if result != "ok":
+                out.failed_recving.add(rid)
+        return out
+
+    def shutdown(self) -> None:
+        for ch in self._channels.values():
+            ch.close()
+        if self.listener is not None:
+            self.listener.close()
+        if self.staging is not None:
+            self.staging.close()

@@ -1,0 +1,74 @@
+"""The router's frozen configuration, validated on construction. No secrets live here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PREFILL_POLICIES: tuple[str, ...] = ("load", "round_robin")
+DECODE_POLICIES: tuple[str, ...] = ("load", "round_robin")
+UNSPLITTABLE_MODES: tuple[str, ...] = ("whole", "refuse")
+WORKER_ROLES: tuple[str, ...] = ("prefill", "decode", "colocated")
+
+
+def _check_url(url: str) -> None:
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"worker URL must start with http:// or https://, got {url!r}")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Where the router listens, which workers it starts with, and how it chooses among them.
+
+    `unsplittable` says what happens to a request whose parameters the seeded two-leg flow cannot
+    honour exactly (see `params.unsplittable_reason`): `whole` runs it unsplit on one worker (a
+    colocated one if any, else a decode worker: exact, at the cost of TTFT), `refuse` answers 400
+    naming the parameter.
+    """
+
+    prefill: tuple[str, ...] = ()
+    decode: tuple[str, ...] = ()
+    colocated: tuple[str, ...] = ()
+    host: str = "127.0.0.1"
+    port: int = 8000
+    model_dir: str | None = None  # tokenizer for chat templates; default: the workers' model root
+    prefill_policy: str = "load"
+    decode_policy: str = "load"
+    unsplittable: str = "whole"
+    health_interval_s: float = 1.0
+    health_timeout_s: float = 2.0
+    unhealthy_after: int = 3  # consecutive failed checks or requests before a worker leaves
+    healthy_after: int = 2  # consecutive good checks before it returns
+    prefill_retries: int = 2  # extra attempts on another P before t1
+    decode_retries: int = 2  # resumptions on another D (recomputing what was already produced)
+    retry_backoff_s: float = 0.05
+    retry_backoff_max_s: float = 2.0
+    request_timeout_s: float = 1800.0
+    connect_timeout_s: float = 5.0
+    max_inflight: int = 4096  # admission: more concurrent requests than this get 429 at once
+    drain_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        for url in (*self.prefill, *self.decode, *self.colocated):
+            _check_url(url)
+        if bool(self.prefill) != bool(self.decode):
+            raise ValueError("a disaggregated deployment needs at least one prefill and one "
+                             "decode worker")
+        if not (self.prefill or self.colocated):
+            raise ValueError("the router needs workers: --prefill and --decode, or --colocated")
+        if not 1 <= self.port <= 65535:
+            raise ValueError(f"port must be a TCP port, got {self.port}")
+        if self.prefill_policy not in PREFILL_POLICIES:
+            raise ValueError(f"prefill_policy must be one of {PREFILL_POLICIES}")
+        if self.decode_policy not in DECODE_POLICIES:
+            raise ValueError(f"decode_policy must be one of {DECODE_POLICIES}")
+        if self.unsplittable not in UNSPLITTABLE_MODES:
+            raise ValueError(f"unsplittable must be one of {UNSPLITTABLE_MODES}")
+        for name in ("health_interval_s", "health_timeout_s", "request_timeout_s",
+                     "connect_timeout_s", "drain_timeout_s", "retry_backoff_max_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive")
+        for name in ("unhealthy_after", "healthy_after", "max_inflight"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1")
+        if self.prefill_retries < 0 or self.decode_retries < 0 or self.retry_backoff_s < 0:
+            raise ValueError("retries and backoff must not be negative")

@@ -1,0 +1,226 @@
+"""The worker registry: who is in rotation, their KV endpoints and load, and the health loop.
+
+Invariants:
+- A worker takes new requests only while `routable` (healthy, not draining).
+- `inflight` counts the router's own open legs on a worker; a removed worker is dropped only
+  once it reaches zero, so removal loses no request.
+- Health is a circuit breaker over consecutive outcomes: `unhealthy_after` failures (checks or
+  connection-level request failures) take a worker out; `healthy_after` good checks bring it
+  back. HTTP 429 and slow answers are back-pressure, never counted as failures.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from splitserve.router.config import WORKER_ROLES, RouterConfig
+
+log = logging.getLogger("splitserve.router")
+
+# vLLM gauges the decode policy reads from each worker's /metrics.
+VLLM_GAUGES = {
+    "vllm:kv_cache_usage_perc": "kv_usage",
+    "vllm:num_requests_running": "running",
+    "vllm:num_requests_waiting": "waiting",
+}
+
+
+@dataclass
+class Worker:
+    """One worker as the router sees it. Mutated only on the router's event loop."""
+
+    url: str
+    role: str
+    healthy: bool = False
+    draining: bool = False
+    successes: int = 0
+    failures: int = 0
+    last_error: str | None = None
+    info: dict[str, Any] | None = None  # GET /splitserve/info; None for a plain vLLM worker
+    inflight: int = 0
+    inflight_prefill_tokens: int = 0
+    kv_usage: float = 0.0
+    running: float = 0.0
+    waiting: float = 0.0
+    staged_bytes: float = 0.0
+    staging_capacity_bytes: float = 0.0
+    checked_at: float = 0.0
+    drained: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def routable(self) -> bool:
+        return self.healthy and not self.draining
+
+    def kv_endpoint(self) -> dict[str, Any] | None:
+        info = self.info
+        if not info or not info.get("kv_port"):
+            return None
+        return {"remote_host": info.get("kv_host"), "remote_port": info.get("kv_port"),
+                "remote_engine_id": info.get("engine_id")}
+
+    def acquire(self, prompt_tokens: int = 0) -> None:
+        self.inflight += 1
+        self.inflight_prefill_tokens += prompt_tokens
+        self.drained.clear()
+
+    def release(self, prompt_tokens: int = 0) -> None:
+        self.inflight -= 1
+        self.inflight_prefill_tokens -= prompt_tokens
+        if self.inflight == 0:
+            self.drained.set()
+
+    def describe(self) -> dict[str, Any]:
+        return {"url": self.url, "role": self.role, "healthy": self.healthy,
+                "draining": self.draining, "inflight": self.inflight,
+                "inflight_prefill_tokens": self.inflight_prefill_tokens,
+                "kv_usage": self.kv_usage, "running": self.running, "waiting": self.waiting,
+                "staged_bytes": self.staged_bytes,
+                "staging_capacity_bytes": self.staging_capacity_bytes,
+                "kv_endpoint": self.kv_endpoint(), "last_error": self.last_error,
+                "checked_age_s": round(time.monotonic() - self.checked_at, 3)
+                if self.checked_at else None}
+
+
+def parse_gauges(text: str) -> dict[str, float]:
+    """Sum of each watched vLLM gauge over its label sets (one engine per worker)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line.startswith("vllm:"):
+            continue
+        name, _, rest = line.partition("{")
+        if name not in VLLM_GAUGES:
+            continue
+        try:
+            value = float(rest.rsplit(" ", 1)[1])
+        except (IndexError, ValueError):
+            continue
+        out[VLLM_GAUGES[name]] = out.get(VLLM_GAUGES[name], 0.0) + value
+    return out
+
+
+class Registry:
+    """All workers, by URL. The health loop and the admin endpoint are its only writers."""
+
+    def __init__(self, cfg: RouterConfig, client: httpx.AsyncClient, token: str | None) -> None:
+        self.cfg = cfg
+        self.client = client
+        self.token = token
+        self.workers: dict[str, Worker] = {}
+        for role, urls in (("prefill", cfg.prefill), ("decode", cfg.decode),
+                           ("colocated", cfg.colocated)):
+            for url in urls:
+                self.workers[url.rstrip("/")] = Worker(url.rstrip("/"), role)
+
+    def by_role(self, role: str) -> list[Worker]:
+        return [w for w in self.workers.values() if w.role == role]
+
+    def routable(self, role: str) -> list[Worker]:
+        return [w for w in self.workers.values() if w.role == role and w.routable]
+
+    def add(self, url: str, role: str) -> Worker:
+        if role not in WORKER_ROLES:
+            raise ValueError(f"role must be one of {WORKER_ROLES}")
+        if not url.startswith(("http://", "https://")):
+            raise ValueError("url must start with http:// or https://")
+        url = url.rstrip("/")
+        if url in self.workers:
+            raise ValueError(f"worker {url} is already registered")
+        worker = Worker(url, role)
+        self.workers[url] = worker
+        return worker
+
+    async def remove(self, url: str) -> Worker:
+        """Drain, wait for the worker's open legs to finish, then forget it."""
+        worker = self.workers[url.rstrip("/")]
+        worker.draining = True
+        if worker.inflight:
+            await asyncio.wait_for(worker.drained.wait(), self.cfg.drain_timeout_s)
+        self.workers.pop(worker.url, None)
+        return worker
+
+    # --- outcomes reported by the request path ----------------------------------------------
+    def failed(self, worker: Worker, error: str) -> None:
+        worker.failures += 1
+        worker.successes = 0
+        worker.last_error = error
+        if worker.healthy and worker.failures >= self.cfg.unhealthy_after:
+            worker.healthy = False
+            log.warning("worker %s out of rotation: %s", worker.url, error)
+
+    def succeeded(self, worker: Worker) -> None:
+        worker.failures = 0
+
+    # --- the health loop --------------------------------------------------------------------
+    def _auth(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token}"} if self.token else {}
+
+    async def check(self, worker: Worker) -> None:
+        timeout = self.cfg.health_timeout_s
+        try:
+            r = await self.client.get(f"{worker.url}/health", timeout=timeout)
+            ok = r.status_code == 200
+            error = None if ok else f"/health answered {r.status_code}"
+            if ok:
+                await self._read_load(worker, timeout)
+        except httpx.HTTPError as exc:
+            ok, error = False, f"/health: {type(exc).__name__}: {exc}"
+        worker.checked_at = time.monotonic()
+        if ok:
+            worker.successes += 1
+            worker.failures = 0
+            first = worker.successes == 1 and worker.last_error is None
+            if not worker.healthy and (first or worker.successes >= self.cfg.healthy_after):
+                worker.healthy = True
+                log.info("worker %s (%s) in rotation", worker.url, worker.role)
+        else:
+            self.failed(worker, error or "unhealthy")
+
+    async def _read_load(self, worker: Worker, timeout: float) -> None:
+        r = await self.client.get(f"{worker.url}/metrics", timeout=timeout)
+        if r.status_code == 200:
+            for key, value in parse_gauges(r.text).items():
+                setattr(worker, key, value)
+        if worker.role == "colocated" or not self.token:
+            return
+        if worker.info is None:
+            r = await self.client.get(f"{worker.url}/splitserve/info", headers=self._auth(),
+                                      timeout=timeout)
+            worker.info = r.json() if r.status_code == 200 else {}
+            if not worker.info:
+                log.warning("worker %s has no /splitserve/info (%s): plain vLLM, no KV transfer",
+                            worker.url, r.status_code)
+        if worker.role == "decode" and worker.info:
+            r = await self.client.get(f"{worker.url}/splitserve/state", headers=self._auth(),
+                                      timeout=timeout)
+            if r.status_code == 200:
+                state = r.json()
+                worker.staged_bytes = float(state.get("staged_bytes", 0))
+                worker.staging_capacity_bytes = float(state.get("staging_capacity_bytes", 0))
+
+    async def check_all(self) -> None:
+        await asyncio.gather(*(self.check(w) for w in list(self.workers.values())))
+
+    async def run(self) -> None:
+        while True:
+            await self.check_all()
+            await asyncio.sleep(self.cfg.health_interval_s)
+
+    async def model(self) -> dict[str, Any]:
+        """The served model (`id`, `root`) from the first worker that answers /v1/models."""
+        errors = []
+        for worker in self.workers.values():
+            try:
+                r = await self.client.get(f"{worker.url}/v1/models",
+                                          timeout=self.cfg.health_timeout_s)
+                if r.status_code == 200:
+                    return dict(r.json()["data"][0])
+                errors.append(f"{worker.url}: {r.status_code}")
+            except httpx.HTTPError as exc:
+                errors.append(f"{worker.url}: {exc}")
+        raise RuntimeError(f"no worker answered /v1/models: {'; '.join(errors)}")

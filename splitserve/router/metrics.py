@@ -1,0 +1,65 @@
+"""The router's Prometheus families, in a registry owned by one app (no process globals)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                   10.0, 30.0, 60.0)
+BYTES_BUCKETS = tuple(float(4**i * 1024) for i in range(12))
+GBPS_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0)
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "splitserve_router_requests", "Requests by endpoint, path and outcome",
+            ["endpoint", "mode", "outcome"], registry=r)
+        self.inflight = Gauge("splitserve_router_inflight_requests", "Open client requests",
+                              registry=r)
+        self.failures = Counter(
+            "splitserve_router_failures", "Leg failures by leg and cause (retried or not)",
+            ["leg", "cause"], registry=r)
+        self.retries = Counter("splitserve_router_retries", "Legs retried on another worker",
+                               ["leg"], registry=r)
+        self.p_queue = Histogram(
+            "splitserve_router_prefill_queue_seconds",
+            "P leg sent -> first KV byte at D (P's queue plus one layer)",
+            buckets=LATENCY_BUCKETS, registry=r)
+        self.p_leg = Histogram(
+            "splitserve_router_prefill_seconds", "P leg sent -> t1 back at the router",
+            buckets=LATENCY_BUCKETS, registry=r)
+        self.kv_bytes = Histogram("splitserve_router_kv_bytes", "KV bytes moved per request",
+                                  buckets=BYTES_BUCKETS, registry=r)
+        self.kv_seconds = Histogram(
+            "splitserve_router_kv_transfer_seconds", "First to last KV byte per request",
+            buckets=LATENCY_BUCKETS, registry=r)
+        self.kv_gbps = Histogram("splitserve_router_kv_gbps", "KV transfer rate per request",
+                                 buckets=GBPS_BUCKETS, registry=r)
+        self.handover = Histogram(
+            "splitserve_router_handover_seconds", "t1 sent to the client -> t2 sent",
+            buckets=LATENCY_BUCKETS, registry=r)
+        self.d_first = Histogram(
+            "splitserve_router_decode_queue_seconds",
+            "D leg sent -> first D token (D's queue, KV load and one step)",
+            buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("splitserve_router_ttft_seconds",
+                              "Request received -> first token sent", buckets=LATENCY_BUCKETS,
+                              registry=r)
+        self.e2e = Histogram("splitserve_router_e2e_seconds", "Request received -> last byte",
+                             buckets=LATENCY_BUCKETS, registry=r)
+
+    def observe_timings(self, t: dict[str, Any]) -> None:
+        """Record one request's per-leg timings (keys as in `flow.Timings.as_dict`)."""
+        pairs = ((self.p_queue, "p_queue_s"), (self.p_leg, "p_leg_s"),
+                 (self.kv_bytes, "kv_bytes"), (self.kv_seconds, "kv_transfer_s"),
+                 (self.kv_gbps, "kv_gbps"), (self.handover, "handover_s"),
+                 (self.d_first, "d_queue_s"), (self.ttft, "ttft_s"), (self.e2e, "e2e_s"))
+        for hist, key in pairs:
+            value = t.get(key)
+            if isinstance(value, int | float):
+                hist.observe(value)
