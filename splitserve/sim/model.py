@@ -7,7 +7,7 @@ A `Profile` says how long one engine step takes on one worker (DistServe's form)
   a prompt keeps the quadratic (attention) part equal to `c·l²` while paying `a` per chunk;
 - decode step: `a + b·Σcontext + c·batch`;
 - a mixed step (decodes plus a prefill chunk, as vLLM's chunked prefill runs them) pays the
-  prefill's fixed cost once plus both variable parts.
+  larger of the two fixed costs once plus both variable parts.
 
 KV transfer: bytes per token = `2 × layers × kv_heads × head_dim × dtype_bytes`; time =
 `bytes / bandwidth + latency` per transport (`TransferLink`).

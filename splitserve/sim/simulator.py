@@ -257,8 +257,8 @@ class Simulation:
             tok = sum(c[1] for c in chunks)
             quad = sum(q * q + 2 * p * q for _, q, p in chunks)
             dur = pf.time(tok, quad)
-            if w.B:
-                dur += dc.b * w.C + dc.c * w.B
+            if w.B:  # a mixed step: one fixed cost (the larger), both variable parts
+                dur += dc.b * w.C + dc.c * w.B + max(0.0, dc.a - pf.a)
             w.kind, w.step_dur, first = _STEP, dur, dur
             end = t + dur
         elif w.B:

@@ -1,0 +1,85 @@
+"""Result keys and pooling, the workload adapter, and the profile file."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from splitserve.bench.workload import ArrivalSpec, LengthDist, WorkloadSpec, build_stream
+from splitserve.sim.model import Profile, ProfileMismatch, load_profile, save_profile
+from splitserve.sim.results import itl_samples, summarize, weighted_percentiles
+from splitserve.sim.simulator import SimConfig, simulate
+from splitserve.sim.workload import arrays_from_spec
+from tests.sim.conftest import make_profile
+
+
+def test_weighted_percentiles_equal_expanded_numpy() -> None:
+    rng = np.random.default_rng(3)
+    values = rng.normal(size=50)
+    weights = rng.integers(0, 6, size=50)
+    expanded = np.repeat(values, weights)
+    got = weighted_percentiles(values, weights, (0.0, 12.5, 50.0, 99.0, 100.0))
+    for p, v in got.items():
+        assert v == pytest.approx(np.percentile(expanded, p))
+
+
+def _spec(rate: float = 4.0, n: int = 300) -> WorkloadSpec:
+    return WorkloadSpec(num_requests=n, input=LengthDist("uniform", 200, 50, 400),
+                        output=LengthDist("uniform", 40, 2, 80),
+                        arrival=ArrivalSpec("gamma", rate, burstiness=0.5), seed=5)
+
+
+def test_adapter_draws_the_benchmarks_stream() -> None:
+    spec = _spec()
+    wl, reqs = arrays_from_spec(spec), build_stream(spec)
+    assert wl.arrivals.tolist() == [r.arrival_s for r in reqs]
+    assert wl.prompt_lens.tolist() == [r.input_len for r in reqs]
+    assert wl.output_lens.tolist() == [r.output_len for r in reqs]
+
+
+@pytest.mark.parametrize("mode", ["disagg", "colocated", "chunked"])
+def test_every_token_gap_is_pooled_once(mode: str) -> None:
+    wl = arrays_from_spec(_spec())
+    o = simulate(make_profile(budget=256), SimConfig(mode, 1, 2, n_workers=2), wl)
+    values, weights = itl_samples(o)
+    assert weights.min() >= 0
+    assert int(weights.sum()) == int((wl.output_lens - 1).sum())
+    res = summarize(o)
+    assert res["completed"] == len(wl) and res["failed"] == 0
+    assert res["total_output_tokens"] == int(wl.output_lens.sum())
+    for key in ("median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms",
+                "median_tpot_ms", "p99_tpot_ms", "request_throughput"):
+        assert res[key] is not None and res[key] > 0
+    # a request's TPOT is the mean of its own gaps, so the pooled ITL mean lies in TPOT's range
+    tpot = (o.finish - o.first_token) / (o.output_lens - 1)
+    assert tpot.min() * 1000 <= res["mean_itl_ms"] <= tpot.max() * 1000
+
+
+def test_profile_json_round_trips(tmp_path: Path) -> None:
+    prof = make_profile()
+    path = tmp_path / "p.json"
+    save_profile(prof, path)
+    assert json.loads(path.read_text())["model"]["kv_bytes_per_token"] == 2 * 8 * 2 * 64 * 4
+    assert Profile.from_dict(json.loads(path.read_text())) == prof
+
+
+def test_profile_from_another_engine_version_is_refused_or_flagged(tmp_path: Path) -> None:
+    d = make_profile().to_dict() | {"kind": "measured"}
+    d["engine"]["version"] = "0.31.0"
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(d))
+    with pytest.raises(ProfileMismatch, match="0.31.0"):
+        load_profile(path, engine_version="0.32.0+cpu")
+    flagged = load_profile(path, engine_version="0.32.0", accept_mismatch=True)
+    assert flagged.mismatch is not None and "0.31.0" in flagged.mismatch
+    assert load_profile(path, engine_version="0.31.0+cpu").mismatch is None
+
+
+def test_profile_with_another_schema_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "x.json"
+    path.write_text(json.dumps(make_profile().to_dict() | {"schema": "other/2"}))
+    with pytest.raises(ValueError, match="schema"):
+        load_profile(path)
