@@ -127,6 +127,7 @@ class Profile:
     token_budget: int  # max_num_batched_tokens of the measured engine
     kv_capacity_tokens: int
     transfer: dict[str, TransferLink] = field(default_factory=dict)
+    max_num_seqs: int = 128  # vLLM's cap on running requests per engine (CPU default)
     fit: dict[str, Any] = field(default_factory=dict)  # measured points and fit quality
     created: str = ""
     mismatch: str | None = None  # set by load_profile when accepted despite a version mismatch
@@ -134,8 +135,8 @@ class Profile:
     def __post_init__(self) -> None:
         if self.kind not in PROFILE_KINDS:
             raise ValueError(f"kind must be one of {PROFILE_KINDS}, got {self.kind!r}")
-        if self.token_budget < 1 or self.kv_capacity_tokens < 1:
-            raise ValueError("token_budget and kv_capacity_tokens must be >= 1")
+        if self.token_budget < 1 or self.kv_capacity_tokens < 1 or self.max_num_seqs < 1:
+            raise ValueError("token_budget, kv_capacity_tokens and max_num_seqs must be >= 1")
 
     def link(self, transport: str) -> TransferLink:
         if transport not in self.transfer:
@@ -164,6 +165,7 @@ class Profile:
             hardware=dict(d.get("hardware", {})), prefill=PrefillCost(**d["prefill"]),
             decode=DecodeCost(**d["decode"]), token_budget=int(d["token_budget"]),
             kv_capacity_tokens=int(d["kv_capacity_tokens"]),
+            max_num_seqs=int(d.get("max_num_seqs", 128)),
             transfer={k: TransferLink(**v) for k, v in d.get("transfer", {}).items()},
             fit=dict(d.get("fit", {})), created=d.get("created", ""),
         )

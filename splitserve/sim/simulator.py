@@ -3,7 +3,8 @@ of the colocated baselines (one engine doing both, with or without chunked prefi
 
 Workers step like vLLM's v1 scheduler: continuous batching, a token budget per step (decodes
 first, one token each, then prompt chunks FIFO), KV capacity checked when a request is admitted
-(its whole prompt + output is reserved; no preemption), requests arriving during a step join at
+(its whole prompt + output is reserved; no preemption), at most `max_num_seqs` running
+requests, requests arriving during a step join at
 the next step. A step's duration comes from the profile's cost model.
 
 Speed: while a worker only decodes and nothing arrives, its steps are deterministic, so it
@@ -144,6 +145,7 @@ class Simulation:
         self.profile, self.cfg, self.wl = profile, config, workload
         self.budget = config.token_budget or profile.token_budget
         self.cap = profile.kv_capacity_tokens
+        self.max_seqs = profile.max_num_seqs
         if config.mode == "disagg":
             self.link = profile.link(config.transport)
             self.P = [_Worker(_P) for _ in range(config.n_prefill)]
@@ -200,7 +202,7 @@ class Simulation:
 
     def _admit(self, w: _Worker) -> None:
         pl, ol, cap = self.pl, self.ol, self.cap
-        while w.waiting:
+        while w.waiting and w.B < self.max_seqs:
             r = w.waiting[0]
             need = pl[r] + ol[r]
             if w.kv_used + need > cap:
@@ -231,6 +233,8 @@ class Simulation:
                 r = w.queue[0]
                 done = w.head_done
                 if done == 0:
+                    if w.B + len(chunks) >= self.max_seqs:
+                        break
                     need = pl[r] + (ol[r] if w.role == _BOTH else 0)
                     if need > cap:
                         w.queue.popleft()

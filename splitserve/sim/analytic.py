@@ -1,0 +1,136 @@
+"""An analytic profile: step costs derived from a model config and a hardware spec (FLOP/s,
+memory bandwidth, link bandwidth), for planning on hardware this machine does not have.
+
+It is labelled `kind: "analytic"` and carries no engine timing; treat it as a roofline estimate,
+not a measurement. The model:
+
+- weights are read once per step: `a = overhead + weight_bytes / (mem_bw · mbu)`;
+- prefill: `b = 2 · params / (flops · mfu)` per prompt token (dense matmuls),
+  `c = 2 · layers · heads · head_dim / (flops · mfu)` (causal attention, QKᵀ and AV);
+- decode step: `b = kv_bytes_per_token / (mem_bw · mbu)` per context token (reading the KV),
+  `c = 2 · (params + vocab · hidden) / (flops · mfu)` per sequence;
+- KV capacity = (memory · utilisation − weight bytes) / kv_bytes_per_token;
+- KV transfer over the given link: bandwidth and latency as stated.
+Summing the compute and memory terms (instead of taking the larger) overstates small steps a
+little; it never understates them.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from splitserve.sim.model import (
+    DecodeCost,
+    Engine,
+    ModelShape,
+    PrefillCost,
+    Profile,
+    TransferLink,
+)
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    flops: float  # dense FLOP/s at the model's dtype
+    mem_bw: float  # bytes/s
+    memory_bytes: float
+    link_bw: float  # bytes/s between a P and a D worker
+    link_latency_s: float = 10e-6
+    mfu: float = 0.5  # achieved share of peak FLOP/s
+    mbu: float = 0.7  # achieved share of peak memory bandwidth
+    step_overhead_s: float = 0.003  # scheduler, launches, sampling per step
+    mem_util: float = 0.9
+
+    def __post_init__(self) -> None:
+        for k in ("flops", "mem_bw", "memory_bytes", "link_bw"):
+            if not getattr(self, k) > 0:
+                raise ValueError(f"Hardware.{k} must be positive")
+        if not (0 < self.mfu <= 1 and 0 < self.mbu <= 1 and 0 < self.mem_util <= 1):
+            raise ValueError("mfu, mbu and mem_util must be in (0, 1]")
+        if self.link_latency_s < 0 or self.step_overhead_s < 0:
+            raise ValueError("latencies must be >= 0")
+
+
+GB = 1e9
+# Public datasheet peaks (dense BF16), one GPU; links are per-GPU network bandwidth.
+PRESETS: dict[str, Hardware] = {
+    "a100-80g": Hardware("A100-SXM 80GB", 312e12, 2.039e12, 80 * 2**30, 25 * GB),
+    "h100-sxm": Hardware("H100-SXM 80GB", 989e12, 3.35e12, 80 * 2**30, 50 * GB),
+    "h200": Hardware("H200 141GB", 989e12, 4.8e12, 141 * GB, 50 * GB),
+    "l40s": Hardware("L40S 48GB", 362e12, 0.864e12, 48 * 2**30, 12.5 * GB),
+}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    dtype_bytes: int = 2
+
+    def __post_init__(self) -> None:
+        for k in ("layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate", "vocab",
+                  "dtype_bytes"):
+            if getattr(self, k) < 1:
+                raise ValueError(f"ModelConfig.{k} must be >= 1")
+
+    @classmethod
+    def from_hf(cls, path: str | Path, dtype_bytes: int = 2) -> ModelConfig:
+        p = Path(path)
+        cfg: dict[str, Any] = json.loads((p / "config.json" if p.is_dir() else p).read_text())
+        heads = cfg["num_attention_heads"]
+        return cls(name=cfg.get("_name_or_path") or p.stem, layers=cfg["num_hidden_layers"],
+                   hidden=cfg["hidden_size"], heads=heads,
+                   kv_heads=cfg.get("num_key_value_heads", heads),
+                   head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+                   intermediate=cfg["intermediate_size"], vocab=cfg["vocab_size"],
+                   dtype_bytes=dtype_bytes)
+
+    @property
+    def layer_params(self) -> int:
+        """Matmul parameters of the transformer layers (gated MLP)."""
+        attn = self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
+        return self.layers * (attn + 3 * self.hidden * self.intermediate)
+
+    @property
+    def weight_bytes(self) -> int:
+        return (self.layer_params + 2 * self.vocab * self.hidden) * self.dtype_bytes
+
+    def shape(self) -> ModelShape:
+        return ModelShape(self.name, self.layers, self.kv_heads, self.head_dim, self.dtype_bytes)
+
+
+def analytic_profile(model: ModelConfig, hw: Hardware, token_budget: int = 8192,
+                     transport: str = "rdma") -> Profile:
+    flops, bw = hw.flops * hw.mfu, hw.mem_bw * hw.mbu
+    shape = model.shape()
+    weights = hw.step_overhead_s + model.weight_bytes / bw
+    prefill = PrefillCost(a=weights, b=2 * model.layer_params / flops,
+                          c=2 * model.layers * model.heads * model.head_dim / flops)
+    decode = DecodeCost(a=weights, b=shape.kv_bytes_per_token / bw,
+                        c=2 * (model.layer_params + model.vocab * model.hidden) / flops)
+    free = hw.memory_bytes * hw.mem_util - model.weight_bytes
+    if free <= 0:
+        raise ValueError(f"{model.name} ({model.weight_bytes / GB:.1f} GB) does not fit in "
+                         f"{hw.name}")
+    return Profile(
+        kind="analytic", engine=Engine("analytic", "n/a"), model=shape,
+        hardware={"name": hw.name, "flops": hw.flops, "mem_bw": hw.mem_bw,
+                  "memory_bytes": hw.memory_bytes, "link_bw": hw.link_bw, "mfu": hw.mfu,
+                  "mbu": hw.mbu, "step_overhead_s": hw.step_overhead_s,
+                  "note": "analytic roofline estimate, not a measurement"},
+        prefill=prefill, decode=decode, token_budget=token_budget,
+        kv_capacity_tokens=int(free // shape.kv_bytes_per_token), max_num_seqs=1024,
+        transfer={transport: TransferLink(hw.link_bw, hw.link_latency_s, "analytic")},
+        created=datetime.now(UTC).isoformat(timespec="seconds"),
+    )

@@ -1,0 +1,248 @@
+"""`splitserve profile`, `splitserve sim`, `splitserve sim validate` and `splitserve plan`.
+
+    splitserve profile --url URL --out profile.json          # measure a running vLLM worker
+    splitserve profile --analytic --model-config DIR --hardware h100-sxm --out gpu.json
+    splitserve sim --profile P.json --mode disagg --prefill 1 --decode 3 [workload] --out r.json
+    splitserve sim validate --profile P.json --rates 1,2 --repeats 3 [--url URL] [workload]
+    splitserve plan --profile P.json --workers 8 --request-rate 4 --slo-ttft-ms 1000 \\
+        --slo-tpot-ms 50 [workload] --out-dir plan/
+
+Workload options are the benchmark's (`splitserve bench --help`), so a simulated and a measured
+run of the same options see the same stream, and results use the benchmark's JSON schema.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from splitserve.bench.cli import add_workload_arguments, spec_from_args
+from splitserve.bench.metrics import SLO
+from splitserve.bench.report import print_summary, save_result
+from splitserve.sim.model import Profile, load_profile, save_profile
+from splitserve.sim.simulator import MODES, POLICIES, SimConfig
+
+
+def _installed_engine() -> str | None:
+    from splitserve.worker.launch import installed_vllm_version
+
+    return installed_vllm_version()
+
+
+def _profile(args: argparse.Namespace) -> Profile:
+    if not args.profile:
+        raise SystemExit("--profile is required (make one with `splitserve profile`)")
+    prof = load_profile(args.profile, engine_version=_installed_engine(),
+                        accept_mismatch=args.accept_profile_mismatch)
+    if prof.mismatch:
+        print(f"WARNING: {prof.mismatch}")
+    if prof.kind == "analytic":
+        print(f"note: {args.profile} is an analytic profile (a roofline estimate, "
+              "not a measurement)")
+    return prof
+
+
+def _add_profile_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--profile", help="profile JSON (splitserve profile); required")
+    p.add_argument("--accept-profile-mismatch", action="store_true",
+                   help="use a profile measured on another vLLM version (flagged)")
+
+
+def _add_deployment_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("simulated deployment")
+    g.add_argument("--mode", choices=MODES, default="disagg")
+    g.add_argument("--prefill", type=int, default=1, help="P-workers (disagg)")
+    g.add_argument("--decode", type=int, default=1, help="D-workers (disagg)")
+    g.add_argument("--workers", type=int, default=1, help="workers (colocated, chunked)")
+    g.add_argument("--token-budget", type=int, default=None, help="default: the profile's")
+    g.add_argument("--p-policy", choices=POLICIES, default="power_of_two")
+    g.add_argument("--d-policy", choices=POLICIES, default="power_of_two")
+    g.add_argument("--transport", default=None,
+                   help="a transport in the profile (default: tcp, else its only one)")
+    g.add_argument("--no-overlap", action="store_true", help="send KV after the prefill")
+    g.add_argument("--shared-link", action="store_true", help="one link for all transfers")
+    g.add_argument("--router-hop-ms", type=float, default=0.0)
+
+
+def _transport(args: argparse.Namespace, prof: Profile) -> str:
+    if args.transport:
+        return str(args.transport)
+    return "tcp" if "tcp" in prof.transfer or not prof.transfer else sorted(prof.transfer)[0]
+
+
+def _sim_config(args: argparse.Namespace, prof: Profile) -> SimConfig:
+    return SimConfig(mode=args.mode, n_prefill=args.prefill, n_decode=args.decode,
+                     n_workers=args.workers, token_budget=args.token_budget,
+                     p_policy=args.p_policy, d_policy=args.d_policy,
+                     transport=_transport(args, prof),
+                     overlap=not args.no_overlap, shared_link=args.shared_link,
+                     router_hop_s=args.router_hop_ms / 1000, seed=args.seed)
+
+
+def _label(cfg: SimConfig) -> str:
+    if cfg.mode == "disagg":
+        return f"sim:{cfg.n_prefill}P{cfg.n_decode}D"
+    return f"sim:{cfg.mode}x{cfg.n_workers}"
+
+
+def run_profile(args: argparse.Namespace) -> int:
+    if args.analytic:
+        from splitserve.sim.analytic import PRESETS, ModelConfig, analytic_profile
+
+        if not args.model_config:
+            raise SystemExit("splitserve profile --analytic needs --model-config")
+        hw = PRESETS[args.hardware]
+        overrides: dict[str, Any] = {k: v for k, v in (
+            ("flops", args.flops), ("mem_bw", args.mem_bw), ("link_bw", args.link_bw),
+            ("memory_bytes", args.memory_bytes)) if v is not None}
+        prof = analytic_profile(ModelConfig.from_hf(args.model_config, args.dtype_bytes),
+                                replace(hw, **overrides), args.token_budget or 8192)
+    else:
+        from splitserve.sim.profile import ProfilePlan, profile_worker
+
+        if not args.url:
+            raise SystemExit("splitserve profile: give --url of a running worker, or --analytic")
+        plan = ProfilePlan(token_budget=args.token_budget or 2048)
+        if args.quick:
+            plan = replace(plan, prefill_lens=(16, 256, 1024, 2048), prefill_repeats=2,
+                           decode_batches=(1, 4, 8), decode_prompt_lens=(32, 1024))
+        prof = profile_worker(args.url, plan, args.model_dir, args.transfer_json,
+                              probe_tcp=not args.no_tcp_probe)
+    save_profile(prof, args.out)
+    print(f"{prof.kind} profile of {prof.model.name} on {prof.engine.name} "
+          f"{prof.engine.version}: prefill {prof.prefill}, decode {prof.decode}, "
+          f"KV {prof.kv_capacity_tokens} tokens; wrote {args.out}")
+    if prof.fit:
+        print(f"fit R²: prefill {prof.fit['prefill_r2']:.4f}, decode {prof.fit['decode_r2']:.4f}")
+    return 0
+
+
+def run_sim(args: argparse.Namespace) -> int:
+    from splitserve.sim.results import summarize
+    from splitserve.sim.simulator import simulate
+    from splitserve.sim.workload import arrays_from_spec
+
+    prof, spec = _profile(args), spec_from_args(args)
+    cfg = _sim_config(args, prof)
+    slo = SLO(args.slo_ttft_ms, args.slo_tpot_ms)
+    res = summarize(simulate(prof, cfg, arrays_from_spec(spec)), system=_label(cfg), slo=slo)
+    res["sim"] = {"profile": str(args.profile), "profile_kind": prof.kind,
+                  "profile_mismatch": prof.mismatch, "config": cfg.__dict__,
+                  "workload": spec.to_dict()}
+    print_summary({res["system"]: res})
+    if args.out:
+        save_result(res, args.out)
+        print(f"wrote {args.out}")
+    return 0
+
+
+def run_validate(args: argparse.Namespace) -> int:
+    from splitserve.sim.validate import compare, local_worker, measure_point, print_points
+
+    prof, spec = _profile(args), spec_from_args(args)
+    cfg = _sim_config(args, prof)
+    if args.repeats < 3:
+        print("note: fewer than 3 repeats per point; the spread is poorly known")
+    rates = args.rates or (spec.arrival.rate,)
+
+    def measure(url: str) -> dict[float, list[dict[str, Any]]]:
+        return {r: measure_point(url, spec.with_rate(r), args.repeats) for r in rates}
+
+    if args.url:
+        real = measure(args.url)
+    else:
+        if cfg.mode == "disagg" or cfg.n_workers != 1:
+            raise SystemExit("without --url, validate starts one plain worker: use "
+                             "--mode chunked --workers 1, or pass --url of a deployment")
+        from splitserve.demo_model import embedded_model_dir
+
+        model = args.model_dir or str(embedded_model_dir())
+        cpus = tuple(int(c) for c in args.cpus.split(",")) if args.cpus else None
+        with local_worker(model, cpus, cfg.token_budget or prof.token_budget) as url:
+            real = measure(url)
+    points = compare(prof, cfg, spec, rates, real)
+    print_points(points)
+    if args.out:
+        Path(args.out).write_text(json.dumps(
+            {"profile": str(args.profile), "config": cfg.__dict__, "workload": spec.to_dict(),
+             "repeats": args.repeats, "points": [p.to_dict() for p in points]}, indent=2))
+        print(f"wrote {args.out}")
+    return 0
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    from splitserve.sim.planner import PlanRequest, plan, plot_plan, print_plan
+
+    prof, spec = _profile(args), spec_from_args(args)
+    if args.slo_ttft_ms is None or args.slo_tpot_ms is None:
+        raise SystemExit("splitserve plan needs --slo-ttft-ms and --slo-tpot-ms")
+    req = PlanRequest(rate=spec.arrival.rate, slo=SLO(args.slo_ttft_ms, args.slo_tpot_ms),
+                      workers=args.workers, target=args.target, transport=_transport(args, prof),
+                      overlap=not args.no_overlap, chunk_budget=args.token_budget)
+    p = plan(prof, spec, req)
+    print_plan(p)
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "plan.json").write_text(json.dumps(p.to_dict(), indent=2))
+    png = plot_plan(p, out / "plan.png")
+    print(f"wrote {out / 'plan.json'} and {png}")
+    return 0
+
+
+def _rates(text: str) -> tuple[float, ...]:
+    return tuple(float(x) for x in text.split(",") if x.strip())
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    prof = sub.add_parser("profile", help="measure a worker's step costs (or derive them)")
+    prof.add_argument("--url", help="a running vLLM worker's base URL")
+    prof.add_argument("--out", default="profile.json")
+    prof.add_argument("--model-dir", help="model directory (default: the worker's model root)")
+    prof.add_argument("--token-budget", type=int, default=None,
+                      help="the worker's max_num_batched_tokens (vLLM CPU default 2048)")
+    prof.add_argument("--transfer-json", help="KV transfer benchmark JSON (per-transport links)")
+    prof.add_argument("--no-tcp-probe", action="store_true")
+    prof.add_argument("--quick", action="store_true", help="a smaller measurement grid")
+    g = prof.add_argument_group("analytic (GPU) profile")
+    g.add_argument("--analytic", action="store_true")
+    g.add_argument("--model-config", help="HF config.json (or its directory)")
+    g.add_argument("--hardware", default="h100-sxm",
+                   choices=("a100-80g", "h100-sxm", "h200", "l40s"))
+    g.add_argument("--dtype-bytes", type=int, default=2)
+    g.add_argument("--flops", type=float, default=None, help="override peak FLOP/s")
+    g.add_argument("--mem-bw", type=float, default=None, help="override bytes/s")
+    g.add_argument("--memory-bytes", type=float, default=None)
+    g.add_argument("--link-bw", type=float, default=None, help="override P→D bytes/s")
+    prof.set_defaults(func=run_profile)
+
+    sim = sub.add_parser("sim", help="simulate a deployment on a workload")
+    _add_profile_arg(sim)
+    _add_deployment_args(sim)
+    add_workload_arguments(sim)
+    sim.add_argument("--out", help="result JSON (the benchmark's schema)")
+    sim.set_defaults(func=run_sim)
+    ssub = sim.add_subparsers(dest="sim_command")
+    val = ssub.add_parser("validate", help="measured vs simulated, per metric and load")
+    _add_profile_arg(val)
+    _add_deployment_args(val)
+    add_workload_arguments(val)
+    val.add_argument("--rates", type=_rates, default=(), help="load levels, e.g. 0.5,1,2")
+    val.add_argument("--url", help="a running deployment (default: start one plain worker)")
+    val.add_argument("--model-dir", help="model for the local worker (default: embedded)")
+    val.add_argument("--cpus", help="cores for the local worker, e.g. 1")
+    val.add_argument("--out", help="validation JSON")
+    val.set_defaults(func=run_validate)
+
+    pl = sub.add_parser("plan", help="colocated or disaggregated, and the best P:D")
+    _add_profile_arg(pl)
+    add_workload_arguments(pl)
+    pl.add_argument("--workers", type=int, required=True, help="worker budget")
+    pl.add_argument("--target", type=float, default=0.9, help="attainment target")
+    pl.add_argument("--token-budget", type=int, default=None, help="chunked baseline budget")
+    pl.add_argument("--transport", default=None)
+    pl.add_argument("--no-overlap", action="store_true")
+    pl.add_argument("--out-dir", default="plan")
+    pl.set_defaults(func=run_plan)

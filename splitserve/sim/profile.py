@@ -1,0 +1,287 @@
+"""`splitserve profile`: measure a running vLLM worker through its OpenAI API and fit the cost
+model (`model.py`).
+
+Requests go through the benchmark's streaming client (`splitserve.bench.client.run_stream`), so
+TTFT and inter-token gaps are measured exactly as the benchmark measures them, with random
+token-id prompts (no prefix-cache hits) and `ignore_eos`.
+
+- Prefill: one request at a time, `max_tokens=1`, over a grid of prompt lengths; TTFT is the
+  time of the whole prefill as a client sees it. With the worker's token budget, a prompt of l
+  tokens runs as ⌈l/budget⌉ chunks, so the fit is `TTFT = a·chunks + b·l + c·l²` — the
+  simulator's chunk cost summed over a prompt.
+- Decode: B concurrent requests with prompt L; in the window where all B are decoding (after the
+  last first token, before the first finish) every gap is one decode step at batch B and total
+  context ≈ B·(L + tokens so far). One row per (B, L) — medians — fitted to `a + b·ctx + c·B`.
+- KV capacity and the step budget come from the worker's `/metrics`
+  (`vllm:cache_config_info`) and the caller (vLLM does not expose `max_num_batched_tokens`).
+- Transfer: from the connector benchmark's JSON (`links_from_benchmark`), or a loopback TCP
+  probe of this host (`probe_loopback_tcp`), labelled as such.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import socket
+import statistics
+import threading
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+from splitserve.bench.client import ClientConfig, RequestRecord, run_stream
+from splitserve.bench.runsheet import hardware
+from splitserve.bench.workload import Request
+from splitserve.sim.model import (
+    DecodeCost,
+    Engine,
+    ModelShape,
+    PrefillCost,
+    Profile,
+    TransferLink,
+)
+
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8": 1, "fp8": 1}
+
+
+@dataclass(frozen=True)
+class ProfilePlan:
+    """What to measure. Lengths beyond the worker's max_model_len are dropped."""
+
+    prefill_lens: tuple[int, ...] = (16, 64, 256, 512, 1024, 1536, 2048, 3072)
+    prefill_repeats: int = 3
+    decode_batches: tuple[int, ...] = (1, 2, 4, 8, 16)
+    decode_prompt_lens: tuple[int, ...] = (32, 512, 1536)
+    decode_tokens: int = 32
+    token_budget: int = 2048
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if len(self.prefill_lens) < 3 or min(self.prefill_lens) < 1:
+            raise ValueError("need at least 3 positive prefill lengths to fit 3 parameters")
+        if len(self.decode_batches) * len(self.decode_prompt_lens) < 3:
+            raise ValueError("need at least 3 (batch, prompt) decode points")
+        if self.prefill_repeats < 1 or self.decode_tokens < 8 or self.token_budget < 1:
+            raise ValueError("prefill_repeats >= 1, decode_tokens >= 8, token_budget >= 1")
+
+
+def _prompt(rng: np.random.Generator, n: int) -> tuple[int, ...]:
+    return tuple(int(x) for x in rng.integers(10, 500, size=n))
+
+
+def _run(url: str, requests: list[Request], concurrency: int | None) -> list[RequestRecord]:
+    recs, _ = asyncio.run(run_stream(ClientConfig(url, run_tag="profile"), requests, [],
+                                     concurrency))
+    bad = [r for r in recs if not r.ok]
+    if bad:
+        raise RuntimeError(f"profiling request failed: {bad[0].error_cause}: {bad[0].error}")
+    return recs
+
+
+def chunk_features(length: int, budget: int) -> tuple[float, float, float]:
+    """(chunks, Σq, Σ(q² + 2pq)) for one prompt split by the token budget."""
+    chunks = math.ceil(length / budget)
+    return float(chunks), float(length), float(length) ** 2
+
+
+def _nnls3(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, float]:
+    """Least squares with non-negative coefficients (3 columns: try every active set)."""
+    best, best_err = np.zeros(x.shape[1]), float("inf")
+    for mask in range(1, 2 ** x.shape[1]):
+        cols = [i for i in range(x.shape[1]) if mask >> i & 1]
+        coef, *_ = np.linalg.lstsq(x[:, cols], y, rcond=None)
+        if np.any(coef < 0):
+            continue
+        full = np.zeros(x.shape[1])
+        full[cols] = coef
+        err = float(((x @ full - y) ** 2).sum())
+        if err < best_err:
+            best, best_err = full, err
+    ss = float(((y - y.mean()) ** 2).sum())
+    return best, (1 - best_err / ss) if ss > 0 else 1.0
+
+
+def fit_prefill(points: list[tuple[int, float]], budget: int) -> tuple[PrefillCost, float]:
+    x = np.array([chunk_features(n, budget) for n, _ in points])
+    coef, r2 = _nnls3(x, np.array([t for _, t in points]))
+    return PrefillCost(*map(float, coef)), r2
+
+
+def fit_decode(points: list[tuple[int, float, float]]) -> tuple[DecodeCost, float]:
+    """points: (batch, total context, step seconds)."""
+    x = np.array([[1.0, c, b] for b, c, _ in points])
+    coef, r2 = _nnls3(x, np.array([t for *_, t in points]))
+    return DecodeCost(*map(float, coef)), r2
+
+
+def measure_prefill(url: str, plan: ProfilePlan, max_len: int) -> list[tuple[int, float]]:
+    rng = np.random.default_rng(plan.seed)
+    lens = [n for n in plan.prefill_lens if n + 1 < max_len]
+    reqs = [Request(i, 0.0, _prompt(rng, n), 1)
+            for i, n in enumerate(n for n in lens for _ in range(plan.prefill_repeats))]
+    recs = _run(url, reqs, concurrency=1)
+    by_len: dict[int, list[float]] = {}
+    for req, rec in zip(reqs, recs, strict=True):
+        by_len.setdefault(req.input_len, []).append(rec.chunk_times[0] - rec.send_s)
+    return [(n, statistics.median(ts)) for n, ts in sorted(by_len.items())]
+
+
+def decode_window(recs: list[RequestRecord], prompt_len: int) -> tuple[float, float] | None:
+    """(median step seconds, median total context) in the all-decoding window."""
+    start = max(r.chunk_times[0] for r in recs)
+    end = min(r.chunk_times[-1] for r in recs)
+    gaps, ctxs = [], []
+    b = len(recs)
+    for r in recs:
+        for j in range(1, len(r.chunk_times)):
+            if r.chunk_times[j - 1] >= start and r.chunk_times[j] <= end:
+                gaps.append(r.chunk_times[j] - r.chunk_times[j - 1])
+                ctxs.append(b * (prompt_len + j))
+    if len(gaps) < 3:
+        return None
+    return statistics.median(gaps), statistics.median(ctxs)
+
+
+def measure_decode(url: str, plan: ProfilePlan, max_len: int) -> list[tuple[int, float, float]]:
+    rng = np.random.default_rng(plan.seed + 1)
+    rows = []
+    for L in plan.decode_prompt_lens:
+        if L + plan.decode_tokens + 1 > max_len:
+            continue
+        for b in plan.decode_batches:
+            reqs = [Request(i, 0.0, _prompt(rng, L), plan.decode_tokens) for i in range(b)]
+            got = decode_window(_run(url, reqs, concurrency=None), L)
+            if got is not None:
+                rows.append((b, got[1], got[0]))
+    return rows
+
+
+def worker_facts(url: str) -> dict[str, Any]:
+    """Engine version, served model (and its local path), max_model_len and KV capacity."""
+    base = url.rstrip("/")
+    with httpx.Client(timeout=30.0) as c:
+        version = c.get(f"{base}/version").json().get("version", "unknown")
+        model = c.get(f"{base}/v1/models").json()["data"][0]
+        metrics = c.get(f"{base}/metrics").text
+    facts: dict[str, Any] = {"version": version, "model": model["id"],
+                             "root": model.get("root"),
+                             "max_model_len": model.get("max_model_len") or 8192}
+    for line in metrics.splitlines():
+        if line.startswith("vllm:cache_config_info{"):
+            labels = dict(kv.split("=", 1) for kv in line[line.index("{") + 1:
+                                                          line.rindex("}")].split(","))
+            labels = {k: v.strip('"') for k, v in labels.items()}
+            facts["kv_capacity_tokens"] = (int(labels["num_gpu_blocks"])
+                                           * int(labels["block_size"]))
+    return facts
+
+
+def shape_from_config(model_dir: str | Path, name: str) -> ModelShape:
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    heads = cfg["num_attention_heads"]
+    return ModelShape(name=name, layers=cfg["num_hidden_layers"],
+                      kv_heads=cfg.get("num_key_value_heads", heads),
+                      head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+                      dtype_bytes=_DTYPE_BYTES.get(str(cfg.get("torch_dtype", "float32")), 4))
+
+
+def fit_link(samples: list[tuple[float, float]], source: str) -> TransferLink:
+    """time = bytes / bandwidth + latency, fitted to (bytes, seconds) samples."""
+    if len(samples) == 1:
+        nbytes, secs = samples[0]
+        return TransferLink(nbytes / secs, 0.0, source)
+    x = np.array([[b, 1.0] for b, _ in samples])
+    (inv_bw, lat), *_ = np.linalg.lstsq(x, np.array([s for _, s in samples]), rcond=None)
+    if inv_bw <= 0:
+        raise ValueError(f"{source}: transfer time does not grow with bytes; cannot fit")
+    return TransferLink(1.0 / inv_bw, max(0.0, float(lat)), source)
+
+
+def links_from_benchmark(path: str | Path) -> dict[str, TransferLink]:
+    """Per-transport links from a KV-transfer benchmark JSON: any objects carrying `transport`,
+    `bytes` and a duration (`duration_s`, `seconds` or `time_s`), anywhere in the document."""
+    samples: dict[str, list[tuple[float, float]]] = {}
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            dur = next((node[k] for k in ("duration_s", "seconds", "time_s") if k in node), None)
+            if "transport" in node and "bytes" in node and isinstance(dur, int | float):
+                samples.setdefault(str(node["transport"]), []).append(
+                    (float(node["bytes"]), float(dur)))
+            for v in node.values():
+                walk(v)
+        elif isinstance(node, list):
+            for v in node:
+                walk(v)
+
+    walk(json.loads(Path(path).read_text()))
+    if not samples:
+        raise ValueError(f"{path}: no (transport, bytes, duration_s) records found")
+    return {t: fit_link(s, f"benchmark {Path(path).name}") for t, s in samples.items()}
+
+
+def probe_loopback_tcp(sizes: tuple[int, ...] = (1 << 16, 1 << 20, 1 << 23)) -> TransferLink:
+    """Time sending buffers over a loopback TCP socket (this host's socket copy cost, not the
+    connector's own protocol) and fit bandwidth and latency."""
+    samples = []
+    with socket.create_server(("127.0.0.1", 0)) as srv:
+        port = srv.getsockname()[1]
+
+        def sink() -> None:
+            conn, _ = srv.accept()
+            with conn:
+                for n in sizes:
+                    got = 0
+                    while got < n:
+                        got += len(conn.recv(1 << 20))
+                    conn.sendall(b"k")
+
+        th = threading.Thread(target=sink, daemon=True)
+        th.start()
+        with socket.create_connection(("127.0.0.1", port)) as cli:
+            for n in sizes:
+                buf = bytes(n)
+                t0 = time.perf_counter()
+                cli.sendall(buf)
+                cli.recv(1)
+                samples.append((float(n), time.perf_counter() - t0))
+        th.join(timeout=10)
+    return fit_link(samples, "loopback TCP probe of this host (not the connector)")
+
+
+def profile_worker(url: str, plan: ProfilePlan, model_dir: str | None = None,
+                   transfer_json: str | None = None, probe_tcp: bool = True) -> Profile:
+    facts = worker_facts(url)
+    root = model_dir or facts.get("root")
+    if not root or not (Path(root) / "config.json").is_file():
+        raise ValueError("cannot find the model's config.json: pass --model-dir")
+    shape = shape_from_config(root, facts["model"])
+    max_len = int(facts["max_model_len"])
+    pre = measure_prefill(url, plan, max_len)
+    dec = measure_decode(url, plan, max_len)
+    prefill, r2p = fit_prefill(pre, plan.token_budget)
+    decode, r2d = fit_decode(dec)
+    links: dict[str, TransferLink] = {}
+    if probe_tcp:
+        links["tcp"] = probe_loopback_tcp()
+    if transfer_json:
+        links |= links_from_benchmark(transfer_json)
+    return Profile(
+        kind="measured", engine=Engine("vllm", str(facts["version"])), model=shape,
+        hardware=hardware() | {"measured_url": url}, prefill=prefill, decode=decode,
+        token_budget=plan.token_budget,
+        kv_capacity_tokens=int(facts.get("kv_capacity_tokens", 10**6)), transfer=links,
+        fit={"prefill_points": [[n, t] for n, t in pre], "prefill_r2": r2p,
+             "decode_points": [[b, c, t] for b, c, t in dec], "decode_r2": r2d,
+             "plan": {"prefill_lens": list(plan.prefill_lens),
+                      "decode_batches": list(plan.decode_batches),
+                      "decode_prompt_lens": list(plan.decode_prompt_lens),
+                      "decode_tokens": plan.decode_tokens}},
+        created=datetime.now(UTC).isoformat(timespec="seconds"),
+    )

@@ -1,0 +1,127 @@
+"""`splitserve sim validate`: run one workload for real and in simulation, at each load level,
+and report the error of every metric on its own (errors cannot cancel).
+
+The real side is the benchmark's runner (`splitserve.bench.runner.run_once`) against a running
+deployment (`--url`, e.g. one started by `splitserve serve`), or — for a single plain worker —
+a vLLM worker this command starts itself with `splitserve.worker.launch` and stops afterwards.
+Each real point is measured `repeats` times; the spread (min..max over repeats) is reported
+next to the error, and an error whose simulated value lies inside the measured min..max is
+marked as noise rather than a miss. The simulation replays the identical request stream (same
+spec, seed and rate).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from splitserve.bench.client import ClientConfig
+from splitserve.bench.runner import RunOptions, run_once
+from splitserve.bench.workload import WorkloadSpec
+from splitserve.sim.model import Profile
+from splitserve.sim.results import summarize
+from splitserve.sim.simulator import SimConfig, simulate
+from splitserve.sim.workload import arrays_from_spec
+
+METRICS = ("median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms", "median_tpot_ms",
+           "p99_tpot_ms", "request_throughput")
+
+
+@dataclass(frozen=True)
+class Point:
+    rate: float
+    metric: str
+    real: tuple[float, ...]  # one per repeat
+    sim: float
+
+    @property
+    def real_mean(self) -> float:
+        return sum(self.real) / len(self.real)
+
+    @property
+    def error(self) -> float:
+        return (self.sim - self.real_mean) / self.real_mean if self.real_mean else float("nan")
+
+    @property
+    def spread(self) -> float:
+        """Half the min..max range over repeats, relative to the mean."""
+        m = self.real_mean
+        return (max(self.real) - min(self.real)) / 2 / m if m else float("nan")
+
+    @property
+    def within_noise(self) -> bool:
+        return min(self.real) <= self.sim <= max(self.real)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"rate": self.rate, "metric": self.metric, "real": list(self.real),
+                "real_mean": self.real_mean, "sim": self.sim, "error": self.error,
+                "spread": self.spread, "within_noise": self.within_noise}
+
+
+def simulate_point(profile: Profile, cfg: SimConfig, spec: WorkloadSpec) -> dict[str, Any]:
+    return summarize(simulate(profile, cfg, arrays_from_spec(spec)), system="sim")
+
+
+def measure_point(url: str, spec: WorkloadSpec, repeats: int) -> list[dict[str, Any]]:
+    out = []
+    for i in range(repeats):
+        client = ClientConfig(url=url, run_tag=f"validate-{spec.arrival.rate:g}-r{i}")
+        out.append(asyncio.run(run_once(client, spec, "real", {"url": url}, {}, RunOptions())))
+    return out
+
+
+def compare(profile: Profile, cfg: SimConfig, spec: WorkloadSpec, rates: tuple[float, ...],
+            real: dict[float, list[dict[str, Any]]]) -> list[Point]:
+    points = []
+    for rate in rates:
+        sim = simulate_point(profile, cfg, spec.with_rate(rate))
+        for m in METRICS:
+            vals = tuple(float(r[m]) for r in real[rate] if r.get(m) is not None)
+            if vals and sim.get(m) is not None:
+                points.append(Point(rate, m, vals, float(sim[m])))
+    return points
+
+
+@contextlib.contextmanager
+def local_worker(model: str, cpus: tuple[int, ...] | None, token_budget: int,
+                 log_path: str | None = None) -> Iterator[str]:
+    """A plain vLLM worker (no connector) for the duration of the block; yields its URL."""
+    from splitserve.config import WorkerConfig
+    from splitserve.worker.launch import free_port, start_worker, wait_healthy
+
+    cfg = WorkerConfig(model=model, port=free_port(), cpus=cpus,
+                       max_num_batched_tokens=token_budget)
+    proc = start_worker(cfg, None, log_path=log_path)
+    try:
+        wait_healthy(cfg.url, proc)
+        yield cfg.url
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except Exception:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+
+
+def print_points(points: list[Point]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title="simulated vs measured (error = (sim − real mean) / real mean)")
+    for col in ("rate", "metric", "real mean", "real min..max", "sim", "error", "spread",
+                "verdict"):
+        t.add_column(col, justify="right")
+    for p in points:
+        verdict = "noise" if p.within_noise else ("ok" if abs(p.error) <= 0.10 else "MISS")
+        t.add_row(f"{p.rate:g}", p.metric, f"{p.real_mean:.3g}",
+                  f"{min(p.real):.3g}..{max(p.real):.3g}", f"{p.sim:.3g}", f"{p.error:+.1%}",
+                  f"±{p.spread:.1%}", verdict)
+    Console(width=max(Console().width, 110)).print(t)

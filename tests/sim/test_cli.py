@@ -1,0 +1,63 @@
+"""`splitserve profile --analytic`, `splitserve sim` and `splitserve plan` end to end."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from splitserve.cli import main
+from splitserve.sim.model import load_profile, save_profile
+from tests.sim.conftest import make_profile
+
+WORKLOAD = ["--num-prompts", "300", "--input-dist", "uniform", "--input-len", "200",
+            "--input-min", "50", "--input-max", "400", "--output-len", "30",
+            "--request-rate", "4", "--seed", "3"]
+
+
+def test_sim_writes_the_benchmark_schema(tmp_path: Path) -> None:
+    prof = tmp_path / "p.json"
+    save_profile(make_profile(), prof)
+    out = tmp_path / "r.json"
+    assert main(["sim", "--profile", str(prof), "--mode", "disagg", "--prefill", "1",
+                 "--decode", "2", *WORKLOAD, "--slo-ttft-ms", "500", "--slo-tpot-ms", "50",
+                 "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["schema"] == "splitserve.bench/1" and res["simulated"] is True
+    assert res["system"] == "sim:1P2D"
+    assert res["completed"] == 300 and res["total_output_tokens"] == 300 * 30
+    assert 0.0 <= res["slo_attainment"] <= 1.0
+    assert res["sim"]["workload"]["num_requests"] == 300
+
+
+def test_sim_refuses_a_profile_from_another_vllm(tmp_path: Path) -> None:
+    d = make_profile().to_dict() | {"kind": "measured"}
+    d["engine"]["version"] = "0.9.1"
+    prof = tmp_path / "old.json"
+    prof.write_text(json.dumps(d))
+    with pytest.raises(ValueError, match="0.9.1"):
+        main(["sim", "--profile", str(prof), *WORKLOAD])
+    assert main(["sim", "--profile", str(prof), "--accept-profile-mismatch", *WORKLOAD]) == 0
+
+
+def test_analytic_profile_and_plan(tmp_path: Path) -> None:
+    cfg = {"num_hidden_layers": 32, "hidden_size": 4096, "num_attention_heads": 32,
+           "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 14336,
+           "vocab_size": 128256}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    prof = tmp_path / "gpu.json"
+    assert main(["profile", "--analytic", "--model-config", str(tmp_path),
+                 "--hardware", "h100-sxm", "--out", str(prof)]) == 0
+    p = load_profile(prof, engine_version="0.32.0")
+    assert p.kind == "analytic" and p.hardware["note"].startswith("analytic")
+    assert p.model.kv_bytes_per_token == 2 * 32 * 8 * 128 * 2  # GQA-aware, not hidden_size
+    assert list(p.transfer) == ["rdma"]
+    out = tmp_path / "plan"
+    assert main(["plan", "--profile", str(prof), "--workers", "3", *WORKLOAD,
+                 "--slo-ttft-ms", "300", "--slo-tpot-ms", "40", "--out-dir", str(out)]) == 0
+    plan = json.loads((out / "plan.json").read_text())
+    labels = [c["label"] for c in plan["candidates"]]
+    assert labels == ["colocated", "chunked", "1P:2D", "2P:1D"]
+    assert plan["best"] in labels
+    assert (out / "plan.png").stat().st_size > 0
