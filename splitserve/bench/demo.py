@@ -17,8 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import signal
-import subprocess
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -26,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from splitserve.bench.client import ClientConfig
-from splitserve.bench.disagg import disagg_deployment
+from splitserve.bench.disagg import disagg_deployment, stop_process
 from splitserve.bench.report import print_summary, progress_bars, save_result, write_report
 from splitserve.bench.runner import RunOptions, run_bench
 from splitserve.bench.verdict import demo_verdict
@@ -74,18 +72,6 @@ def demo_arms(cores: tuple[int, ...] = (0, 1)) -> tuple[Arm, ...]:
     )
 
 
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
 @contextlib.contextmanager
 def colocated_worker(model: str, arm: Arm, log_dir: Path) -> Iterator[str]:
     """A plain vLLM worker (no connector) on the arm's cores; yields its URL."""
@@ -97,7 +83,7 @@ def colocated_worker(model: str, arm: Arm, log_dir: Path) -> Iterator[str]:
         wait_healthy(cfg.url, proc, timeout_s=180)
         yield cfg.url
     finally:
-        _stop(proc)
+        stop_process(proc)
 
 
 def deployment(model: str, arm: Arm, log_dir: Path) -> contextlib.AbstractContextManager[str]:

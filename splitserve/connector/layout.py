@@ -1,12 +1,14 @@
 """KV layouts: vLLM's paged CPU cache on one side, splitserve's staging layout on the other.
 
-Paged (vLLM CPU attention): one tensor per layer, `[num_blocks, kv_heads, block_size, 2*head_dim]`,
-viewed as `[num_blocks, kv_heads, 2, block_size, head_dim]`: within a block and head, K for the
-block's tokens comes first, then V (K and V split along the token axis).
+Paged (vLLM CPU attention, ISA "vec"/"vec16"): one tensor per layer,
+`[num_blocks, kv_heads, block_size, 2*head_dim]`. Within a block and head the first half holds
+K *dimension-major* (`[head_dim, block_size]`), the second half V token-major
+(`[block_size, head_dim]`). `verify_paged_layout` checks this against vLLM's own cache-write
+kernel at start-up, so a layout change in vLLM is a clear error, not wrong tokens.
 
-Staging (per transfer): layer-major; within a layer `[2, kv_heads, num_tokens, head_dim]`. Each
-(K/V, head) row is token-contiguous, so P and D need not share a block size, and a block's run of
-tokens is one contiguous piece on both sides (no gather copy before sending).
+Staging (per transfer): chunk-major, then layer-major. A chunk is the token range one prefill
+step computed; its region for one layer is `K [H, D, n]` then `V [H, n, D]` (token-contiguous
+rows, so P and D need not share a block size). `region_offset` gives where (layer, chunk) lives.
 """
 
 from __future__ import annotations
@@ -43,67 +45,107 @@ class KVShape:
         return layer * self.layer_bytes(num_tokens) + row * self.head_dim * self.elem_bytes
 
 
-def paged_view(kv_cache: torch.Tensor) -> torch.Tensor:
-    """`[num_blocks, H, block_size, 2*D]` -> `[num_blocks, H, 2, block_size, D]` (a view)."""
+BlockIds = list[int] | tuple[int, ...]
+
+
+def region_offset(shape: KVShape, start: int, end: int, layer: int) -> int:
+    """Byte offset of (layer, chunk [start, end)) in a transfer's staging region.
+
+    Valid because chunks partition [0, num_tokens) in order and every layer sees the same chunks.
+    """
+    return (start * shape.num_layers + layer * (end - start)) * shape.bytes_per_token_layer
+
+
+def paged_kv(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views K `[nb, H, D, bs]` and V `[nb, H, bs, D]` of one layer's paged cache."""
     nb, h, bs, d2 = kv_cache.shape
     if not kv_cache.is_contiguous() or d2 % 2:
         raise ValueError(f"unexpected paged KV layout {tuple(kv_cache.shape)}")
-    return kv_cache.view(nb, h, 2, bs, d2 // 2)
+    halves = kv_cache.view(nb, h, 2, bs * (d2 // 2))
+    return halves[:, :, 0].view(nb, h, d2 // 2, bs), halves[:, :, 1].view(nb, h, bs, d2 // 2)
 
 
-def block_runs(block_ids: list[int], block_size: int, start: int, end: int
-               ) -> list[tuple[int, int, int, int]]:
-    """Split tokens [start, end) by block: (block_id, offset_in_block, token, count)."""
-    runs = []
+def chunk_views(region: torch.Tensor, heads: int, head_dim: int, n: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A (layer, chunk) staging region (uint8) as K `[H, D, n]` and V `[H, n, D]`."""
+    half = region.numel() // 2
+    return region[:half].view(heads, head_dim, n), region[half:].view(heads, n, head_dim)
+
+
+def block_runs(block_ids: BlockIds, block_size: int, start: int, end: int
+               ) -> list[tuple[int, int, int, int, int]]:
+    """Split tokens [start, end) into runs: (first_block, n_blocks, offset, token, count).
+
+    A run is either a stretch of whole, consecutive block ids (offset 0, count = n_blocks * bs)
+    or a single partial block.
+    """
+    runs: list[tuple[int, int, int, int, int]] = []
     t = start
     while t < end:
         bi, off = divmod(t, block_size)
         n = min(block_size - off, end - t)
-        runs.append((block_ids[bi], off, t, n))
+        block = block_ids[bi]
+        whole = off == 0 and n == block_size
+        last = runs[-1] if runs else None
+        if (whole and last is not None and last[2] == 0 and last[4] == last[1] * block_size
+                and last[0] + last[1] == block and last[3] + last[4] == t):
+            runs[-1] = (last[0], last[1] + 1, 0, last[3], last[4] + n)
+        else:
+            runs.append((block, 1, off, t, n))
         t += n
     return runs
 
 
-def source_pieces(paged: torch.Tensor, block_ids: tuple[int, ...] | list[int], start: int,
-                  end: int) -> list[list[memoryview]]:
-    """Byte views of paged memory for tokens [start, end) of one layer, grouped by staging row.
+def copy_tokens(k_paged: torch.Tensor, v_paged: torch.Tensor, block_ids: BlockIds,
+                k_rows: torch.Tensor, v_rows: torch.Tensor, start: int, end: int, base: int,
+                to_paged: bool) -> None:
+    """Copy tokens [start, end) between paged blocks and token-contiguous rows.
 
-    `groups[kv * H + h]` lists the block runs of row (kv, h); concatenated they are exactly that
-    row's staging bytes for the token range. No data is copied.
+    `k_rows [H, D, n]` / `v_rows [H, n, D]` hold tokens [base, base + n). One strided copy per run
+    of whole consecutive blocks, one per partial block.
     """
-    _, heads, _, block_size, _ = paged.shape
-    flat = paged.view(torch.uint8)
-    runs = block_runs(list(block_ids), block_size, start, end)
-    return [
-        [memoryview(flat[block, h, kv, off:off + n].numpy()).cast("B") for block, off, _, n in runs]
-        for kv in range(2) for h in range(heads)
-    ]
+    bs = k_paged.shape[3]
+    for block, nblk, off, t, n in block_runs(block_ids, bs, start, end):
+        r = t - base
+        if nblk > 1 or (off == 0 and n == bs):
+            kp = k_paged[block:block + nblk].permute(1, 2, 0, 3)  # [H, D, nblk, bs]
+            vp = v_paged[block:block + nblk].permute(1, 0, 2, 3)  # [H, nblk, bs, D]
+            h, d = kp.shape[0], kp.shape[1]
+            kr = k_rows[:, :, r:r + n].reshape(h, d, nblk, bs)
+            vr = v_rows[:, r:r + n, :].reshape(h, nblk, bs, d)
+        else:
+            kp, vp = k_paged[block, :, :, off:off + n], v_paged[block, :, off:off + n, :]
+            kr, vr = k_rows[:, :, r:r + n], v_rows[:, r:r + n, :]
+        if to_paged:
+            kp.copy_(kr)
+            vp.copy_(vr)
+        else:
+            kr.copy_(kp)
+            vr.copy_(vp)
 
 
-def staging_rows(layer_region: torch.Tensor, heads: int, num_tokens: int) -> torch.Tensor:
-    """A layer's staging bytes as `[2, H, num_tokens, D]` of the KV dtype."""
-    return layer_region.view(2, heads, num_tokens, -1)
+def verify_paged_layout(kv_cache: torch.Tensor) -> None:
+    """Check `paged_kv` against vLLM's CPU cache-write kernel on a scratch cache."""
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-
-def scatter_into_paged(paged: torch.Tensor, rows: torch.Tensor, block_ids: list[int],
-                       start: int, end: int) -> None:
-    """Copy staged rows for tokens [start, end) into D's blocks (one layer).
-
-    `start` is block-aligned on D (local prefix hits are whole blocks), so whole blocks go in one
-    `index_copy_`, and only a trailing partial block is copied on its own.
-    """
-    block_size = paged.shape[3]
-    if start % block_size:
-        raise ValueError("load start must be block-aligned")
-    first = start // block_size
-    n_full = (end - start) // block_size
-    if n_full:
-        src = rows[:, :, start:start + n_full * block_size, :]
-        src = src.reshape(2, rows.shape[1], n_full, block_size, rows.shape[3]).permute(2, 1, 0, 3, 4)
-        idx = torch.tensor(block_ids[first:first + n_full], dtype=torch.long)
-        paged.index_copy_(0, idx, src)
-    tail_start = start + n_full * block_size
-    if tail_start < end:
-        n = end - tail_start
-        block = block_ids[tail_start // block_size]
-        paged[block, :, :, :n, :] = rows[:, :, tail_start:end, :].permute(1, 0, 2, 3)
+    _, h, bs, d2 = kv_cache.shape
+    d = d2 // 2
+    isa = _get_attn_isa(kv_cache.dtype, bs, d)
+    scratch = torch.zeros((2, h, bs, d2), dtype=kv_cache.dtype)
+    k_cache, v_cache = scratch.view(2, h, 2 * bs, d).chunk(2, dim=2)
+    n = min(5, bs)
+    key = torch.arange(n * h * d, dtype=torch.float32).view(n, h, d).to(kv_cache.dtype) + 1
+    value = -key
+    slots = torch.arange(bs, bs + n)
+    ops.cpu_attn_reshape_and_cache(key, value, k_cache, v_cache, slots, isa, k_scale=1.0,
+                                   v_scale=1.0, kv_cache_dtype="auto")
+    k_paged, v_paged = paged_kv(scratch)
+    k_rows = torch.empty((h, d, n), dtype=kv_cache.dtype)
+    v_rows = torch.empty((h, n, d), dtype=kv_cache.dtype)
+    copy_tokens(k_paged, v_paged, [0, 1], k_rows, v_rows, bs, bs + n, bs, to_paged=False)
+    k_ok = torch.equal(k_rows, key.permute(1, 2, 0))
+    if not (k_ok and torch.equal(v_rows, value.permute(1, 0, 2))):
+        raise RuntimeError(
+            f"vLLM's CPU KV cache layout (ISA {isa!r}, dtype {kv_cache.dtype}) is not the one "
+            "splitserve's connector reads; use --dtype float32 or the pinned vLLM release")

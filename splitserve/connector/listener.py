@@ -15,6 +15,7 @@ from typing import Any
 
 import xxhash
 
+from splitserve.connector.layout import region_offset
 from splitserve.connector.protocol import (
     Fingerprint,
     Op,
@@ -139,22 +140,16 @@ class KVListener:
                        body: dict[str, Any]) -> None:
         shape = staging.shape
         layer, start, end = int(body["layer"]), int(body["start"]), int(body["end"])
-        inline = bool(body.get("inline", True))
         valid = 0 <= layer < shape.num_layers and 0 <= start < end <= st.num_tokens
-        nbytes = int(body.get("nbytes", 0))
-        expected = (end - start) * shape.bytes_per_token_layer if valid else -1
-        if nbytes != expected:
+        nbytes = (end - start) * shape.bytes_per_token_layer
+        if not valid or int(body.get("nbytes", -1)) != nbytes:
             raise ProtocolError("LAYER frame does not match the transfer's shape")
-        row = (end - start) * shape.head_dim * shape.elem_bytes
-        digest = xxhash.xxh3_64()
-        for kv in range(2):
-            for h in range(shape.num_kv_heads):
-                view = staging.region(st, shape.row_offset(st.num_tokens, layer, kv, h, start),
-                                      row)
-                if inline:
-                    recv_exact_into(conn, view)
-                digest.update(view)
-        if digest.hexdigest() != body.get("checksum"):
+        if st.chunks.setdefault(start, end) != end:
+            raise ProtocolError("LAYER chunks overlap")
+        view = staging.region(st, region_offset(shape, start, end, layer), nbytes)
+        if body.get("inline", True):
+            recv_exact_into(conn, view)
+        if xxhash.xxh3_64_hexdigest(view) != body.get("checksum"):
             staging.fail(st, "checksum_mismatch")
             return
         staging.layer_received(st, layer, end - start)

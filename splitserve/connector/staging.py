@@ -109,6 +109,7 @@ class StagedTransfer:
     record: TransferRecord
     lease_deadline: float
     tokens_per_layer: list[int] = field(default_factory=list)
+    chunks: dict[int, int] = field(default_factory=dict)  # start -> end, as P computed them
     ended: bool = False
     claimed: bool = False
     writer_done: bool = False  # the pushing connection will not write again
@@ -117,8 +118,16 @@ class StagedTransfer:
 
     @property
     def complete(self) -> bool:
-        return self.ended and self.failed is None and all(
-            n == self.num_tokens for n in self.tokens_per_layer)
+        if not self.ended or self.failed is not None:
+            return False
+        if any(n != self.num_tokens for n in self.tokens_per_layer):
+            return False
+        t = 0
+        for s in sorted(self.chunks):  # chunks must tile [0, num_tokens) exactly
+            if s != t:
+                return False
+            t = self.chunks[s]
+        return t == self.num_tokens
 
 
 class StagingArea:
@@ -236,6 +245,11 @@ class StagingArea:
             del self._transfers[st.transfer_id]
             self._alloc.free(st.offset, st.nbytes)
             self._remember(st.transfer_id, self._done.get(st.transfer_id, status))
+
+    def _remember(self, transfer_id: str, status: str) -> None:
+        self._done[transfer_id] = status
+        while len(self._done) > 4 * 4096:
+            self._done.pop(next(iter(self._done)))
 
     def state(self) -> dict[str, int]:
         with self._lock:

@@ -18,15 +18,17 @@ from typing import Any
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+from vllm.logger import init_logger  # noqa: E402
 
 from splitserve.config import ConnectorConfig, load_token
 from splitserve.connector.faults import Faults
 from splitserve.connector.layout import (
     KVShape,
-    paged_view,
-    scatter_into_paged,
-    source_pieces,
-    staging_rows,
+    chunk_views,
+    copy_tokens,
+    paged_kv,
+    region_offset,
+    verify_paged_layout,
 )
 from splitserve.connector.listener import KVListener
 from splitserve.connector.protocol import Fingerprint, config_hash
@@ -36,6 +38,8 @@ from splitserve.connector.stats import ConnectorStats
 from splitserve.connector.transport.base import LayerItem, PushChannel, SendState
 from splitserve.connector.transport.shm import ShmPushChannel
 from splitserve.connector.transport.tcp import TcpPushChannel
+
+logger = init_logger(__name__)
 
 
 @dataclass
@@ -83,9 +87,15 @@ class WorkerSide:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         names = sorted(kv_caches, key=_layer_index)
         self._layers = {n: i for i, n in enumerate(names)}
-        self._paged = [paged_view(kv_caches[n]) for n in names]
-        _, heads, _, _, head_dim = self._paged[0].shape
-        self.shape = KVShape(len(names), heads, head_dim, self._paged[0].dtype)
+        first = kv_caches[names[0]]
+        verify_paged_layout(first)
+        self._paged = [paged_kv(kv_caches[n]) for n in names]
+        _, heads, _, head_dim = self._paged[0][1].shape
+        self.shape = KVShape(len(names), heads, head_dim, first.dtype)
+        logger.info("splitserve connector: role=%s transport=%s kv=%s:%d layers=%d kv_heads=%d "
+                    "head_dim=%d block_size=%d dtype=%s", self.cfg.role, self.cfg.transport,
+                    self.cfg.kv_host, self.cfg.kv_port, len(names), heads, head_dim,
+                    first.shape[2], first.dtype)
         self.fingerprint = Fingerprint(
             config_hash=config_hash(self._hf_config), dtype=str(self._dtype).replace("torch.", ""),
             num_layers=len(names), num_kv_heads=heads, head_dim=head_dim,
@@ -119,11 +129,8 @@ class WorkerSide:
         if key not in self._channels:
             assert self.shape is not None and self.fingerprint is not None
             cls = ShmPushChannel if self.cfg.transport == "shm" else TcpPushChannel
-            ch = cls(host, port, self._token, self.fingerprint, self.stats, self._faults,
-                     self.shape.num_layers, self.cfg.connect_timeout_s)
-            if isinstance(ch, ShmPushChannel):
-                ch.shape = self.shape
-            self._channels[key] = ch
+            self._channels[key] = cls(host, port, self._token, self.fingerprint, self.stats,
+                                      self._faults, self.shape, self.cfg.connect_timeout_s)
         return self._channels[key]
 
     # -- prefill side ------------------------------------------------------------------------
@@ -142,9 +149,8 @@ class WorkerSide:
                 send = self._sends[spec.request_id] = _Send(ch, state)
             if send.ended:
                 continue
-            groups = source_pieces(paged_view(kv_layer), spec.block_ids, spec.start, spec.end)
             send.channel.push_layer(LayerItem(spec.transfer_id, layer, spec.start, spec.end,
-                                              groups))
+                                              kv_layer, spec.block_ids))
 
     def wait_for_save(self, meta: SplitserveMeta) -> None:
         for spec in meta.saves:
@@ -168,13 +174,20 @@ class WorkerSide:
 
     def _copy_into_blocks(self, st: StagedTransfer, spec: LoadSpec) -> None:
         assert self.staging is not None and self.shape is not None
-        layer_bytes = self.shape.layer_bytes(st.num_tokens)
         seg = self.staging.segment.tensor
-        for layer, paged in enumerate(self._paged):
-            base = st.offset + layer * layer_bytes
-            region = seg[base:base + layer_bytes].view(self.shape.dtype)
-            rows = staging_rows(region, self.shape.num_kv_heads, st.num_tokens)
-            scatter_into_paged(paged, rows, spec.block_ids, spec.start, spec.end)
+        shape = self.shape
+        for start in sorted(st.chunks):
+            end = st.chunks[start]
+            lo = max(start, spec.start)
+            if lo >= end:
+                continue  # D already had these tokens in its prefix cache
+            nbytes = (end - start) * shape.bytes_per_token_layer
+            for layer, (k_paged, v_paged) in enumerate(self._paged):
+                base = st.offset + region_offset(shape, start, end, layer)
+                k_rows, v_rows = chunk_views(seg[base:base + nbytes].view(shape.dtype),
+                                             shape.num_kv_heads, shape.head_dim, end - start)
+                copy_tokens(k_paged, v_paged, spec.block_ids, k_rows, v_rows, lo, end, start,
+                            to_paged=True)
 
     def _poll_load(self, load: _Load, now: float) -> str | None:
         """None while waiting; "ok"; or a failure cause."""
@@ -235,7 +248,11 @@ class WorkerSide:
                 del self._loads[rid]
                 continue
             else:
-                result = self._poll_load(load, now)
+                try:
+                    result = self._poll_load(load, now)
+                except Exception:  # a connector fault fails this request, never the engine
+                    logger.exception("KV load for %s failed", rid)
+                    result = "internal_error"
             if result is None:
                 continue
             del self._loads[rid]

@@ -19,9 +19,11 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 import xxhash
 
 from splitserve.connector.faults import Faults
+from splitserve.connector.layout import KVShape, chunk_views, copy_tokens, paged_kv
 from splitserve.connector.protocol import (
     Fingerprint,
     Op,
@@ -50,36 +52,41 @@ class SendState:
 
 @dataclass(frozen=True)
 class LayerItem:
-    """One layer's KV for tokens [start, end): `groups[kv*H + h]` holds that row's pieces."""
+    """One layer's KV for tokens [start, end), still in P's paged blocks (held until settled)."""
 
     transfer_id: str
     layer: int
     start: int
     end: int
-    groups: list[list[memoryview]]
+    kv_layer: torch.Tensor
+    block_ids: tuple[int, ...]
+
+    def gather_into(self, shape: KVShape, region: torch.Tensor) -> None:
+        """Write this chunk's staging bytes (`K [H, D, n]`, `V [H, n, D]`) into `region`."""
+        k_paged, v_paged = paged_kv(self.kv_layer)
+        k_rows, v_rows = chunk_views(region.view(shape.dtype), shape.num_kv_heads,
+                                     shape.head_dim, self.end - self.start)
+        copy_tokens(k_paged, v_paged, self.block_ids, k_rows, v_rows, self.start, self.end,
+                    self.start, to_paged=False)
 
 
 Item = tuple[str, Any]  # ("begin", SendState) | ("layer", LayerItem) | ("end"|"abort", id)
 
 
-def checksum(groups: list[list[memoryview]]) -> str:
-    h = xxhash.xxh3_64()
-    for pieces in groups:
-        for p in pieces:
-            h.update(p)
-    return h.hexdigest()
+def checksum(data: memoryview) -> str:
+    return xxhash.xxh3_64_hexdigest(data)
 
 
 class PushChannel(ABC):
     """Pushes transfers to one D listener over one connection."""
 
     def __init__(self, host: str, port: int, token: str, fingerprint: Fingerprint,
-                 stats: ConnectorStats, faults: Faults, num_layers: int,
+                 stats: ConnectorStats, faults: Faults, shape: KVShape,
                  connect_timeout_s: float, begin_timeout_s: float = 5.0) -> None:
         self.host, self.port = host, port
         self._token, self._fingerprint = token, fingerprint
         self._stats, self._faults = stats, faults
-        self._num_layers = num_layers
+        self.shape = shape
         self._connect_timeout_s = connect_timeout_s
         self._begin_timeout_s = begin_timeout_s
         self._queue: queue.SimpleQueue[Item | None] = queue.SimpleQueue()
@@ -153,8 +160,8 @@ class PushChannel(ABC):
         """Prepare the payload path once the handshake succeeded (e.g. map D's segment)."""
 
     @abstractmethod
-    def write_payload(self, sock: socket.socket, st: SendState, item: LayerItem) -> int:
-        """Deliver the layer's bytes into D's staging; return the payload bytes sent inline."""
+    def write_payload(self, sock: socket.socket, st: SendState, item: LayerItem) -> None:
+        """Deliver the chunk's bytes into D's staging region and send its LAYER frame."""
 
     # -- the sender thread -------------------------------------------------------------------
     def _ensure_connected(self) -> socket.socket:
@@ -212,7 +219,7 @@ class PushChannel(ABC):
         elif kind == "layer":
             if st.offset < 0 or self._faults.drop(st.transfer_id):
                 return
-            if self._faults.skip_layer(st.transfer_id, payload.layer, self._num_layers):
+            if self._faults.skip_layer(st.transfer_id, payload.layer, self.shape.num_layers):
                 return
             if delay := self._faults.delay_s(st.transfer_id):
                 time.sleep(delay)
@@ -224,12 +231,12 @@ class PushChannel(ABC):
         elif kind == "abort" and self._sock is not None and st.offset >= 0:
             send_frame(self._sock, Op.ABORT, {"transfer_id": st.transfer_id})
 
-    def layer_header(self, item: LayerItem, nbytes: int) -> dict[str, Any]:
-        digest = checksum(item.groups)
+    def layer_header(self, item: LayerItem, payload: memoryview) -> dict[str, Any]:
+        digest = checksum(payload)
         if self._faults.corrupt_layer(item.transfer_id, item.layer):
             digest = format(int(digest, 16) ^ 1, "016x")
         return {"transfer_id": item.transfer_id, "layer": item.layer, "start": item.start,
-                "end": item.end, "nbytes": nbytes, "checksum": digest}
+                "end": item.end, "nbytes": len(payload), "checksum": digest}
 
     def _reply_loop(self, sock: socket.socket) -> None:
         try:

@@ -1,41 +1,31 @@
-"""tcp transport: the layer's bytes follow its LAYER frame on the socket, straight from P's
-paged KV memory (scatter-gather `sendmsg`, no gather copy); D `recv_into`s its staging region."""
+"""tcp transport: P gathers the chunk's rows from its blocks into a reusable send buffer (one
+copy) and sends them right after the LAYER frame; D `recv_into`s its staging region."""
 
 from __future__ import annotations
 
+import json
 import socket
 from typing import Any
+
+import torch
 
 from splitserve.connector.protocol import HEADER, MAGIC, Op
 from splitserve.connector.transport.base import LayerItem, PushChannel, SendState
 
-IOV_MAX = 512
-
-
-def sendmsg_all(sock: socket.socket, buffers: list[memoryview]) -> None:
-    """Send every buffer in order, handling partial sends."""
-    i = 0
-    while i < len(buffers):
-        batch = buffers[i:i + IOV_MAX]
-        sent = sock.sendmsg(batch)
-        for buf in batch:
-            if sent >= len(buf):
-                sent -= len(buf)
-                i += 1
-            else:
-                buffers[i] = buf[sent:]
-                break
-
 
 class TcpPushChannel(PushChannel):
+    _buffer: torch.Tensor | None = None
+
     def on_connected(self, staging_info: dict[str, Any]) -> None:
         return None
 
-    def write_payload(self, sock: socket.socket, st: SendState, item: LayerItem) -> int:
-        import json
-
-        nbytes = sum(len(p) for pieces in item.groups for p in pieces)
-        body = json.dumps(self.layer_header(item, nbytes), separators=(",", ":")).encode()
-        frame = memoryview(HEADER.pack(MAGIC, int(Op.LAYER), len(body)) + body)
-        sendmsg_all(sock, [frame] + [p for pieces in item.groups for p in pieces])
-        return nbytes
+    def write_payload(self, sock: socket.socket, st: SendState, item: LayerItem) -> None:
+        nbytes = (item.end - item.start) * self.shape.bytes_per_token_layer
+        if self._buffer is None or self._buffer.numel() < nbytes:
+            self._buffer = torch.empty(max(nbytes, 1 << 20), dtype=torch.uint8)
+        region = self._buffer[:nbytes]
+        item.gather_into(self.shape, region)
+        payload = memoryview(region.numpy())
+        body = json.dumps(self.layer_header(item, payload), separators=(",", ":")).encode()
+        sock.sendall(HEADER.pack(MAGIC, int(Op.LAYER), len(body)) + body)
+        sock.sendall(payload)

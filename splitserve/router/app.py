@@ -1,0 +1,411 @@
+"""The router's HTTP surface: OpenAI endpoints, health, metrics, workers, admin.
+
+`create_app(cfg, token, api_key)` builds one self-contained app: its HTTP client, registry,
+metrics and tokenizer live in `RouterState`, created at startup and closed at shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from splitserve.router.config import RouterConfig
+from splitserve.router.flow import Flow, Timings, UpstreamError
+from splitserve.router.formats import DONE, Joiner, error_body, sse, sse_comment
+from splitserve.router.health import Registry
+from splitserve.router.metrics import RouterMetrics
+from splitserve.router.params import Kind, RequestError, plan_legs, unsplittable_reason, validate
+from splitserve.router.policy import NoWorker, Picker
+
+log = logging.getLogger("splitserve.router")
+T = TypeVar("T")
+RID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+TIMINGS_HEADER = "X-Splitserve-Timings"
+
+
+class ClientGone(Exception):
+    """The client disconnected before the response started."""
+
+
+@dataclass
+class RouterState:
+    cfg: RouterConfig
+    token: str | None
+    api_key: str | None
+    client: httpx.AsyncClient
+    registry: Registry
+    metrics: RouterMetrics
+    flow: Flow
+    model: dict[str, Any]
+    tokenizer: Any
+    inflight: int = 0
+
+
+def kv_bytes_per_token(model_dir: str | None) -> int:
+    """2 x layers x KV heads x head_dim x 4 bytes (float32: an upper bound), 0 if unknown."""
+    try:
+        cfg = json.loads((Path(model_dir or "") / "config.json").read_text())
+        heads = cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        return 2 * cfg["num_hidden_layers"] * cfg.get("num_key_value_heads", heads) * head_dim * 4
+    except (OSError, KeyError, ValueError, TypeError):
+        return 0
+
+
+def error_response(exc: RequestError | UpstreamError | NoWorker, rid: str) -> JSONResponse:
+    headers = {"X-Request-Id": rid}
+    if isinstance(exc, RequestError):
+        return JSONResponse(error_body(exc.message, exc.err_type, exc.param, exc.status),
+                            exc.status, headers=headers)
+    if isinstance(exc, UpstreamError):
+        return JSONResponse(exc.body, exc.status, headers=headers)
+    return JSONResponse(error_body(str(exc), "ServiceUnavailableError", None, 503), 503,
+                        headers=headers | {"Retry-After": "1"})
+
+
+async def until_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def cancellable(request: Request, work: Awaitable[T]) -> T:
+    """Run `work`, cancelling it (and so aborting its open leg) if the client goes away."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(until_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+        raise ClientGone()
+    return task.result()
+
+
+def create_app(cfg: RouterConfig, token: str | None, api_key: str | None = None,
+               startup_timeout_s: float = 300.0) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        client = httpx.AsyncClient(
+            timeout=httpx.Timeout(cfg.request_timeout_s, connect=cfg.connect_timeout_s),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+        registry = Registry(cfg, client, token)
+        deadline = time.monotonic() + startup_timeout_s
+        while True:
+            try:
+                model = await registry.model()
+                break
+            except RuntimeError:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.5)
+        await registry.check_all()
+        model_dir = cfg.model_dir or model.get("root")
+        tokenizer = await asyncio.to_thread(_load_tokenizer, model_dir)
+        metrics = RouterMetrics()
+        flow = Flow(cfg, registry, Picker(cfg.prefill_policy, cfg.decode_policy), metrics,
+                    client, model["id"], kv_bytes_per_token(model_dir))
+        app.state.router = RouterState(cfg, token, api_key, client, registry, metrics, flow,
+                                       model, tokenizer)
+        health = asyncio.create_task(registry.run())
+        log.info("router on %s:%d serving %s", cfg.host, cfg.port, model["id"])
+        try:
+            yield
+        finally:
+            health.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await health
+            await client.aclose()
+
+    app = FastAPI(title="splitserve router", lifespan=lifespan)
+
+    def state(request: Request) -> RouterState:
+        return request.app.state.router  # type: ignore[no-any-return]
+
+    def request_id(request: Request) -> str:
+        rid = request.headers.get("x-request-id", "")
+        return rid if RID_RE.match(rid) else uuid.uuid4().hex
+
+    def authorized(request: Request, secret: str | None) -> bool:
+        return secret is not None and request.headers.get("authorization") == f"Bearer {secret}"
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await serve_request(state(request), request, "completion")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await serve_request(state(request), request, "chat")
+
+    async def serve_request(st: RouterState, request: Request, kind: Kind) -> Response:
+        rid = request_id(request)
+        if st.api_key and not authorized(request, st.api_key):
+            return JSONResponse(error_body("invalid API key", "AuthenticationError", None, 401),
+                                401, headers={"X-Request-Id": rid})
+        if st.inflight >= st.cfg.max_inflight:
+            st.metrics.requests.labels(kind, "-", "rejected").inc()
+            return JSONResponse(error_body("the router is at capacity", "RateLimitError", None,
+                                           429), 429,
+                                headers={"X-Request-Id": rid, "Retry-After": "1"})
+        st.inflight += 1
+        st.metrics.inflight.inc()
+        handed_off = False
+        mode = "-"
+        try:
+            try:
+                body = validate(json.loads(await request.body()), kind, st.model["id"])
+            except json.JSONDecodeError as exc:
+                raise RequestError(f"invalid JSON body: {exc}") from exc
+            mode = choose_mode(st, body, kind)
+            t = Timings(mode=mode)
+            if mode == "split":
+                response = await split(st, request, body, kind, rid, t)
+            else:
+                response = await whole(st, request, body, kind, rid, t)
+            if isinstance(response, StreamingResponse):
+                handed_off = True  # the stream's own `finally` closes the books
+            else:
+                finish(st, kind, mode, "ok" if response.status_code < 400 else "error", t)
+            return response
+        except (RequestError, UpstreamError, NoWorker) as exc:
+            st.metrics.requests.labels(kind, mode, "error").inc()
+            return error_response(exc, rid)
+        except ClientGone:
+            st.metrics.requests.labels(kind, mode, "cancelled").inc()
+            return Response(status_code=499)
+        finally:
+            if not handed_off:
+                st.inflight -= 1
+                st.metrics.inflight.dec()
+
+    def finish(st: RouterState, kind: str, mode: str, outcome: str, t: Timings) -> None:
+        t.end = time.monotonic()
+        st.metrics.requests.labels(kind, mode, outcome).inc()
+        if outcome == "ok":
+            st.metrics.observe_timings(t.as_dict())
+
+    def choose_mode(st: RouterState, body: dict[str, Any], kind: Kind) -> str:
+        reg = st.registry
+        split_ready = bool(reg.routable("prefill") and reg.routable("decode"))
+        if not split_ready:
+            if not (reg.routable("colocated") or reg.routable("decode")):
+                raise NoWorker("prefill/decode or colocated")
+            return "whole"
+        reason = unsplittable_reason(body, kind)
+        if reason is None:
+            return "split"
+        if st.cfg.unsplittable == "refuse":
+            raise RequestError(
+                f"parameter `{reason}` cannot be honoured exactly when prefill and decode run "
+                "on different workers; remove it, or start the router with "
+                "--unsplittable whole", reason)
+        return "whole"
+
+    async def split(st: RouterState, request: Request, body: dict[str, Any], kind: Kind,
+                    rid: str, t: Timings) -> Response:
+        if kind == "chat":
+            prompt: str | list[int] = render_chat(st, body)
+        else:
+            prompt = body["prompt"]
+        legs = plan_legs(body, kind, prompt)
+        pre = await cancellable(request, st.flow.prefill(legs, rid, t))
+        joiner = Joiner(legs, rid, st.model["id"])
+        start = joiner.start(pre.prompt_ids, pre.fingerprint)
+        first = joiner.tokens(pre.t1_text, pre.t1_ids, pre.finish_reason, pre.stop_reason)
+        if not legs.stream:
+            t.first_sent = time.monotonic()
+            if pre.decode is not None:
+                await cancellable(request, drain(st.flow.decode(legs, rid, pre, joiner, t)))
+            await st.flow.transfer_record(t)
+            t.end = time.monotonic()
+            return JSONResponse(joiner.response(), headers={
+                "X-Request-Id": rid, TIMINGS_HEADER: json.dumps(t.as_dict())})
+
+        async def events() -> AsyncIterator[bytes]:
+            outcome = "cancelled"
+            try:
+                t.first_sent = time.monotonic()
+                yield b"".join(sse(ev) for ev in (*start, first))
+                if pre.decode is not None:
+                    async for chunk in st.flow.decode(legs, rid, pre, joiner, t):
+                        if t.t2_sent is None:
+                            t.t2_sent = time.monotonic()
+                        yield sse(chunk)
+                for ev in joiner.end():
+                    yield sse(ev)
+                await st.flow.transfer_record(t)
+                t.end = time.monotonic()
+                yield sse_comment("splitserve-timings", t.as_dict())
+                yield DONE
+                outcome = "ok"
+            except (UpstreamError, NoWorker) as exc:
+                outcome = "error"
+                err = exc.body if isinstance(exc, UpstreamError) else error_body(
+                    str(exc), "ServiceUnavailableError", None, 503)
+                yield sse(err)
+                yield DONE
+            finally:
+                finish(st, kind, "split", outcome, t)
+                st.inflight -= 1
+                st.metrics.inflight.dec()
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"X-Request-Id": rid})
+
+    async def whole(st: RouterState, request: Request, body: dict[str, Any], kind: Kind,
+                    rid: str, t: Timings) -> Response:
+        path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+        r, w = await cancellable(request, st.flow.whole_open(path, body, rid, t))
+        headers = {"X-Request-Id": rid}
+        if not body.get("stream") or r.status_code != 200:
+            try:
+                content = await cancellable(request, r.aread())
+            finally:
+                await r.aclose()
+                w.release()
+            t.first_sent = time.monotonic()
+            return Response(content, r.status_code, headers=headers,
+                            media_type=r.headers.get("content-type"))
+
+        async def relay() -> AsyncIterator[bytes]:
+            outcome = "cancelled"
+            try:
+                async for raw in r.aiter_raw():
+                    if t.first_sent is None:
+                        t.first_sent = time.monotonic()
+                    yield raw
+                outcome = "ok"
+            except httpx.HTTPError as exc:
+                outcome = "error"
+                yield sse(error_body(f"worker stream failed: {exc}", "UpstreamError", None, 502))
+                yield DONE
+            finally:
+                await r.aclose()
+                w.release()
+                finish(st, kind, "whole", outcome, t)
+                st.inflight -= 1
+                st.metrics.inflight.dec()
+
+        return StreamingResponse(relay(), media_type="text/event-stream", headers=headers)
+
+    # --- everything else --------------------------------------------------------------------
+    @app.get("/v1/models")
+    async def models(request: Request) -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [state(request).model]})
+
+    @app.get("/health")
+    async def health(request: Request) -> Response:
+        reg = state(request).registry
+        ok = bool(reg.routable("prefill") and reg.routable("decode")) or bool(
+            reg.routable("colocated"))
+        return Response(status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        return Response(generate_latest(state(request).metrics.registry),
+                        media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/workers")
+    async def workers(request: Request) -> JSONResponse:
+        return JSONResponse({"workers": [w.describe() for w in
+                                         state(request).registry.workers.values()]})
+
+    async def admin_body(request: Request) -> dict[str, Any] | JSONResponse:
+        st = state(request)
+        if not authorized(request, st.token):
+            return JSONResponse(error_body("the admin endpoint needs the deployment token",
+                                           "AuthenticationError", None, 401), 401)
+        try:
+            body = json.loads(await request.body())
+            if not isinstance(body, dict) or not isinstance(body.get("url"), str):
+                raise ValueError("expected {\"url\": ...}")
+            return body
+        except ValueError as exc:
+            return JSONResponse(error_body(str(exc), param="url"), 400)
+
+    @app.post("/admin/workers")
+    async def add_worker(request: Request) -> JSONResponse:
+        body = await admin_body(request)
+        if isinstance(body, JSONResponse):
+            return body
+        reg = state(request).registry
+        try:
+            worker = reg.add(body["url"], str(body.get("role", "")))
+        except ValueError as exc:
+            return JSONResponse(error_body(str(exc), param="url"), 400)
+        await reg.check(worker)
+        return JSONResponse(worker.describe(), 201)
+
+    @app.post("/admin/workers/drain")
+    async def drain_worker(request: Request) -> JSONResponse:
+        body = await admin_body(request)
+        if isinstance(body, JSONResponse):
+            return body
+        worker = state(request).registry.workers.get(body["url"].rstrip("/"))
+        if worker is None:
+            return JSONResponse(error_body("unknown worker", "NotFoundError", "url", 404), 404)
+        worker.draining = not body.get("undrain", False)
+        return JSONResponse(worker.describe())
+
+    @app.post("/admin/workers/remove")
+    async def remove_worker(request: Request) -> JSONResponse:
+        body = await admin_body(request)
+        if isinstance(body, JSONResponse):
+            return body
+        reg = state(request).registry
+        if body["url"].rstrip("/") not in reg.workers:
+            return JSONResponse(error_body("unknown worker", "NotFoundError", "url", 404), 404)
+        try:
+            worker = await reg.remove(body["url"])
+        except TimeoutError:
+            return JSONResponse(error_body("worker still busy after the drain timeout",
+                                           "TimeoutError", "url", 504), 504)
+        return JSONResponse(worker.describe() | {"removed": True})
+
+    return app
+
+
+async def drain(gen: AsyncIterator[Any]) -> None:
+    async for _ in gen:
+        pass
+
+
+def _load_tokenizer(model_dir: str | None) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir) if model_dir else None
+
+
+def render_chat(st: RouterState, body: dict[str, Any]) -> list[int]:
+    """The chat prompt as token ids, rendered once with the model's chat template."""
+    if st.tokenizer is None:
+        raise RequestError("chat needs the model's tokenizer; start the router with --model",
+                           "messages")
+    kwargs = dict(body.get("chat_template_kwargs") or {})
+    try:
+        ids = st.tokenizer.apply_chat_template(
+            body["messages"], tokenize=True,
+            add_generation_prompt=body.get("add_generation_prompt", True),
+            continue_final_message=body.get("continue_final_message", False), **kwargs)
+    except Exception as exc:  # the template is user-supplied code: report, don't crash
+        raise RequestError(f"cannot apply the chat template: {exc}", "messages") from exc
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return [int(i) for i in ids]

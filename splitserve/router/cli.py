@@ -1,0 +1,84 @@
+"""`splitserve router`: the OpenAI-compatible front door over P/D (or colocated) workers.
+
+The deployment token comes from `SPLITSERVE_TOKEN` or `SPLITSERVE_TOKEN_FILE`; an optional API key
+for clients from `SPLITSERVE_API_KEY`. Neither is ever a command-line argument.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from splitserve.config import load_token
+from splitserve.router.config import (
+    DECODE_POLICIES,
+    PREFILL_POLICIES,
+    UNSPLITTABLE_MODES,
+    RouterConfig,
+)
+
+API_KEY_ENV = "SPLITSERVE_API_KEY"
+
+
+def add_router_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prefill", nargs="+", default=[], metavar="URL", help="prefill workers")
+    p.add_argument("--decode", nargs="+", default=[], metavar="URL", help="decode workers")
+    p.add_argument("--colocated", nargs="+", default=[], metavar="URL",
+                   help="colocated workers (plain load balancing; also run unsplittable requests)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--model", default=None,
+                   help="model directory for the chat template (default: the workers' model)")
+    p.add_argument("--prefill-policy", choices=PREFILL_POLICIES, default="load")
+    p.add_argument("--decode-policy", choices=DECODE_POLICIES, default="load")
+    p.add_argument("--unsplittable", choices=UNSPLITTABLE_MODES, default="whole",
+                   help="requests the two-leg flow cannot honour exactly: run whole on one "
+                        "worker, or refuse with 400")
+    p.add_argument("--health-interval", type=float, default=1.0, help="seconds between checks")
+    p.add_argument("--max-inflight", type=int, default=4096, help="429 above this many requests")
+    p.add_argument("--log-level", default="info")
+
+
+def config_from_args(args: argparse.Namespace) -> RouterConfig:
+    return RouterConfig(
+        prefill=tuple(args.prefill), decode=tuple(args.decode), colocated=tuple(args.colocated),
+        host=args.host, port=args.port, model_dir=args.model,
+        prefill_policy=args.prefill_policy, decode_policy=args.decode_policy,
+        unsplittable=args.unsplittable, health_interval_s=args.health_interval,
+        max_inflight=args.max_inflight,
+    )
+
+
+def serve(cfg: RouterConfig, token: str | None, api_key: str | None,
+          log_level: str = "info") -> None:
+    import uvicorn
+
+    from splitserve.router.app import create_app
+
+    logging.basicConfig(level=log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    uvicorn.run(create_app(cfg, token, api_key), host=cfg.host, port=cfg.port,
+                log_level=log_level, access_log=False)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        cfg = config_from_args(args)
+    except ValueError as exc:
+        print(f"splitserve router: {exc}", file=sys.stderr)
+        return 2
+    token = load_token(required=False)
+    if cfg.prefill and not token:
+        print("splitserve router: no deployment token (SPLITSERVE_TOKEN or SPLITSERVE_TOKEN_FILE):"
+              " workers' KV endpoints cannot be read, so D will recompute every prompt",
+              file=sys.stderr)
+    serve(cfg, token, os.environ.get(API_KEY_ENV) or None, args.log_level)
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("router", help="the OpenAI-compatible router over P/D workers")
+    add_router_arguments(p)
+    p.set_defaults(func=run)

@@ -1,0 +1,320 @@
+"""The two legs, and the unsplit path.
+
+Split: P gets the prompt with `max_tokens: 1` and `kv_transfer_params` naming the transfer and
+the chosen D; t1 goes to the client the moment P answers; D gets prompt + [t1] and streams the
+rest. A request that finishes at t1 never touches D. Retries: P on another P with a fresh
+transfer id before t1; D, if it fails before finishing, is resumed on another D with prompt +
+every token already produced (recomputed there, so nothing stale is read), and the client sees
+one unbroken stream. Closing a leg's HTTP stream aborts that request in vLLM, so cancelling the
+client's task aborts whichever leg is open.
+
+Whole: one worker runs the original request unchanged (colocated pools, and requests whose
+parameters the seeded flow cannot honour).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from splitserve.router.config import RouterConfig
+from splitserve.router.formats import Joiner
+from splitserve.router.health import Registry, Worker
+from splitserve.router.metrics import RouterMetrics
+from splitserve.router.params import Legs, decode_body, prefill_body
+from splitserve.router.policy import Picker
+
+log = logging.getLogger("splitserve.router")
+RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+
+
+class UpstreamError(Exception):
+    """A leg ended in an error that is the answer (a 4xx from vLLM, or retries exhausted)."""
+
+    def __init__(self, status: int, body: dict[str, Any]) -> None:
+        super().__init__(str(body))
+        self.status = status
+        self.body = body
+
+
+class LegFailed(Exception):
+    """A worker-side failure worth a retry elsewhere."""
+
+    def __init__(self, cause: str, detail: str, status: int = 502) -> None:
+        super().__init__(f"{cause}: {detail}")
+        self.cause = cause
+        self.status = status
+
+
+def upstream_body(r: httpx.Response) -> dict[str, Any]:
+    try:
+        body = r.json()
+        if isinstance(body, dict) and "error" in body:
+            return body
+    except ValueError:
+        pass
+    return {"error": {"message": r.text[:500] or f"worker answered {r.status_code}",
+                      "type": "UpstreamError", "param": None, "code": r.status_code}}
+
+
+@dataclass
+class Timings:
+    """One request's clock (monotonic seconds) and transfer record."""
+
+    received: float = field(default_factory=time.monotonic)
+    mode: str = "split"
+    prefill_url: str | None = None
+    decode_url: str | None = None
+    transfer_id: str | None = None
+    p_sent: float | None = None
+    p_sent_wall: float | None = None
+    t1_back: float | None = None
+    first_sent: float | None = None
+    d_sent: float | None = None
+    d_first: float | None = None
+    t2_sent: float | None = None
+    end: float | None = None
+    retries: int = 0
+    kv: dict[str, Any] | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        def gap(a: float | None, b: float | None) -> float | None:
+            return None if a is None or b is None else round(b - a, 6)
+
+        out: dict[str, Any] = {
+            "mode": self.mode, "prefill": self.prefill_url, "decode": self.decode_url,
+            "transfer_id": self.transfer_id, "retries": self.retries,
+            "p_leg_s": gap(self.p_sent, self.t1_back),
+            "ttft_s": gap(self.received, self.first_sent),
+            "handover_s": gap(self.first_sent, self.t2_sent),
+            "d_queue_s": gap(self.d_sent, self.d_first),
+            "e2e_s": gap(self.received, self.end),
+        }
+        kv = self.kv or {}
+        if kv:
+            out.update(kv_bytes=kv.get("bytes"), kv_transfer_s=kv.get("duration_s"),
+                       kv_gbps=kv.get("gbps"), kv_load_s=kv.get("load_s"),
+                       kv_status=kv.get("status"))
+            first = kv.get("first_byte_s")
+            if isinstance(first, int | float) and self.p_sent_wall is not None:
+                out["p_queue_s"] = round(first - self.p_sent_wall, 6)
+        return out
+
+
+@dataclass
+class Prefilled:
+    prompt_ids: list[int]
+    t1_text: str
+    t1_ids: list[int]
+    finish_reason: str | None
+    stop_reason: int | str | None
+    fingerprint: str | None
+    decode: Worker | None  # the D the KV went to (None when the request ended at t1)
+    kv: dict[str, Any] | None  # D's leg of kv_transfer_params, None when no KV moved
+
+
+class Flow:
+    def __init__(self, cfg: RouterConfig, registry: Registry, picker: Picker,
+                 metrics: RouterMetrics, client: httpx.AsyncClient, model: str,
+                 kv_bytes_per_token: int) -> None:
+        self.cfg = cfg
+        self.registry = registry
+        self.picker = picker
+        self.metrics = metrics
+        self.client = client
+        self.model = model
+        self.kv_bytes_per_token = kv_bytes_per_token
+
+    async def _backoff(self, attempt: int) -> None:
+        base = min(self.cfg.retry_backoff_s * 1.5**attempt, self.cfg.retry_backoff_max_s)
+        await asyncio.sleep(base * random.uniform(0.8, 1.2))
+
+    def _fail(self, worker: Worker, leg: str, exc: Exception) -> None:
+        cause = exc.cause if isinstance(exc, LegFailed) else type(exc).__name__
+        self.metrics.failures.labels(leg, cause).inc()
+        if not (isinstance(exc, LegFailed) and exc.status == 429):  # back-pressure, not failure
+            self.registry.failed(worker, str(exc))
+        log.warning("%s leg on %s failed: %s", leg, worker.url, exc)
+
+    # --- P ----------------------------------------------------------------------------------
+    async def prefill(self, legs: Legs, rid: str, t: Timings) -> Prefilled:
+        prompt_len = (len(legs.prompt) if isinstance(legs.prompt, list)
+                      else len(legs.prompt) // 4 + 1)
+        tried: set[str] = set()
+        last: Exception | None = None
+        for attempt in range(self.cfg.prefill_retries + 1):
+            if attempt:
+                t.retries += 1
+                self.metrics.retries.labels("prefill").inc()
+                await self._backoff(attempt - 1)
+            pool = [w for w in self.registry.routable("prefill") if w.url not in tried]
+            p = self.picker.prefill(pool or self.registry.routable("prefill"), prompt_len)
+            d = self.picker.decode(self.registry.routable("decode"),
+                                   prompt_len * self.kv_bytes_per_token)
+            endpoint = d.kv_endpoint() if p.info else None
+            tid = uuid.uuid4().hex
+            kv = None if endpoint is None else {"do_remote_decode": True, "transfer_id": tid,
+                                                **endpoint}
+            body = prefill_body(legs, self.model, kv)
+            t.prefill_url, t.decode_url = p.url, d.url
+            t.transfer_id = tid if kv else None
+            t.p_sent, t.p_sent_wall = time.monotonic(), time.time()
+            p.acquire(prompt_len)
+            try:
+                r = await self.client.post(f"{p.url}/v1/completions", json=body,
+                                           headers={"X-Request-Id": f"{rid}-p{attempt}"})
+                if r.status_code in RETRYABLE_STATUS:
+                    raise LegFailed(f"http_{r.status_code}", r.text[:200], r.status_code)
+                if r.status_code != 200:
+                    raise UpstreamError(r.status_code, upstream_body(r))
+                out = r.json()
+            except (httpx.TransportError, LegFailed) as exc:
+                tried.add(p.url)
+                self._fail(p, "prefill", exc)
+                last = exc
+                continue
+            finally:
+                p.release(prompt_len)
+            self.registry.succeeded(p)
+            t.t1_back = time.monotonic()
+            choice = out["choices"][0]
+            done = choice.get("finish_reason") is not None
+            return Prefilled(
+                prompt_ids=list(choice.get("prompt_token_ids") or []),
+                t1_text=choice.get("text") or "", t1_ids=list(choice.get("token_ids") or []),
+                finish_reason=choice.get("finish_reason"), stop_reason=choice.get("stop_reason"),
+                fingerprint=out.get("system_fingerprint"), decode=None if done else d,
+                kv=None if done or kv is None else {"do_remote_prefill": True,
+                                                    "transfer_id": tid})
+        status = last.status if isinstance(last, LegFailed) else 502
+        raise UpstreamError(502 if status == 429 else status, {"error": {
+            "message": f"prefill failed on every attempt: {last}", "type": "UpstreamError",
+            "param": None, "code": status}})
+
+    # --- D ----------------------------------------------------------------------------------
+    async def decode(self, legs: Legs, rid: str, pre: Prefilled, joiner: Joiner, t: Timings
+                     ) -> AsyncIterator[dict[str, Any]]:
+        """Yield the client's token chunks from D (t1 already went through `joiner`)."""
+        assert pre.decode is not None
+        d, kv = pre.decode, pre.kv
+        tried: set[str] = set()
+        for attempt in range(self.cfg.decode_retries + 1):
+            if attempt:
+                t.retries += 1
+                self.metrics.retries.labels("decode").inc()
+                await self._backoff(attempt - 1)
+                pool = [w for w in self.registry.routable("decode") if w.url not in tried]
+                d = self.picker.decode(pool or self.registry.routable("decode"))
+                kv = None  # resumption recomputes: never read KV staged for another worker
+            t.decode_url = d.url
+            body = decode_body(legs, self.model, pre.prompt_ids, joiner.produced, kv)
+            t.d_sent = time.monotonic()
+            d.acquire()
+            try:
+                async with self.client.stream(
+                        "POST", f"{d.url}/v1/completions", json=body,
+                        headers={"X-Request-Id": f"{rid}-d{attempt}"}) as r:
+                    if r.status_code in RETRYABLE_STATUS:
+                        raise LegFailed(f"http_{r.status_code}", (await r.aread())[:200].decode(),
+                                        r.status_code)
+                    if r.status_code != 200:
+                        await r.aread()
+                        raise UpstreamError(r.status_code, upstream_body(r))
+                    async for chunk in self._relay(r, joiner, t):
+                        yield chunk
+                    if joiner.finish_reason is None:
+                        raise LegFailed("stream_cut", "D's stream ended before a finish reason")
+                self.registry.succeeded(d)
+                return
+            except (httpx.TransportError, LegFailed) as exc:
+                tried.add(d.url)
+                self._fail(d, "decode", exc)
+                if attempt == self.cfg.decode_retries:
+                    raise UpstreamError(502, {"error": {
+                        "message": f"decode failed on every attempt: {exc}",
+                        "type": "UpstreamError", "param": None, "code": 502}}) from exc
+            finally:
+                d.release()
+
+    async def _relay(self, r: httpx.Response, joiner: Joiner, t: Timings
+                     ) -> AsyncIterator[dict[str, Any]]:
+        async for line in r.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line[6:]
+            if data == "[DONE]":
+                return
+            obj = json.loads(data)
+            if "error" in obj:
+                err = obj["error"]
+                raise UpstreamError(int(err.get("code") or 500), obj)
+            choices = obj.get("choices")
+            if not choices:
+                continue
+            c = choices[0]
+            if t.d_first is None:
+                t.d_first = time.monotonic()
+            yield joiner.tokens(c.get("text") or "", list(c.get("token_ids") or []),
+                                c.get("finish_reason"), c.get("stop_reason"))
+
+    async def transfer_record(self, t: Timings, timeout_s: float = 0.5) -> None:
+        """Fetch the transfer's record from D into `t.kv` (best effort: timings only)."""
+        if not t.transfer_id or not t.decode_url or not self.registry.token:
+            return
+        try:
+            r = await self.client.get(
+                f"{t.decode_url}/splitserve/transfers/{t.transfer_id}", timeout=timeout_s,
+                headers={"Authorization": f"Bearer {self.registry.token}"})
+            if r.status_code == 200:
+                t.kv = r.json()
+        except httpx.HTTPError as exc:
+            log.info("no transfer record for %s: %s", t.transfer_id, exc)
+
+    # --- whole ------------------------------------------------------------------------------
+    def pick_whole(self, exclude: set[str]) -> Worker:
+        for role in ("colocated", "decode"):
+            pool = [w for w in self.registry.routable(role) if w.url not in exclude]
+            if pool:
+                return self.picker.colocated(pool)
+        return self.picker.colocated([])
+
+    async def whole_open(self, path: str, body: dict[str, Any], rid: str, t: Timings
+                         ) -> tuple[httpx.Response, Worker]:
+        """Open the request on one worker, retrying elsewhere before the first byte."""
+        tried: set[str] = set()
+        last: Exception | None = None
+        for attempt in range(self.cfg.prefill_retries + 1):
+            if attempt:
+                t.retries += 1
+                self.metrics.retries.labels("whole").inc()
+                await self._backoff(attempt - 1)
+            w = self.pick_whole(tried)
+            t.decode_url = w.url
+            w.acquire()
+            try:
+                req = self.client.build_request("POST", f"{w.url}{path}", json=body,
+                                                headers={"X-Request-Id": rid})
+                r = await self.client.send(req, stream=True)
+                if r.status_code in RETRYABLE_STATUS:
+                    text = (await r.aread())[:200].decode(errors="replace")
+                    await r.aclose()
+                    raise LegFailed(f"http_{r.status_code}", text, r.status_code)
+                return r, w  # the caller releases `w` and closes `r`
+            except (httpx.TransportError, LegFailed) as exc:
+                w.release()
+                tried.add(w.url)
+                self._fail(w, "whole", exc)
+                last = exc
+        status = last.status if isinstance(last, LegFailed) else 502
+        raise UpstreamError(status, {"error": {
+            "message": f"request failed on every attempt: {last}", "type": "UpstreamError",
+            "param": None, "code": status}})

@@ -1,0 +1,166 @@
+"""vLLM endpoint plugin: splitserve's routes and metrics on a worker's OpenAI server.
+
+Loaded by vLLM in the API-server process (entry point `vllm.endpoint_plugins`); it does nothing
+unless the server runs splitserve's connector. The connector's state lives in the worker process,
+so every route and the metrics collector ask the connector's listener over its authenticated
+control channel — which works while the engine is idle.
+
+Routes (all require `Authorization: Bearer <deployment token>`): `/splitserve/info`,
+`/splitserve/state`, `/splitserve/transfers/{transfer_id}`. Metrics: `splitserve_kv_*` families
+in the worker's `/metrics`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+from argparse import Namespace
+from collections.abc import Iterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from starlette.datastructures import State
+from starlette.routing import Mount
+
+from splitserve.config import ConnectorConfig, load_token
+from splitserve.connector.protocol import ProtocolError, query
+
+INFO_KEYS = ("role", "transport", "kv_host", "kv_port", "engine_id", "model_fingerprint",
+             "vllm_version")
+GAUGES = {
+    "staged_bytes": "KV bytes staged on this worker, not yet loaded",
+    "staging_capacity_bytes": "size of the staging area",
+    "open_leases": "staged transfers not yet claimed by a decode request",
+    "pending_loads": "decode requests waiting for their KV",
+    "held_sends": "prefill requests whose blocks are held until the decode worker acknowledges",
+}
+
+
+def connector_config(args: Namespace | None) -> ConnectorConfig | None:
+    raw = getattr(args, "kv_transfer_config", None)
+    if raw is None:
+        return None
+    if isinstance(raw, str):
+        raw = json.loads(raw)
+    extra = raw.get("kv_connector_extra_config") if isinstance(raw, dict) else getattr(
+        raw, "kv_connector_extra_config", None)
+    if not extra or "splitserve" not in extra:
+        return None
+    return ConnectorConfig.from_extra_config(extra)
+
+
+class ConnectorCollector:
+    """Prometheus collector that reads the connector's state at scrape time."""
+
+    def __init__(self, cfg: ConnectorConfig, token: str) -> None:
+        self.cfg, self.token = cfg, token
+
+    def collect(self) -> Iterator[Metric]:
+        up = GaugeMetricFamily("splitserve_kv_listener_up", "connector control channel answers")
+        try:
+            state = query(self.cfg.kv_host, self.cfg.kv_port, self.token, {"what": "state"}, 1.0)
+        except (OSError, ProtocolError):
+            up.add_metric([], 0)
+            yield up
+            return
+        up.add_metric([], 1)
+        yield up
+        for key, doc in GAUGES.items():
+            g = GaugeMetricFamily(f"splitserve_kv_{key}", doc)
+            g.add_metric([], float(state.get(key, 0)))
+            yield g
+        t = state.get("transfers", {})
+        transfers = CounterMetricFamily("splitserve_kv_transfers", "transfers by side and status",
+                                        labels=["side", "status"])
+        for name, n in t.get("counts", {}).items():
+            side, _, status = name.partition("_")
+            transfers.add_metric([side, status], n)
+        yield transfers
+        failures = CounterMetricFamily("splitserve_kv_failures", "transfer failures by cause",
+                                       labels=["cause"])
+        for cause, n in t.get("failures", {}).items():
+            failures.add_metric([cause], n)
+        yield failures
+        nbytes = CounterMetricFamily("splitserve_kv_bytes", "bytes of completed transfers",
+                                     labels=["side"])
+        secs = CounterMetricFamily("splitserve_kv_transfer_seconds",
+                                   "seconds spent in completed transfers (bytes/seconds = GB/s)",
+                                   labels=["side"])
+        for side, n in t.get("bytes_total", {}).items():
+            nbytes.add_metric([side], n)
+        for side, s in t.get("seconds_total", {}).items():
+            secs.add_metric([side], s)
+        yield nbytes
+        yield secs
+
+
+class SplitserveEndpointPlugin:
+    name = "splitserve"
+    required_tasks = None
+
+    def attach_router(self, app: FastAPI) -> None:
+        cfg = connector_config(getattr(app.state, "args", None))
+        if cfg is None:
+            return
+        token = load_token(required=True) or ""
+        _attach_metrics(app, ConnectorCollector(cfg, token))
+
+        async def ask(body: dict[str, Any]) -> dict[str, Any]:
+            return await asyncio.to_thread(query, cfg.kv_host, cfg.kv_port, token, body, 2.0)
+
+        def authorized(request: Request) -> bool:
+            given = request.headers.get("authorization", "")
+            return hmac.compare_digest(given.encode(), f"Bearer {token}".encode())
+
+        def denied() -> JSONResponse:
+            return JSONResponse({"error": {"message": "missing or wrong deployment token",
+                                           "type": "authentication_error", "code": 401}}, 401)
+
+        async def guarded(request: Request, body: dict[str, Any]) -> JSONResponse:
+            if not authorized(request):
+                return denied()
+            try:
+                return JSONResponse(await ask(body))
+            except (OSError, ProtocolError) as exc:
+                return JSONResponse({"error": {"message": f"connector unavailable: {exc}",
+                                               "type": "service_unavailable", "code": 503}}, 503)
+
+        @app.get("/splitserve/info")
+        async def info(request: Request) -> JSONResponse:
+            resp = await guarded(request, {"what": "state"})
+            if resp.status_code == 200:
+                data = json.loads(bytes(resp.body))
+                return JSONResponse({k: data.get(k) for k in INFO_KEYS})
+            return resp
+
+        @app.get("/splitserve/state")
+        async def state(request: Request) -> JSONResponse:
+            return await guarded(request, {"what": "state"})
+
+        @app.get("/splitserve/transfers/{transfer_id}")
+        async def transfer(transfer_id: str, request: Request) -> JSONResponse:
+            resp = await guarded(request, {"what": "transfer", "transfer_id": transfer_id})
+            if resp.status_code == 200 and "error" in json.loads(bytes(resp.body)):
+                return JSONResponse({"error": {"message": f"unknown transfer {transfer_id}",
+                                               "type": "not_found", "code": 404}}, 404)
+            return resp
+
+    async def init_state(self, engine_client: Any, state: State, args: Namespace) -> None:
+        return None
+
+
+def _attach_metrics(app: FastAPI, collector: ConnectorCollector) -> None:
+    """Serve vLLM's registry plus the connector's families at the existing /metrics mount."""
+    from prometheus_client import make_asgi_app
+    from vllm.v1.metrics.prometheus import get_prometheus_registry
+
+    registry = get_prometheus_registry()
+    registry.register(collector)  # type: ignore[arg-type]
+    for route in app.routes:
+        if isinstance(route, Mount) and route.path == "/metrics":
+            route.app = make_asgi_app(registry=registry)
+            if hasattr(route, "_base_app"):
+                route._base_app = route.app
