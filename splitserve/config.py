@@ -87,6 +87,8 @@ class WorkerConfig:
     max_num_batched_tokens: int | None = None
     served_model_name: str | None = None
     staging_bytes: int = 512 * 1024**2
+    load_timeout_s: float = 30.0
+    lease_s: float = 60.0
     extra_args: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
@@ -115,7 +117,8 @@ class WorkerConfig:
         assert self.role is not None
         return ConnectorConfig(
             role=self.role, transport=self.transport, kv_host=self.host, kv_port=self.kv_port,
-            staging_bytes=self.staging_bytes,
+            staging_bytes=self.staging_bytes, load_timeout_s=self.load_timeout_s,
+            lease_s=self.lease_s, ack_timeout_s=self.load_timeout_s,
         )
 
 

@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
+from splitserve.config import TRANSPORTS
+
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -34,6 +36,7 @@ class SaveSpec:
     transfer_id: str
     host: str
     port: int
+    transport: str
     block_ids: tuple[int, ...]
     start: int
     end: int
@@ -69,6 +72,7 @@ class _Prefill:
     transfer_id: str
     host: str
     port: int
+    transport: str
     prompt_len: int
     block_ids: list[int] = field(default_factory=list)
     sent_upto: int = 0
@@ -79,7 +83,8 @@ def transfer_params(request: Request) -> dict[str, Any]:
 
 
 class SchedulerSide:
-    def __init__(self) -> None:
+    def __init__(self, default_transport: str) -> None:
+        self._default_transport = default_transport
         self._prefills: dict[str, _Prefill] = {}
         self._saving: set[str] = set()  # a save was emitted: blocks are held at finish
         self._awaiting_send: set[str] = set()  # finished, held, not yet reported
@@ -92,7 +97,10 @@ class SchedulerSide:
         if p.get("do_remote_decode") and p.get("transfer_id") and p.get("remote_port"):
             self._prefills[request.request_id] = _Prefill(
                 transfer_id=str(p["transfer_id"]), host=str(p.get("remote_host", "127.0.0.1")),
-                port=int(p["remote_port"]), prompt_len=len(request.prompt_token_ids or ()),
+                port=int(p["remote_port"]),
+                transport=(str(p["transport"]) if p.get("transport") in TRANSPORTS
+                           else self._default_transport),
+                prompt_len=len(request.prompt_token_ids or ()),
             )
 
     # -- decode (D) side ---------------------------------------------------------------------
@@ -151,8 +159,8 @@ class SchedulerSide:
         end = min(end, pf.prompt_len)
         if end <= pf.sent_upto:
             return
-        meta.saves.append(SaveSpec(rid, pf.transfer_id, pf.host, pf.port, tuple(pf.block_ids),
-                                   pf.sent_upto, end, pf.prompt_len))
+        meta.saves.append(SaveSpec(rid, pf.transfer_id, pf.host, pf.port, pf.transport,
+                                   tuple(pf.block_ids), pf.sent_upto, end, pf.prompt_len))
         pf.sent_upto = end
         self._saving.add(rid)
 

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 MAX_RECORDS = 4096
+TERMINAL = frozenset({"loaded", "failed", "expired", "discarded"})
 
 
 @dataclass
@@ -63,21 +64,22 @@ class ConnectorStats:
             return self._records.get((side, transfer_id))
 
     def close(self, rec: TransferRecord, status: str, cause: str | None = None) -> None:
-        """Record a final (or complete) status once; later calls only refine `status`."""
+        """Move a record forward: open -> complete -> a terminal status. Terminal is final.
+
+        Each record is counted once per status it reaches, and a failure once with its cause.
+        """
         with self._lock:
-            first_close = rec.status == "open"
-            rec.status = status
-            if cause:
-                rec.cause = cause
-            if first_close:
+            if rec.status in TERMINAL or rec.status == status:
+                return
+            if rec.status == "open":
                 rec.complete_s = time.time()
-                self.counts[f"{rec.side}_{status}"] += 1
-                if status == "complete":
+                if status == "complete" or status == "loaded":
                     self.bytes_total[rec.side] += rec.bytes
                     self.seconds_total[rec.side] += rec.complete_s - rec.started_s
-            elif status != "complete":
-                self.counts[f"{rec.side}_{status}"] += 1
+            rec.status = status
+            self.counts[f"{rec.side}_{status}"] += 1
             if cause:
+                rec.cause = cause
                 self.failures[cause] += 1
 
     def snapshot(self) -> dict[str, Any]:

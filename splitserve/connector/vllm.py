@@ -42,7 +42,7 @@ class SplitserveConnector(KVConnectorBase_V1):
         self._sched: SchedulerSide | None = None
         self._worker = None
         if role == KVConnectorRole.SCHEDULER:
-            self._sched = SchedulerSide()
+            self._sched = SchedulerSide(self.cfg.transport)
         else:
             from splitserve.connector.worker import WorkerSide
             from splitserve.worker.launch import installed_vllm_version

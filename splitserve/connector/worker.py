@@ -79,7 +79,7 @@ class WorkerSide:
         self.fingerprint: Fingerprint | None = None
         self.staging: StagingArea | None = None
         self.listener: KVListener | None = None
-        self._channels: dict[tuple[str, int], PushChannel] = {}
+        self._channels: dict[tuple[str, int, str], PushChannel] = {}
         self._sends: dict[str, _Send] = {}
         self._loads: dict[str, _Load] = {}
 
@@ -124,11 +124,11 @@ class WorkerSide:
             "transfers": self.stats.snapshot(),
         }
 
-    def _channel(self, host: str, port: int) -> PushChannel:
-        key = (host, port)
+    def _channel(self, host: str, port: int, transport: str) -> PushChannel:
+        key = (host, port, transport)
         if key not in self._channels:
             assert self.shape is not None and self.fingerprint is not None
-            cls = ShmPushChannel if self.cfg.transport == "shm" else TcpPushChannel
+            cls = ShmPushChannel if transport == "shm" else TcpPushChannel
             self._channels[key] = cls(host, port, self._token, self.fingerprint, self.stats,
                                       self._faults, self.shape, self.cfg.connect_timeout_s)
         return self._channels[key]
@@ -143,7 +143,7 @@ class WorkerSide:
                 if not spec.first:
                     continue  # its push was cancelled (preemption); nothing more to send
                 assert self.shape is not None
-                ch = self._channel(spec.host, spec.port)
+                ch = self._channel(spec.host, spec.port, spec.transport)
                 nbytes = self.shape.transfer_bytes(spec.prompt_len)
                 state = ch.begin(spec.transfer_id, spec.prompt_len, nbytes, self.cfg.ack_timeout_s)
                 send = self._sends[spec.request_id] = _Send(ch, state)

@@ -37,6 +37,10 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=8192)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--staging-mib", type=int, default=512, help="decode-side KV staging area")
+    p.add_argument("--kv-load-timeout", type=float, default=30.0,
+                   help="seconds a decode request waits for its KV before recomputing (or failing)")
+    p.add_argument("--kv-lease", type=float, default=60.0,
+                   help="seconds staged KV waits for its decode request before it is freed")
 
 
 def config_from_args(args: argparse.Namespace, extra: list[str]) -> WorkerConfig:
@@ -50,7 +54,8 @@ def config_from_args(args: argparse.Namespace, extra: list[str]) -> WorkerConfig
         dtype=args.dtype, kv_cache_gib=args.kv_cache_gib, max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens,
         served_model_name="splitserve-demo" if args.embedded else None,
-        staging_bytes=args.staging_mib * 1024**2, extra_args=tuple(extra),
+        staging_bytes=args.staging_mib * 1024**2, load_timeout_s=args.kv_load_timeout,
+        lease_s=args.kv_lease, extra_args=tuple(extra),
     )
 
 

@@ -211,6 +211,7 @@ class PushChannel(ABC):
     def _handle(self, kind: str, payload: Any, st: SendState) -> None:
         if kind == "begin":
             if self._faults.drop(st.transfer_id):
+                self._fail(st, "fault_drop")
                 return
             sock = self._ensure_connected()
             send_frame(sock, Op.BEGIN, {"transfer_id": st.transfer_id, "tokens": st.num_tokens})
