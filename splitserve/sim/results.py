@@ -52,9 +52,10 @@ BLOCKS = 8
 
 def _segment_steps(o: SimOutcome) -> tuple[np.ndarray, np.ndarray]:
     """(step durations, gaps per step) of every decode segment. Exact when the run has at most
-    EXACT_STEPS steps; otherwise a segment longer than BLOCKS steps is cut into BLOCKS runs of
-    consecutive steps, each stood for by its mean duration (exact for the mean, since a
-    segment's step time is linear in the step; off by at most β·k/(2·BLOCKS) per step)."""
+    EXACT_STEPS steps; otherwise the steps after the first of a segment longer than BLOCKS
+    steps are cut into BLOCKS runs of consecutive steps, each stood for by its mean duration
+    (exact for the mean, since a segment's step time is linear in the step; off by at most
+    β·k/(2·BLOCKS) per step)."""
     k, alpha, beta = o.seg_k, o.seg_alpha, o.seg_beta
     batch, new = o.seg_batch, o.seg_new
     if int(k.sum()) <= EXACT_STEPS:
@@ -62,13 +63,13 @@ def _segment_steps(o: SimOutcome) -> tuple[np.ndarray, np.ndarray]:
     small = k <= BLOCKS
     v_small, w_small = _expand(alpha[small], beta[small], k[small], batch[small], new[small])
     big = ~small
-    kb = k[big][:, None]
+    rest = k[big][:, None] - 1  # steps after the first, which stands alone (it has `new`)
     b = np.arange(BLOCKS)[None, :]
-    lo, hi = (b * kb) // BLOCKS, ((b + 1) * kb) // BLOCKS - 1
+    lo, hi = 1 + (b * rest) // BLOCKS, ((b + 1) * rest) // BLOCKS
     vals = alpha[big][:, None] + beta[big][:, None] * (lo + hi) / 2
     wts = (hi - lo + 1) * batch[big][:, None]
-    wts[:, 0] -= new[big]
-    return np.concatenate([v_small, vals.ravel()]), np.concatenate([w_small, wts.ravel()])
+    return (np.concatenate([v_small, alpha[big], vals.ravel()]),
+            np.concatenate([w_small, batch[big] - new[big], wts.ravel()]))
 
 
 def _expand(alpha: np.ndarray, beta: np.ndarray, k: np.ndarray, batch: np.ndarray,

@@ -83,3 +83,20 @@ def test_profile_with_another_schema_is_refused(tmp_path: Path) -> None:
     path.write_text(json.dumps(make_profile().to_dict() | {"schema": "other/2"}))
     with pytest.raises(ValueError, match="schema"):
         load_profile(path)
+
+
+def test_compressed_itl_pooling_keeps_mean_and_counts(monkeypatch: pytest.MonkeyPatch) -> None:
+    import splitserve.sim.results as results
+
+    wl = arrays_from_spec(_spec(rate=8.0, n=400))
+    o = simulate(make_profile(), SimConfig("disagg", 1, 1), wl)
+    exact_v, exact_w = itl_samples(o)
+    monkeypatch.setattr(results, "EXACT_STEPS", 0)
+    comp_v, comp_w = itl_samples(o)
+    assert len(comp_v) < len(exact_v)
+    assert comp_w.sum() == exact_w.sum()
+    assert (comp_v * comp_w).sum() == pytest.approx((exact_v * exact_w).sum(), rel=1e-12)
+    bound = float((o.seg_beta * o.seg_k).max()) / (2 * results.BLOCKS)
+    ex = weighted_percentiles(exact_v, exact_w)
+    for p, v in weighted_percentiles(comp_v, comp_w).items():
+        assert abs(v - ex[p]) <= bound + 1e-12
