@@ -204,25 +204,29 @@ def fit_link(samples: list[tuple[float, float]], source: str) -> TransferLink:
 
 
 def links_from_benchmark(path: str | Path) -> dict[str, TransferLink]:
-    """Per-transport links from a KV-transfer benchmark JSON: any objects carrying `transport`,
-    `bytes` and a duration (`duration_s`, `seconds` or `time_s`), anywhere in the document."""
+    """Per-transport links from a KV-transfer benchmark JSON: every object carrying `bytes` and a
+    duration (`duration_s`, `seconds` or `time_s`) is a sample of the transport named by its own
+    `transport` key or by the nearest enclosing object's (e.g. the connector's per-transfer
+    records inside a `{"transport": "shm", "transfers": [...]}` block)."""
     samples: dict[str, list[tuple[float, float]]] = {}
 
-    def walk(node: Any) -> None:
+    def walk(node: Any, transport: str | None) -> None:
         if isinstance(node, dict):
+            transport = str(node.get("transport", transport)) if (
+                node.get("transport", transport) is not None) else None
             dur = next((node[k] for k in ("duration_s", "seconds", "time_s") if k in node), None)
-            if "transport" in node and "bytes" in node and isinstance(dur, int | float):
-                samples.setdefault(str(node["transport"]), []).append(
-                    (float(node["bytes"]), float(dur)))
+            if transport and isinstance(node.get("bytes"), int | float) and isinstance(
+                    dur, int | float) and dur > 0:
+                samples.setdefault(transport, []).append((float(node["bytes"]), float(dur)))
             for v in node.values():
-                walk(v)
+                walk(v, transport)
         elif isinstance(node, list):
             for v in node:
-                walk(v)
+                walk(v, transport)
 
-    walk(json.loads(Path(path).read_text()))
+    walk(json.loads(Path(path).read_text()), None)
     if not samples:
-        raise ValueError(f"{path}: no (transport, bytes, duration_s) records found")
+        raise ValueError(f"{path}: no transfer records with a transport, bytes and a duration")
     return {t: fit_link(s, f"benchmark {Path(path).name}") for t, s in samples.items()}
 
 

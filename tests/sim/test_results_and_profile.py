@@ -100,3 +100,22 @@ def test_compressed_itl_pooling_keeps_mean_and_counts(monkeypatch: pytest.Monkey
     ex = weighted_percentiles(exact_v, exact_w)
     for p, v in weighted_percentiles(comp_v, comp_w).items():
         assert abs(v - ex[p]) <= bound + 1e-12
+
+
+def test_transfer_links_from_a_benchmark_json(tmp_path: Path) -> None:
+    from splitserve.sim.profile import links_from_benchmark
+
+    def rec(nbytes: float, bw: float, lat: float) -> dict[str, float]:
+        return {"bytes": nbytes, "duration_s": nbytes / bw + lat, "gbps": bw / 1e9}
+
+    doc = {"runs": [
+        {"transport": "tcp", "transfers": [rec(n, 2e9, 3e-4) for n in (1e5, 1e6, 1e7)]},
+        {"transport": "shm", "transfers": [rec(n, 8e9, 5e-5) for n in (1e5, 1e6, 1e7)]},
+    ]}
+    path = tmp_path / "kv_transfer.json"
+    path.write_text(json.dumps(doc))
+    links = links_from_benchmark(path)
+    assert links["tcp"].bandwidth_Bps == pytest.approx(2e9)
+    assert links["tcp"].latency_s == pytest.approx(3e-4)
+    assert links["shm"].bandwidth_Bps == pytest.approx(8e9)
+    assert links["shm"].time(4e6) == pytest.approx(4e6 / 8e9 + 5e-5)
