@@ -38,6 +38,7 @@ class RequestRecord:
     requested_output_len: int
     scheduled_s: float
     send_s: float = 0.0
+    end_s: float = 0.0  # when the response ended (success or failure)
     chunk_times: list[float] = field(default_factory=list)
     chunk_tokens: list[int] = field(default_factory=list)
     status: int | None = None
@@ -70,15 +71,16 @@ class ClientConfig:
     url: str
     model: str | None = None  # default: the first model `/v1/models` lists
     api_key: str | None = None
-    timeout_s: float = 600.0
+    timeout_s: float = 600.0  # connect/write/pool
+    read_timeout_s: float = 120.0  # longest silence between two reads of one response
     vllm_extras: bool = True
     run_tag: str = "bench"
 
     def __post_init__(self) -> None:
         if not self.url.startswith(("http://", "https://")):
             raise ValueError(f"url must start with http:// or https://, got {self.url!r}")
-        if self.timeout_s <= 0:
-            raise ValueError("timeout_s must be positive")
+        if self.timeout_s <= 0 or self.read_timeout_s <= 0:
+            raise ValueError("timeout_s and read_timeout_s must be positive")
 
     @property
     def base(self) -> str:
@@ -155,6 +157,7 @@ async def send_one(client: httpx.AsyncClient, cfg: ClientConfig, model: str, req
         rec.error_cause, rec.error = "connect", repr(exc)
     except (httpx.HTTPError, json.JSONDecodeError) as exc:
         rec.error_cause, rec.error = "stream", repr(exc)
+    rec.end_s = time.perf_counter() - t0
     if rec.error_cause is None and not rec.chunk_times:
         rec.error_cause, rec.error = "empty", "stream ended without any token"
 
@@ -174,7 +177,7 @@ async def run_stream(cfg: ClientConfig, requests: list[Request], warmup: list[Re
     seconds: from the first scheduled send to the last response's end (the tail drain included).
     """
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    timeout = httpx.Timeout(cfg.timeout_s, connect=30.0)
+    timeout = httpx.Timeout(cfg.timeout_s, connect=30.0, read=cfg.read_timeout_s)
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
         model = await resolve_model(client, cfg)
         w0 = time.perf_counter()

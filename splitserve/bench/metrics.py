@@ -120,10 +120,12 @@ def slo_attainment(records: Sequence[RequestRecord], slo: SLO) -> float | None:
 
 
 def max_concurrency(records: Sequence[RequestRecord]) -> int:
+    """The most requests in flight at once (send → end of response)."""
     events: list[tuple[float, int]] = []
     for r in records:
-        end = r.chunk_times[-1] if r.chunk_times else r.send_s
-        events += [(r.send_s, 1), (end, -1)]
+        end = max(r.end_s, r.chunk_times[-1] if r.chunk_times else r.send_s)
+        if end > r.send_s:
+            events += [(r.send_s, 1), (end, -1)]
     peak = cur = 0
     for _, d in sorted(events, key=lambda e: (e[0], e[1])):
         cur += d
