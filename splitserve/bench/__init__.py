@@ -1,0 +1,14 @@
+"""splitserve's benchmark: load generator, metrics, A/B comparison and report.
+
+Modules, one job each:
+- `workload`: request streams (`WorkloadSpec` → `build_stream` → `Request`s), fixed by a seed;
+  the `INTERFERENCE` mix. Reused by the simulator.
+- `client`: the asyncio streaming client (`run_stream`) and per-request `RequestRecord`s.
+- `metrics`: TTFT, TPOT, pooled ITL, E2EL, throughput, errors, SLO attainment, goodputs.
+- `runner`: one run / repeats / a rate sweep → a result dict (schema `splitserve.bench/1`).
+- `runsheet`: versions, commit, model hash, deployment, hardware, workload.
+- `report`: progress bar, summary table, result JSON, PNG plots, HTML report.
+- `deploy`: deployments the benchmark starts itself (colocated, 1P+1D).
+- `demo`: `run_demo()`, the interference demo on the embedded model.
+- `cli`: `splitserve bench`, `bench compare`, `bench report`.
+"""

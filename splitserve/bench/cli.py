@@ -2,10 +2,13 @@
 
     splitserve bench --url URL --result-json PATH [workload, SLO, repeat/sweep options]
     splitserve bench compare --url NAME=URL --url NAME=URL --out DIR [same options]
+    splitserve bench compare --deploy a=colocated:8192 --deploy b=disagg --out DIR
     splitserve bench report A.json B.json --out DIR
 
 `compare` sends the identical stream (same seed, prompts, lengths, arrival times) to every
-endpoint in turn and writes DIR/NAME.json per endpoint plus DIR/report.html.
+endpoint in turn — running ones given by URL, and deployments it starts itself one at a time on
+the same cores (`--deploy`, see deploy.py) — and writes DIR/NAME.json per system plus
+DIR/report.html.
 """
 
 from __future__ import annotations
@@ -14,12 +17,14 @@ import argparse
 import asyncio
 import json
 import re
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import httpx
 
 from splitserve.bench.client import ClientConfig
+from splitserve.bench.deploy import Arm, deployment, parse_arm
 from splitserve.bench.metrics import SLO
 from splitserve.bench.report import print_summary, progress_bars, save_result, write_report
 from splitserve.bench.runner import RunOptions, compare_streams, run_bench
@@ -33,7 +38,9 @@ from splitserve.bench.workload import (
     InterferenceMix,
     LengthDist,
     WorkloadSpec,
+    build_stream,
 )
+from splitserve.worker.cli import parse_cpus
 
 
 def _rates(text: str) -> tuple[float, ...]:
@@ -133,26 +140,43 @@ def _deployment(url: str, text: str | None, workers: Any) -> dict[str, Any]:
     return dep
 
 
-async def _bench_endpoints(endpoints: dict[str, str], args: argparse.Namespace,
-                           deployments: dict[str, str | None]) -> dict[str, dict[str, Any]]:
-    spec, opts = spec_from_args(args), options_from_args(args)
+async def _bench_one(name: str, url: str, args: argparse.Namespace,
+                     deployment: dict[str, Any], progress: Any) -> dict[str, Any]:
+    metrics_urls, workers = discover_workers(url, args.api_key)
+    if workers is not None:
+        deployment = deployment | {"workers": workers}
+    client = ClientConfig(url=url, model=args.model, api_key=args.api_key,
+                          vllm_extras=not args.no_vllm_extras, run_tag=name)
+    return await run_bench(client, spec_from_args(args), name, deployment, metrics_urls,
+                           options_from_args(args), progress)
+
+
+def _bench_all(args: argparse.Namespace, endpoints: dict[str, str],
+               descriptions: dict[str, str], arms: list[Arm]) -> dict[str, dict[str, Any]]:
+    """Endpoints given by URL, then deployments started here (one at a time, same stream)."""
     results: dict[str, dict[str, Any]] = {}
     with progress_bars() as progress:
         for name, url in endpoints.items():
-            metrics_urls, workers = discover_workers(url, args.api_key)
-            client = ClientConfig(url=url, model=args.model, api_key=args.api_key,
-                                  vllm_extras=not args.no_vllm_extras, run_tag=name)
-            results[name] = await run_bench(
-                client, spec, name, _deployment(url, deployments.get(name), workers),
-                metrics_urls, opts, progress)
+            dep = _deployment(url, descriptions.get(name), None)
+            results[name] = asyncio.run(_bench_one(name, url, args, dep, progress))
+        if arms:
+            from splitserve.demo_model import embedded_model_dir
+
+            model = args.model_dir or str(embedded_model_dir())
+            log_dir = Path(tempfile.mkdtemp(prefix="splitserve-bench-logs-"))
+            longest = max(r.input_len for r in build_stream(spec_from_args(args)))
+            for arm in arms:
+                with deployment(model, arm, args.model or "splitserve-bench", log_dir) as url:
+                    dep = arm.description(longest) | {"url": url, "model_dir": model}
+                    results[arm.name] = asyncio.run(_bench_one(arm.name, url, args, dep,
+                                                               progress))
     return results
 
 
 def run_single(args: argparse.Namespace) -> int:
     if not args.url or not args.result_json:
         raise SystemExit("splitserve bench: --url and --result-json are required")
-    results = asyncio.run(_bench_endpoints({args.system: args.url}, args,
-                                           {args.system: args.deployment}))
+    results = _bench_all(args, {args.system: args.url}, {args.system: args.deployment}, [])
     save_result(results[args.system], args.result_json)
     if args.report_dir:
         write_report(results, args.report_dir)
@@ -172,11 +196,12 @@ def parse_named_url(text: str) -> tuple[str, str]:
 
 
 def run_compare(args: argparse.Namespace) -> int:
-    endpoints = dict(args.url)
-    if len(endpoints) < 2:
-        raise SystemExit("splitserve bench compare: give at least two --url NAME=URL")
-    deployments = dict(args.deployment or [])
-    results = asyncio.run(_bench_endpoints(endpoints, args, deployments))
+    endpoints = dict(args.url or [])
+    arms = [parse_arm(text, args.deploy_cores) for text in args.deploy or []]
+    if len(endpoints) + len(arms) < 2:
+        raise SystemExit("splitserve bench compare: give at least two of --url NAME=URL and "
+                         "--deploy NAME=KIND")
+    results = _bench_all(args, endpoints, dict(args.deployment or []), arms)
     out = Path(args.out)
     for name, res in results.items():
         save_result(res, out / f"{name}.json")
@@ -216,8 +241,15 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
     cmp_ = bsub.add_parser("compare", help="the same stream against two or more endpoints",
                           allow_abbrev=False)
-    cmp_.add_argument("--url", type=parse_named_url, action="append", required=True,
-                      metavar="NAME=URL")
+    cmp_.add_argument("--url", type=parse_named_url, action="append", metavar="NAME=URL",
+                      help="an endpoint that is already running")
+    cmp_.add_argument("--deploy", action="append", metavar="NAME=KIND",
+                      help="a deployment to start here, one at a time, on --deploy-cores: "
+                      "NAME=colocated[:TOKEN_BUDGET] or NAME=disagg[:shm|tcp] (1P+1D)")
+    cmp_.add_argument("--deploy-cores", type=parse_cpus, default=(0, 1),
+                      help="cores every started deployment gets (equal total cores)")
+    cmp_.add_argument("--model-dir", default=None,
+                      help="model for started deployments (default: the embedded model)")
     cmp_.add_argument("--deployment", type=lambda s: tuple(s.split("=", 1)), action="append",
                       metavar="NAME=DESCRIPTION", help="per-endpoint deployment description")
     cmp_.add_argument("--out", default="bench-results", help="output directory")

@@ -170,11 +170,12 @@ def new_record(req: Request) -> RequestRecord:
 async def run_stream(cfg: ClientConfig, requests: list[Request], warmup: list[Request],
                      max_concurrency: int | None = None,
                      on_done: Callable[[RequestRecord], None] | None = None,
-                     ) -> tuple[list[RequestRecord], float]:
+                     ) -> tuple[list[RequestRecord], float, str]:
     """Send `warmup` (excluded, awaited first), then `requests` at their arrival offsets.
 
-    Returns the records of the measured requests (in stream order) and the run's duration in
-    seconds: from the first scheduled send to the last response's end (the tail drain included).
+    Returns the records of the measured requests (in stream order), the run's duration in
+    seconds (from the first scheduled send to the last response's end: the tail drain included)
+    and the model name used.
     """
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     timeout = httpx.Timeout(cfg.timeout_s, connect=30.0, read=cfg.read_timeout_s)
@@ -200,7 +201,7 @@ async def run_stream(cfg: ClientConfig, requests: list[Request], warmup: list[Re
                 on_done(rec)
 
         await asyncio.gather(*(one(r, rec) for r, rec in zip(requests, records, strict=True)))
-        return records, time.perf_counter() - t0
+        return records, time.perf_counter() - t0, model
 
 
 def parse_busy(metrics_text: str) -> bool:

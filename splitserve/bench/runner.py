@@ -55,14 +55,14 @@ async def run_once(client: ClientConfig, spec: WorkloadSpec, system: str,
     sampler = BusySampler(worker_metrics, opts.busy_sample_s)
     sampler.start()
     try:
-        records, duration = await run_stream(client, requests, warmup,
+        records, duration, model = await run_stream(client, requests, warmup,
                                              spec.arrival.max_concurrency, on_done)
     finally:
         busy = await sampler.stop()
     result: dict[str, Any] = {"schema": SCHEMA, "system": system}
     result |= compute_metrics(records, duration, opts.slo)
     result["busy_fraction"] = busy
-    result["run_sheet"] = run_sheet(spec, requests, client.model, deployment)
+    result["run_sheet"] = run_sheet(spec, requests, model, deployment)
     result["requests"] = [r.to_dict() for r in records]
     return result
 

@@ -1,0 +1,91 @@
+"""End to end against a real vLLM worker: result JSON, failures, compare, sweep, report."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from workers import Worker, launch
+
+from splitserve.bench.workload import LengthDist, WorkloadSpec, build_stream
+from splitserve.cli import main
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+STREAM = ["--num-prompts", "10", "--request-rate", "20", "--input-dist", "uniform",
+          "--input-min", "20", "--input-max", "300", "--output-len", "12", "--seed", "5",
+          "--warmup", "1"]
+
+
+@pytest.fixture(scope="module")
+def plain_worker(llama_ckpt: Path) -> Iterator[Worker]:
+    """One plain vLLM worker (no connector) on the small llama checkpoint."""
+    w = launch(llama_ckpt, "bench-plain", None, cpus=(0, 1))
+    yield w
+    w.stop()
+
+
+def assert_png(path: Path) -> None:
+    data = path.read_bytes()
+    assert data.startswith(PNG_MAGIC) and len(data) > 2000, path
+
+
+def test_bench_writes_result_json_and_report(plain_worker: Worker, tmp_path: Path) -> None:
+    out, rep = tmp_path / "r.json", tmp_path / "rep"
+    assert main(["bench", "--url", plain_worker.url, "--result-json", str(out), "--report-dir",
+                 str(rep), "--system", "plain", "--slo-ttft-ms", "60000", "--slo-tpot-ms",
+                 "60000", "--repeats", "2", *STREAM]) == 0
+    res = json.loads(out.read_text())  # strict JSON
+    assert res["schema"] == "splitserve.bench/1" and res["system"] == "plain"
+    assert (res["completed"], res["failed"], res["errors"]) == (10, 0, {})
+    assert res["total_output_tokens"] == 10 * 12  # ignore_eos: every request runs to the end
+    spec = WorkloadSpec(num_requests=10, input=LengthDist("uniform", 128, 20, 300),
+                        output=LengthDist("fixed", 12), seed=5)
+    assert res["input_lens"] == [r.input_len for r in build_stream(spec)]
+    reqs = res["requests"]
+    chunks = sum(len(r["chunk_times"]) for r in reqs)
+    assert sum(len(x) for x in res["itls"]) == chunks - len(reqs)  # N-1 gaps per request
+    assert all(sum(r["chunk_tokens"]) == 12 and r["status"] == 200 for r in reqs)
+    assert all(r["request_id"] for r in reqs)
+    for key in ("median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms", "p999_itl_ms",
+                "max_itl_ms", "median_tpot_ms", "mean_e2el_ms", "request_throughput",
+                "output_throughput"):
+        assert isinstance(res[key], float) and res[key] > 0, key
+    assert res["median_itl_ms"] <= res["p99_itl_ms"] <= res["p999_itl_ms"] <= res["max_itl_ms"]
+    assert res["slo_attainment"] == 1.0
+    assert 0.0 < res["busy_fraction"]["endpoint"] <= 1.0
+    sheet = res["run_sheet"]
+    assert sheet["git"]["commit"] and sheet["python"] and sheet["torch"]
+    assert sheet["model"]["config_sha256"] and sheet["hardware"]["logical_cores"]
+    assert sheet["workload"]["seed"] == 5 and sheet["stream"]["requests"] == 10
+    assert len(res["repeats"]) == 2 and res["spread"]["completed"]["mean"] == 10
+    for name in ("itl_over_time.png", "itl_cdf.png", "ttft_cdf.png"):
+        assert_png(rep / name)
+    html = (rep / "report.html").read_text()
+    assert html.count("data:image/png;base64,") == 3 and "plain" in html
+
+
+def test_failed_requests_are_counted_not_dropped(plain_worker: Worker, tmp_path: Path) -> None:
+    out = tmp_path / "f.json"
+    assert main(["bench", "--url", plain_worker.url, "--result-json", str(out), "--model",
+                 "no-such-model", "--slo-ttft-ms", "60000", *STREAM]) == 0
+    res = json.loads(out.read_text())
+    assert (res["completed"], res["failed"]) == (0, 10)
+    assert res["errors"] == {"http_404": 10} and res["error_rate"] == 1.0
+    assert res["slo_attainment"] == 0.0 and res["request_goodput"] == 0.0
+    assert res["p99_itl_ms"] is None
+
+
+def test_compare_and_sweep(plain_worker: Worker, tmp_path: Path) -> None:
+    out = tmp_path / "cmp"
+    assert main(["bench", "compare", "--url", f"a={plain_worker.url}", "--url",
+                 f"b={plain_worker.url}", "--out", str(out), "--slo-ttft-ms", "60000",
+                 "--slo-tpot-ms", "60000", "--sweep-rates", "10,40", *STREAM]) == 0
+    a, b = (json.loads((out / f"{n}.json").read_text()) for n in ("a", "b"))
+    assert a["run_sheet"]["stream"]["digest"] == b["run_sheet"]["stream"]["digest"]
+    assert [p["rate"] for p in a["sweep"]["points"]] == [10.0, 40.0]
+    assert a["sweep"]["distserve_goodput"]["bound"] == "lower"
+    assert a["distserve_goodput"] == 40.0
+    assert_png(out / "attainment_vs_rate.png")
+    assert (out / "report.html").read_text().count("data:image/png;base64,") == 4
