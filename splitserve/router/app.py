@@ -121,7 +121,7 @@ def create_app(cfg: RouterConfig, token: str | None, api_key: str | None = None,
         tokenizer = await asyncio.to_thread(_load_tokenizer, model_dir)
         metrics = RouterMetrics()
         flow = Flow(cfg, registry, Picker(cfg.prefill_policy, cfg.decode_policy), metrics,
-                    client, model["id"], kv_bytes_per_token(model_dir))
+                    client, model["id"], kv_bytes_per_token(model_dir), model.get("max_model_len"))
         app.state.router = RouterState(cfg, token, api_key, client, registry, metrics, flow,
                                        model, tokenizer)
         health = asyncio.create_task(registry.run())
@@ -358,11 +358,12 @@ def create_app(cfg: RouterConfig, token: str | None, api_key: str | None = None,
         body = await admin_body(request)
         if isinstance(body, JSONResponse):
             return body
-        worker = state(request).registry.workers.get(body["url"].rstrip("/"))
-        if worker is None:
+        found = state(request).registry.find(body["url"], body.get("role"))
+        if not found:
             return JSONResponse(error_body("unknown worker", "NotFoundError", "url", 404), 404)
-        worker.draining = not body.get("undrain", False)
-        return JSONResponse(worker.describe())
+        for worker in found:
+            worker.draining = not body.get("undrain", False)
+        return JSONResponse({"workers": [w.describe() for w in found]})
 
     @app.post("/admin/workers/remove")
     async def remove_worker(request: Request) -> JSONResponse:
@@ -370,14 +371,15 @@ def create_app(cfg: RouterConfig, token: str | None, api_key: str | None = None,
         if isinstance(body, JSONResponse):
             return body
         reg = state(request).registry
-        if body["url"].rstrip("/") not in reg.workers:
+        found = reg.find(body["url"], body.get("role"))
+        if not found:
             return JSONResponse(error_body("unknown worker", "NotFoundError", "url", 404), 404)
         try:
-            worker = await reg.remove(body["url"])
+            removed = await asyncio.gather(*(reg.remove(w) for w in found))
         except TimeoutError:
             return JSONResponse(error_body("worker still busy after the drain timeout",
                                            "TimeoutError", "url", 504), 504)
-        return JSONResponse(worker.describe() | {"removed": True})
+        return JSONResponse({"workers": [w.describe() | {"removed": True} for w in removed]})
 
     return app
 

@@ -59,6 +59,7 @@ def serve(cfg: RouterConfig, token: str | None, api_key: str | None,
 
     logging.basicConfig(level=log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     uvicorn.run(create_app(cfg, token, api_key), host=cfg.host, port=cfg.port,
                 log_level=log_level, access_log=False)
 

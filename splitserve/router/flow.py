@@ -125,7 +125,7 @@ class Prefilled:
 class Flow:
     def __init__(self, cfg: RouterConfig, registry: Registry, picker: Picker,
                  metrics: RouterMetrics, client: httpx.AsyncClient, model: str,
-                 kv_bytes_per_token: int) -> None:
+                 kv_bytes_per_token: int, max_model_len: int | None) -> None:
         self.cfg = cfg
         self.registry = registry
         self.picker = picker
@@ -133,6 +133,7 @@ class Flow:
         self.client = client
         self.model = model
         self.kv_bytes_per_token = kv_bytes_per_token
+        self.max_model_len = max_model_len
 
     async def _backoff(self, attempt: int) -> None:
         base = min(self.cfg.retry_backoff_s * 1.5**attempt, self.cfg.retry_backoff_max_s)
@@ -187,11 +188,18 @@ class Flow:
             self.registry.succeeded(p)
             t.t1_back = time.monotonic()
             choice = out["choices"][0]
-            done = choice.get("finish_reason") is not None
+            prompt_ids = list(choice.get("prompt_token_ids") or [])
+            # P always stops at "length" (max_tokens 1); the request itself ends at t1 only on a
+            # stop token, a budget of one token, or a full context.
+            reason = choice.get("finish_reason")
+            done = reason == "stop" or (reason == "length" and (
+                legs.max_tokens == 1 or (self.max_model_len is not None
+                                         and len(prompt_ids) + 1 >= self.max_model_len)))
             return Prefilled(
-                prompt_ids=list(choice.get("prompt_token_ids") or []),
+                prompt_ids=prompt_ids,
                 t1_text=choice.get("text") or "", t1_ids=list(choice.get("token_ids") or []),
-                finish_reason=choice.get("finish_reason"), stop_reason=choice.get("stop_reason"),
+                finish_reason=reason if done else None,
+                stop_reason=choice.get("stop_reason") if done else None,
                 fingerprint=out.get("system_fingerprint"), decode=None if done else d,
                 kv=None if done or kv is None else {"do_remote_prefill": True,
                                                     "transfer_id": tid})

@@ -111,11 +111,12 @@ class Registry:
         self.cfg = cfg
         self.client = client
         self.token = token
-        self.workers: dict[str, Worker] = {}
+        # Keyed by (role, url): one worker (role `both`) may serve in the P and the D pool.
+        self.workers: dict[tuple[str, str], Worker] = {}
         for role, urls in (("prefill", cfg.prefill), ("decode", cfg.decode),
                            ("colocated", cfg.colocated)):
             for url in urls:
-                self.workers[url.rstrip("/")] = Worker(url.rstrip("/"), role)
+                self.workers[(role, url.rstrip("/"))] = Worker(url.rstrip("/"), role)
 
     def by_role(self, role: str) -> list[Worker]:
         return [w for w in self.workers.values() if w.role == role]
@@ -129,19 +130,22 @@ class Registry:
         if not url.startswith(("http://", "https://")):
             raise ValueError("url must start with http:// or https://")
         url = url.rstrip("/")
-        if url in self.workers:
-            raise ValueError(f"worker {url} is already registered")
+        if (role, url) in self.workers:
+            raise ValueError(f"worker {url} is already registered as {role}")
         worker = Worker(url, role)
-        self.workers[url] = worker
+        self.workers[(role, url)] = worker
         return worker
 
-    async def remove(self, url: str) -> Worker:
+    def find(self, url: str, role: str | None = None) -> list[Worker]:
+        url = url.rstrip("/")
+        return [w for (r, u), w in self.workers.items() if u == url and role in (None, r)]
+
+    async def remove(self, worker: Worker) -> Worker:
         """Drain, wait for the worker's open legs to finish, then forget it."""
-        worker = self.workers[url.rstrip("/")]
         worker.draining = True
         if worker.inflight:
             await asyncio.wait_for(worker.drained.wait(), self.cfg.drain_timeout_s)
-        self.workers.pop(worker.url, None)
+        self.workers.pop((worker.role, worker.url), None)
         return worker
 
     # --- outcomes reported by the request path ----------------------------------------------
