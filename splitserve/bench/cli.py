@@ -122,7 +122,8 @@ def discover_workers(url: str, api_key: str | None = None) -> tuple[dict[str, st
             found = {f"{w.get('role', 'worker')}:{w['url']}": w["url"]
                      for w in items if isinstance(w, dict) and w.get("url")}
             if found:
-                return found, items
+                keep = ("url", "role", "kv_endpoint")
+                return found, [{k: w.get(k) for k in keep} for w in items if isinstance(w, dict)]
     except (httpx.HTTPError, ValueError, KeyError, TypeError):
         pass
     return {"endpoint": url}, None

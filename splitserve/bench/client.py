@@ -6,7 +6,8 @@ prompt as token ids, `ignore_eos` and `return_token_ids` (vLLM's; `vllm_extras=F
 for servers that reject unknown fields). Each `RequestRecord` holds the send time, every chunk's
 arrival time and token count, the HTTP status, the error (cause and message), the server's
 `X-Request-Id`, and the server's per-leg timings when it reports them — in a response header
-`X-Splitserve-Timings` (JSON) or in a top-level `splitserve*` field of an SSE chunk.
+`X-Splitserve-Timings` (JSON), an SSE comment `: splitserve-timings {json}` (splitserve's
+router) or a top-level `splitserve*` field of an SSE chunk.
 
 `BusySampler` polls each worker's Prometheus `/metrics` and reports the fraction of samples in
 which the engine had requests running or waiting (its busy fraction).
@@ -91,6 +92,7 @@ class ClientConfig:
 
 
 async def resolve_model(client: httpx.AsyncClient, cfg: ClientConfig) -> str:
+    """The model name to send: `cfg.model`, else the first one the endpoint lists."""
     if cfg.model:
         return cfg.model
     resp = await client.get(f"{cfg.base}/v1/models", headers=cfg.headers())
@@ -120,6 +122,16 @@ def _absorb_chunk(rec: RequestRecord, data: dict[str, Any], now: float) -> None:
         rec.chunk_tokens.append(n)
 
 
+def _absorb_comment(rec: RequestRecord, line: str) -> None:
+    """An SSE comment `: splitserve-timings {json}` carries the server's per-leg timings."""
+    name, _, payload = line[1:].strip().partition(" ")
+    if name.startswith("splitserve") and payload.startswith("{"):
+        try:
+            rec.server_timings.update(json.loads(payload))
+        except json.JSONDecodeError:
+            pass
+
+
 async def send_one(client: httpx.AsyncClient, cfg: ClientConfig, model: str, req: Request,
                    rec: RequestRecord, t0: float) -> None:
     """Send one request and fill `rec` in place. Never raises for a request-level failure."""
@@ -145,6 +157,9 @@ async def send_one(client: httpx.AsyncClient, cfg: ClientConfig, model: str, req
                 return
             async for line in resp.aiter_lines():
                 now = time.perf_counter() - t0
+                if line.startswith(":"):
+                    _absorb_comment(rec, line)
+                    continue
                 if not line.startswith("data:"):
                     continue
                 payload = line[5:].strip()
@@ -170,12 +185,11 @@ def new_record(req: Request) -> RequestRecord:
 async def run_stream(cfg: ClientConfig, requests: list[Request], warmup: list[Request],
                      max_concurrency: int | None = None,
                      on_done: Callable[[RequestRecord], None] | None = None,
-                     ) -> tuple[list[RequestRecord], float, str]:
+                     ) -> tuple[list[RequestRecord], float]:
     """Send `warmup` (excluded, awaited first), then `requests` at their arrival offsets.
 
-    Returns the records of the measured requests (in stream order), the run's duration in
-    seconds (from the first scheduled send to the last response's end: the tail drain included)
-    and the model name used.
+    Returns the records of the measured requests (in stream order) and the run's duration in
+    seconds: from the first scheduled send to the last response's end (the tail drain included).
     """
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     timeout = httpx.Timeout(cfg.timeout_s, connect=30.0, read=cfg.read_timeout_s)
@@ -201,7 +215,7 @@ async def run_stream(cfg: ClientConfig, requests: list[Request], warmup: list[Re
                 on_done(rec)
 
         await asyncio.gather(*(one(r, rec) for r, rec in zip(requests, records, strict=True)))
-        return records, time.perf_counter() - t0, model
+        return records, time.perf_counter() - t0
 
 
 def parse_busy(metrics_text: str) -> bool:

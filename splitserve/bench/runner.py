@@ -13,7 +13,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from splitserve.bench.client import BusySampler, ClientConfig, RequestRecord, run_stream
+import httpx
+
+from splitserve.bench.client import (
+    BusySampler,
+    ClientConfig,
+    RequestRecord,
+    resolve_model,
+    run_stream,
+)
 from splitserve.bench.metrics import SLO, compute_metrics, distserve_goodput, spread
 from splitserve.bench.runsheet import run_sheet
 from splitserve.bench.workload import WorkloadSpec, build_stream, build_warmup
@@ -51,11 +59,14 @@ async def run_once(client: ClientConfig, spec: WorkloadSpec, system: str,
                    opts: RunOptions, progress: ProgressFactory | None = None) -> dict[str, Any]:
     """Send `spec`'s stream to `client.url` once and return its result dict."""
     requests, warmup = build_stream(spec), build_warmup(spec)
+    async with httpx.AsyncClient(timeout=30.0) as http:
+        model = await resolve_model(http, client)
+    client = replace(client, model=model)
     on_done = progress(system, len(requests)) if progress else None
     sampler = BusySampler(worker_metrics, opts.busy_sample_s)
     sampler.start()
     try:
-        records, duration, model = await run_stream(client, requests, warmup,
+        records, duration = await run_stream(client, requests, warmup,
                                              spec.arrival.max_concurrency, on_done)
     finally:
         busy = await sampler.stop()
