@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from workers import Worker, launch
+from workers import TOKEN, Worker, launch
 
+from splitserve.bench.deploy import stop_process
 from splitserve.bench.workload import LengthDist, WorkloadSpec, build_stream
 from splitserve.cli import main
+from splitserve.worker.launch import free_port, wait_healthy
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 STREAM = ["--num-prompts", "10", "--request-rate", "20", "--input-dist", "uniform",
@@ -89,3 +94,41 @@ def test_compare_and_sweep(plain_worker: Worker, tmp_path: Path) -> None:
     assert a["distserve_goodput"] == 40.0
     assert_png(out / "attainment_vs_rate.png")
     assert (out / "report.html").read_text().count("data:image/png;base64,") == 4
+
+
+@pytest.fixture(scope="module")
+def router_1p1d(llama_pair: tuple[Worker, Worker], tmp_path_factory: pytest.TempPathFactory
+                ) -> Iterator[str]:
+    """splitserve's router over the shared llama P/D pair."""
+    p, d = llama_pair
+    port = free_port()
+    log = open(tmp_path_factory.mktemp("router") / "router.log", "ab")  # noqa: SIM115
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "splitserve.cli", "router", "--prefill", p.url, "--decode",
+         d.url, "--port", str(port)], env=os.environ | {"SPLITSERVE_TOKEN": TOKEN},
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, proc, timeout_s=60)
+        yield url
+    finally:
+        stop_process(proc)
+        log.close()
+
+
+def test_bench_through_a_router_deployment(router_1p1d: str, tmp_path: Path) -> None:
+    out = tmp_path / "router.json"
+    assert main(["bench", "--url", router_1p1d, "--result-json", str(out), "--report-dir",
+                 str(tmp_path), "--system", "1p1d", *STREAM]) == 0
+    res = json.loads(out.read_text())
+    assert (res["completed"], res["failed"]) == (10, 0)
+    reqs = res["requests"]
+    # The router echoes our X-Request-Id and reports per-leg timings we join by it.
+    assert [r["request_id"] for r in reqs] == [f"1p1d-r0-{i}" for i in range(10)]
+    assert all(r["server_timings"].get("mode") == "split" for r in reqs)
+    assert res["server_timings"]["p_leg_s"]["count"] == 10
+    assert res["median_kv_transfer_ms"] > 0
+    assert {k.split(":")[0] for k in res["busy_fraction"]} == {"prefill", "decode"}
+    assert {w["role"] for w in res["run_sheet"]["deployment"]["workers"]} == {
+        "prefill", "decode"}
+    assert_png(tmp_path / "itl_over_time.png")

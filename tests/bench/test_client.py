@@ -1,0 +1,45 @@
+"""Stream parsing: token counts per chunk, usage, errors, the server's per-leg timings."""
+
+from __future__ import annotations
+
+from splitserve.bench.client import (
+    RequestRecord,
+    _absorb_chunk,
+    _absorb_comment,
+    parse_busy,
+)
+
+
+def record() -> RequestRecord:
+    return RequestRecord(index=0, kind="normal", input_len=5, requested_output_len=4,
+                         scheduled_s=0.0)
+
+
+def test_chunks_count_token_ids_and_skip_usage_only_chunks() -> None:
+    r = record()
+    _absorb_chunk(r, {"choices": [{"text": "ab", "token_ids": [5, 6]}]}, 0.1)
+    _absorb_chunk(r, {"choices": [{"text": "c"}]}, 0.2)  # no token ids: one token
+    _absorb_chunk(r, {"choices": [], "usage": {"completion_tokens": 4}}, 0.3)
+    assert r.chunk_times == [0.1, 0.2] and r.chunk_tokens == [2, 1]
+    assert r.usage_output_tokens == 4 and r.ok
+
+
+def test_error_event_fails_the_request() -> None:
+    r = record()
+    _absorb_chunk(r, {"error": {"message": "worker died", "code": 502}}, 0.1)
+    assert not r.ok and r.error_cause == "stream_error" and "worker died" in (r.error or "")
+
+
+def test_server_timings_from_comment_and_field() -> None:
+    r = record()
+    _absorb_comment(r, ': splitserve-timings {"kv_transfer_s":0.012,"mode":"split"}')
+    _absorb_comment(r, ": keep-alive")
+    _absorb_chunk(r, {"choices": [], "splitserve": {"p_leg_s": 0.3}}, 0.1)
+    assert r.server_timings == {"kv_transfer_s": 0.012, "mode": "split", "p_leg_s": 0.3}
+
+
+def test_parse_busy() -> None:
+    idle = 'vllm:num_requests_running{engine="0"} 0.0\nvllm:num_requests_waiting{engine="0"} 0.0'
+    assert not parse_busy(idle)
+    assert parse_busy(idle.replace("waiting{engine=\"0\"} 0.0", "waiting{engine=\"0\"} 2.0"))
+    assert parse_busy('vllm:num_requests_running{engine="0"} 1.0')
