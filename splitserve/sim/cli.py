@@ -89,7 +89,11 @@ def _label(cfg: SimConfig) -> str:
 
 
 def run_profile(args: argparse.Namespace) -> int:
-    if args.analytic:
+    if args.refit:
+        from splitserve.sim.profile import refit
+
+        prof = refit(load_profile(args.refit))
+    elif args.analytic:
         from splitserve.sim.analytic import PRESETS, ModelConfig, analytic_profile
 
         if not args.model_config:
@@ -116,7 +120,10 @@ def run_profile(args: argparse.Namespace) -> int:
           f"{prof.engine.version}: prefill {prof.prefill}, decode {prof.decode}, "
           f"KV {prof.kv_capacity_tokens} tokens; wrote {args.out}")
     if prof.fit:
-        print(f"fit R²: prefill {prof.fit['prefill_r2']:.4f}, decode {prof.fit['decode_r2']:.4f}")
+        for part in ("prefill", "decode"):
+            q = prof.fit[f"{part}_fit"]
+            print(f"{part} fit: median |relative error| {q['median_abs_rel_error']:.1%}, "
+                  f"max {q['max_abs_rel_error']:.1%}, outliers dropped {q['dropped']}")
     return 0
 
 
@@ -151,7 +158,20 @@ def run_validate(args: argparse.Namespace) -> int:
     def measure(url: str) -> dict[float, list[dict[str, Any]]]:
         return {r: measure_point(url, spec.with_rate(r), args.repeats) for r in rates}
 
-    if args.url:
+    if args.real_json:
+        from splitserve.bench.workload import WorkloadSpec
+
+        stored = json.loads(Path(args.real_json).read_text())
+        spec = WorkloadSpec.from_dict(stored["workload"])  # the stream that was measured
+        real = {}
+        for p in stored["points"]:
+            for i, v in enumerate(p["real"]):
+                runs = real.setdefault(float(p["rate"]), [])
+                while len(runs) <= i:
+                    runs.append({})
+                runs[i][p["metric"]] = v
+        rates = tuple(sorted(real))
+    elif args.url:
         real = measure(args.url)
     else:
         if cfg.mode == "disagg" or cfg.n_workers != 1:
@@ -206,6 +226,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     prof.add_argument("--transfer-json", help="KV transfer benchmark JSON (per-transport links)")
     prof.add_argument("--no-tcp-probe", action="store_true")
     prof.add_argument("--quick", action="store_true", help="a smaller measurement grid")
+    prof.add_argument("--refit", metavar="PROFILE", help="fit a measured profile's points again")
     g = prof.add_argument_group("analytic (GPU) profile")
     g.add_argument("--analytic", action="store_true")
     g.add_argument("--model-config", help="HF config.json (or its directory)")
@@ -233,6 +254,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     val.add_argument("--url", help="a running deployment (default: start one plain worker)")
     val.add_argument("--model-dir", help="model for the local worker (default: embedded)")
     val.add_argument("--cpus", help="cores for the local worker, e.g. 1")
+    val.add_argument("--real-json", help="reuse the measurements of an earlier validation JSON "
+                     "(simulate again only)")
     val.add_argument("--out", help="validation JSON")
     val.set_defaults(func=run_validate)
 

@@ -27,7 +27,7 @@ import socket
 import statistics
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -90,34 +90,53 @@ def chunk_features(length: int, budget: int) -> tuple[float, float, float]:
     return float(chunks), float(length), float(length) ** 2
 
 
-def _nnls3(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, float]:
-    """Least squares with non-negative coefficients (3 columns: try every active set)."""
+def _nnls3(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares of *relative* error with non-negative coefficients (few columns: try every
+    active set). Relative, so short prompts and small batches count as much as long ones."""
+    xw, yw = x / y[:, None], np.ones_like(y)
     best, best_err = np.zeros(x.shape[1]), float("inf")
     for mask in range(1, 2 ** x.shape[1]):
         cols = [i for i in range(x.shape[1]) if mask >> i & 1]
-        coef, *_ = np.linalg.lstsq(x[:, cols], y, rcond=None)
+        coef, *_ = np.linalg.lstsq(xw[:, cols], yw, rcond=None)
         if np.any(coef < 0):
             continue
         full = np.zeros(x.shape[1])
         full[cols] = coef
-        err = float(((x @ full - y) ** 2).sum())
+        err = float(((xw @ full - yw) ** 2).sum())
         if err < best_err:
             best, best_err = full, err
-    ss = float(((y - y.mean()) ** 2).sum())
-    return best, (1 - best_err / ss) if ss > 0 else 1.0
+    return best
 
 
-def fit_prefill(points: list[tuple[int, float]], budget: int) -> tuple[PrefillCost, float]:
+def robust_fit(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, dict[str, Any]]:
+    """Fit, then drop points more than 3× the median relative residual off (at most a fifth of
+    them: a shared machine's hiccups) and fit again. Reports the relative residuals."""
+    coef = _nnls3(x, y)
+    rel = np.abs(x @ coef / y - 1)
+    keep = np.ones(len(y), dtype=bool)
+    limit = 3 * max(float(np.median(rel)), 0.02)
+    worst = np.argsort(-rel)[: len(y) // 5]
+    keep[[i for i in worst if rel[i] > limit]] = False
+    if not keep.all() and keep.sum() >= x.shape[1]:
+        coef = _nnls3(x[keep], y[keep])
+    rel = x @ coef / y - 1
+    return coef, {"dropped": [int(i) for i in np.flatnonzero(~keep)],
+                  "median_abs_rel_error": float(np.median(np.abs(rel[keep]))),
+                  "max_abs_rel_error": float(np.abs(rel[keep]).max())}
+
+
+def fit_prefill(points: list[tuple[int, float]], budget: int
+                ) -> tuple[PrefillCost, dict[str, Any]]:
     x = np.array([chunk_features(n, budget) for n, _ in points])
-    coef, r2 = _nnls3(x, np.array([t for _, t in points]))
-    return PrefillCost(*map(float, coef)), r2
+    coef, quality = robust_fit(x, np.array([t for _, t in points]))
+    return PrefillCost(*map(float, coef)), quality
 
 
-def fit_decode(points: list[tuple[int, float, float]]) -> tuple[DecodeCost, float]:
+def fit_decode(points: list[tuple[int, float, float]]) -> tuple[DecodeCost, dict[str, Any]]:
     """points: (batch, total context, step seconds)."""
     x = np.array([[1.0, c, b] for b, c, _ in points])
-    coef, r2 = _nnls3(x, np.array([t for *_, t in points]))
-    return DecodeCost(*map(float, coef)), r2
+    coef, quality = robust_fit(x, np.array([t for *_, t in points]))
+    return DecodeCost(*map(float, coef)), quality
 
 
 def measure_prefill(url: str, plan: ProfilePlan, max_len: int) -> list[tuple[int, float]]:
@@ -195,12 +214,12 @@ def fit_link(samples: list[tuple[float, float]], source: str) -> TransferLink:
     """time = bytes / bandwidth + latency, fitted to (bytes, seconds) samples."""
     if len(samples) == 1:
         nbytes, secs = samples[0]
-        return TransferLink(nbytes / secs, 0.0, source)
+        return TransferLink(float(nbytes / secs), 0.0, source)
     x = np.array([[b, 1.0] for b, _ in samples])
     (inv_bw, lat), *_ = np.linalg.lstsq(x, np.array([s for _, s in samples]), rcond=None)
     if inv_bw <= 0:
         raise ValueError(f"{source}: transfer time does not grow with bytes; cannot fit")
-    return TransferLink(1.0 / inv_bw, max(0.0, float(lat)), source)
+    return TransferLink(float(1.0 / inv_bw), max(0.0, float(lat)), source)
 
 
 def links_from_benchmark(path: str | Path) -> dict[str, TransferLink]:
@@ -269,8 +288,8 @@ def profile_worker(url: str, plan: ProfilePlan, model_dir: str | None = None,
     max_len = int(facts["max_model_len"])
     pre = measure_prefill(url, plan, max_len)
     dec = measure_decode(url, plan, max_len)
-    prefill, r2p = fit_prefill(pre, plan.token_budget)
-    decode, r2d = fit_decode(dec)
+    prefill, qp = fit_prefill(pre, plan.token_budget)
+    decode, qd = fit_decode(dec)
     links: dict[str, TransferLink] = {}
     if probe_tcp:
         links["tcp"] = probe_loopback_tcp()
@@ -281,11 +300,24 @@ def profile_worker(url: str, plan: ProfilePlan, model_dir: str | None = None,
         hardware=hardware() | {"measured_url": url}, prefill=prefill, decode=decode,
         token_budget=plan.token_budget,
         kv_capacity_tokens=int(facts.get("kv_capacity_tokens", 10**6)), transfer=links,
-        fit={"prefill_points": [[n, t] for n, t in pre], "prefill_r2": r2p,
-             "decode_points": [[b, c, t] for b, c, t in dec], "decode_r2": r2d,
+        fit={"prefill_points": [[n, t] for n, t in pre], "prefill_fit": qp,
+             "decode_points": [[b, c, t] for b, c, t in dec], "decode_fit": qd,
              "plan": {"prefill_lens": list(plan.prefill_lens),
                       "decode_batches": list(plan.decode_batches),
                       "decode_prompt_lens": list(plan.decode_prompt_lens),
                       "decode_tokens": plan.decode_tokens}},
         created=datetime.now(UTC).isoformat(timespec="seconds"),
     )
+
+
+def refit(profile: Profile) -> Profile:
+    """The same measurements fitted again (e.g. after a change to the fitting method)."""
+    if profile.kind != "measured" or "prefill_points" not in profile.fit:
+        raise ValueError("only a measured profile with its points can be refitted")
+    pre = [(int(n), float(t)) for n, t in profile.fit["prefill_points"]]
+    dec = [(int(b), float(c), float(t)) for b, c, t in profile.fit["decode_points"]]
+    prefill, qp = fit_prefill(pre, profile.token_budget)
+    decode, qd = fit_decode(dec)
+    fit = {k: v for k, v in profile.fit.items() if not k.endswith("_r2")}
+    return replace(profile, prefill=prefill, decode=decode,
+                   fit=fit | {"prefill_fit": qp, "decode_fit": qd})
