@@ -218,20 +218,33 @@ async def run_stream(cfg: ClientConfig, requests: list[Request], warmup: list[Re
         return records, time.perf_counter() - t0
 
 
-def parse_busy(metrics_text: str) -> bool:
-    """True when a vLLM `/metrics` page shows requests running or waiting."""
+def parse_load(metrics_text: str) -> tuple[float, float]:
+    """(requests running, requests waiting) from a vLLM `/metrics` page, summed over engines."""
+    running = waiting = 0.0
     for line in metrics_text.splitlines():
-        if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting{")):
+        if line.startswith(("vllm:num_requests_running{", "vllm:num_requests_waiting{")):
             try:
-                if float(line.rsplit(" ", 1)[1]) > 0:
-                    return True
+                value = float(line.rsplit(" ", 1)[1])
             except ValueError:
                 continue
-    return False
+            if line.startswith("vllm:num_requests_running"):
+                running += value
+            else:
+                waiting += value
+    return running, waiting
+
+
+def parse_busy(metrics_text: str) -> bool:
+    """True when a vLLM `/metrics` page shows requests running or waiting."""
+    return sum(parse_load(metrics_text)) > 0
 
 
 class BusySampler:
-    """Samples workers' `/metrics` every `interval_s` while a run is in progress."""
+    """Samples workers' `/metrics` every `interval_s` while a run is in progress.
+
+    Busy fraction: the share of samples in which the engine had a request running or waiting
+    (for a decode engine this is occupancy, not utilisation). Queued fraction: the share with a
+    request waiting — a saturated engine queues most of the time."""
 
     def __init__(self, worker_urls: dict[str, str], interval_s: float = 0.1) -> None:
         if interval_s <= 0:
@@ -239,6 +252,7 @@ class BusySampler:
         self._urls = dict(worker_urls)
         self._interval = interval_s
         self._busy = dict.fromkeys(self._urls, 0)
+        self._queued = dict.fromkeys(self._urls, 0)
         self._samples = dict.fromkeys(self._urls, 0)
         self._task: asyncio.Task[None] | None = None
 
@@ -250,8 +264,10 @@ class BusySampler:
                         resp = await client.get(f"{url.rstrip('/')}/metrics")
                     except httpx.HTTPError:
                         continue
+                    running, waiting = parse_load(resp.text)
                     self._samples[name] += 1
-                    self._busy[name] += parse_busy(resp.text)
+                    self._busy[name] += running + waiting > 0
+                    self._queued[name] += waiting > 0
                 await asyncio.sleep(self._interval)
 
     def start(self) -> None:
@@ -265,5 +281,11 @@ class BusySampler:
                 await self._task
             except asyncio.CancelledError:
                 pass
-        return {n: (self._busy[n] / self._samples[n]) if self._samples[n] else float("nan")
+        return self._fractions(self._busy)
+
+    def queued(self) -> dict[str, float]:
+        return self._fractions(self._queued)
+
+    def _fractions(self, counts: dict[str, int]) -> dict[str, float]:
+        return {n: (counts[n] / self._samples[n]) if self._samples[n] else float("nan")
                 for n in self._urls}

@@ -46,8 +46,9 @@ def table_rows(results: Mapping[str, dict[str, Any]]) -> list[list[str]]:
     rows.append(["long-prompt TTFT p50 ms"] + [
         fmt(r.get("by_kind", {}).get("long", {}).get("median_ttft_ms"))
         for r in results.values()])
-    rows.append(["busiest worker busy"] + [
-        fmt(max(r.get("busy_fraction", {}).values(), default=None)) for r in results.values()])
+    for key, label in (("busy_fraction", "busy fraction"), ("queued_fraction", "queued fraction")):
+        rows.append([f"{label} (per worker)"] + [
+            " / ".join(fmt(v) for v in r.get(key, {}).values()) or "–" for r in results.values()])
     return rows
 
 
@@ -118,6 +119,7 @@ def plot_itl_over_time(results: Mapping[str, dict[str, Any]], path: Path) -> Pat
     """One panel per system: each chunk gap at its arrival time; long-prompt sends marked."""
     plt = _plt()
     fig, axes = plt.subplots(len(results), 1, figsize=(10, 2.6 * len(results)), sharex=True,
+                             sharey=True,
                              squeeze=False)
     for ax, (name, res) in zip(axes[:, 0], results.items(), strict=True):
         recs = records_of(res)

@@ -5,6 +5,8 @@ vLLM's `bench serve` keys at the top level (see metrics.py), plus `system`, `bus
 (per worker), `run_sheet`, `requests` (the raw per-request records), and, when asked for,
 `repeats` + `spread` (the top-level metrics are then those of the first repeat) or `sweep`
 (points per rate and `distserve_goodput`; the top-level metrics are those of the highest rate).
+`busy_fraction` / `queued_fraction`: per worker, the share of `/metrics` samples with a request
+running or waiting / with a request waiting (see client.BusySampler).
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ async def run_once(client: ClientConfig, spec: WorkloadSpec, system: str,
     result: dict[str, Any] = {"schema": SCHEMA, "system": system}
     result |= compute_metrics(records, duration, opts.slo)
     result["busy_fraction"] = busy
+    result["queued_fraction"] = sampler.queued()
     result["run_sheet"] = run_sheet(spec, requests, model, deployment)
     result["requests"] = [r.to_dict() for r in records]
     return result

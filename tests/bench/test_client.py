@@ -7,6 +7,7 @@ from splitserve.bench.client import (
     _absorb_chunk,
     _absorb_comment,
     parse_busy,
+    parse_load,
 )
 
 
@@ -43,3 +44,5 @@ def test_parse_busy() -> None:
     assert not parse_busy(idle)
     assert parse_busy(idle.replace("waiting{engine=\"0\"} 0.0", "waiting{engine=\"0\"} 2.0"))
     assert parse_busy('vllm:num_requests_running{engine="0"} 1.0')
+    two = 'vllm:num_requests_running{engine="0"} 2.0\nvllm:num_requests_running{engine="1"} 1.0\n'
+    assert parse_load(two + 'vllm:num_requests_waiting{engine="0"} 4.0') == (3.0, 4.0)
