@@ -36,6 +36,8 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--unsplittable", choices=UNSPLITTABLE_MODES, default="whole",
                    help="requests the two-leg flow cannot honour exactly: run whole on one "
                         "worker, or refuse with 400")
+    p.add_argument("--kv-transport", choices=("tcp", "shm"), default=None,
+                   help="transport for every transfer (default: what each D advertises)")
     p.add_argument("--health-interval", type=float, default=1.0, help="seconds between checks")
     p.add_argument("--max-inflight", type=int, default=4096, help="429 above this many requests")
     p.add_argument("--log-level", default="info")
@@ -46,7 +48,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         prefill=tuple(args.prefill), decode=tuple(args.decode), colocated=tuple(args.colocated),
         host=args.host, port=args.port, model_dir=args.model,
         prefill_policy=args.prefill_policy, decode_policy=args.decode_policy,
-        unsplittable=args.unsplittable, health_interval_s=args.health_interval,
+        unsplittable=args.unsplittable, kv_transport=args.kv_transport,
+        health_interval_s=args.health_interval,
         max_inflight=args.max_inflight,
     )
 

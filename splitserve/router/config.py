@@ -34,6 +34,7 @@ class RouterConfig:
     prefill_policy: str = "load"
     decode_policy: str = "load"
     unsplittable: str = "whole"
+    kv_transport: str | None = None  # per-transfer transport; None: what D advertises
     health_interval_s: float = 1.0
     health_timeout_s: float = 2.0
     unhealthy_after: int = 3  # consecutive failed checks or requests before a worker leaves
@@ -61,6 +62,8 @@ class RouterConfig:
             raise ValueError(f"prefill_policy must be one of {PREFILL_POLICIES}")
         if self.decode_policy not in DECODE_POLICIES:
             raise ValueError(f"decode_policy must be one of {DECODE_POLICIES}")
+        if self.kv_transport not in (None, "tcp", "shm"):
+            raise ValueError("kv_transport must be tcp, shm or unset")
         if self.unsplittable not in UNSPLITTABLE_MODES:
             raise ValueError(f"unsplittable must be one of {UNSPLITTABLE_MODES}")
         for name in ("health_interval_s", "health_timeout_s", "request_timeout_s",

@@ -161,7 +161,9 @@ class Flow:
             p = self.picker.prefill(pool or self.registry.routable("prefill"), prompt_len)
             d = self.picker.decode(self.registry.routable("decode"),
                                    prompt_len * self.kv_bytes_per_token)
-            endpoint = d.kv_endpoint() if p.info else None
+            # A request that is known to end at t1 moves no KV: D is never involved.
+            endpoint = (d.kv_endpoint(self.cfg.kv_transport)
+                        if p.info and legs.max_tokens != 1 else None)
             tid = uuid.uuid4().hex
             kv = None if endpoint is None else {"do_remote_decode": True, "transfer_id": tid,
                                                 **endpoint}

@@ -57,12 +57,17 @@ class Worker:
     def routable(self) -> bool:
         return self.healthy and not self.draining
 
-    def kv_endpoint(self) -> dict[str, Any] | None:
+    def kv_endpoint(self, transport: str | None = None) -> dict[str, Any] | None:
+        """This worker as the target of a KV push (the P leg's `kv_transfer_params`)."""
         info = self.info
         if not info or not info.get("kv_port"):
             return None
-        return {"remote_host": info.get("kv_host"), "remote_port": info.get("kv_port"),
-                "remote_engine_id": info.get("engine_id")}
+        endpoint = {"remote_host": info.get("kv_host"), "remote_port": info.get("kv_port"),
+                    "remote_engine_id": info.get("engine_id")}
+        chosen = transport or info.get("transport")
+        if chosen:
+            endpoint["transport"] = chosen
+        return endpoint
 
     def acquire(self, prompt_tokens: int = 0) -> None:
         self.inflight += 1

@@ -1,0 +1,56 @@
+"""Routers as real `splitserve router` processes on loopback, for the router tests."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+from workers import TOKEN
+
+from splitserve.worker.launch import free_port, wait_healthy
+
+
+@dataclass
+class Router:
+    url: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(5)
+
+    def workers(self) -> list[dict]:
+        return httpx.get(f"{self.url}/workers", timeout=5).json()["workers"]
+
+
+def start_router(log_dir: Path, *args: str) -> Router:
+    port = free_port()
+    log = log_dir / f"router-{port}.log"
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "splitserve.cli", "router", "--port", str(port),
+             "--health-interval", "0.5", *args],
+            env=os.environ | {"SPLITSERVE_TOKEN": TOKEN}, stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True)
+    router = Router(f"http://127.0.0.1:{port}", proc, log)
+    try:
+        wait_healthy(router.url, proc, timeout_s=120)
+    except BaseException:
+        router.stop()
+        raise
+    return router
+
+

@@ -1,0 +1,174 @@
+"""The router end to end: real vLLM workers and routers on loopback, HTTP to them.
+
+Greedy output through the router (1P1D, tcp and shm, completions and chat, streaming and not,
+concurrent mixed lengths) equals a colocated worker and Hugging Face transformers; the joined
+stream equals the colocated server's event for event (apart from ids and timestamps).
+"""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from router_helpers import Router
+from transformers import AutoTokenizer
+from workers import Worker, hf_greedy, wait_drained
+
+MAX_TOKENS = 10
+PROMPT_LENGTHS = (1, 9, 130, 400)
+
+
+def prompt_of(length: int, seed: int) -> list[int]:
+    return [3 + (seed * 37 + i * 13) % 1000 for i in range(length)]
+
+
+def sse_events(url: str, path: str, body: dict[str, Any],
+               headers: dict[str, str] | None = None) -> tuple[list[Any], list[str]]:
+    """(data events, comment lines) of one streamed request."""
+    events: list[Any] = []
+    comments: list[str] = []
+    with httpx.stream("POST", url + path, json=body, headers=headers, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                data = line[6:]
+                events.append(data if data == "[DONE]" else json.loads(data))
+            elif line.startswith(":"):
+                comments.append(line)
+    return events, comments
+
+
+def without_ids(ev: Any) -> Any:
+    if isinstance(ev, dict):
+        return {k: v for k, v in ev.items() if k not in ("id", "created")}
+    return ev
+
+
+def stream_token_ids(events: list[Any]) -> list[int]:
+    out: list[int] = []
+    for ev in events:
+        if isinstance(ev, dict):
+            for c in ev["choices"]:
+                out += c.get("token_ids") or []
+    return out
+
+
+def generate(url: str, model: str, prompt: list[int], stream: bool) -> list[int]:
+    body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True, "stream": stream}
+    if stream:
+        return stream_token_ids(sse_events(url, "/v1/completions", body)[0])
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["token_ids"]
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_greedy_tokens_match_colocated_and_transformers(
+        transport: str, request: pytest.FixtureRequest, colocated_worker: Worker,
+        llama_pair: tuple[Worker, Worker]) -> None:
+    router: Router = request.getfixturevalue("router_pd" if transport == "tcp"
+                                             else "router_pd_shm")
+    model = str(llama_pair[0].cfg.model)
+    offset = 0 if transport == "tcp" else 100  # fresh prompts: D's prefix cache loads nothing
+    cases = [(prompt_of(n, seed + offset), stream)
+             for seed, n in enumerate(PROMPT_LENGTHS) for stream in (False, True)]
+    with ThreadPoolExecutor(len(cases)) as pool:
+        routed = list(pool.map(lambda c: generate(router.url, model, c[0], c[1]), cases))
+    for (prompt, stream), got in zip(cases, routed, strict=True):
+        want = hf_greedy(Path(model), prompt, MAX_TOKENS)
+        assert got == want, (len(prompt), stream)
+        assert generate(colocated_worker.url, model, prompt, False) == want
+    wait_drained(*llama_pair)
+
+
+def test_every_split_request_moved_its_kv(router_pd: Router, llama_pair: tuple[Worker, Worker]
+                                          ) -> None:
+    model = str(llama_pair[0].cfg.model)
+    body = {"model": model, "prompt": prompt_of(200, 7), "max_tokens": 4, "temperature": 0}
+    r = httpx.post(f"{router_pd.url}/v1/completions", json=body,
+                   headers={"X-Request-Id": "kv-check-1"}, timeout=60)
+    assert r.status_code == 200 and r.headers["x-request-id"] == "kv-check-1"
+    timings = json.loads(r.headers["x-splitserve-timings"])
+    assert timings["mode"] == "split" and timings["kv_status"] == "loaded", timings
+    assert timings["kv_bytes"] > 0 and timings["p_leg_s"] > 0
+    events, comments = sse_events(router_pd.url, "/v1/completions", body | {"stream": True})
+    streamed = json.loads(comments[-1].split(" ", 2)[2])
+    assert streamed["kv_bytes"] == timings["kv_bytes"] and streamed["handover_s"] >= 0
+    assert events[-1] == "[DONE]"
+
+
+def test_chat_tokens_match_transformers(router_pd: Router, llama_pair: tuple[Worker, Worker]
+                                        ) -> None:
+    model = str(llama_pair[0].cfg.model)
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Tell me about the sea and the stars."}]
+    prompt = AutoTokenizer.from_pretrained(model).apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True)
+    prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+    want = hf_greedy(Path(model), prompt, MAX_TOKENS)
+    body = {"model": model, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True}
+    r = httpx.post(f"{router_pd.url}/v1/chat/completions", json=body, timeout=60).json()
+    assert r["prompt_token_ids"] == prompt and r["choices"][0]["token_ids"] == want
+    events, _ = sse_events(router_pd.url, "/v1/chat/completions", body | {"stream": True})
+    assert stream_token_ids(events) == want
+
+
+VARIANTS: list[dict[str, Any]] = [
+    {},
+    {"return_token_ids": True},
+    {"stream_options": {"include_usage": True}},
+    {"stream_options": {"include_usage": True, "continuous_usage_stats": True},
+     "return_token_ids": True},
+    {"max_tokens": 1},
+    {"max_tokens": 2, "min_tokens": 2},
+]
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_joined_stream_equals_colocated_event_for_event(
+        kind: str, router_pd: Router, colocated_worker: Worker,
+        llama_pair: tuple[Worker, Worker]) -> None:
+    model = str(llama_pair[0].cfg.model)
+    path = "/v1/completions" if kind == "completion" else "/v1/chat/completions"
+    base: dict[str, Any] = (
+        {"prompt": "The river ran past the old mill and"} if kind == "completion"
+        else {"messages": [{"role": "user", "content": "Where does the river go?"}]})
+    for variant in VARIANTS:
+        body = {"model": model, "max_tokens": 7, "temperature": 0, "stream": True, **base,
+                **variant}
+        routed, _ = sse_events(router_pd.url, path, body)
+        direct, _ = sse_events(colocated_worker.url, path, body)
+        assert [without_ids(e) for e in routed] == [without_ids(e) for e in direct], variant
+        body = {k: v for k, v in body.items() if k != "stream_options"} | {"stream": False}
+        routed_body = httpx.post(router_pd.url + path, json=body, timeout=60).json()
+        direct_body = httpx.post(colocated_worker.url + path, json=body, timeout=60).json()
+        assert without_ids(routed_body) == without_ids(direct_body), variant
+
+
+def test_openai_client_through_the_router(router_pd: Router, llama_pair: tuple[Worker, Worker]
+                                          ) -> None:
+    import openai
+
+    model = str(llama_pair[0].cfg.model)
+    client = openai.OpenAI(base_url=f"{router_pd.url}/v1", api_key="unused")
+    assert [m.id for m in client.models.list()] == [model]
+    done = client.completions.create(model=model, prompt="Once upon a time", max_tokens=6,
+                                     temperature=0)
+    assert done.choices[0].finish_reason == "length" and done.usage.completion_tokens == 6
+    chat = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "hello"}], max_tokens=5,
+        temperature=0)
+    assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens == 5
+    pieces = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "hello"}], max_tokens=5,
+        temperature=0, stream=True) if c.choices]
+    assert "".join(pieces) == chat.choices[0].message.content
+    text = "".join(c.choices[0].text for c in client.completions.create(
+        model=model, prompt="Once upon a time", max_tokens=6, temperature=0, stream=True))
+    assert text == done.choices[0].text

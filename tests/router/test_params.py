@@ -1,0 +1,112 @@
+"""Which requests the seeded two-leg flow may carry, and what each leg receives."""
+
+from __future__ import annotations
+
+import pytest
+
+from splitserve.router.params import (
+    RequestError,
+    decode_body,
+    plan_legs,
+    prefill_body,
+    unsplittable_reason,
+    validate,
+)
+
+BASE = {"model": "m", "prompt": "hi", "max_tokens": 8, "temperature": 0}
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"n": 2}, "n"),
+    ({"best_of": 3}, "best_of"),
+    ({"frequency_penalty": 0.5}, "frequency_penalty"),
+    ({"presence_penalty": -0.1}, "presence_penalty"),
+    ({"repetition_penalty": 1.2}, "repetition_penalty"),
+    ({"stop": ["\n"]}, "stop"),
+    ({"stop": "end"}, "stop"),
+    ({"bad_words": ["x y"]}, "bad_words"),
+    ({"seed": 3, "temperature": 0.7}, "seed"),
+    ({"logprobs": 2}, "logprobs"),
+    ({"prompt_logprobs": 1}, "prompt_logprobs"),
+    ({"echo": True}, "echo"),
+    ({"structured_outputs": {"json": {}}}, "structured_outputs"),
+    ({"guided_regex": "a+"}, "guided_regex"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"prompt": ["a", "b"]}, "prompt"),
+])
+def test_completion_parameters_the_flow_would_change_are_named(extra: dict, param: str) -> None:
+    assert unsplittable_reason(BASE | extra, "completion") == param
+
+
+@pytest.mark.parametrize("extra", [
+    {}, {"n": 1}, {"frequency_penalty": 0}, {"stop": []}, {"seed": 3},  # greedy: seed unused
+    {"ignore_eos": True, "return_token_ids": True, "top_k": 5, "logit_bias": {"3": 1.0}},
+    {"prompt": [1, 2, 3]}, {"min_tokens": 4}, {"stop_token_ids": [7]},
+    {"stream": True, "stream_options": {"include_usage": True}},
+])
+def test_tokenwise_parameters_split(extra: dict) -> None:
+    assert unsplittable_reason(BASE | extra, "completion") is None
+
+
+def test_chat_parameters() -> None:
+    chat = {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 4}
+    assert unsplittable_reason(chat, "chat") is None
+    assert unsplittable_reason(chat | {"tool_choice": "none", "logprobs": False}, "chat") is None
+    assert unsplittable_reason(chat | {"logprobs": True}, "chat") == "logprobs"
+    assert unsplittable_reason(chat | {"tools": [{"type": "function"}]}, "chat") == "tools"
+    # a field the router does not know might change meaning: never split it blindly
+    assert unsplittable_reason(chat | {"some_new_field": 1}, "chat") == "some_new_field"
+
+
+@pytest.mark.parametrize("body, param, status", [
+    ({"prompt": "x", "model": "other"}, "model", 404),
+    ({"model": "m"}, "prompt", 400),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens", 400),
+    ({"prompt": "x", "max_tokens": True}, "max_tokens", 400),
+    ({"prompt": "x", "min_tokens": -1}, "min_tokens", 400),
+    ({"prompt": "x", "kv_transfer_params": {}}, "kv_transfer_params", 400),
+    ({"prompt": "x", "stream_options": 3}, "stream_options", 400),
+])
+def test_validation_names_the_field(body: dict, param: str, status: int) -> None:
+    with pytest.raises(RequestError) as err:
+        validate(body, "completion", "m")
+    assert (err.value.param, err.value.status) == (param, status)
+
+
+def test_chat_needs_messages() -> None:
+    with pytest.raises(RequestError) as err:
+        validate({"messages": []}, "chat", "m")
+    assert err.value.param == "messages"
+
+
+def test_leg_bodies_split_the_budget_exactly() -> None:
+    body = BASE | {"max_tokens": 8, "min_tokens": 3, "ignore_eos": True, "stream": True,
+                   "stream_options": {"include_usage": True}, "return_token_ids": False}
+    legs = plan_legs(body, "completion", "hi")
+    kv = {"do_remote_decode": True, "transfer_id": "t"}
+    p = prefill_body(legs, "m", kv)
+    assert p["max_tokens"] == 1 and p["min_tokens"] == 1 and p["stream"] is False
+    assert p["return_token_ids"] is True and p["ignore_eos"] is True
+    assert p["kv_transfer_params"] == kv and "stream_options" not in p
+    d = decode_body(legs, "m", [5, 6], [9], {"do_remote_prefill": True, "transfer_id": "t"})
+    assert d["prompt"] == [5, 6, 9] and d["max_tokens"] == 7 and d["min_tokens"] == 2
+    assert d["stream"] is True and d["kv_transfer_params"]["transfer_id"] == "t"
+    # resuming after three tokens: the rest of the budget, and no KV from elsewhere
+    d2 = decode_body(legs, "m", [5, 6], [9, 10, 11], None)
+    assert d2["prompt"] == [5, 6, 9, 10, 11] and d2["max_tokens"] == 5
+    assert d2["min_tokens"] == 0 and "kv_transfer_params" not in d2
+
+
+def test_no_max_tokens_means_the_context_limit_on_both() -> None:
+    legs = plan_legs({"model": "m", "prompt": "x"}, "completion", "x")
+    assert "max_tokens" not in decode_body(legs, "m", [1], [2], None)
+
+
+def test_chat_legs_carry_only_tokenwise_fields() -> None:
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}],
+            "max_completion_tokens": 5, "temperature": 0.0, "top_p": 0.9, "user": "u",
+            "add_generation_prompt": True}
+    legs = plan_legs(body, "chat", [1, 2, 3])
+    p = prefill_body(legs, "m", None)
+    assert p["prompt"] == [1, 2, 3] and "messages" not in p and "add_generation_prompt" not in p
+    assert p["top_p"] == 0.9 and legs.max_tokens == 5
