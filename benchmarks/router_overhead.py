@@ -1,0 +1,178 @@
+"""What the router adds: per request, per streamed token, and its token throughput on one core,
+against the same colocated worker reached directly; and the same numbers for `vllm-router` (the
+Rust router from PyPI) in front of the same worker, when it is installed.
+
+Each router is pinned to one core; the worker gets the rest. Requests to the targets are
+interleaved so drift hits all alike. Printed and written to JSON, never asserted.
+
+    python benchmarks/router_overhead.py [--model DIR] [--requests 200] [--vllm-router-path DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from _common import cpu_seconds, spawn, stop, summary, timed_stream, write_json  # noqa: E402
+
+from splitserve.config import WorkerConfig  # noqa: E402
+from splitserve.demo_model import ModelSpec, build_checkpoint, default_cache_dir  # noqa: E402
+from splitserve.worker.launch import free_port, start_worker, wait_healthy  # noqa: E402
+
+TINY = ModelSpec(vocab_size=1024, hidden_size=128, intermediate_size=256, num_layers=2,
+                 num_heads=4, num_kv_heads=2, head_dim=32, seed=7)
+
+
+def tiny_model() -> str:
+    out = default_cache_dir() / "bench-tiny-llama"
+    if not (out / "model.safetensors").exists():
+        build_checkpoint(out, TINY)
+    return str(out)
+
+
+def request_latency(client: httpx.Client, urls: dict[str, str], model: str, n: int
+                    ) -> dict[str, list[float]]:
+    out: dict[str, list[float]] = {k: [] for k in urls}
+    body = {"model": model, "prompt": [11, 12, 13, 14], "max_tokens": 1, "temperature": 0}
+    for i in range(n):
+        for name, url in urls.items():
+            t0 = time.perf_counter()
+            r = client.post(f"{url}/v1/completions", json=body | {"prompt": [11 + i % 50, 12]})
+            r.raise_for_status()
+            out[name].append(time.perf_counter() - t0)
+    return out
+
+
+def token_gaps(client: httpx.Client, urls: dict[str, str], model: str, n: int, tokens: int
+               ) -> dict[str, list[float]]:
+    out: dict[str, list[float]] = {k: [] for k in urls}
+    for i in range(n):
+        for name, url in urls.items():
+            body = {"model": model, "prompt": [20 + i % 50, 21, 22], "max_tokens": tokens,
+                    "temperature": 0, "ignore_eos": True}
+            out[name] += timed_stream(client, url, body).gaps
+    return out
+
+
+async def throughput(url: str, model: str, concurrency: int, tokens: int, pid: int | None
+                     ) -> dict[str, float]:
+    body = {"model": model, "prompt": [30, 31, 32], "max_tokens": tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    received = 0
+
+    async def one(client: httpx.AsyncClient) -> None:
+        nonlocal received
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    received += 1
+
+    cpu0 = cpu_seconds(pid) if pid else 0.0
+    t0 = time.perf_counter()
+    async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=None)) as c:
+        await asyncio.gather(*(one(c) for _ in range(concurrency)))
+    wall = time.perf_counter() - t0
+    cpu = (cpu_seconds(pid) - cpu0) if pid else 0.0
+    return {"chunks": received, "wall_s": wall, "chunks_per_s": received / wall,
+            "router_cpu_s": cpu,
+            "chunks_per_router_cpu_s": received / cpu if cpu else float("nan")}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--model", default=None, help="model directory (default: a tiny llama)")
+    ap.add_argument("--requests", type=int, default=200)
+    ap.add_argument("--streams", type=int, default=20)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--vllm-router-path", default=None,
+                    help="directory holding the vllm_router package (pip install --target)")
+    ap.add_argument("--out", default="benchmarks/results/router_overhead.json")
+    args = ap.parse_args()
+    model_dir = args.model or tiny_model()
+    cores = sorted(os.sched_getaffinity(0))
+    router_core, worker_cores = (cores[0],), tuple(cores[1:] or cores)
+    logs = Path(f"/tmp/splitserve-overhead-{time.time():.0f}")
+    logs.mkdir(parents=True)
+
+    wcfg = WorkerConfig(model=model_dir, port=free_port(), cpus=worker_cores,
+                        max_model_len=2048, served_model_name="bench")
+    procs = []
+    worker = start_worker(wcfg, None, str(logs / "worker.log"))
+    try:
+        wait_healthy(wcfg.url, worker)
+        ours_port = free_port()
+        ours = spawn([sys.executable, "-m", "splitserve.cli", "router", "--colocated", wcfg.url,
+                      "--port", str(ours_port), "--log-level", "warning"],
+                     logs / "splitserve-router.log", router_core)
+        procs.append(ours)
+        urls = {"direct": wcfg.url, "splitserve": f"http://127.0.0.1:{ours_port}"}
+        pids = {"splitserve": ours.pid}
+        rust_note = "not installed (pip install vllm-router, or --vllm-router-path)"
+        env = dict(os.environ)
+        if args.vllm_router_path:
+            env["PYTHONPATH"] = args.vllm_router_path + os.pathsep + env.get("PYTHONPATH", "")
+        probe = spawn([sys.executable, "-c", "import vllm_router"], logs / "probe.log", env=env)
+        if probe.wait(60) == 0:
+            rust_port = free_port()
+            rust = spawn([sys.executable, "-m", "vllm_router.launch_router", "--worker-urls",
+                          wcfg.url, "--policy", "round_robin", "--port", str(rust_port),
+                          "--host", "127.0.0.1", "--log-level", "warning"],
+                         logs / "vllm-router.log", router_core, env)
+            procs.append(rust)
+            urls["vllm-router"] = f"http://127.0.0.1:{rust_port}"
+            pids["vllm-router"] = rust.pid
+            rust_note = "installed"
+        for url in urls.values():
+            wait_healthy(url, None, 120)
+        with httpx.Client(timeout=120) as client:
+            token_gaps(client, urls, "bench", 2, 8)  # warm-up
+            lat = request_latency(client, urls, "bench", args.requests)
+            gaps = token_gaps(client, urls, "bench", args.streams, args.tokens)
+        thr = {name: asyncio.run(throughput(url, "bench", args.concurrency, args.tokens,
+                                            pids.get(name))) for name, url in urls.items()}
+    finally:
+        for p in procs:
+            stop(p)
+        worker.terminate()
+        worker.wait(30)
+
+    base_lat = statistics.median(lat["direct"])
+    base_gap = statistics.median(gaps["direct"])
+    result: dict[str, Any] = {"benchmark": "router_overhead", "model": model_dir,
+                              "router_core": list(router_core), "worker_cores": list(worker_cores),
+                              "vllm_router": rust_note, "targets": {}}
+    print(f"{'target':>12} {'req p50 ms':>11} {'added ms':>9} {'ITL p50 ms':>11} "
+          f"{'added/token ms':>15} {'chunks/s':>9} {'chunks/router-cpu-s':>20}")
+    for name in urls:
+        added_req = (statistics.median(lat[name]) - base_lat) * 1e3
+        added_tok = (statistics.median(gaps[name]) - base_gap) * 1e3
+        result["targets"][name] = {
+            "request_latency_ms": summary(lat[name]), "added_request_ms": added_req,
+            "itl_ms": summary(gaps[name]), "added_per_token_ms": added_tok,
+            "throughput": thr[name]}
+        print(f"{name:>12} {statistics.median(lat[name]) * 1e3:>11.2f} {added_req:>9.2f} "
+              f"{statistics.median(gaps[name]) * 1e3:>11.2f} {added_tok:>15.3f} "
+              f"{thr[name]['chunks_per_s']:>9.0f} {thr[name]['chunks_per_router_cpu_s']:>20.0f}")
+    if "vllm-router" in urls:
+        ours_added = result["targets"]["splitserve"]["added_request_ms"]
+        rust_added = result["targets"]["vllm-router"]["added_request_ms"]
+        ratio = ours_added / rust_added if rust_added > 0 else float("inf")
+        result["added_latency_ratio_vs_vllm_router"] = ratio
+        print(f"added request latency, splitserve / vllm-router: {ratio:.2f} (target <= 2)")
+    write_json(Path(args.out), result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

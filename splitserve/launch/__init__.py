@@ -1,0 +1,1 @@
+"""Start a deployment (workers + router) with one command."""

@@ -1,0 +1,99 @@
+"""`splitserve serve`: start workers and the router locally, wait until healthy, run until
+Ctrl-C/SIGTERM, then stop every process."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+from types import FrameType
+
+from splitserve.launch.config import DeploymentConfig, from_mapping, load_yaml
+from splitserve.launch.local import LocalDeployment
+from splitserve.worker.cli import parse_cpus
+
+
+def overrides_from_args(args: argparse.Namespace) -> dict[str, object]:
+    model = "embedded" if args.embedded else args.model
+    return {
+        "prefill": args.prefill, "decode": args.decode, "colocated": args.colocated,
+        "model": model, "dtype": args.dtype, "transport": args.transport, "host": args.host,
+        "port": args.port, "max_num_batched_tokens": args.max_num_batched_tokens,
+        "max_model_len": args.max_model_len, "kv_cache_gib": args.kv_cache_gib,
+        "cpus": args.cpus, "log_dir": args.log_dir, "unsplittable": args.unsplittable,
+        "worker_args": tuple(args.vllm_args) or None,
+    }
+
+
+def config_from_args(args: argparse.Namespace) -> DeploymentConfig:
+    overrides = overrides_from_args(args)
+    if args.config:
+        return load_yaml(args.config, overrides)
+    return from_mapping({}, overrides)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        cfg = config_from_args(args)
+    except (ValueError, OSError) as exc:
+        print(f"splitserve serve: {exc}", file=sys.stderr)
+        return 2
+    deployment = LocalDeployment(cfg, say=lambda line: print(line, flush=True))
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        deployment.start()
+        print("splitserve: Ctrl-C to stop", flush=True)
+        while not stop.wait(1.0):
+            dead = deployment.dead()
+            if dead:
+                names = ", ".join(f"{c.name} (exit {c.proc.returncode}, log {c.log})"
+                                  for c in dead)
+                print(f"splitserve: {names} stopped; shutting the deployment down",
+                      file=sys.stderr, flush=True)
+                return 1
+    except KeyboardInterrupt:
+        return 0
+    except (RuntimeError, TimeoutError) as exc:
+        print(f"splitserve serve: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        print("splitserve: stopping", flush=True)
+        deployment.stop()
+        print("splitserve: stopped", flush=True)
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "serve", help="start a deployment: workers and the router as local processes",
+        description="Arguments after `--` go to every vLLM worker unchanged. Flags override "
+                    "the values of --config.")
+    p.add_argument("--config", help="deployment YAML file")
+    p.add_argument("--prefill", type=int, default=None, metavar="N", help="prefill workers")
+    p.add_argument("--decode", type=int, default=None, metavar="M", help="decode workers")
+    p.add_argument("--colocated", type=int, default=None, metavar="K",
+                   help="colocated (plain vLLM) workers: the baseline")
+    model = p.add_mutually_exclusive_group()
+    model.add_argument("--model", default=None, help="model directory")
+    model.add_argument("--embedded", action="store_true",
+                       help="the embedded demo model (the default)")
+    p.add_argument("--transport", choices=("tcp", "shm"), default=None)
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "auto"), default=None)
+    p.add_argument("--host", default=None)
+    p.add_argument("--port", type=int, default=None, help="router port (default 8000)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--kv-cache-gib", type=int, default=None)
+    p.add_argument("--cpus", type=parse_cpus, default=None, help="cores to use, e.g. 0-7")
+    p.add_argument("--log-dir", default=None)
+    p.add_argument("--unsplittable", choices=("whole", "refuse"), default=None)
+    p.set_defaults(func=run, vllm_args=[])

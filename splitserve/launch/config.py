@@ -1,0 +1,109 @@
+"""A deployment's description: frozen, validated on construction, loadable from YAML.
+
+YAML keys are the field names below; `router:` holds the router's policy fields. Example:
+
+    model: embedded          # or a model directory
+    prefill: 1
+    decode: 1
+    transport: tcp
+    port: 8000
+    router: {decode_policy: round_robin}
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from splitserve.config import TRANSPORTS
+from splitserve.router.config import DECODE_POLICIES, PREFILL_POLICIES, UNSPLITTABLE_MODES
+
+ROUTER_KEYS = ("prefill_policy", "decode_policy", "unsplittable", "max_inflight")
+
+
+@dataclass(frozen=True)
+class DeploymentConfig:
+    prefill: int = 0
+    decode: int = 0
+    colocated: int = 0
+    model: str = "embedded"  # a model directory, or "embedded" for the generated demo model
+    dtype: str = "float32"
+    transport: str = "tcp"
+    host: str = "127.0.0.1"
+    port: int = 8000  # the router's port; workers get free loopback ports
+    max_num_batched_tokens: int | None = None
+    max_model_len: int = 8192
+    kv_cache_gib: int = 1
+    staging_mib: int = 512
+    cpus: tuple[int, ...] | None = None  # cores to use (default: this process's affinity)
+    log_dir: str | None = None
+    startup_timeout_s: float = 600.0
+    stop_timeout_s: float = 20.0
+    prefill_policy: str = "load"
+    decode_policy: str = "load"
+    unsplittable: str = "whole"
+    max_inflight: int = 4096
+    worker_args: tuple[str, ...] = field(default_factory=tuple)  # passed to vLLM unchanged
+
+    def __post_init__(self) -> None:
+        for name in ("prefill", "decode", "colocated"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must not be negative")
+        if bool(self.prefill) != bool(self.decode):
+            raise ValueError("--prefill and --decode go together (both at least 1)")
+        if self.prefill + self.colocated == 0:
+            raise ValueError("nothing to start: give --prefill N --decode M, or --colocated K")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}")
+        if self.dtype not in ("float32", "bfloat16", "auto"):
+            raise ValueError("dtype must be float32, bfloat16 or auto")
+        if not 1 <= self.port <= 65535:
+            raise ValueError(f"port must be a TCP port, got {self.port}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be positive")
+        if self.cpus is not None and not self.cpus:
+            raise ValueError("cpus must not be empty")
+        if self.prefill_policy not in PREFILL_POLICIES:
+            raise ValueError(f"prefill_policy must be one of {PREFILL_POLICIES}")
+        if self.decode_policy not in DECODE_POLICIES:
+            raise ValueError(f"decode_policy must be one of {DECODE_POLICIES}")
+        if self.unsplittable not in UNSPLITTABLE_MODES:
+            raise ValueError(f"unsplittable must be one of {UNSPLITTABLE_MODES}")
+        if self.model != "embedded" and not Path(self.model).is_dir():
+            raise ValueError(f"model directory {self.model!r} does not exist")
+
+    @property
+    def n_workers(self) -> int:
+        return self.prefill + self.decode + self.colocated
+
+
+def from_mapping(data: dict[str, Any], overrides: dict[str, Any] | None = None
+                 ) -> DeploymentConfig:
+    """Build from a YAML-shaped mapping; `overrides` (non-None values) win."""
+    flat = {k: v for k, v in data.items() if k != "router"}
+    router = data.get("router") or {}
+    if not isinstance(router, dict):
+        raise ValueError("`router:` must be a mapping")
+    unknown_router = set(router) - set(ROUTER_KEYS)
+    if unknown_router:
+        raise ValueError(f"unknown router keys: {sorted(unknown_router)}")
+    flat.update(router)
+    flat.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    known = {f.name for f in fields(DeploymentConfig)}
+    unknown = set(flat) - known
+    if unknown:
+        raise ValueError(f"unknown deployment keys: {sorted(unknown)}")
+    for key in ("cpus", "worker_args"):
+        if key in flat and flat[key] is not None:
+            flat[key] = tuple(flat[key])
+    return DeploymentConfig(**flat)
+
+
+def load_yaml(path: str | Path, overrides: dict[str, Any] | None = None) -> DeploymentConfig:
+    import yaml
+
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: a deployment file is a mapping of keys to values")
+    return from_mapping(data, overrides)

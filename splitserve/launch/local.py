@@ -1,0 +1,198 @@
+"""Run a deployment as local processes: workers, then the router, each in its own session.
+
+Invariants:
+- The deployment token is generated here and reaches children only in their environment.
+- Every child runs in its own process group and gets SIGKILL if this process dies
+  (PR_SET_PDEATHSIG); `stop()` sends SIGTERM to every group, then SIGKILL after
+  `stop_timeout_s`, so no process outlives the deployment.
+- Each worker gets its own cores when there are enough; otherwise cores are spread evenly and
+  `LocalDeployment.core_note` says so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from splitserve.config import TOKEN_ENV, WorkerConfig, new_token
+from splitserve.launch.config import DeploymentConfig
+from splitserve.worker.launch import free_port, wait_healthy, worker_command
+
+PR_SET_PDEATHSIG = 1
+
+
+@dataclass(frozen=True)
+class CorePlan:
+    router: tuple[int, ...]
+    workers: tuple[tuple[int, ...], ...]
+    note: str
+
+
+def plan_cores(cores: list[int], n_workers: int) -> CorePlan:
+    """Disjoint cores per worker (and one for the router) when there are enough, else even."""
+    cores = sorted(cores)
+    n = len(cores)
+    if n >= n_workers + 1:
+        per = (n - 1) // n_workers
+        workers = tuple(tuple(cores[1 + i * per: 1 + (i + 1) * per]) for i in range(n_workers))
+        return CorePlan((cores[0],), workers,
+                        f"{per} core(s) per worker, the router on core {cores[0]}")
+    if n >= n_workers:
+        per = n // n_workers
+        workers = tuple(tuple(cores[i * per:(i + 1) * per]) for i in range(n_workers))
+        return CorePlan(tuple(cores), workers,
+                        f"{per} core(s) per worker; the router shares them (only {n} cores)")
+    workers = tuple((cores[i % n],) for i in range(n_workers))
+    return CorePlan(tuple(cores), workers,
+                    f"only {n} cores for {n_workers} workers: workers share cores round-robin, "
+                    "so they slow each other down")
+
+
+def _child_setup(cpus: tuple[int, ...] | None) -> Callable[[], None]:
+    def setup() -> None:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+    return setup
+
+
+@dataclass
+class Child:
+    name: str
+    url: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+
+class LocalDeployment:
+    """`start()` brings every part up healthy and returns the router's URL; `stop()` ends all."""
+
+    def __init__(self, cfg: DeploymentConfig, say: Callable[[str], None] = print) -> None:
+        self.cfg = cfg
+        self.say = say
+        self.token = new_token()
+        self.children: list[Child] = []
+        self.workers: list[WorkerConfig] = []
+        self.model_dir = cfg.model
+        self.core_note = ""
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        self.log_dir = Path(cfg.log_dir or Path(".splitserve") / "logs" / f"{stamp}-{os.getpid()}")
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.cfg.host}:{self.cfg.port}"
+
+    def _spawn(self, name: str, url: str, argv: list[str], env: dict[str, str],
+               cpus: tuple[int, ...] | None) -> Child:
+        log = self.log_dir / f"{name}.log"
+        with open(log, "ab") as out:
+            proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                    preexec_fn=_child_setup(cpus), start_new_session=True)
+        child = Child(name, url, proc, log)
+        self.children.append(child)
+        return child
+
+    def plan_workers(self) -> list[tuple[str, WorkerConfig]]:
+        cfg = self.cfg
+        cores = list(cfg.cpus or sorted(os.sched_getaffinity(0)))
+        plan = plan_cores(cores, cfg.n_workers)
+        self.core_note = plan.note
+        self.router_cpus = plan.router
+        roles: list[tuple[str, str | None]] = (
+            [("prefill", "prefill")] * cfg.prefill + [("decode", "decode")] * cfg.decode
+            + [("colocated", None)] * cfg.colocated)
+        served = "splitserve-demo" if cfg.model == "embedded" else None
+        out = []
+        for i, ((kind, role), cpus) in enumerate(zip(roles, plan.workers, strict=True)):
+            out.append((f"{kind}{i}", WorkerConfig(
+                model=self.model_dir, port=free_port(cfg.host), role=role,  # type: ignore[arg-type]
+                host=cfg.host, cpus=cpus, kv_port=free_port(cfg.host) if role else 0,
+                transport=cfg.transport, dtype=cfg.dtype,  # type: ignore[arg-type]
+                kv_cache_gib=cfg.kv_cache_gib, max_model_len=cfg.max_model_len,
+                max_num_batched_tokens=cfg.max_num_batched_tokens, served_model_name=served,
+                staging_bytes=cfg.staging_mib * 1024**2, extra_args=cfg.worker_args)))
+        return out
+
+    def start(self) -> str:
+        cfg = self.cfg
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        if cfg.model == "embedded":
+            from splitserve.demo_model import embedded_model_dir
+
+            self.model_dir = str(embedded_model_dir())
+        planned = self.plan_workers()
+        self.say(f"splitserve: cores: {self.core_note}")
+        try:
+            for name, wcfg in planned:
+                argv, env = worker_command(wcfg, self.token)
+                env[TOKEN_ENV] = self.token
+                child = self._spawn(name, wcfg.url, argv, env, wcfg.cpus)
+                self.workers.append(wcfg)
+                self.say(f"splitserve: {name} {wcfg.url} cpus {','.join(map(str, wcfg.cpus or ()))}"
+                         + (f" kv {wcfg.transport}:{wcfg.kv_port}" if wcfg.role else "")
+                         + f" (log {child.log})")
+            with ThreadPoolExecutor(len(self.children)) as pool:
+                list(pool.map(lambda c: wait_healthy(c.url, c.proc, cfg.startup_timeout_s),
+                              list(self.children)))
+            self._start_router(planned)
+            wait_healthy(self.url, self.children[-1].proc, cfg.startup_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        self.say(f"splitserve: ready — OpenAI endpoint {self.url}/v1 "
+                 f"({cfg.prefill}P+{cfg.decode}D" + (f"+{cfg.colocated}C" if cfg.colocated else "")
+                 + f", model {self.model_dir})")
+        return self.url
+
+    def _start_router(self, planned: list[tuple[str, WorkerConfig]]) -> None:
+        cfg = self.cfg
+        argv = [sys.executable, "-m", "splitserve.cli", "router", "--host", cfg.host,
+                "--port", str(cfg.port), "--model", self.model_dir,
+                "--prefill-policy", cfg.prefill_policy, "--decode-policy", cfg.decode_policy,
+                "--unsplittable", cfg.unsplittable, "--max-inflight", str(cfg.max_inflight),
+                "--log-level", "warning"]
+        for kind in ("prefill", "decode", "colocated"):
+            urls = [w.url for name, w in planned if name.startswith(kind)]
+            if urls:
+                argv += [f"--{kind}", *urls]
+        env = dict(os.environ)
+        env[TOKEN_ENV] = self.token
+        child = self._spawn("router", self.url, argv, env, self.router_cpus)
+        self.say(f"splitserve: router {self.url} (log {child.log})")
+
+    def dead(self) -> list[Child]:
+        return [c for c in self.children if c.proc.poll() is not None]
+
+    def stop(self) -> None:
+        """SIGTERM every process group, SIGKILL what is left after the timeout."""
+        for child in reversed(self.children):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(child.proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + self.cfg.stop_timeout_s
+        for child in self.children:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                child.proc.wait(max(0.0, deadline - time.monotonic()))
+        for child in self.children:
+            # The group may hold engine processes even after its leader exited.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(child.proc.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                child.proc.wait(5)
+        self.children.clear()
+
+    def __enter__(self) -> LocalDeployment:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,55 @@
+"""Deployment descriptions and core plans (pure logic)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from splitserve.launch.config import DeploymentConfig, from_mapping, load_yaml
+from splitserve.launch.local import plan_cores
+
+
+def test_enough_cores_gives_every_worker_its_own() -> None:
+    plan = plan_cores(list(range(9)), 2)
+    assert plan.router == (0,) and plan.workers == ((1, 2, 3, 4), (5, 6, 7, 8))
+    assert "4 core(s) per worker" in plan.note
+
+
+def test_exactly_one_core_each_shares_the_router() -> None:
+    plan = plan_cores([0, 1], 2)
+    assert plan.workers == ((0,), (1,)) and plan.router == (0, 1)
+    assert "shares" in plan.note
+
+
+def test_too_few_cores_spreads_evenly_and_says_so() -> None:
+    plan = plan_cores([0, 1], 3)
+    assert plan.workers == ((0,), (1,), (0,)) and "share cores" in plan.note
+
+
+def test_yaml_with_flags_overriding(tmp_path: Path) -> None:
+    f = tmp_path / "d.yaml"
+    f.write_text("prefill: 2\ndecode: 1\ntransport: shm\nport: 9001\n"
+                 "router: {decode_policy: round_robin}\n")
+    cfg = load_yaml(f, {"port": 9002, "decode": None})
+    assert (cfg.prefill, cfg.decode, cfg.transport, cfg.port) == (2, 1, "shm", 9002)
+    assert cfg.decode_policy == "round_robin" and cfg.n_workers == 3
+
+
+@pytest.mark.parametrize("data, message", [
+    ({"prefill": 1}, "go together"),
+    ({}, "nothing to start"),
+    ({"colocated": 1, "transport": "udp"}, "transport"),
+    ({"colocated": 1, "model": "/no/such/dir"}, "does not exist"),
+    ({"colocated": 1, "bogus": 1}, "unknown deployment keys"),
+    ({"colocated": 1, "router": {"bogus": 1}}, "unknown router keys"),
+    ({"colocated": 1, "port": 0}, "port"),
+    ({"colocated": -1}, "negative"),
+])
+def test_invalid_deployments_are_refused(data: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        from_mapping(data)
+
+
+def test_defaults_are_the_embedded_model() -> None:
+    assert DeploymentConfig(colocated=1).model == "embedded"
