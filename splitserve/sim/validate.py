@@ -4,6 +4,8 @@ and report the error of every metric on its own (errors cannot cancel).
 The real side is the benchmark's runner (`splitserve.bench.runner.run_once`) against a running
 deployment (`--url`, e.g. one started by `splitserve serve`), or — for a single plain worker —
 a vLLM worker this command starts itself with `splitserve.worker.launch` and stops afterwards.
+Repeats and rates replay the same prompts, so the deployment must run with prefix caching off
+(the local worker does), or every repeat after the first measures cache hits, not prefills.
 Each real point is measured `repeats` times; the spread (min..max over repeats) is reported
 next to the error, and an error whose simulated value lies inside the measured min..max is
 marked as noise rather than a miss. The simulation replays the identical request stream (same
@@ -94,8 +96,11 @@ def local_worker(model: str, cpus: tuple[int, ...] | None, token_budget: int,
     from splitserve.config import WorkerConfig
     from splitserve.worker.launch import free_port, start_worker, wait_healthy
 
+    # Repeats replay the identical stream: with prefix caching on, every repeat after the first
+    # would find its prompts cached and measure almost no prefill.
     cfg = WorkerConfig(model=model, port=free_port(), cpus=cpus,
-                       max_num_batched_tokens=token_budget)
+                       max_num_batched_tokens=token_budget,
+                       extra_args=("--no-enable-prefix-caching",))
     proc = start_worker(cfg, None, log_path=log_path)
     try:
         wait_healthy(cfg.url, proc)
