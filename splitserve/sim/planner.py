@@ -146,6 +146,9 @@ def goodput(profile: Profile, spec: WorkloadSpec, cfg: SimConfig, req: PlanReque
 
 
 def plan(profile: Profile, spec: WorkloadSpec, req: PlanRequest) -> Plan:
+    if spec.source in ("interference", "trace"):
+        raise ValueError(f"planning sweeps the request rate, which a {spec.source!r} workload "
+                         "does not have; use a synthetic or sharegpt workload")
     cands = []
     for label, cfg in candidate_configs(req):
         o = simulate(profile, cfg, arrays_from_spec(spec.with_rate(req.rate)))
