@@ -30,6 +30,7 @@ class TransferRecord:
     first_byte_s: float | None = None
     complete_s: float | None = None
     load_s: float | None = None  # D: seconds to copy staged KV into vLLM's blocks
+    loaded_tokens: int | None = None  # D: tokens copied (fewer when D had a prefix-cache hit)
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)

@@ -210,6 +210,7 @@ class WorkerSide:
                 t0 = time.perf_counter()
                 self._copy_into_blocks(st, spec)
                 st.record.load_s = time.perf_counter() - t0
+                st.record.loaded_tokens = spec.end - spec.start
                 self.staging.release(st, "loaded")
                 self.stats.close(st.record, "loaded")
                 return "ok"
@@ -245,7 +246,10 @@ class WorkerSide:
                 st = self.staging.claim(load.spec.transfer_id)
                 if st is not None:
                     self.staging.release(st, "discarded")
-                del self._loads[rid]
+                    self.stats.close(st.record, "discarded")
+                if (st is not None or now > load.deadline
+                        or self.staging.final_status(load.spec.transfer_id) is not None):
+                    del self._loads[rid]
                 continue
             else:
                 try:

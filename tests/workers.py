@@ -1,0 +1,196 @@
+"""Test helpers: small random checkpoints, real vLLM workers on loopback, HF references.
+
+Shared by every test package. Workers are real `splitserve worker` processes (vLLM's OpenAI
+server with splitserve's connector); start-up costs ~30 s, so fixtures share them widely.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from functools import lru_cache
+from pathlib import Path
+
+import httpx
+
+from splitserve.config import WorkerConfig
+from splitserve.demo_model import ModelSpec, build_checkpoint
+from splitserve.worker.launch import free_port, start_worker, wait_healthy
+
+TOKEN = "splitserve-test-token-0123456789abcdef"
+LOG_DIR = Path(os.environ.get("SPLITSERVE_TEST_LOGS", "/tmp/splitserve-test-logs"))
+
+# Small shapes keep start-up and prefill fast; a wide initializer keeps greedy decoding free of
+# near-tied logits (no position is skipped in the comparisons).
+TEST_SPECS = {
+    "llama": ModelSpec(arch="llama", vocab_size=1024, hidden_size=128, intermediate_size=256,
+                       num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, seed=1),
+    "qwen2": ModelSpec(arch="qwen2", vocab_size=1024, hidden_size=128, intermediate_size=256,
+                       num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, seed=2),
+    "qwen3": ModelSpec(arch="qwen3", vocab_size=1024, hidden_size=128, intermediate_size=256,
+                       num_layers=2, num_heads=4, num_kv_heads=1, head_dim=64, seed=3),
+}
+
+
+def make_checkpoint(root: Path, arch: str) -> Path:
+    out = root / arch
+    if not (out / "model.safetensors").exists():
+        build_checkpoint(out, TEST_SPECS[arch])
+    return out
+
+
+@dataclass
+class Worker:
+    cfg: WorkerConfig
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+    @property
+    def url(self) -> str:
+        return self.cfg.url
+
+    @property
+    def kv_port(self) -> int:
+        return self.cfg.kv_port
+
+    def state(self) -> dict:
+        r = httpx.get(f"{self.url}/splitserve/state", headers=auth_headers(), timeout=5)
+        r.raise_for_status()
+        return r.json()
+
+    def kv_usage(self) -> float:
+        text = httpx.get(f"{self.url}/metrics", timeout=5).text
+        for line in text.splitlines():
+            if line.startswith("vllm:kv_cache_usage_perc"):
+                return float(line.rsplit(" ", 1)[1])
+        raise AssertionError("worker exports no vllm:kv_cache_usage_perc")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+
+
+def auth_headers() -> dict[str, str]:
+    return {"Authorization": f"Bearer {TOKEN}"}
+
+
+def launch(model: Path, name: str, role: str | None, env: dict[str, str] | None = None,
+           **overrides: object) -> Worker:
+    """Start one worker and wait until it is healthy."""
+    cfg = WorkerConfig(model=str(model), port=free_port(), role=role,  # type: ignore[arg-type]
+                       kv_port=free_port() if role else 0, max_model_len=2048,
+                       staging_bytes=64 * 1024**2)
+    cfg = replace(cfg, **overrides)  # type: ignore[arg-type]
+    LOG_DIR.mkdir(parents=True, exist_ok=True)
+    log = LOG_DIR / f"{name}-{cfg.port}.log"
+    saved = {k: os.environ.get(k) for k in (env or {})}
+    os.environ.update(env or {})
+    try:
+        proc = start_worker(cfg, TOKEN, str(log))
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    worker = Worker(cfg, proc, log)
+    try:
+        wait_healthy(cfg.url, proc, timeout_s=600)
+    except BaseException:
+        worker.stop()
+        raise
+    return worker
+
+
+@contextlib.contextmanager
+def running(*workers: Worker) -> Iterator[tuple[Worker, ...]]:
+    try:
+        yield workers
+    finally:
+        for w in workers:
+            w.stop()
+
+
+def wait_drained(*workers: Worker, timeout_s: float = 15.0) -> None:
+    """Assert every worker returns to zero: no staged KV, no loads or held sends, no KV blocks."""
+    deadline = time.monotonic() + timeout_s
+    last: dict = {}
+    while time.monotonic() < deadline:
+        last = {}
+        for w in workers:
+            s = w.state()
+            last[w.url] = (s["staged_bytes"], s["pending_loads"], s["held_sends"], w.kv_usage())
+        if all(v == (0, 0, 0, 0.0) for v in last.values()):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"workers did not drain (staged, loads, sends, kv usage): {last}")
+
+
+@lru_cache(maxsize=4)
+def _hf_model(model_dir: str):  # type: ignore[no-untyped-def]
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def hf_greedy(model_dir: Path, prompt: list[int], max_tokens: int) -> list[int]:
+    """Hugging Face transformers' greedy continuation (float32, no stop on EOS): the reference."""
+    import torch
+
+    model = _hf_model(str(model_dir))
+    out: list[int] = []
+    with torch.no_grad():
+        res = model(torch.tensor([prompt]), use_cache=True)
+        for _ in range(max_tokens):
+            tok = int(res.logits[0, -1].argmax())
+            out.append(tok)
+            res = model(torch.tensor([[tok]]), past_key_values=res.past_key_values,
+                        use_cache=True)
+    return out
+
+
+def model_name(worker: Worker) -> str:
+    return httpx.get(f"{worker.url}/v1/models", timeout=10).json()["data"][0]["id"]
+
+
+def two_legs(p: Worker, d: Worker, prompt: list[int], max_tokens: int, transfer_id: str,
+             transport: str = "tcp") -> tuple[list[int], httpx.Response, httpx.Response | None]:
+    """Drive the two legs by hand: prefill leg to P (max_tokens 1), decode leg to D with
+    prompt + [t1]. Returns (all generated tokens, P's response, D's response)."""
+    name = model_name(p)
+    body = {"model": name, "prompt": prompt, "max_tokens": 1, "temperature": 0,
+            "return_token_ids": True,
+            "kv_transfer_params": {"do_remote_decode": True, "transfer_id": transfer_id,
+                                   "remote_host": "127.0.0.1", "remote_port": d.kv_port,
+                                   "transport": transport}}
+    rp = httpx.post(f"{p.url}/v1/completions", json=body, timeout=120)
+    rp.raise_for_status()
+    t1 = rp.json()["choices"][0]["token_ids"][0]
+    if max_tokens == 1:
+        return [t1], rp, None
+    body = {"model": name, "prompt": prompt + [t1], "max_tokens": max_tokens - 1,
+            "temperature": 0, "ignore_eos": True, "return_token_ids": True,
+            "kv_transfer_params": {"do_remote_prefill": True, "transfer_id": transfer_id}}
+    rd = httpx.post(f"{d.url}/v1/completions", json=body, timeout=120)
+    if rd.status_code != 200:
+        return [t1], rp, rd
+    return [t1] + rd.json()["choices"][0]["token_ids"], rp, rd
+
+
+def transfer_record(worker: Worker, transfer_id: str) -> dict:
+    r = httpx.get(f"{worker.url}/splitserve/transfers/{transfer_id}", headers=auth_headers(),
+                  timeout=5)
+    r.raise_for_status()
+    return r.json()
