@@ -285,7 +285,9 @@ class Flow:
                 f"{t.decode_url}/splitserve/transfers/{t.transfer_id}", timeout=timeout_s,
                 headers={"Authorization": f"Bearer {self.registry.token}"})
             if r.status_code == 200:
-                t.kv = r.json()
+                body = r.json()
+                # D's side of the transfer; the record is either flat or keyed by side
+                t.kv = body.get("recv") if isinstance(body.get("recv"), dict) else body
         except httpx.HTTPError as exc:
             log.info("no transfer record for %s: %s", t.transfer_id, exc)
 

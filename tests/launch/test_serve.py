@@ -1,6 +1,6 @@
-"""`splitserve serve` end to end: a 1P+1D+1 colocated deployment on loopback from a YAML file
-(flags overriding), requests through it, then SIGTERM: every process gone, token never on a
-command line."""
+"""`splitserve serve` end to end: a 2P+2D deployment over shared memory on loopback, from a YAML
+file with flags overriding it; greedy output of concurrent mixed-length requests through it equals
+Hugging Face transformers; then SIGTERM: every process gone, the token never on a command line."""
 
 from __future__ import annotations
 
@@ -11,9 +11,11 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+from workers import hf_greedy
 
 from splitserve.worker.launch import free_port
 
@@ -57,13 +59,13 @@ def test_serve_starts_answers_and_stops_without_orphans(llama_ckpt: Path, tmp_pa
                                                          ) -> None:
     port = free_port()
     cfg = tmp_path / "deploy.yaml"
-    cfg.write_text(f"prefill: 1\ndecode: 1\ncolocated: 1\nmodel: {llama_ckpt}\n"
-                   "max_model_len: 2048\nport: 1\n")
+    cfg.write_text(f"prefill: 2\ndecode: 1\nmodel: {llama_ckpt}\n"
+                   "max_model_len: 2048\nport: 1\nrouter: {decode_policy: round_robin}\n")
     log_dir = tmp_path / "logs"
     out = open(tmp_path / "serve.out", "w+")  # noqa: SIM115
     proc = subprocess.Popen(
         [sys.executable, "-m", "splitserve.cli", "serve", "--config", str(cfg), "--port",
-         str(port), "--transport", "shm", "--log-dir", str(log_dir)],
+         str(port), "--decode", "2", "--transport", "shm", "--log-dir", str(log_dir)],
         stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -75,22 +77,35 @@ def test_serve_starts_answers_and_stops_without_orphans(llama_ckpt: Path, tmp_pa
         said = (tmp_path / "serve.out").read_text()
         assert f"{url}/v1" in said and "cores:" in said
         children = descendants(proc.pid)
-        assert len(children) >= 4  # three workers (each with its engine) and the router
+        assert len(children) >= 5  # four workers (each with its engine) and the router
         workers = [line.split()[2] for line in said.splitlines()
-                   if re.match(r"splitserve: (prefill|decode|colocated)\d+ ", line)]
-        assert len(workers) == 3, said
-        roles = {w["role"] for w in httpx.get(f"{url}/workers").json()["workers"]}
-        assert roles == {"prefill", "decode", "colocated"}
+                   if re.match(r"splitserve: (prefill|decode)\d+ ", line)]
+        assert len(workers) == 4, said
+        roles = sorted(w["role"] for w in httpx.get(f"{url}/workers").json()["workers"])
+        assert roles == ["decode", "decode", "prefill", "prefill"]
 
-        body = {"model": str(llama_ckpt), "prompt": "Over the hills", "max_tokens": 6,
-                "temperature": 0}
-        split = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
-        assert split.status_code == 200, split.text
-        timings = json.loads(split.headers["x-splitserve-timings"])
-        assert timings["mode"] == "split" and timings["kv_status"] == "loaded", timings
-        whole = httpx.post(f"{url}/v1/completions", json=body | {"n": 2}, timeout=60)
+        prompts = [[3 + (s * 29 + i * 7) % 1000 for i in range(n)]
+                   for s, n in enumerate((5, 60, 200, 333, 17, 128))]
+
+        def generate(prompt: list[int]) -> httpx.Response:
+            return httpx.post(f"{url}/v1/completions", timeout=120, json={
+                "model": str(llama_ckpt), "prompt": prompt, "max_tokens": 8, "temperature": 0,
+                "ignore_eos": True, "return_token_ids": True})
+
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            answers = list(pool.map(generate, prompts))
+        used = set()
+        for prompt, r in zip(prompts, answers, strict=True):
+            assert r.status_code == 200, r.text
+            timings = json.loads(r.headers["x-splitserve-timings"])
+            assert timings["mode"] == "split" and timings["kv_status"] == "loaded", timings
+            used |= {timings["prefill"], timings["decode"]}
+            assert r.json()["choices"][0]["token_ids"] == hf_greedy(llama_ckpt, prompt, 8)
+        assert used == set(workers)  # both P and both D served
+        whole = httpx.post(f"{url}/v1/completions", timeout=60, json={
+            "model": str(llama_ckpt), "prompt": prompts[0], "max_tokens": 8, "temperature": 0,
+            "ignore_eos": True, "n": 2})
         assert whole.status_code == 200 and len(whole.json()["choices"]) == 2
-        assert whole.json()["choices"][0]["text"] == split.json()["choices"][0]["text"]
         # the generated token reaches children in their environment, never their command line
         tokens = set()
         for pid in children:

@@ -75,7 +75,7 @@ def test_greedy_tokens_match_colocated_and_transformers(
                                              else "router_pd_shm")
     model = str(llama_pair[0].cfg.model)
     offset = 0 if transport == "tcp" else 100  # fresh prompts: D's prefix cache loads nothing
-    cases = [(prompt_of(n, seed + offset), stream)
+    cases = [(prompt_of(n, 2 * seed + stream + offset), stream)
              for seed, n in enumerate(PROMPT_LENGTHS) for stream in (False, True)]
     with ThreadPoolExecutor(len(cases)) as pool:
         routed = list(pool.map(lambda c: generate(router.url, model, c[0], c[1]), cases))
@@ -96,7 +96,9 @@ def test_every_split_request_moved_its_kv(router_pd: Router, llama_pair: tuple[W
     timings = json.loads(r.headers["x-splitserve-timings"])
     assert timings["mode"] == "split" and timings["kv_status"] == "loaded", timings
     assert timings["kv_bytes"] > 0 and timings["p_leg_s"] > 0
-    events, comments = sse_events(router_pd.url, "/v1/completions", body | {"stream": True})
+    # a different prompt of the same length: D has none of it cached, so all of it moves
+    events, comments = sse_events(router_pd.url, "/v1/completions",
+                                  body | {"stream": True, "prompt": prompt_of(200, 8)})
     streamed = json.loads(comments[-1].split(" ", 2)[2])
     assert streamed["kv_bytes"] == timings["kv_bytes"] and streamed["handover_s"] >= 0
     assert events[-1] == "[DONE]"
