@@ -175,10 +175,13 @@ class Registry:
             r = await self.client.get(f"{worker.url}/health", timeout=timeout)
             ok = r.status_code == 200
             error = None if ok else f"/health answered {r.status_code}"
-            if ok:
-                await self._read_load(worker, timeout)
         except httpx.HTTPError as exc:
             ok, error = False, f"/health: {type(exc).__name__}: {exc}"
+        if ok:
+            try:  # load and KV endpoint are advisory: a bad answer never fails the check
+                await self._read_load(worker, timeout)
+            except (httpx.HTTPError, ValueError, TypeError) as exc:
+                log.info("worker %s: cannot read load: %s", worker.url, exc)
         worker.checked_at = time.monotonic()
         if ok:
             worker.successes += 1
@@ -200,8 +203,10 @@ class Registry:
         if worker.info is None:
             r = await self.client.get(f"{worker.url}/splitserve/info", headers=self._auth(),
                                       timeout=timeout)
-            worker.info = r.json() if r.status_code == 200 else {}
-            if not worker.info:
+            # 200: its KV endpoint; 404: plain vLLM (never asked again); else: ask next time
+            worker.info = r.json() if r.status_code == 200 else (
+                {} if r.status_code == 404 else None)
+            if worker.info == {}:
                 log.warning("worker %s has no /splitserve/info (%s): plain vLLM, no KV transfer",
                             worker.url, r.status_code)
         if worker.role == "decode" and worker.info:
@@ -217,7 +222,10 @@ class Registry:
 
     async def run(self) -> None:
         while True:
-            await self.check_all()
+            try:
+                await self.check_all()
+            except Exception:  # the loop must outlive any one bad answer
+                log.exception("health check round failed")
             await asyncio.sleep(self.cfg.health_interval_s)
 
     async def model(self) -> dict[str, Any]:
