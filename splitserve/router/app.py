@@ -13,7 +13,7 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from splitserve.router.config import RouterConfig
-from splitserve.router.flow import Flow, Timings, UpstreamError
+from splitserve.router.flow import Flow, Prefilled, Timings, UpstreamError
 from splitserve.router.formats import DONE, Joiner, error_body, sse, sse_comment
 from splitserve.router.health import Registry
 from splitserve.router.metrics import RouterMetrics
@@ -40,6 +40,33 @@ TIMINGS_HEADER = "X-Splitserve-Timings"
 
 class ClientGone(Exception):
     """The client disconnected before the response started."""
+
+
+class GuardedStream(StreamingResponse):
+    """A stream whose `cleanup` runs exactly once however the response ends — even when the
+    client is gone before the body iterator starts (its own `finally` would then never run)."""
+
+    def __init__(self, content: AsyncIterator[bytes], cleanup: Callable[[], Awaitable[None]],
+                 **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self._cleanup = cleanup
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._cleanup()
+
+
+def once(fn: Callable[[], Awaitable[None]]) -> Callable[[], Awaitable[None]]:
+    done = False
+
+    async def run() -> None:
+        nonlocal done
+        if not done:
+            done = True
+            await fn()
+    return run
 
 
 @dataclass
@@ -179,8 +206,8 @@ def create_app(cfg: RouterConfig, token: str | None, api_key: str | None = None,
                 response = await split(st, request, body, kind, rid, t)
             else:
                 response = await whole(st, request, body, kind, rid, t)
-            if isinstance(response, StreamingResponse):
-                handed_off = True  # the stream's own `finally` closes the books
+            if isinstance(response, GuardedStream):
+                handed_off = True  # the stream's cleanup closes the books
             else:
                 finish(st, kind, mode, "ok" if response.status_code < 400 else "error", t)
             return response
@@ -230,16 +257,19 @@ def create_app(cfg: RouterConfig, token: str | None, api_key: str | None = None,
         start = joiner.start(pre.prompt_ids, pre.fingerprint)
         first = joiner.tokens(pre.t1_text, pre.t1_ids, pre.finish_reason, pre.stop_reason)
         if not legs.stream:
-            t.first_sent = time.monotonic()
-            if pre.decode is not None:
-                await cancellable(request, drain(st.flow.decode(legs, rid, pre, joiner, t)))
+            try:
+                t.first_sent = time.monotonic()
+                if pre.decode is not None:
+                    await cancellable(request, drain(st.flow.decode(legs, rid, pre, joiner, t)))
+            finally:
+                Flow.release(pre)
             await st.flow.transfer_record(t)
             t.end = time.monotonic()
             return JSONResponse(joiner.response(), headers={
                 "X-Request-Id": rid, TIMINGS_HEADER: json.dumps(t.as_dict())})
+        outcome = ["cancelled"]
 
         async def events() -> AsyncIterator[bytes]:
-            outcome = "cancelled"
             try:
                 t.first_sent = time.monotonic()
                 yield b"".join(sse(ev) for ev in (*start, first))
@@ -254,20 +284,23 @@ def create_app(cfg: RouterConfig, token: str | None, api_key: str | None = None,
                 t.end = time.monotonic()
                 yield sse_comment("splitserve-timings", t.as_dict())
                 yield DONE
-                outcome = "ok"
+                outcome[0] = "ok"
             except (UpstreamError, NoWorker) as exc:
-                outcome = "error"
+                outcome[0] = "error"
                 err = exc.body if isinstance(exc, UpstreamError) else error_body(
                     str(exc), "ServiceUnavailableError", None, 503)
                 yield sse(err)
                 yield DONE
-            finally:
-                finish(st, kind, "split", outcome, t)
-                st.inflight -= 1
-                st.metrics.inflight.dec()
 
-        return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers={"X-Request-Id": rid})
+        return GuardedStream(events(), once(lambda: close_split(st, kind, pre, outcome[0], t)),
+                             media_type="text/event-stream", headers={"X-Request-Id": rid})
+
+    async def close_split(st: RouterState, kind: str, pre: Prefilled, outcome: str,
+                          t: Timings) -> None:
+        Flow.release(pre)
+        finish(st, kind, "split", outcome, t)
+        st.inflight -= 1
+        st.metrics.inflight.dec()
 
     async def whole(st: RouterState, request: Request, body: dict[str, Any], kind: Kind,
                     rid: str, t: Timings) -> Response:
@@ -284,26 +317,29 @@ def create_app(cfg: RouterConfig, token: str | None, api_key: str | None = None,
             return Response(content, r.status_code, headers=headers,
                             media_type=r.headers.get("content-type"))
 
+        outcome = ["cancelled"]
+
         async def relay() -> AsyncIterator[bytes]:
-            outcome = "cancelled"
             try:
                 async for raw in r.aiter_raw():
                     if t.first_sent is None:
                         t.first_sent = time.monotonic()
                     yield raw
-                outcome = "ok"
+                outcome[0] = "ok"
             except httpx.HTTPError as exc:
-                outcome = "error"
+                outcome[0] = "error"
                 yield sse(error_body(f"worker stream failed: {exc}", "UpstreamError", None, 502))
                 yield DONE
-            finally:
-                await r.aclose()
-                w.release()
-                finish(st, kind, "whole", outcome, t)
-                st.inflight -= 1
-                st.metrics.inflight.dec()
 
-        return StreamingResponse(relay(), media_type="text/event-stream", headers=headers)
+        async def close() -> None:
+            await r.aclose()
+            w.release()
+            finish(st, kind, "whole", outcome[0], t)
+            st.inflight -= 1
+            st.metrics.inflight.dec()
+
+        return GuardedStream(relay(), once(close), media_type="text/event-stream",
+                             headers=headers)
 
     # --- everything else --------------------------------------------------------------------
     @app.get("/v1/models")

@@ -112,6 +112,9 @@ class Timings:
 
 @dataclass
 class Prefilled:
+    """P's answer. While `reserved`, this request holds one open leg on `decode` (taken when D
+    was chosen); `Flow.decode` takes the reservation over, `Flow.release` drops it unused."""
+
     prompt_ids: list[int]
     t1_text: str
     t1_ids: list[int]
@@ -120,6 +123,7 @@ class Prefilled:
     fingerprint: str | None
     decode: Worker | None  # the D the KV went to (None when the request ended at t1)
     kv: dict[str, Any] | None  # D's leg of kv_transfer_params, None when no KV moved
+    reserved: bool = True
 
 
 class Flow:
@@ -172,6 +176,8 @@ class Flow:
             t.transfer_id = tid if kv else None
             t.p_sent, t.p_sent_wall = time.monotonic(), time.time()
             p.acquire(prompt_len)
+            d.acquire()  # reserved now, so a burst spreads over D before any decode leg starts
+            reserved = False
             try:
                 r = await self.client.post(f"{p.url}/v1/completions", json=body,
                                            headers={"X-Request-Id": f"{rid}-p{attempt}"})
@@ -180,6 +186,7 @@ class Flow:
                 if r.status_code != 200:
                     raise UpstreamError(r.status_code, upstream_body(r))
                 out = r.json()
+                reserved = True
             except (httpx.TransportError, LegFailed) as exc:
                 tried.add(p.url)
                 self._fail(p, "prefill", exc)
@@ -187,6 +194,8 @@ class Flow:
                 continue
             finally:
                 p.release(prompt_len)
+                if not reserved:
+                    d.release()
             self.registry.succeeded(p)
             t.t1_back = time.monotonic()
             choice = out["choices"][0]
@@ -197,6 +206,8 @@ class Flow:
             done = reason == "stop" or (reason == "length" and (
                 legs.max_tokens == 1 or (self.max_model_len is not None
                                          and len(prompt_ids) + 1 >= self.max_model_len)))
+            if done:
+                d.release()
             return Prefilled(
                 prompt_ids=prompt_ids,
                 t1_text=choice.get("text") or "", t1_ids=list(choice.get("token_ids") or []),
@@ -204,7 +215,7 @@ class Flow:
                 stop_reason=choice.get("stop_reason") if done else None,
                 fingerprint=out.get("system_fingerprint"), decode=None if done else d,
                 kv=None if done or kv is None else {"do_remote_prefill": True,
-                                                    "transfer_id": tid})
+                                                    "transfer_id": tid}, reserved=not done)
         status = last.status if isinstance(last, LegFailed) else 502
         raise UpstreamError(502 if status == 429 else status, {"error": {
             "message": f"prefill failed on every attempt: {last}", "type": "UpstreamError",
@@ -214,8 +225,9 @@ class Flow:
     async def decode(self, legs: Legs, rid: str, pre: Prefilled, joiner: Joiner, t: Timings
                      ) -> AsyncIterator[dict[str, Any]]:
         """Yield the client's token chunks from D (t1 already went through `joiner`)."""
-        assert pre.decode is not None
+        assert pre.decode is not None and pre.reserved
         d, kv = pre.decode, pre.kv
+        pre.reserved = False  # the first attempt's leg is the reservation taken at prefill
         tried: set[str] = set()
         for attempt in range(self.cfg.decode_retries + 1):
             if attempt:
@@ -225,10 +237,10 @@ class Flow:
                 pool = [w for w in self.registry.routable("decode") if w.url not in tried]
                 d = self.picker.decode(pool or self.registry.routable("decode"))
                 kv = None  # resumption recomputes: never read KV staged for another worker
+                d.acquire()
             t.decode_url = d.url
             body = decode_body(legs, self.model, pre.prompt_ids, joiner.produced, kv)
             t.d_sent = time.monotonic()
-            d.acquire()
             try:
                 async with self.client.stream(
                         "POST", f"{d.url}/v1/completions", json=body,
@@ -254,6 +266,13 @@ class Flow:
                         "type": "UpstreamError", "param": None, "code": 502}}) from exc
             finally:
                 d.release()
+
+    @staticmethod
+    def release(pre: Prefilled | None) -> None:
+        """Drop an unused D reservation (the request ended or the client left before D)."""
+        if pre is not None and pre.reserved and pre.decode is not None:
+            pre.reserved = False
+            pre.decode.release()
 
     async def _relay(self, r: httpx.Response, joiner: Joiner, t: Timings
                      ) -> AsyncIterator[dict[str, Any]]:

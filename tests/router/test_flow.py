@@ -90,6 +90,7 @@ async def test_prefill_retries_elsewhere_and_decode_resumes_without_loss() -> No
     assert resumed["prompt"] == [1, 2, 3, 10, 11, 12] and resumed["max_tokens"] == 2
     assert "kv_transfer_params" not in resumed  # recomputed on the new D: no foreign KV read
     assert t.retries == 2
+    assert all(w.inflight == 0 for w in flow.registry.workers.values())  # nothing left open
     assert metrics.failures.labels("prefill", "http_503")._value.get() == 1
     assert metrics.failures.labels("decode", "ReadError")._value.get() == 1
 
@@ -123,13 +124,22 @@ async def test_request_ending_at_t1_needs_no_decode_and_moves_no_kv() -> None:
         w.info = {"kv_host": "127.0.0.1", "kv_port": 5, "engine_id": "e", "transport": "tcp"}
     one = plan_legs({"model": "m", "prompt": "x", "max_tokens": 1}, "completion", "x")
     pre = await flow.prefill(one, "rid", Timings())
-    assert pre.decode is None and pre.finish_reason == "length"
+    assert pre.decode is None and pre.finish_reason == "length" and not pre.reserved
+    assert all(w.inflight == 0 for w in flow.registry.workers.values())
     assert "kv_transfer_params" not in bodies[-1]
     more = plan_legs({"model": "m", "prompt": "x", "max_tokens": 4}, "completion", "x")
     pre = await flow.prefill(more, "rid", Timings())
     kv = bodies[-1]["kv_transfer_params"]
     assert kv["do_remote_decode"] and kv["remote_port"] == 5 and kv["transport"] == "tcp"
     assert pre.kv == {"do_remote_prefill": True, "transfer_id": kv["transfer_id"]}
+    # the chosen D is held from the moment it is picked, so a burst spreads over both Ds
+    assert pre.reserved and pre.decode is not None and pre.decode.inflight == 1
+    second = await flow.prefill(more, "rid2", Timings())
+    assert second.decode is not None and second.decode is not pre.decode
+    Flow.release(pre)
+    Flow.release(second)
+    Flow.release(second)  # idempotent
+    assert all(w.inflight == 0 for w in flow.registry.workers.values())
 
 
 async def test_every_prefill_failure_ends_in_one_explicit_error() -> None:
