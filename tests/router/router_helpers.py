@@ -36,15 +36,15 @@ class Router:
         return httpx.get(f"{self.url}/workers", timeout=5).json()["workers"]
 
 
-def start_router(log_dir: Path, *args: str) -> Router:
+def start_router(log_dir: Path, *args: str, env: dict[str, str] | None = None) -> Router:
     port = free_port()
     log = log_dir / f"router-{port}.log"
     with open(log, "ab") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "splitserve.cli", "router", "--port", str(port),
              "--health-interval", "0.5", *args],
-            env=os.environ | {"SPLITSERVE_TOKEN": TOKEN}, stdout=out, stderr=subprocess.STDOUT,
-            start_new_session=True)
+            env=os.environ | {"SPLITSERVE_TOKEN": TOKEN} | (env or {}), stdout=out,
+            stderr=subprocess.STDOUT, start_new_session=True)
     router = Router(f"http://127.0.0.1:{port}", proc, log)
     try:
         wait_healthy(router.url, proc, timeout_s=120)

@@ -46,17 +46,21 @@ def test_unsplittable_parameters_run_whole_exactly(
     assert len(routed.json()["choices"]) == 2
 
 
-def test_refusal_names_the_parameter(llama_pair: tuple[Worker, Worker], router_logs: Path
-                                     ) -> None:
+def test_refusal_names_the_parameter_and_api_key(llama_pair: tuple[Worker, Worker],
+                                                 router_logs: Path) -> None:
     p, d = llama_pair
     router = start_router(router_logs, "--prefill", p.url, "--decode", d.url,
-                          "--unsplittable", "refuse")
+                          "--unsplittable", "refuse", env={"SPLITSERVE_API_KEY": "sk-test"})
+    key = {"Authorization": "Bearer sk-test"}
     try:
         base = {"model": model_of(llama_pair), "prompt": "x", "max_tokens": 4}
+        r = httpx.post(f"{router.url}/v1/completions", json=base, timeout=60)
+        assert r.status_code == 401 and r.json()["error"]["type"] == "AuthenticationError"
         for extra, param in (({"n": 2}, "n"), ({"logprobs": 1}, "logprobs"),
                              ({"presence_penalty": 1.0}, "presence_penalty"),
                              ({"stop": "."}, "stop"), ({"min_tokens": 2}, None)):
-            r = httpx.post(f"{router.url}/v1/completions", json=base | extra, timeout=60)
+            r = httpx.post(f"{router.url}/v1/completions", json=base | extra, timeout=60,
+                           headers=key)
             if param is None:
                 assert r.status_code == 200  # min_tokens is split exactly (1 on P, rest on D)
                 continue
