@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -234,6 +235,22 @@ def parse_load(metrics_text: str) -> tuple[float, float]:
     return running, waiting
 
 
+PREFILL_SECONDS = "vllm:request_prefill_time_seconds_sum"
+
+
+def parse_sum(metrics_text: str, name: str) -> float | None:
+    """The sum of a Prometheus series over its label sets (None when absent)."""
+    total, found = 0.0, False
+    for line in metrics_text.splitlines():
+        if line.startswith(name) and line[len(name):len(name) + 1] in ("{", " "):
+            try:
+                total += float(line.rsplit(" ", 1)[1])
+                found = True
+            except ValueError:
+                continue
+    return total if found else None
+
+
 def parse_busy(metrics_text: str) -> bool:
     """True when a vLLM `/metrics` page shows requests running or waiting."""
     return sum(parse_load(metrics_text)) > 0
@@ -242,9 +259,12 @@ def parse_busy(metrics_text: str) -> bool:
 class BusySampler:
     """Samples workers' `/metrics` every `interval_s` while a run is in progress.
 
-    Busy fraction: the share of samples in which the engine had a request running or waiting
-    (for a decode engine this is occupancy, not utilisation). Queued fraction: the share with a
-    request waiting — a saturated engine queues most of the time."""
+    Busy fraction: the larger of (a) the share of samples in which the engine had a request
+    running or waiting (occupancy; for a decode engine not the same as utilisation) and (b) the
+    engine's prefill seconds (`vllm:request_prefill_time_seconds_sum`) over the run's wall time —
+    a prefill-only request starts and ends inside one engine step, between two gauge updates,
+    so (a) never sees a prefill worker busy. Queued fraction: the share of samples with a request
+    waiting; a saturated engine queues most of the time."""
 
     def __init__(self, worker_urls: dict[str, str], interval_s: float = 0.1) -> None:
         if interval_s <= 0:
@@ -253,6 +273,9 @@ class BusySampler:
         self._interval = interval_s
         self._busy = dict.fromkeys(self._urls, 0)
         self._queued = dict.fromkeys(self._urls, 0)
+        self._prefill_first: dict[str, float] = {}
+        self._prefill_last: dict[str, float] = {}
+        self._t0 = self._t1 = 0.0
         self._samples = dict.fromkeys(self._urls, 0)
         self._task: asyncio.Task[None] | None = None
 
@@ -268,10 +291,16 @@ class BusySampler:
                     self._samples[name] += 1
                     self._busy[name] += running + waiting > 0
                     self._queued[name] += waiting > 0
+                    prefill_s = parse_sum(resp.text, PREFILL_SECONDS)
+                    if prefill_s is not None:
+                        self._prefill_first.setdefault(name, prefill_s)
+                        self._prefill_last[name] = prefill_s
+                self._t1 = time.perf_counter()
                 await asyncio.sleep(self._interval)
 
     def start(self) -> None:
         if self._urls:
+            self._t0 = time.perf_counter()
             self._task = asyncio.get_running_loop().create_task(self._loop())
 
     async def stop(self) -> dict[str, float]:
@@ -281,7 +310,14 @@ class BusySampler:
                 await self._task
             except asyncio.CancelledError:
                 pass
-        return self._fractions(self._busy)
+        occupancy = self._fractions(self._busy)
+        wall = self._t1 - self._t0
+        for name, first in self._prefill_first.items():
+            if wall > 0:
+                share = min(1.0, (self._prefill_last[name] - first) / wall)
+                occupancy[name] = share if math.isnan(occupancy[name]) else max(
+                    occupancy[name], share)
+        return occupancy
 
     def queued(self) -> dict[str, float]:
         return self._fractions(self._queued)

@@ -8,6 +8,7 @@ from splitserve.bench.client import (
     _absorb_comment,
     parse_busy,
     parse_load,
+    parse_sum,
 )
 
 
@@ -46,3 +47,11 @@ def test_parse_busy() -> None:
     assert parse_busy('vllm:num_requests_running{engine="0"} 1.0')
     two = 'vllm:num_requests_running{engine="0"} 2.0\nvllm:num_requests_running{engine="1"} 1.0\n'
     assert parse_load(two + 'vllm:num_requests_waiting{engine="0"} 4.0') == (3.0, 4.0)
+
+
+def test_parse_sum_over_label_sets() -> None:
+    text = ('vllm:request_prefill_time_seconds_sum{engine="0"} 1.5\n'
+            'vllm:request_prefill_time_seconds_sum{engine="1"} 0.5\n'
+            'vllm:request_prefill_time_seconds_count{engine="0"} 3.0\n')
+    assert parse_sum(text, "vllm:request_prefill_time_seconds_sum") == 2.0
+    assert parse_sum(text, "vllm:request_decode_time_seconds_sum") is None

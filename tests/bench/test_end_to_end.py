@@ -129,6 +129,7 @@ def test_bench_through_a_router_deployment(router_1p1d: str, tmp_path: Path) -> 
     assert res["server_timings"]["p_leg_s"]["count"] == 10
     assert res["median_kv_transfer_ms"] > 0
     assert {k.split(":")[0] for k in res["busy_fraction"]} == {"prefill", "decode"}
+    assert all(0.0 < v <= 1.0 for v in res["busy_fraction"].values())  # P's prefill seconds
     assert {w["role"] for w in res["run_sheet"]["deployment"]["workers"]} == {
         "prefill", "decode"}
     assert_png(tmp_path / "itl_over_time.png")
