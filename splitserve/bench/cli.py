@@ -167,9 +167,9 @@ def _bench_all(args: argparse.Namespace, endpoints: dict[str, str],
             log_dir = Path(tempfile.mkdtemp(prefix="splitserve-bench-logs-"))
             longest = max(r.input_len for r in build_stream(spec_from_args(args)))
             for arm in arms:
-                with deployment(model, arm, args.model or "splitserve-bench", log_dir) as url:
-                    dep = arm.description(longest) | {"url": url, "model_dir": model}
-                    results[arm.name] = asyncio.run(_bench_one(arm.name, url, args, dep,
+                with deployment(model, arm, log_dir) as ep:
+                    dep = arm.description(longest) | {"url": ep.url, "model_dir": model} | ep.info
+                    results[arm.name] = asyncio.run(_bench_one(arm.name, ep.url, args, dep,
                                                                progress))
     return results
 

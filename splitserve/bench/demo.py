@@ -6,7 +6,7 @@ Arms, at equal total cores (2):
 - `colocated-chunked`: one plain vLLM worker on 2 cores with a small token budget (chunked
   prefill);
 - `disagg-1p1d`: one prefill and one decode worker, 1 core each, behind splitserve's router,
-  started by `splitserve.bench.deploy`.
+  started through the launcher (`splitserve.launch.local`; the router shares the two cores).
 
 Each arm's result JSON goes to OUT/<arm>.json, the HTML report to OUT/report.html; the summary
 table and a one-line verdict are printed.
@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from splitserve.bench.client import ClientConfig
-from splitserve.bench.deploy import Arm, deployment
+from splitserve.bench.deploy import Arm, Endpoint, deployment
 from splitserve.bench.report import print_summary, progress_bars, save_result, write_report
 from splitserve.bench.runner import RunOptions, run_bench
 from splitserve.bench.runsheet import model_info
@@ -30,7 +30,6 @@ from splitserve.bench.verdict import demo_verdict
 from splitserve.bench.workload import INTERFERENCE, WorkloadSpec, build_stream
 
 DEMO_SPEC = WorkloadSpec(source="interference", interference=INTERFERENCE, seed=0, warmup=2)
-SERVED_NAME = "splitserve-demo"
 UNCHUNKED_BUDGET = 8192  # covers the longest prompt plus the running batch
 CHUNKED_BUDGET = 128
 
@@ -43,13 +42,15 @@ def demo_arms(cores: tuple[int, ...] = (0, 1)) -> tuple[Arm, ...]:
     )
 
 
-async def _run_arm(url: str, arm: Arm, spec: WorkloadSpec, progress: Any) -> dict[str, Any]:
+async def _run_arm(ep: Endpoint, arm: Arm, spec: WorkloadSpec, progress: Any
+                   ) -> dict[str, Any]:
     from splitserve.bench.cli import discover_workers
 
+    url = ep.url
     metrics_urls, workers = discover_workers(url)
-    client = ClientConfig(url=url, model=SERVED_NAME, run_tag=arm.name)
+    client = ClientConfig(url=url, run_tag=arm.name)
     longest = max(r.input_len for r in build_stream(spec))
-    dep = arm.description(longest) | {"url": url}
+    dep = arm.description(longest) | {"url": url} | ep.info
     if workers is not None:
         dep["workers"] = workers
     return await run_bench(client, spec, arm.name, dep, metrics_urls,
@@ -71,12 +72,13 @@ def run_demo(out_dir: str | os.PathLike[str] = "demo-results",
     with progress_bars() as progress:
         for arm in arms or demo_arms():
             try:
-                with deployment(model_dir, arm, SERVED_NAME, log_dir) as url:
-                    res = asyncio.run(_run_arm(url, arm, spec, progress))
+                with deployment(model_dir, arm, log_dir) as ep:
+                    res = asyncio.run(_run_arm(ep, arm, spec, progress))
             except (RuntimeError, TimeoutError, ImportError) as exc:
                 skipped[arm.name] = f"{type(exc).__name__}: {exc}"
                 continue
-            res["run_sheet"]["model"] = model_info(model_dir) | {"served_name": SERVED_NAME}
+            res["run_sheet"]["model"] = model_info(model_dir) | {
+                "served_name": res["run_sheet"]["model"]["model"]}
             results[arm.name] = res
             save_result(res, out / f"{arm.name}.json")
     line = _verdict(results, skipped)

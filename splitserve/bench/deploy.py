@@ -3,12 +3,12 @@
 - `colocated`: one plain vLLM worker (no connector) on all the cores, with an optional token
   budget (`max_num_batched_tokens`: small = chunked prefill; at least the longest prompt = no
   chunking).
+  Started with `splitserve.worker.launch`, reached directly (no router hop).
 - `disagg`: one prefill and one decode worker (half the cores each) with splitserve's connector,
-  behind `splitserve router`. The workers are started with `splitserve.worker.launch` (roles
-  `prefill`/`decode`, one deployment token in the environment), the router with its CLI.
+  behind splitserve's router, started by the launcher (`splitserve.launch.local`).
 
-`deployment(model, arm, log_dir)` is a context manager yielding the endpoint URL; every process
-it started is stopped on exit.
+`deployment(model, arm, log_dir)` is a context manager yielding an `Endpoint` (URL + run-sheet
+notes); every process it started is stopped on exit.
 """
 
 from __future__ import annotations
@@ -17,13 +17,12 @@ import contextlib
 import os
 import signal
 import subprocess
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from splitserve.config import TOKEN_ENV, WorkerConfig, new_token
+from splitserve.config import WorkerConfig
 from splitserve.worker.launch import free_port, start_worker, wait_healthy
 
 ARM_KINDS: tuple[str, ...] = ("colocated", "disagg")
@@ -89,60 +88,48 @@ def stop_process(proc: subprocess.Popen[bytes]) -> None:
             proc.wait()
 
 
+@dataclass(frozen=True)
+class Endpoint:
+    """A started deployment: its URL and what the run sheet should know about it."""
+
+    url: str
+    info: dict[str, Any]
+
+
 @contextlib.contextmanager
-def colocated_worker(model: str, arm: Arm, served_name: str, log_dir: Path) -> Iterator[str]:
-    """A plain vLLM worker (no connector) on the arm's cores; yields its URL."""
+def colocated_worker(model: str, arm: Arm, log_dir: Path) -> Iterator[Endpoint]:
+    """A plain vLLM worker (no connector, no router) on all the arm's cores."""
     cfg = WorkerConfig(model=model, port=free_port(), cpus=arm.cores,
-                       max_num_batched_tokens=arm.max_num_batched_tokens,
-                       served_model_name=served_name)
+                       max_num_batched_tokens=arm.max_num_batched_tokens)
+    log_dir.mkdir(parents=True, exist_ok=True)
     proc = start_worker(cfg, None, str(log_dir / f"{arm.name}.log"))
     try:
         wait_healthy(cfg.url, proc, timeout_s=240)
-        yield cfg.url
+        yield Endpoint(cfg.url, {"launcher": "splitserve.worker.launch",
+                                 "worker_cpus": [list(arm.cores)]})
     finally:
         stop_process(proc)
 
 
-def start_router(prefill: str, decode: str, port: int, token: str,
-                 log_path: Path) -> subprocess.Popen[bytes]:
-    argv = [sys.executable, "-m", "splitserve.cli", "router", "--prefill", prefill,
-            "--decode", decode, "--port", str(port)]
-    env = dict(os.environ) | {TOKEN_ENV: token, "PYTHONUNBUFFERED": "1"}
-    out = open(log_path, "ab")  # noqa: SIM115 - handed to the child
-    return subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-
-
 @contextlib.contextmanager
-def disagg_deployment(model: str, arm: Arm, served_name: str, log_dir: Path) -> Iterator[str]:
-    """1P+1D on the arm's cores (P on the first half, D on the rest); yields the router URL."""
-    half = len(arm.cores) // 2
-    token = new_token()
-    procs: list[subprocess.Popen[bytes]] = []
-    try:
-        cfgs = []
-        for role, cpus in (("prefill", arm.cores[:half]), ("decode", arm.cores[half:])):
-            cfg = WorkerConfig(model=model, port=free_port(), role=role,  # type: ignore[arg-type]
-                               cpus=tuple(cpus), kv_port=free_port(),
-                               transport=arm.transport,  # type: ignore[arg-type]
-                               served_model_name=served_name)
-            procs.append(start_worker(cfg, token, str(log_dir / f"{arm.name}-{role}.log")))
-            cfgs.append(cfg)
-        for cfg, proc in zip(cfgs, procs, strict=True):
-            wait_healthy(cfg.url, proc, timeout_s=240)
-        port = free_port()
-        procs.append(start_router(cfgs[0].url, cfgs[1].url, port, token,
-                                  log_dir / f"{arm.name}-router.log"))
-        url = f"http://127.0.0.1:{port}"
-        wait_healthy(url, procs[-1], timeout_s=60)
-        yield url
-    finally:
-        for proc in reversed(procs):
-            stop_process(proc)
+def disagg_deployment(model: str, arm: Arm, log_dir: Path) -> Iterator[Endpoint]:
+    """1P+1D on the arm's cores through the launcher (`splitserve.launch.local`): with two
+    cores each worker gets one and the router shares them."""
+    from splitserve.launch.config import DeploymentConfig
+    from splitserve.launch.local import LocalDeployment
+
+    notes: list[str] = []
+    cfg = DeploymentConfig(prefill=1, decode=1, model=model, transport=arm.transport,
+                           port=free_port(), cpus=arm.cores, log_dir=str(log_dir / arm.name),
+                           startup_timeout_s=240.0)
+    with LocalDeployment(cfg, say=notes.append) as dep:
+        yield Endpoint(dep.url, {"launcher": "splitserve.launch.local",
+                                 "cores": dep.core_note,
+                                 "worker_cpus": [list(w.cpus or ()) for w in dep.workers]})
 
 
-def deployment(model: str, arm: Arm, served_name: str,
-               log_dir: Path) -> contextlib.AbstractContextManager[str]:
+def deployment(model: str, arm: Arm, log_dir: Path) -> contextlib.AbstractContextManager[Endpoint]:
+    """Start `arm` on `model` (a model directory); stop everything on exit."""
     if arm.kind == "colocated":
-        return colocated_worker(model, arm, served_name, log_dir)
-    return disagg_deployment(model, arm, served_name, log_dir)
+        return colocated_worker(model, arm, log_dir)
+    return disagg_deployment(model, arm, log_dir)
