@@ -182,9 +182,21 @@ def run_validate(args: argparse.Namespace) -> int:
         model = args.model_dir or str(embedded_model_dir())
         cpus = tuple(int(c) for c in args.cpus.split(",")) if args.cpus else None
         with local_worker(model, cpus, cfg.token_budget or prof.token_budget) as url:
+            if args.reprofile:  # calibrate on this very worker, under today's conditions
+                from splitserve.sim.profile import ProfilePlan, profile_worker
+
+                plan = ProfilePlan(prefill_lens=(16, 64, 256, 512, 1024, 2048),
+                                   decode_prompt_lens=(32, 512),
+                                   token_budget=cfg.token_budget or prof.token_budget)
+                prof = profile_worker(url, plan, model)
+                if args.out:
+                    save_profile(prof, Path(args.out).with_suffix(".profile.json"))
             real = measure(url)
     points = compare(prof, cfg, spec, rates, real)
     print_points(points)
+    if args.out and not args.real_json:  # the raw measured runs, for a later --real-json
+        raw = Path(args.out).with_suffix(".runs.json")
+        raw.write_text(json.dumps({f"{r:g}": runs for r, runs in real.items()}, default=str))
     if args.out:
         Path(args.out).write_text(json.dumps(
             {"profile": str(args.profile), "config": cfg.__dict__, "workload": spec.to_dict(),
@@ -254,6 +266,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     val.add_argument("--url", help="a running deployment (default: start one plain worker)")
     val.add_argument("--model-dir", help="model for the local worker (default: embedded)")
     val.add_argument("--cpus", help="cores for the local worker, e.g. 1")
+    val.add_argument("--reprofile", action="store_true",
+                     help="profile the local worker first and simulate with that profile")
     val.add_argument("--real-json", help="reuse the measurements of an earlier validation JSON "
                      "(simulate again only)")
     val.add_argument("--out", help="validation JSON")
