@@ -46,6 +46,9 @@ def table_rows(results: Mapping[str, dict[str, Any]]) -> list[list[str]]:
     rows.append(["long-prompt TTFT p50 ms"] + [
         fmt(r.get("by_kind", {}).get("long", {}).get("median_ttft_ms"))
         for r in results.values()])
+    rows.append(["stream digest"] + [
+        str(r.get("run_sheet", {}).get("stream", {}).get("digest", "–"))[:8]
+        for r in results.values()])
     for key, label in (("busy_fraction", "busy fraction"), ("queued_fraction", "queued fraction")):
         rows.append([f"{label} (per worker)"] + [
             " / ".join(fmt(v) for v in r.get(key, {}).values()) or "–" for r in results.values()])

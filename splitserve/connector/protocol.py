@@ -117,6 +117,7 @@ def server_handshake(sock: socket.socket, token: str, mine: Fingerprint,
     send_frame(sock, Op.HELLO, {"nonce": nonce, "version": PROTOCOL_VERSION})
     op, body = recv_frame(sock)
     if op != Op.AUTH:
+        send_frame(sock, Op.REFUSE, {"reason": "authenticate first"})
         raise ProtocolError("expected AUTH")
     client_nonce = str(body.get("client_nonce", ""))
     expected = _mac(token, b"client", nonce, client_nonce)

@@ -1,0 +1,131 @@
+"""Transfer failures end as a recompute (default) or an explicit error (`fail`), never as tokens
+from wrong memory; nothing stays allocated on either worker."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from workers import (
+    Worker,
+    auth_headers,
+    hf_greedy,
+    launch,
+    model_name,
+    transfer_record,
+    two_legs,
+    wait_drained,
+)
+
+MAX_TOKENS = 10
+PROMPT = [5 + (i * 13) % 900 for i in range(300)]
+
+
+@pytest.fixture(scope="module")
+def d_fail(llama_ckpt: Path) -> Iterator[Worker]:
+    """A decode worker whose transfer failures fail the request instead of recomputing."""
+    d = launch(llama_ckpt, "llama-d-fail", "decode", on_transfer_failure="fail",
+               load_timeout_s=3.0, cpus=(1,))
+    yield d
+    d.stop()
+
+
+def fresh(tag: str) -> str:
+    return f"{tag}-{uuid.uuid4().hex}"
+
+
+@pytest.mark.parametrize("fault", ["fault-corrupt", "fault-drop", "fault-short"])
+def test_bad_transfer_is_recomputed_exactly(llama_pair: tuple[Worker, Worker],
+                                            llama_ckpt: Path, fault: str) -> None:
+    p, d = llama_pair
+    prompt = PROMPT[:-1] + [len(fault)]  # distinct from other tests' prompts: no cache hits
+    tid = fresh(fault)
+    tokens, _, rd = two_legs(p, d, prompt, MAX_TOKENS, tid)
+    assert rd is not None and rd.status_code == 200
+    assert tokens == hf_greedy(llama_ckpt, prompt, MAX_TOKENS)
+    rec = transfer_record(d, tid) if fault != "fault-drop" else None
+    if rec is not None:
+        assert rec["recv"]["status"] == "failed", rec
+        expected = {"fault-corrupt": "checksum_mismatch", "fault-short": "short_transfer"}
+        assert rec["recv"]["cause"] == expected[fault]
+    wait_drained(p, d)
+
+
+def test_unknown_transfer_id_is_a_load_error(llama_pair: tuple[Worker, Worker],
+                                             llama_ckpt: Path) -> None:
+    p, d = llama_pair
+    prompt = PROMPT[:200]
+    t1 = hf_greedy(llama_ckpt, prompt, 1)[0]
+    body = {"model": model_name(d), "prompt": prompt + [t1], "max_tokens": MAX_TOKENS - 1,
+            "temperature": 0, "ignore_eos": True, "return_token_ids": True,
+            "kv_transfer_params": {"do_remote_prefill": True, "transfer_id": fresh("nobody")}}
+    r = httpx.post(f"{d.url}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200
+    assert [t1] + r.json()["choices"][0]["token_ids"] == hf_greedy(llama_ckpt, prompt, MAX_TOKENS)
+    wait_drained(p, d)
+
+
+def test_fail_policy_gives_an_explicit_error(llama_pair: tuple[Worker, Worker],
+                                             d_fail: Worker) -> None:
+    p, _ = llama_pair
+    tid = fresh("fault-corrupt")
+    tokens, _, rd = two_legs(p, d_fail, PROMPT[:250], MAX_TOKENS, tid)
+    assert rd is not None
+    if rd.status_code == 200:  # vLLM reports an aborted generation inside a 200 body
+        choice = rd.json()["choices"][0]
+        assert choice["finish_reason"] == "error" or not choice["token_ids"], choice
+    else:
+        assert rd.status_code >= 400 and "error" in rd.json()
+    assert transfer_record(d_fail, tid)["recv"]["cause"] == "checksum_mismatch"
+    wait_drained(p, d_fail)
+
+
+def test_unreachable_decode_worker_frees_prefill_blocks(llama_pair: tuple[Worker, Worker]
+                                                        ) -> None:
+    p, d = llama_pair
+    name = model_name(p)
+    closed_port = 9  # discard: nothing listens there on loopback
+    body = {"model": name, "prompt": PROMPT[:120], "max_tokens": 1, "temperature": 0,
+            "kv_transfer_params": {"do_remote_decode": True, "transfer_id": fresh("lost"),
+                                   "remote_host": "127.0.0.1", "remote_port": closed_port}}
+    r = httpx.post(f"{p.url}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200  # the prefill itself succeeds; the push fails on its own
+    wait_drained(p, d)
+    rec = transfer_record(p, body["kv_transfer_params"]["transfer_id"])["send"]
+    assert rec["status"] == "failed" and rec["cause"] == "peer_unreachable"
+
+
+def test_staging_full_is_refused_before_any_kv_moves(llama_ckpt: Path,
+                                                     llama_pair: tuple[Worker, Worker]) -> None:
+    """A D whose staging area cannot hold the transfer refuses it at BEGIN; the decode leg
+    recomputes and P's blocks are freed at once."""
+    p, _ = llama_pair
+    tiny = launch(llama_ckpt, "llama-d-tiny", "decode", staging_bytes=1024**2,
+                  load_timeout_s=3.0, cpus=(1,))
+    try:
+        prompt = PROMPT[:290] + PROMPT[:290] + PROMPT[:290] + PROMPT[:290]  # > 1 MiB of KV
+        tid = fresh("big")
+        tokens, _, rd = two_legs(p, tiny, prompt, 4, tid)
+        assert rd is not None and rd.status_code == 200
+        assert tokens == hf_greedy(llama_ckpt, prompt, 4)
+        assert transfer_record(p, tid)["send"]["cause"] == "refused_staging_full"
+        wait_drained(p, tiny)
+    finally:
+        tiny.stop()
+
+
+def test_internal_routes_require_the_token(llama_pair: tuple[Worker, Worker]) -> None:
+    _, d = llama_pair
+    for path in ("/splitserve/info", "/splitserve/state", "/splitserve/transfers/x"):
+        assert httpx.get(f"{d.url}{path}", timeout=5).status_code == 401
+        bad = {"Authorization": "Bearer not-the-token"}
+        assert httpx.get(f"{d.url}{path}", headers=bad, timeout=5).status_code == 401
+    info = httpx.get(f"{d.url}/splitserve/info", headers=auth_headers(), timeout=5).json()
+    assert info["role"] == "decode" and info["kv_port"] == d.kv_port
+    assert info["model_fingerprint"]["num_layers"] == 2
+    metrics = httpx.get(f"{d.url}/metrics", timeout=5).text
+    assert "splitserve_kv_listener_up 1.0" in metrics
+    assert "splitserve_kv_transfers_total" in metrics

@@ -1,0 +1,47 @@
+"""`profile_worker` against a real plain vLLM worker on a tiny random checkpoint."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from splitserve.config import WorkerConfig
+from splitserve.demo_model import ModelSpec, build_checkpoint
+from splitserve.sim.model import load_profile, save_profile
+from splitserve.sim.profile import ProfilePlan, profile_worker
+from splitserve.worker.launch import free_port, installed_vllm_version, start_worker, wait_healthy
+
+TINY = ModelSpec(hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
+                 num_kv_heads=2, head_dim=32)
+
+
+@pytest.mark.integration
+def test_profile_a_real_worker(tmp_path: Path) -> None:
+    model = build_checkpoint(tmp_path / "tiny", TINY)
+    cfg = WorkerConfig(model=str(model), port=free_port(), max_model_len=1024)
+    proc = start_worker(cfg, None, log_path=str(tmp_path / "worker.log"))
+    try:
+        wait_healthy(cfg.url, proc, timeout_s=240)
+        plan = ProfilePlan(prefill_lens=(16, 128, 512, 900), prefill_repeats=1,
+                           decode_batches=(1, 3), decode_prompt_lens=(16, 200),
+                           decode_tokens=12, token_budget=256)
+        prof = profile_worker(cfg.url, plan, probe_tcp=True)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
+    assert prof.kind == "measured"
+    assert prof.engine.version == installed_vllm_version()
+    assert (prof.model.layers, prof.model.kv_heads, prof.model.head_dim,
+            prof.model.dtype_bytes) == (2, 2, 32, 4)
+    assert [n for n, _ in prof.fit["prefill_points"]] == [16, 128, 512, 900]
+    assert len(prof.fit["decode_points"]) == 4  # (1, 3) batches x (16, 200) prompts
+    assert all(t > 0 for _, t in prof.fit["prefill_points"])
+    assert prof.kv_capacity_tokens > 1000  # read from the worker's /metrics
+    assert prof.transfer["tcp"].source.startswith("loopback")
+    save_profile(prof, tmp_path / "p.json")
+    assert load_profile(tmp_path / "p.json", engine_version=installed_vllm_version()) == prof
