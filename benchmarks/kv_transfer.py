@@ -1,0 +1,166 @@
+"""KV transfer throughput of each transport against the ceiling of the same bytes.
+
+For prompts of 128..8,192 tokens on the embedded model's KV shape (8 layers, 2 KV heads,
+head_dim 64, float32, 128-token blocks), one transfer is: P's channel pushes every layer (gather
+from P's blocks + checksum + transport), D's listener stages and verifies it, D's loader copies
+it into its own blocks. Timed from `begin` to the end of the copy into D's blocks.
+
+Ceilings, measured in the same run on the same bytes with the fewest copies the path needs:
+- tcp: a raw loopback socket send of a preallocated buffer into a preallocated buffer, plus one
+  memcpy into blocks;
+- shm: one memcpy into a shared-memory segment plus one memcpy into blocks.
+
+Prints a table and writes JSON (default benchmarks/results/kv_transfer.json). Timings are
+reported, never asserted.
+
+    python benchmarks/kv_transfer.py [--reps 5] [--tokens 128 512 2048 8192]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import statistics
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from splitserve.connector.faults import Faults
+from splitserve.connector.layout import KVShape, chunk_views, copy_tokens, paged_kv, region_offset
+from splitserve.connector.listener import KVListener
+from splitserve.connector.protocol import Fingerprint
+from splitserve.connector.staging import SharedSegment, StagingArea
+from splitserve.connector.stats import ConnectorStats
+from splitserve.connector.transport.base import LayerItem, PushChannel
+from splitserve.connector.transport.shm import ShmPushChannel
+from splitserve.connector.transport.tcp import TcpPushChannel
+
+TOKEN = "benchmark-token-0123456789abcdef"
+SHAPE = KVShape(num_layers=8, num_kv_heads=2, head_dim=64, dtype=torch.float32)
+BLOCK = 128
+FP = Fingerprint("bench", "float32", 8, 2, 64, "0.32.0")
+
+
+def paged_caches(tokens: int) -> list[torch.Tensor]:
+    blocks = -(-tokens // BLOCK) + 1
+    return [torch.randn(blocks, SHAPE.num_kv_heads, BLOCK, 2 * SHAPE.head_dim)
+            for _ in range(SHAPE.num_layers)]
+
+
+def ours(ch: PushChannel, tokens: int, staging: StagingArea, src: list[torch.Tensor],
+         dst: list[torch.Tensor], tid: str) -> float:
+    """One transfer on a connected channel (as in a running worker), timed to D's blocks."""
+    blocks = tuple(range(-(-tokens // BLOCK)))
+    t0 = time.perf_counter()
+    ch.begin(tid, tokens, SHAPE.transfer_bytes(tokens), 30.0)
+    for layer, cache in enumerate(src):
+        ch.push_layer(LayerItem(tid, layer, 0, tokens, cache, blocks))
+    ch.end(tid)
+    while not (st := ch.poll(tid)).settled:
+        time.sleep(0.0002)
+    assert st.status == "acked", st.status
+    staged = staging.claim(tid)
+    assert staged is not None and staged.complete
+    nbytes = tokens * SHAPE.bytes_per_token_layer
+    for layer, cache in enumerate(dst):  # the loader's copy into D's blocks
+        base = staged.offset + region_offset(SHAPE, 0, tokens, layer)
+        k_rows, v_rows = chunk_views(staging.segment.tensor[base:base + nbytes].view(SHAPE.dtype),
+                                     SHAPE.num_kv_heads, SHAPE.head_dim, tokens)
+        k_paged, v_paged = paged_kv(cache)
+        copy_tokens(k_paged, v_paged, blocks, k_rows, v_rows, 0, tokens, 0, to_paged=True)
+    elapsed = time.perf_counter() - t0
+    staging.release(staged, "loaded")
+    return elapsed
+
+
+def tcp_ceiling(nbytes: int, blocks_dst: torch.Tensor) -> float:
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    recv_buf = torch.empty(nbytes, dtype=torch.uint8)
+    send_buf = torch.empty(nbytes, dtype=torch.uint8).random_(0, 255)
+    done = threading.Event()
+
+    def receive() -> None:
+        conn, _ = server.accept()
+        view, got = memoryview(recv_buf.numpy()), 0
+        while got < nbytes:
+            got += conn.recv_into(view[got:], nbytes - got)
+        conn.close()
+        done.set()
+
+    threading.Thread(target=receive, daemon=True).start()
+    client = socket.create_connection(("127.0.0.1", port))
+    client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    t0 = time.perf_counter()
+    client.sendall(memoryview(send_buf.numpy()))
+    done.wait()
+    blocks_dst[:nbytes].copy_(recv_buf)
+    elapsed = time.perf_counter() - t0
+    client.close()
+    server.close()
+    return elapsed
+
+
+def shm_ceiling(nbytes: int, blocks_dst: torch.Tensor, segment: SharedSegment) -> float:
+    src = torch.empty(nbytes, dtype=torch.uint8).random_(0, 255)
+    t0 = time.perf_counter()
+    segment.tensor[:nbytes].copy_(src)
+    blocks_dst[:nbytes].copy_(segment.tensor[:nbytes])
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[128, 512, 2048, 4096, 8192])
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--out", default="benchmarks/results/kv_transfer.json")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    staging = StagingArea(256 * 1024**2, SHAPE, lease_s=60.0, stats=ConnectorStats())
+    listener = KVListener("127.0.0.1", 0, TOKEN, FP, staging, lambda q: {})
+    segment = SharedSegment(256 * 1024**2)
+    channels: dict[str, PushChannel] = {
+        kind: cls("127.0.0.1", listener.port, TOKEN, FP, ConnectorStats(), Faults(False), SHAPE,
+                  5.0)
+        for kind, cls in (("tcp", TcpPushChannel), ("shm", ShmPushChannel))
+    }
+    rows = []
+    print(f"{'tokens':>7} {'MB':>7} {'transport':>9} {'ours GB/s':>10} {'ceiling GB/s':>13} "
+          f"{'ratio':>6}")
+    for tokens in args.tokens:
+        nbytes = SHAPE.transfer_bytes(tokens)
+        src, dst = paged_caches(tokens), paged_caches(tokens)
+        flat_dst = torch.empty(nbytes, dtype=torch.uint8)
+        for kind in ("tcp", "shm"):
+            ch = channels[kind]
+            ours(ch, tokens, staging, src, dst, f"warm-{kind}-{tokens}")  # untimed warm-up
+            mine, ceil = [], []
+            for rep in range(args.reps):  # interleaved: ours, ceiling, ours, ceiling...
+                mine.append(ours(ch, tokens, staging, src, dst, f"{kind}-{tokens}-{rep}"))
+                ceil.append(tcp_ceiling(nbytes, flat_dst) if kind == "tcp"
+                            else shm_ceiling(nbytes, flat_dst, segment))
+            gb_ours = nbytes / statistics.median(mine) / 1e9
+            gb_ceil = nbytes / statistics.median(ceil) / 1e9
+            rows.append({"tokens": tokens, "bytes": nbytes, "transport": kind,
+                         "median_s": statistics.median(mine), "gbps": gb_ours,
+                         "ceiling_median_s": statistics.median(ceil), "ceiling_gbps": gb_ceil,
+                         "ratio": gb_ours / gb_ceil, "reps": args.reps})
+            print(f"{tokens:>7} {nbytes / 1e6:>7.1f} {kind:>9} {gb_ours:>10.2f} {gb_ceil:>13.2f} "
+                  f"{gb_ours / gb_ceil:>6.2f}")
+    for ch in channels.values():
+        ch.close()
+    listener.close()
+    staging.close()
+    segment.close()
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"shape": SHAPE.__dict__ | {"dtype": "float32"},
+                               "block_size": BLOCK, "results": rows}, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
