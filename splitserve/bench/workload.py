@@ -221,9 +221,11 @@ def _interference(mix: InterferenceMix, rng: np.random.Generator) -> list[Reques
     while t < mix.duration_s:
         shorts.append((t, "short"))
         t += float(rng.exponential(1.0 / mix.short_rate))
-    longs = [(mix.long_period_s / 2 + i * mix.long_period_s, "long")
-             for i in range(int((mix.duration_s - mix.long_period_s / 2) // mix.long_period_s) + 1)
-             if mix.long_period_s / 2 + i * mix.long_period_s < mix.duration_s]
+    longs: list[tuple[float, str]] = []
+    k = 0
+    while (t := mix.long_period_s * (k + 0.5)) < mix.duration_s:
+        longs.append((t, "long"))
+        k += 1
     out: list[Request] = []
     for i, (t, kind) in enumerate(sorted(shorts + longs)):
         ind, outd = ((mix.short_input, mix.short_output) if kind == "short"
