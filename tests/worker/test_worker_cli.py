@@ -1,0 +1,98 @@
+"""`splitserve worker`: configuration, the pinned vLLM check, and where the token may travel."""
+
+from __future__ import annotations
+
+import json
+import os
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+from workers import TOKEN, Worker
+
+from splitserve.cli import main
+from splitserve.config import TOKEN_ENV, TOKEN_FILE_ENV, WorkerConfig, load_token
+from splitserve.worker import launch
+from splitserve.worker.cli import parse_cpus
+from splitserve.worker.launch import check_vllm_version, worker_command
+
+
+def test_parse_cpus() -> None:
+    assert parse_cpus("0,1") == (0, 1)
+    assert parse_cpus("0-3,6") == (0, 1, 2, 3, 6)
+
+
+@pytest.mark.parametrize("bad", [
+    {"role": "middle"}, {"transport": "udp"}, {"port": 0}, {"dtype": "int8"},
+    {"cpus": ()}, {"role": "decode", "kv_port": 0}, {"on_transfer_failure": "ignore"},
+])
+def test_config_is_validated(bad: dict) -> None:
+    base = {"model": "m", "port": 8000, "role": "decode", "kv_port": 9000}
+    with pytest.raises(ValueError):
+        WorkerConfig(**(base | bad))
+
+
+def test_token_travels_only_in_the_environment() -> None:
+    cfg = WorkerConfig(model="m", port=8000, role="prefill", kv_port=9000, cpus=(1,))
+    argv, env = worker_command(cfg, TOKEN)
+    assert TOKEN not in " ".join(argv)
+    kv_config = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+    assert TOKEN not in json.dumps(kv_config)
+    assert kv_config["kv_load_failure_policy"] == "recompute"
+    assert kv_config["kv_connector_module_path"] == "splitserve.connector.vllm"
+    assert env[TOKEN_ENV] == TOKEN
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "1"
+
+
+def test_plain_worker_has_no_connector() -> None:
+    argv, env = worker_command(WorkerConfig(model="m", port=8000), None)
+    assert "--kv-transfer-config" not in argv
+
+
+def test_token_from_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    (tmp_path / "token").write_text("from-a-file\n")
+    monkeypatch.setenv(TOKEN_FILE_ENV, str(tmp_path / "token"))
+    assert load_token() == "from-a-file"
+    monkeypatch.delenv(TOKEN_FILE_ENV)
+    with pytest.raises(RuntimeError, match="no deployment token"):
+        load_token()
+
+
+def test_pinned_vllm_release(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+                             ) -> None:
+    assert check_vllm_version() == "0.32.0"
+    monkeypatch.setattr(launch.metadata, "version", lambda dist: "0.31.1")
+    with pytest.raises(RuntimeError, match="pinned to vLLM 0.32.0, but vLLM 0.31.1 is installed"):
+        check_vllm_version()
+    assert main(["worker", "--model", "m", "--port", "8000"]) == 2
+    assert "pinned to vLLM 0.32.0" in capsys.readouterr().err
+
+    def missing(dist: str) -> str:
+        raise metadata.PackageNotFoundError(dist)
+
+    monkeypatch.setattr(launch.metadata, "version", missing)
+    with pytest.raises(RuntimeError, match="vLLM is not installed"):
+        check_vllm_version()
+
+
+def test_running_worker_keeps_the_token_out_of_logs_and_argv(
+        llama_pair: tuple[Worker, Worker]) -> None:
+    for w in llama_pair:
+        assert TOKEN not in w.log.read_text()
+        for pid in [w.proc.pid, *children(w.proc.pid)]:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+            assert TOKEN.encode() not in cmdline
+
+
+def children(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text().split()
+            except OSError:
+                continue
+            if int(stat[3]) == pid:
+                out += [int(entry), *children(int(entry))]
+    return out
