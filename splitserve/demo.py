@@ -1,0 +1,99 @@
+"""`splitserve demo`: the main job, on the embedded model, with nothing to download.
+
+1. A tour of one request: a 1P+1D deployment (launcher + router), one streamed completion, and
+   what happened on each leg — t1 at once from P, the continuation from D, the KV transfer's size,
+   time and rate, and the handover.
+2. The benchmark: the interference workload on a colocated worker without prefill chunking, one
+   with chunked prefill, and 1P+1D, side by side (`splitserve.bench.demo.run_demo`), writing
+   `demo-results/*.json` and `demo-results/report.html`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import httpx
+
+from splitserve.launch.config import DeploymentConfig
+from splitserve.launch.local import LocalDeployment
+from splitserve.worker.launch import free_port
+
+PROMPT = ("Disaggregated serving runs the prompt on one worker and the answer on another. " * 40)
+
+
+def stream_one(url: str, max_tokens: int = 32) -> dict[str, object]:
+    """Stream one completion; return chunk texts, their arrival times and the router's timings."""
+    model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
+    body = {"model": model, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    texts: list[str] = []
+    times: list[float] = []
+    timings: dict[str, object] = {}
+    t0 = time.perf_counter()
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+        r.raise_for_status()
+        request_id = r.headers.get("x-request-id", "")
+        for line in r.iter_lines():
+            if line.startswith(": splitserve-timings "):
+                timings = json.loads(line.split(" ", 2)[2])
+            elif line.startswith("data: ") and line != "data: [DONE]":
+                chunk = json.loads(line[6:])
+                if chunk.get("choices"):
+                    texts.append(chunk["choices"][0].get("text", ""))
+                    times.append(time.perf_counter() - t0)
+    return {"texts": texts, "times": times, "timings": timings, "request_id": request_id}
+
+
+def tour(transport: str) -> None:
+    cfg = DeploymentConfig(prefill=1, decode=1, transport=transport, port=free_port())
+    print(f"== one request through 1P+1D ({transport}) on the embedded model ==")
+    with LocalDeployment(cfg) as dep:
+        url = dep.start()
+        stream_one(url, 4)  # warm-up: first requests pay one-off start-up costs
+        res = stream_one(url)
+    texts, times = res["texts"], res["times"]
+    t = res["timings"]
+    assert isinstance(texts, list) and isinstance(times, list) and isinstance(t, dict)
+    print(f"request {res['request_id']}: {len(PROMPT.split())} words of prompt")
+    print(f"t1 (from the prefill worker, {times[0] * 1e3:.0f} ms after sending): {texts[0]!r}")
+    print(f"continuation (from the decode worker): {''.join(texts[1:])!r}")
+    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+    if gaps:
+        print(f"inter-token gaps: median {sorted(gaps)[len(gaps) // 2] * 1e3:.1f} ms, "
+              f"max {max(gaps) * 1e3:.1f} ms")
+
+    def ms(key: str) -> str:
+        v = t.get(key)
+        return f"{v * 1e3:.1f} ms" if isinstance(v, int | float) else "n/a"
+
+    print(f"prefill leg {ms('p_leg_s')}, TTFT at the router {ms('ttft_s')}, "
+          f"handover t1->t2 {ms('handover_s')}, decode queue {ms('d_queue_s')}")
+    if t.get("kv_bytes"):
+        gbps = t.get("kv_gbps")
+        rate = f"{gbps:.2f} GB/s" if isinstance(gbps, int | float) else "n/a"
+        print(f"KV transfer {t['transfer_id']}: {int(t['kv_bytes']) / 1e6:.1f} MB in "
+              f"{ms('kv_transfer_s')} ({rate}), loaded into D's blocks in {ms('kv_load_s')}, "
+              f"status {t.get('kv_status')}")
+
+
+def run(args: argparse.Namespace) -> int:
+    if not args.skip_tour:
+        tour(args.transport)
+    if args.tour_only:
+        return 0
+    from splitserve.bench.demo import run_demo
+
+    print("\n== the interference workload: colocated vs chunked vs 1P+1D ==")
+    results = run_demo(args.out)
+    return 0 if results else 1
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("demo", help="the main job: one request's tour, then the A/B benchmark")
+    p.add_argument("--out", default="demo-results")
+    p.add_argument("--transport", choices=("tcp", "shm"), default="shm")
+    p.add_argument("--skip-tour", action="store_true", help="only the benchmark")
+    p.add_argument("--tour-only", action="store_true", help="only the one-request tour")
+    p.set_defaults(func=run)
