@@ -36,8 +36,10 @@ def test_client_disconnect_mid_stream_frees_every_worker(
 
 def test_unsplittable_parameters_run_whole_exactly(
         router_pd: Router, colocated_worker: Worker, llama_pair: tuple[Worker, Worker]) -> None:
+    # seeded sampling, two choices, a stop string and a penalty: all run whole on one worker,
+    # so the answer is exactly the colocated worker's
     body = {"model": model_of(llama_pair), "prompt": "A quiet morning in the hills",
-            "max_tokens": 12, "temperature": 0, "stop": ["ai"], "n": 2,
+            "max_tokens": 12, "temperature": 0.8, "seed": 5, "stop": ["ai"], "n": 2,
             "frequency_penalty": 0.4}
     routed = httpx.post(f"{router_pd.url}/v1/completions", json=body, timeout=60)
     direct = httpx.post(f"{colocated_worker.url}/v1/completions", json=body, timeout=60).json()
