@@ -197,7 +197,8 @@ def create_app(cfg: RouterConfig, token: str | None, api_key: str | None = None,
         mode = "-"
         try:
             try:
-                body = validate(json.loads(await request.body()), kind, st.model["id"])
+                raw = await request.body()
+                body = validate(json.loads(raw), kind, st.model["id"])
             except json.JSONDecodeError as exc:
                 raise RequestError(f"invalid JSON body: {exc}") from exc
             mode = choose_mode(st, body, kind)
@@ -205,7 +206,7 @@ def create_app(cfg: RouterConfig, token: str | None, api_key: str | None = None,
             if mode == "split":
                 response = await split(st, request, body, kind, rid, t)
             else:
-                response = await whole(st, request, body, kind, rid, t)
+                response = await whole(st, request, body, raw, kind, rid, t)
             if isinstance(response, GuardedStream):
                 handed_off = True  # the stream's cleanup closes the books
             else:
@@ -302,18 +303,23 @@ def create_app(cfg: RouterConfig, token: str | None, api_key: str | None = None,
         st.inflight -= 1
         st.metrics.inflight.dec()
 
-    async def whole(st: RouterState, request: Request, body: dict[str, Any], kind: Kind,
-                    rid: str, t: Timings) -> Response:
+    async def whole(st: RouterState, request: Request, body: dict[str, Any], raw: bytes,
+                    kind: Kind, rid: str, t: Timings) -> Response:
+        """The request unchanged (its very bytes) on one worker."""
         path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
-        r, w = await cancellable(request, st.flow.whole_open(path, body, rid, t))
         headers = {"X-Request-Id": rid}
-        if not body.get("stream") or r.status_code != 200:
+        if not body.get("stream"):
+            status, content, ctype = await cancellable(
+                request, st.flow.whole_complete(path, raw, rid, t))
+            t.first_sent = time.monotonic()
+            return Response(content, status, headers=headers, media_type=ctype)
+        r, w = await cancellable(request, st.flow.whole_open(path, raw, rid, t))
+        if r.status_code != 200:
             try:
-                content = await cancellable(request, r.aread())
+                content = await r.aread()
             finally:
                 await r.aclose()
                 w.release()
-            t.first_sent = time.monotonic()
             return Response(content, r.status_code, headers=headers,
                             media_type=r.headers.get("content-type"))
 

@@ -318,7 +318,17 @@ class Flow:
                 return self.picker.colocated(pool)
         return self.picker.colocated([])
 
-    async def whole_open(self, path: str, body: dict[str, Any], rid: str, t: Timings
+    async def whole_complete(self, path: str, raw: bytes, rid: str, t: Timings
+                             ) -> tuple[int, bytes, str | None]:
+        """A non-streaming request on one worker: (status, body, content type)."""
+        r, w = await self.whole_open(path, raw, rid, t)
+        try:
+            return r.status_code, await r.aread(), r.headers.get("content-type")
+        finally:
+            await r.aclose()
+            w.release()
+
+    async def whole_open(self, path: str, raw: bytes, rid: str, t: Timings
                          ) -> tuple[httpx.Response, Worker]:
         """Open the request on one worker, retrying elsewhere before the first byte."""
         tried: set[str] = set()
@@ -332,8 +342,9 @@ class Flow:
             t.decode_url = w.url
             w.acquire()
             try:
-                req = self.client.build_request("POST", f"{w.url}{path}", json=body,
-                                                headers={"X-Request-Id": rid})
+                req = self.client.build_request("POST", f"{w.url}{path}", content=raw,
+                                                headers={"X-Request-Id": rid,
+                                                         "Content-Type": "application/json"})
                 r = await self.client.send(req, stream=True)
                 if r.status_code in RETRYABLE_STATUS:
                     text = (await r.aread())[:200].decode(errors="replace")
