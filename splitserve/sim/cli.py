@@ -128,6 +128,7 @@ def run_profile(args: argparse.Namespace) -> int:
 
 
 def run_sim(args: argparse.Namespace) -> int:
+    from splitserve.sim.records import MAX_RECORDS, request_records
     from splitserve.sim.results import summarize
     from splitserve.sim.simulator import simulate
     from splitserve.sim.workload import arrays_from_spec
@@ -135,7 +136,10 @@ def run_sim(args: argparse.Namespace) -> int:
     prof, spec = _profile(args), spec_from_args(args)
     cfg = _sim_config(args, prof)
     slo = SLO(args.slo_ttft_ms, args.slo_tpot_ms)
-    res = summarize(simulate(prof, cfg, arrays_from_spec(spec)), system=_label(cfg), slo=slo)
+    out = simulate(prof, cfg, arrays_from_spec(spec))
+    res = summarize(out, system=_label(cfg), slo=slo)
+    if len(out.arrivals) <= MAX_RECORDS:  # per-request records for the bench report's plots
+        res["requests"] = [r.to_dict() for r in request_records(out)]
     res["sim"] = {"profile": str(args.profile), "profile_kind": prof.kind,
                   "profile_mismatch": prof.mismatch, "config": cfg.__dict__,
                   "workload": spec.to_dict()}

@@ -99,6 +99,11 @@ class SimOutcome:
     seg_k: np.ndarray
     seg_batch: np.ndarray
     seg_new: np.ndarray
+    seg_t0: np.ndarray  # when the segment's first step started
+    seg_worker: np.ndarray
+    seg_step0: np.ndarray  # the worker's step count before the segment
+    decode_worker: np.ndarray  # per request: the worker that decoded it (-1: none)
+    join_step: np.ndarray  # per request: that worker's step count when it joined
     kv_transfer_s: np.ndarray
     events: int
 
@@ -167,7 +172,8 @@ class Simulation:
         self.dsel = [0] * n
         self.heap: list[tuple[float, int, int, int, int]] = []
         self.seq = 0
-        self.segs: list[tuple[float, float, int, int, int]] = []
+        self.segs: list[tuple[float, float, int, int, int, float, int, int]] = []
+        self.wdec, self.jstep = [-1] * n, [0] * n
         self.shared_free = 0.0
         self.rng = np.random.default_rng(config.seed)
 
@@ -200,7 +206,7 @@ class Simulation:
         w.busy = True
         self._push(end, _EV_STEP, wi, w.ver)
 
-    def _admit(self, w: _Worker) -> None:
+    def _admit(self, wi: int, w: _Worker) -> None:
         pl, ol, cap = self.pl, self.ol, self.cap
         while w.waiting and w.B < self.max_seqs:
             r = w.waiting[0]
@@ -215,6 +221,7 @@ class Simulation:
             w.waiting.popleft()
             w.kv_used += need
             heapq.heappush(w.running, (w.S + ol[r] - 1, r))
+            self.wdec[r], self.jstep[r] = wi, w.S
             w.B += 1
             w.C += pl[r] + 1
             w.new.append(r)
@@ -263,7 +270,7 @@ class Simulation:
             dur = pf.time(tok, quad)
             if w.B:  # a mixed step: one fixed cost (the larger), both variable parts
                 dur += dc.b * w.C + dc.c * w.B + max(0.0, dc.a - pf.a)
-            w.kind, w.step_dur, first = _STEP, dur, dur
+            w.kind, w.step_dur, w.t0, first = _STEP, dur, t, dur
             end = t + dur
         elif w.B:
             k = w.running[0][0] - w.S
@@ -290,12 +297,12 @@ class Simulation:
         pl, ol = self.pl, self.ol
         if w.kind == _SEG:
             k = w.k
-            self.segs.append((w.alpha, w.beta, k, w.B, w.nnew))
+            self.segs.append((w.alpha, w.beta, k, w.B, w.nnew, w.t0, wi, w.S))
             w.S += k
             w.C += k * w.B
         elif w.kind == _STEP:
             if w.B:
-                self.segs.append((w.step_dur, 0.0, 1, w.B, w.nnew))
+                self.segs.append((w.step_dur, 0.0, 1, w.B, w.nnew, w.t0, wi, w.S))
             w.S += 1
             w.C += w.B
             for r, q, p in w.chunks:
@@ -311,6 +318,7 @@ class Simulation:
                     w.load -= 1
                 else:
                     heapq.heappush(w.running, (w.S + ol[r] - 1, r))
+                    self.wdec[r], self.jstep[r] = wi, w.S
                     w.B += 1
                     w.C += pl[r] + 1
                     w.new.append(r)
@@ -325,7 +333,7 @@ class Simulation:
             w.load -= 1
         w.busy = False
         if w.waiting:
-            self._admit(w)
+            self._admit(wi, w)
         self._plan(wi, w, t)
 
     def _prefilled(self, wi: int, w: _Worker, r: int, t: float) -> None:
@@ -354,7 +362,7 @@ class Simulation:
         """New work reached `w` at t: start it now if idle, else at the next step boundary."""
         if not w.busy:
             if w.waiting:
-                self._admit(w)
+                self._admit(wi, w)
             self._plan(wi, w, t)
         elif w.kind == _SEG and not w.cut:
             w.cut = True
@@ -416,7 +424,7 @@ class Simulation:
         return self._outcome(events)
 
     def _outcome(self, events: int) -> SimOutcome:
-        segs = np.asarray(self.segs, dtype=np.float64).reshape(-1, 5)
+        segs = np.asarray(self.segs, dtype=np.float64).reshape(-1, 8)
         f = np.asarray
         return SimOutcome(
             arrivals=self.wl.arrivals, prompt_lens=self.wl.prompt_lens,
@@ -424,6 +432,9 @@ class Simulation:
             finish=f(self.tend), failed=f(self.failed, dtype=bool), seg_alpha=segs[:, 0],
             seg_beta=segs[:, 1], seg_k=segs[:, 2].astype(np.int64),
             seg_batch=segs[:, 3].astype(np.int64), seg_new=segs[:, 4].astype(np.int64),
+            seg_t0=segs[:, 5], seg_worker=segs[:, 6].astype(np.int64),
+            seg_step0=segs[:, 7].astype(np.int64), decode_worker=f(self.wdec),
+            join_step=f(self.jstep),
             kv_transfer_s=f(self.xfer), events=events,
         )
 

@@ -119,3 +119,22 @@ def test_transfer_links_from_a_benchmark_json(tmp_path: Path) -> None:
     assert links["tcp"].latency_s == pytest.approx(3e-4)
     assert links["shm"].bandwidth_Bps == pytest.approx(8e9)
     assert links["shm"].time(4e6) == pytest.approx(4e6 / 8e9 + 5e-5)
+
+
+@pytest.mark.parametrize("mode", ["disagg", "colocated", "chunked"])
+def test_per_request_records_agree_with_the_pooled_metrics(mode: str) -> None:
+    from splitserve.bench.metrics import compute_metrics
+    from splitserve.sim.records import request_records
+
+    wl = arrays_from_spec(_spec(n=200))
+    o = simulate(make_profile(budget=256), SimConfig(mode, 1, 2, n_workers=2), wl)
+    recs = request_records(o)
+    for r, rec in enumerate(recs):
+        assert len(rec.chunk_times) == wl.output_lens[r]
+        assert rec.chunk_times[0] == o.first_token[r] and rec.chunk_times[-1] == o.finish[r]
+        assert rec.chunk_times[1] == pytest.approx(o.second_token[r])
+    bench = compute_metrics(recs, float(np.nanmax(o.finish)))
+    ours = summarize(o)
+    for key in ("median_itl_ms", "p99_itl_ms", "mean_itl_ms", "median_ttft_ms", "p99_tpot_ms",
+                "max_itl_ms"):
+        assert ours[key] == pytest.approx(bench[key], rel=1e-9)
