@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from splitserve.sim.deployment import SimConfig
 from splitserve.sim.model import (
     DecodeCost,
     Engine,
@@ -27,7 +28,7 @@ from splitserve.sim.model import (
     TransferLink,
 )
 from splitserve.sim.results import summarize
-from splitserve.sim.simulator import SimConfig, simulate
+from splitserve.sim.simulator import simulate
 from splitserve.sim.workload import SimWorkload
 
 # Step costs of the embedded demo model's order of magnitude (one CPU core).

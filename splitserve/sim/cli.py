@@ -22,8 +22,8 @@ from typing import Any
 from splitserve.bench.cli import add_workload_arguments, spec_from_args
 from splitserve.bench.metrics import SLO
 from splitserve.bench.report import print_summary, save_result
+from splitserve.sim.deployment import MODES, POLICIES, SimConfig
 from splitserve.sim.model import Profile, load_profile, save_profile
-from splitserve.sim.simulator import MODES, POLICIES, SimConfig
 
 
 def _installed_engine() -> str | None:

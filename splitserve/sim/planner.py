@@ -21,9 +21,10 @@ from typing import Any
 
 from splitserve.bench.metrics import SLO, distserve_goodput
 from splitserve.bench.workload import WorkloadSpec
+from splitserve.sim.deployment import SimConfig
 from splitserve.sim.model import Profile
 from splitserve.sim.results import attainment, summarize
-from splitserve.sim.simulator import SimConfig, simulate
+from splitserve.sim.simulator import simulate
 from splitserve.sim.workload import arrays_from_spec
 
 

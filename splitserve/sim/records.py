@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from splitserve.bench.client import RequestRecord
-from splitserve.sim.simulator import SimOutcome
+from splitserve.sim.deployment import SimOutcome
 
 MAX_RECORDS = 20_000
 

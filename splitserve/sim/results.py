@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from splitserve.bench.metrics import SLO, STATS
-from splitserve.sim.simulator import SimOutcome
+from splitserve.sim.deployment import SimOutcome
 
 SCHEMA = "splitserve.bench/1"
 

@@ -25,87 +25,16 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
-from dataclasses import dataclass
-from typing import Literal
 
 import numpy as np
 
+from splitserve.sim.deployment import SimConfig, SimOutcome
 from splitserve.sim.model import Profile, transfer_arrival
 from splitserve.sim.workload import SimWorkload
 
-Mode = Literal["disagg", "colocated", "chunked"]
-Policy = Literal["round_robin", "random", "power_of_two", "least_loaded"]
-MODES: tuple[str, ...] = ("disagg", "colocated", "chunked")
-POLICIES: tuple[str, ...] = ("round_robin", "random", "power_of_two", "least_loaded")
 _P, _D, _BOTH = 0, 1, 2
 _STEP, _SEG, _WAIT = 0, 1, 2
 _EV_STEP, _EV_JOIN = 0, 1
-
-
-@dataclass(frozen=True)
-class SimConfig:
-    """A deployment to simulate. `colocated` runs whole prompts in one step; `chunked` splits
-    them to fit `token_budget` (vLLM's chunked prefill). `n_prefill`/`n_decode` are used by
-    `disagg`, `n_workers` by the colocated modes."""
-
-    mode: Mode = "disagg"
-    n_prefill: int = 1
-    n_decode: int = 1
-    n_workers: int = 2
-    token_budget: int | None = None  # None: the profile's
-    p_policy: Policy = "power_of_two"
-    d_policy: Policy = "power_of_two"
-    transport: str = "tcp"
-    overlap: bool = True  # layer-wise KV push during the prefill
-    shared_link: bool = False  # one link for the whole cluster instead of one per P-worker
-    router_hop_s: float = 0.0  # router overhead added to each leg
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
-        for name in ("p_policy", "d_policy"):
-            if getattr(self, name) not in POLICIES:
-                raise ValueError(f"{name} must be one of {POLICIES}")
-        if self.mode == "disagg" and (self.n_prefill < 1 or self.n_decode < 1):
-            raise ValueError("disaggregated serving needs n_prefill >= 1 and n_decode >= 1")
-        if self.mode != "disagg" and self.n_workers < 1:
-            raise ValueError("n_workers must be >= 1")
-        if self.token_budget is not None and self.token_budget < 1:
-            raise ValueError("token_budget must be >= 1")
-        if self.router_hop_s < 0:
-            raise ValueError("router_hop_s must be >= 0")
-
-    @property
-    def workers(self) -> int:
-        return self.n_prefill + self.n_decode if self.mode == "disagg" else self.n_workers
-
-
-@dataclass(frozen=True, eq=False)
-class SimOutcome:
-    """Per-request times (s, NaN where not reached) and the pooled decode-step record for ITL:
-    segment i has `seg_k[i]` steps lasting `seg_alpha[i] + seg_beta[i]·j`, each step yielding
-    `seg_batch[i]` inter-token gaps, except the first, which yields `seg_batch - seg_new`."""
-
-    arrivals: np.ndarray
-    prompt_lens: np.ndarray
-    output_lens: np.ndarray
-    first_token: np.ndarray
-    second_token: np.ndarray
-    finish: np.ndarray
-    failed: np.ndarray
-    seg_alpha: np.ndarray
-    seg_beta: np.ndarray
-    seg_k: np.ndarray
-    seg_batch: np.ndarray
-    seg_new: np.ndarray
-    seg_t0: np.ndarray  # when the segment's first step started
-    seg_worker: np.ndarray
-    seg_step0: np.ndarray  # the worker's step count before the segment
-    decode_worker: np.ndarray  # per request: the worker that decoded it (-1: none)
-    join_step: np.ndarray  # per request: that worker's step count when it joined
-    kv_transfer_s: np.ndarray
-    events: int
 
 
 class _Worker:

@@ -25,9 +25,10 @@ from typing import Any
 from splitserve.bench.client import ClientConfig
 from splitserve.bench.runner import RunOptions, run_once
 from splitserve.bench.workload import WorkloadSpec
+from splitserve.sim.deployment import SimConfig
 from splitserve.sim.model import Profile
 from splitserve.sim.results import summarize
-from splitserve.sim.simulator import SimConfig, simulate
+from splitserve.sim.simulator import simulate
 from splitserve.sim.workload import arrays_from_spec
 
 METRICS = ("median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms", "median_tpot_ms",

@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 
 from splitserve.bench.workload import ArrivalSpec, LengthDist, WorkloadSpec, build_stream
+from splitserve.sim.deployment import SimConfig
 from splitserve.sim.model import Profile, ProfileMismatch, load_profile, save_profile
 from splitserve.sim.results import itl_samples, summarize, weighted_percentiles
-from splitserve.sim.simulator import SimConfig, simulate
+from splitserve.sim.simulator import simulate
 from splitserve.sim.workload import arrays_from_spec
 from tests.sim.conftest import make_profile
 

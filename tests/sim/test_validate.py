@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from splitserve.bench.workload import ArrivalSpec, LengthDist, WorkloadSpec
-from splitserve.sim.simulator import SimConfig
+from splitserve.sim.deployment import SimConfig
 from splitserve.sim.validate import METRICS, compare, simulate_point
 from tests.sim.conftest import make_profile
 
