@@ -39,7 +39,7 @@ class RunOptions:
     slo: SLO = SLO()
     repeats: int = 1
     sweep_rates: tuple[float, ...] = ()
-    busy_sample_s: float = 0.1
+    busy_sample_s: float = 0.25  # /metrics renders cost the worker CPU: keep it light
     total_cores: int | None = None  # for goodput per core
 
     def __post_init__(self) -> None:

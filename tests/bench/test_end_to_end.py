@@ -132,4 +132,6 @@ def test_bench_through_a_router_deployment(router_1p1d: str, tmp_path: Path) -> 
     assert all(0.0 < v <= 1.0 for v in res["busy_fraction"].values())  # P's prefill seconds
     assert {w["role"] for w in res["run_sheet"]["deployment"]["workers"]} == {
         "prefill", "decode"}
-    assert_png(tmp_path / "itl_over_time.png")
+    for name in ("itl_over_time.png", "itl_cdf.png", "ttft_cdf.png"):
+        assert_png(tmp_path / name)
+    assert (tmp_path / "report.html").read_text().count("data:image/png;base64,") == 3
