@@ -44,7 +44,9 @@ class RequestRecord:
     chunk_times: list[float] = field(default_factory=list)
     chunk_tokens: list[int] = field(default_factory=list)
     status: int | None = None
-    error_cause: str | None = None  # e.g. "http_503", "timeout", "connect", "stream", "empty"
+    # None when the request succeeded; else "http_<status>", "timeout", "connect", "stream"
+    # (transport or parse error), "stream_error" (an error event), "empty" or "truncated".
+    error_cause: str | None = None
     error: str | None = None
     request_id: str | None = None
     server_timings: dict[str, Any] = field(default_factory=dict)
@@ -145,6 +147,7 @@ async def send_one(client: httpx.AsyncClient, cfg: ClientConfig, model: str, req
     sent_id = f"{cfg.run_tag}-{req.index}"
     headers = cfg.headers() | {"X-Request-Id": sent_id}
     rec.send_s = time.perf_counter() - t0
+    done = False
     try:
         async with client.stream("POST", f"{cfg.base}/v1/completions", json=body,
                                  headers=headers) as resp:
@@ -165,6 +168,7 @@ async def send_one(client: httpx.AsyncClient, cfg: ClientConfig, model: str, req
                     continue
                 payload = line[5:].strip()
                 if payload == "[DONE]":
+                    done = True
                     break
                 _absorb_chunk(rec, json.loads(payload), now)
     except httpx.TimeoutException as exc:
@@ -176,6 +180,8 @@ async def send_one(client: httpx.AsyncClient, cfg: ClientConfig, model: str, req
     rec.end_s = time.perf_counter() - t0
     if rec.error_cause is None and not rec.chunk_times:
         rec.error_cause, rec.error = "empty", "stream ended without any token"
+    elif rec.error_cause is None and not done:
+        rec.error_cause, rec.error = "truncated", "stream closed before [DONE]"
 
 
 def new_record(req: Request) -> RequestRecord:
