@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from splitserve.bench.client import (
     RequestRecord,
     _absorb_chunk,
@@ -55,3 +57,51 @@ def test_parse_sum_over_label_sets() -> None:
             'vllm:request_prefill_time_seconds_count{engine="0"} 3.0\n')
     assert parse_sum(text, "vllm:request_prefill_time_seconds_sum") == 2.0
     assert parse_sum(text, "vllm:request_decode_time_seconds_sum") is None
+
+
+def _sse(*events: str) -> bytes:
+    return "".join(f"{e}\n\n" for e in events).encode()
+
+
+async def _send(body: bytes, status: int = 200, headers: dict[str, str] | None = None
+                ) -> RequestRecord:
+    import httpx
+
+    from splitserve.bench.client import ClientConfig, send_one
+    from splitserve.bench.workload import Request
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        sent = json.loads(request.content)
+        assert sent["prompt"] == [11, 12, 13] and sent["max_tokens"] == 3 and sent["stream"]
+        assert request.headers["x-request-id"] == "t-7"
+        return httpx.Response(status, content=body, headers=headers or {})
+
+    req = Request(index=7, arrival_s=0.0, prompt_token_ids=(11, 12, 13), output_len=3)
+    rec = RequestRecord(index=7, kind="normal", input_len=3, requested_output_len=3,
+                        scheduled_s=0.0)
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+        await send_one(client, ClientConfig("http://server", run_tag="t"), "m", req, rec, 0.0)
+    return rec
+
+
+def _chunk(ids: list[int]) -> str:
+    return "data: " + json.dumps({"choices": [{"text": "x", "token_ids": ids}]})
+
+
+async def test_send_one_records_a_whole_stream() -> None:
+    rec = await _send(_sse(_chunk([1]), _chunk([2, 3]), ': splitserve-timings {"p_leg_s":0.2}',
+                           "data: [DONE]"),
+                      headers={"x-request-id": "t-7", "x-splitserve-timings": '{"mode":"x"}'})
+    assert rec.ok and rec.status == 200 and rec.request_id == "t-7"
+    assert rec.chunk_tokens == [1, 2] and len(rec.chunk_times) == 2
+    assert rec.server_timings == {"mode": "x", "p_leg_s": 0.2}
+    assert rec.end_s >= rec.chunk_times[-1] >= rec.send_s
+
+
+async def test_send_one_failures_are_explicit() -> None:
+    truncated = await _send(_sse(_chunk([1])))
+    assert truncated.error_cause == "truncated" and truncated.chunk_tokens == [1]
+    busy = await _send(b'{"error": "overloaded"}', status=503)
+    assert busy.error_cause == "http_503" and "overloaded" in (busy.error or "")
+    empty = await _send(_sse("data: [DONE]"))
+    assert empty.error_cause == "empty"
