@@ -192,7 +192,7 @@ def run_validate(args: argparse.Namespace) -> int:
                 plan = ProfilePlan(prefill_lens=(16, 64, 256, 512, 1024, 2048),
                                    decode_prompt_lens=(32, 512),
                                    token_budget=cfg.token_budget or prof.token_budget)
-                prof = profile_worker(url, plan, model)
+                prof = profile_worker(url, plan, model, probe_tcp=False)
                 if args.out:
                     save_profile(prof, Path(args.out).with_suffix(".profile.json"))
             real = measure(url)
