@@ -90,6 +90,9 @@ def test_metrics_and_workers(router_pd: Router, llama_pair: tuple[Worker, Worker
     body = {"model": model_of(llama_pair), "prompt": "metrics please", "max_tokens": 3,
             "temperature": 0}
     assert httpx.post(f"{router_pd.url}/v1/completions", json=body, timeout=60).status_code == 200
+    with httpx.stream("POST", f"{router_pd.url}/v1/completions", json=body | {"stream": True},
+                      timeout=60) as r:
+        assert r.status_code == 200 and r.read().endswith(b"data: [DONE]\n\n")
     text = httpx.get(f"{router_pd.url}/metrics").text
     for family in ("splitserve_router_prefill_seconds_count", "splitserve_router_kv_bytes_count",
                    "splitserve_router_handover_seconds_count",
