@@ -23,10 +23,10 @@ from splitserve.worker.launch import free_port
 PROMPT = ("Disaggregated serving runs the prompt on one worker and the answer on another. " * 40)
 
 
-def stream_one(url: str, max_tokens: int = 32) -> dict[str, object]:
+def stream_one(url: str, prompt: str, max_tokens: int = 32) -> dict[str, object]:
     """Stream one completion; return chunk texts, their arrival times and the router's timings."""
     model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
-    body = {"model": model, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0,
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True}
     texts: list[str] = []
     times: list[float] = []
@@ -51,8 +51,10 @@ def tour(transport: str) -> None:
     print(f"== one request through 1P+1D ({transport}) on the embedded model ==")
     with LocalDeployment(cfg) as dep:
         url = dep.start()
-        stream_one(url, 4)  # warm-up: first requests pay one-off start-up costs
-        res = stream_one(url)
+        # warm-up on another prompt: first requests pay one-off costs, and the same prompt would
+        # be served from both workers' prefix caches
+        stream_one(url, "A short warm-up request.", 4)
+        res = stream_one(url, PROMPT)
     texts, times = res["texts"], res["times"]
     t = res["timings"]
     assert isinstance(texts, list) and isinstance(times, list) and isinstance(t, dict)
