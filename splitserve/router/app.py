@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from splitserve.router.config import RouterConfig
+from splitserve.router.detok import text_stream
 from splitserve.router.flow import Flow, Prefilled, Timings, UpstreamError
 from splitserve.router.formats import DONE, Joiner, error_body, sse, sse_comment
 from splitserve.router.health import Registry
@@ -255,6 +256,7 @@ def create_app(cfg: RouterConfig, token: str | None, api_key: str | None = None,
         legs = plan_legs(body, kind, prompt)
         pre = await cancellable(request, st.flow.prefill(legs, rid, t))
         joiner = Joiner(legs, rid, st.model["id"])
+        joiner.text_stream = text_stream(st.tokenizer, pre.prompt_ids, body)
         start = joiner.start(pre.prompt_ids, pre.fingerprint)
         first = joiner.tokens(pre.t1_text, pre.t1_ids, pre.finish_reason, pre.stop_reason)
         if not legs.stream:

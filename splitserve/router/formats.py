@@ -13,6 +13,7 @@ import json
 import time
 from typing import Any
 
+from splitserve.router.detok import TextStream
 from splitserve.router.params import Legs
 
 
@@ -51,6 +52,7 @@ class Joiner:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.fingerprint: str | None = None
+        self.text_stream: TextStream | None = None  # set: text is the router's, not D's
 
     # --- streaming events -------------------------------------------------------------------
     def _usage(self, details: bool) -> dict[str, Any]:
@@ -83,6 +85,9 @@ class Joiner:
                stop_reason: int | str | None) -> dict[str, Any]:
         """One token chunk. The first one carries the prompt ids (completions), as vLLM's does."""
         first = not self.produced
+        if self.text_stream is not None:
+            computed = self.text_stream.text(token_ids, finish_reason)
+            text = text if first else computed  # t1's text is P's own, from the same state
         self.produced += token_ids
         self.texts.append(text)
         self.finish_reason, self.stop_reason = finish_reason, stop_reason

@@ -85,6 +85,8 @@ def unsplittable_reason(body: dict[str, Any], kind: Kind) -> str | None:
         return "seed"
     if body.get("prompt_logprobs") is not None:
         return "prompt_logprobs"
+    if body.get("detokenize") is False:
+        return "detokenize"
     for field in ("structured_outputs", "guided_json", "guided_regex", "guided_choice",
                   "guided_grammar", "guided_decoding_backend", "logits_processors",
                   "return_tokens_as_token_ids", "thinking_token_budget"):
