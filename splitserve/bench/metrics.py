@@ -5,7 +5,8 @@ Per request (client clock; a request's clock starts when it is sent):
 - TPOT = (E2EL − TTFT) / (output tokens − 1), only for requests with more than one token;
 - ITL = the gaps between consecutive chunks, **per chunk** (a chunk may carry several tokens),
   pooled over all requests before any percentile;
-- handover = the first of those gaps (t1 → t2 at the client: the P→D handover when split).
+- handover = the first of those gaps (t1 → t2 at the client: the P→D handover when split);
+  `*_itl_after_first_ms` are the ITL statistics without it (a diagnostic, not vLLM's ITL).
 
 Failed requests (any error) are counted in `failed` and `errors`, and count as SLO misses; they
 never vanish from the denominators of attainment. Percentiles use numpy's linear interpolation
@@ -201,6 +202,8 @@ def compute_metrics(records: Sequence[RequestRecord], duration_s: float,
     result |= stats_ms(itls, "itl")
     result |= stats_ms([x for x in map(e2el_s, ok) if x is not None], "e2el")
     result |= stats_ms([x for x in map(handover_s, ok) if x is not None], "handover")
+    # Diagnostic: the pooled ITL without each request's first gap (the handover when split).
+    result |= stats_ms([g for r in ok for g in itls_s(r)[1:]], "itl_after_first")
     result["by_kind"] = _kind_stats(records)
     result["server_timings"] = server_timing_stats(records)
     for key in ("kv_transfer_ms", "kv_transfer_s"):

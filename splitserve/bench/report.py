@@ -26,6 +26,7 @@ TABLE_ROWS: tuple[tuple[str, str], ...] = (
     ("median_tpot_ms", "TPOT p50 ms"),
     ("median_itl_ms", "ITL p50 ms"), ("p90_itl_ms", "ITL p90 ms"),
     ("p99_itl_ms", "ITL p99 ms"), ("p999_itl_ms", "ITL p99.9 ms"), ("max_itl_ms", "ITL max ms"),
+    ("p99_itl_after_first_ms", "ITL p99 w/o 1st gap ms"),
     ("median_handover_ms", "handover p50 ms"), ("median_kv_transfer_ms", "KV transfer p50 ms"),
     ("slo_attainment", "SLO attainment"), ("request_goodput", "goodput req/s"),
     ("distserve_goodput", "DistServe goodput req/s"),

@@ -70,6 +70,8 @@ def test_run_metrics(records: list[RequestRecord]) -> None:
     assert m["p999_itl_ms"] == pytest.approx(199.8)
     assert m["max_itl_ms"] == pytest.approx(200)
     assert m["median_handover_ms"] == pytest.approx(75)  # first gaps: 50 and 100
+    assert m["max_itl_after_first_ms"] == pytest.approx(200)  # only request 0 has a 2nd gap
+    assert m["median_itl_after_first_ms"] == pytest.approx(200)
     # Only request 0 meets both targets; the two failures count as misses.
     assert m["slo_attainment"] == pytest.approx(0.25)
     assert m["request_goodput"] == pytest.approx(0.25)
