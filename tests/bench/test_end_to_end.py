@@ -135,3 +135,20 @@ def test_bench_through_a_router_deployment(router_1p1d: str, tmp_path: Path) -> 
     for name in ("itl_over_time.png", "itl_cdf.png", "ttft_cdf.png"):
         assert_png(tmp_path / name)
     assert (tmp_path / "report.html").read_text().count("data:image/png;base64,") == 3
+
+
+def test_compare_starts_a_deployment_itself(plain_worker: Worker, llama_ckpt: Path,
+                                            tmp_path: Path) -> None:
+    import httpx
+
+    out = tmp_path / "dep"
+    assert main(["bench", "compare", "--url", f"given={plain_worker.url}", "--deploy",
+                 "chunked=colocated:64", "--deploy-cores", "0,1", "--model-dir",
+                 str(llama_ckpt), "--out", str(out), *STREAM]) == 0
+    res = json.loads((out / "chunked.json").read_text())
+    assert (res["completed"], res["failed"]) == (10, 0)
+    dep = res["run_sheet"]["deployment"]
+    assert dep["max_num_batched_tokens"] == 64 and dep["chunked_prefill"] is True
+    assert dep["worker_cpus"] == [[0, 1]] and dep["total_cores"] == 2
+    with pytest.raises(httpx.HTTPError):  # the started worker is gone again
+        httpx.get(f"{dep['url']}/health", timeout=2.0)
