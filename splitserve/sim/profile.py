@@ -152,19 +152,28 @@ def measure_prefill(url: str, plan: ProfilePlan, max_len: int) -> list[tuple[int
 
 
 def decode_window(recs: list[RequestRecord], prompt_len: int) -> tuple[float, float] | None:
-    """(median step seconds, median total context) in the all-decoding window."""
+    """(median seconds per decode step, median total context) while all B requests decode: the
+    window from the last first token to the first last token. Per request, the time between its
+    first and last chunk inside the window over the tokens in between — robust to chunks that
+    carry several tokens (a server that falls behind coalesces them)."""
     start = max(r.chunk_times[0] for r in recs)
     end = min(r.chunk_times[-1] for r in recs)
-    gaps, ctxs = [], []
     b = len(recs)
+    steps, ctxs = [], []
     for r in recs:
-        for j in range(1, len(r.chunk_times)):
-            if r.chunk_times[j - 1] >= start and r.chunk_times[j] <= end:
-                gaps.append(r.chunk_times[j] - r.chunk_times[j - 1])
-                ctxs.append(b * (prompt_len + j))
-    if len(gaps) < 3:
+        inside = [i for i, t in enumerate(r.chunk_times) if start <= t <= end]
+        if len(inside) < 2:
+            continue
+        i0, i1 = inside[0], inside[-1]
+        tokens = sum(r.chunk_tokens[i0 + 1:i1 + 1])
+        if tokens < 2:
+            continue
+        steps.append((r.chunk_times[i1] - r.chunk_times[i0]) / tokens)
+        done = sum(r.chunk_tokens[:i0 + 1]) + tokens / 2  # tokens generated mid-window
+        ctxs.append(b * (prompt_len + done))
+    if not steps:
         return None
-    return statistics.median(gaps), statistics.median(ctxs)
+    return statistics.median(steps), statistics.median(ctxs)
 
 
 def measure_decode(url: str, plan: ProfilePlan, max_len: int) -> list[tuple[int, float, float]]:

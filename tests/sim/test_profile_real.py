@@ -28,7 +28,7 @@ def test_profile_a_real_worker(tmp_path: Path) -> None:
         wait_healthy(cfg.url, proc, timeout_s=240)
         plan = ProfilePlan(prefill_lens=(16, 128, 512, 900), prefill_repeats=1,
                            decode_batches=(1, 3), decode_prompt_lens=(16, 200),
-                           decode_tokens=12, token_budget=256)
+                           decode_tokens=24, token_budget=256)
         prof = profile_worker(cfg.url, plan, probe_tcp=True)
     finally:
         with contextlib.suppress(ProcessLookupError):
@@ -39,7 +39,7 @@ def test_profile_a_real_worker(tmp_path: Path) -> None:
     assert (prof.model.layers, prof.model.kv_heads, prof.model.head_dim,
             prof.model.dtype_bytes) == (2, 2, 32, 4)
     assert [n for n, _ in prof.fit["prefill_points"]] == [16, 128, 512, 900]
-    assert len(prof.fit["decode_points"]) == 4  # (1, 3) batches x (16, 200) prompts
+    assert [(b, c > 0) for b, c, _ in prof.fit["decode_points"]] == [(1, True), (3, True)] * 2
     assert all(t > 0 for _, t in prof.fit["prefill_points"])
     assert prof.kv_capacity_tokens > 1000  # read from the worker's /metrics
     assert prof.transfer["tcp"].source.startswith("loopback")

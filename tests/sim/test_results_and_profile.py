@@ -139,3 +139,20 @@ def test_per_request_records_agree_with_the_pooled_metrics(mode: str) -> None:
     for key in ("median_itl_ms", "p99_itl_ms", "mean_itl_ms", "median_ttft_ms", "p99_tpot_ms",
                 "max_itl_ms"):
         assert ours[key] == pytest.approx(bench[key], rel=1e-9)
+
+
+def test_decode_window_counts_tokens_not_chunks() -> None:
+    """Two requests decoding in lockstep at 10 ms a step; the second's server coalesced its
+    tokens two per chunk. Both give 10 ms per step."""
+    from splitserve.bench.client import RequestRecord
+    from splitserve.sim.profile import decode_window
+
+    def rec(times: list[float], tokens: list[int]) -> RequestRecord:
+        return RequestRecord(index=0, kind="normal", input_len=100, requested_output_len=20,
+                             scheduled_s=0.0, chunk_times=times, chunk_tokens=tokens)
+
+    a = rec([0.1 + 0.01 * i for i in range(20)], [1] * 20)
+    b = rec([0.1 + 0.01 * i for i in range(1, 20, 2)], [2] * 10)
+    step, ctx = decode_window([a, b], 100)
+    assert step == pytest.approx(0.01)
+    assert ctx == pytest.approx(2 * (100 + 11))
