@@ -116,7 +116,8 @@ def test_serve_starts_answers_and_stops_without_orphans(llama_ckpt: Path, tmp_pa
             tokens |= {e.split(b"=", 1)[1].decode() for e in env
                        if e.startswith(b"SPLITSERVE_TOKEN=")}
         assert len(tokens) == 1
-        assert not any(tokens.pop() in cmd for cmd in cmdlines().values())
+        token = tokens.pop()
+        assert not any(token in cmd for cmd in cmdlines().values())
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)

@@ -43,8 +43,11 @@ def sse_events(url: str, path: str, body: dict[str, Any],
 
 
 def without_ids(ev: Any) -> Any:
+    """An event minus what names the server rather than the output: ids, timestamps, and the
+    fingerprint (a hash of the serving engine's configuration, which differs between a plain
+    worker and a P-worker with a connector)."""
     if isinstance(ev, dict):
-        return {k: v for k, v in ev.items() if k not in ("id", "created")}
+        return {k: v for k, v in ev.items() if k not in ("id", "created", "system_fingerprint")}
     return ev
 
 
