@@ -143,12 +143,12 @@ class Flow:
         base = min(self.cfg.retry_backoff_s * 1.5**attempt, self.cfg.retry_backoff_max_s)
         await asyncio.sleep(base * random.uniform(0.8, 1.2))
 
-    def _fail(self, worker: Worker, leg: str, exc: Exception) -> None:
+    def _fail(self, worker: Worker, leg: str, exc: Exception, rid: str) -> None:
         cause = exc.cause if isinstance(exc, LegFailed) else type(exc).__name__
         self.metrics.failures.labels(leg, cause).inc()
         if not (isinstance(exc, LegFailed) and exc.status == 429):  # back-pressure, not failure
             self.registry.failed(worker, str(exc))
-        log.warning("%s leg on %s failed: %s", leg, worker.url, exc)
+        log.warning("request %s: %s leg on %s failed: %s", rid, leg, worker.url, exc)
 
     # --- P ----------------------------------------------------------------------------------
     async def prefill(self, legs: Legs, rid: str, t: Timings) -> Prefilled:
@@ -189,7 +189,7 @@ class Flow:
                 reserved = True
             except (httpx.TransportError, LegFailed) as exc:
                 tried.add(p.url)
-                self._fail(p, "prefill", exc)
+                self._fail(p, "prefill", exc, rid)
                 last = exc
                 continue
             finally:
@@ -259,7 +259,7 @@ class Flow:
                 return
             except (httpx.TransportError, LegFailed) as exc:
                 tried.add(d.url)
-                self._fail(d, "decode", exc)
+                self._fail(d, "decode", exc, rid)
                 if attempt == self.cfg.decode_retries:
                     raise UpstreamError(502, {"error": {
                         "message": f"decode failed on every attempt: {exc}",
@@ -354,7 +354,7 @@ class Flow:
             except (httpx.TransportError, LegFailed) as exc:
                 w.release()
                 tried.add(w.url)
-                self._fail(w, "whole", exc)
+                self._fail(w, "whole", exc, rid)
                 last = exc
         status = last.status if isinstance(last, LegFailed) else 502
         raise UpstreamError(status, {"error": {
