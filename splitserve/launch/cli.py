@@ -47,6 +47,7 @@ def run(args: argparse.Namespace) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)  # even where the shell started us ignoring it
     try:
         deployment.start()
         print("splitserve: Ctrl-C to stop", flush=True)
