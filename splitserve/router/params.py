@@ -194,6 +194,7 @@ def decode_body(legs: Legs, model: str, prompt_ids: list[int], produced: list[in
     """D: prompt + the tokens produced so far, the rest of the budget. Always streams and always
     returns token ids, so the router can count tokens and resume elsewhere without loss."""
     body = dict(legs.tokenwise)
+    body.pop("truncate_prompt_tokens", None)  # P already truncated; D's prompt is P's ids
     remaining = None if legs.max_tokens is None else legs.max_tokens - len(produced)
     body.update(model=model, prompt=prompt_ids + produced, max_tokens=remaining, stream=True,
                 return_token_ids=True, min_tokens=max(legs.min_tokens - len(produced), 0),

@@ -81,7 +81,8 @@ def test_chat_needs_messages() -> None:
 
 def test_leg_bodies_split_the_budget_exactly() -> None:
     body = BASE | {"max_tokens": 8, "min_tokens": 3, "ignore_eos": True, "stream": True,
-                   "stream_options": {"include_usage": True}, "return_token_ids": False}
+                   "stream_options": {"include_usage": True}, "return_token_ids": False,
+                   "truncate_prompt_tokens": 50}
     legs = plan_legs(body, "completion", "hi")
     kv = {"do_remote_decode": True, "transfer_id": "t"}
     p = prefill_body(legs, "m", kv)
@@ -91,6 +92,8 @@ def test_leg_bodies_split_the_budget_exactly() -> None:
     d = decode_body(legs, "m", [5, 6], [9], {"do_remote_prefill": True, "transfer_id": "t"})
     assert d["prompt"] == [5, 6, 9] and d["max_tokens"] == 7 and d["min_tokens"] == 2
     assert d["stream"] is True and d["kv_transfer_params"]["transfer_id"] == "t"
+    # P truncates the prompt; D must not truncate P's ids + t1 a second time
+    assert p["truncate_prompt_tokens"] == 50 and "truncate_prompt_tokens" not in d
     # resuming after three tokens: the rest of the budget, and no KV from elsewhere
     d2 = decode_body(legs, "m", [5, 6], [9, 10, 11], None)
     assert d2["prompt"] == [5, 6, 9, 10, 11] and d2["max_tokens"] == 5
