@@ -149,9 +149,10 @@ class LocalDeployment:
         except BaseException:
             self.stop()
             raise
-        self.say(f"splitserve: ready — OpenAI endpoint {self.url}/v1 "
-                 f"({cfg.prefill}P+{cfg.decode}D" + (f"+{cfg.colocated}C" if cfg.colocated else "")
-                 + f", model {self.model_dir})")
+        shape = "+".join(f"{n}{k}" for n, k in ((cfg.prefill, "P"), (cfg.decode, "D"),
+                                                 (cfg.colocated, " colocated")) if n)
+        self.say(f"splitserve: ready — OpenAI endpoint {self.url}/v1 ({shape}, "
+                 f"model {self.model_dir})")
         return self.url
 
     def _start_router(self, planned: list[tuple[str, WorkerConfig]]) -> None:
