@@ -4,11 +4,14 @@ Per step it hands the worker side a `SplitserveMeta`:
 - saves: for each prefill-leg request (`do_remote_decode`) scheduled this step, the token range to
   push after each layer. The first range starts at 0, so tokens P had in its prefix cache are sent.
 - loads: for each decode-leg request (`do_remote_prefill`) that got blocks, the staged transfer
-  to copy into them. Start is D's local prefix-cache hit (block-aligned), end is the prompt
-  length P computed (decode prompt = P's prompt + [t1]; t1's KV is computed by D itself).
+  to copy into them — synchronously, before this step's forward, if the transfer was already
+  complete when the request was scheduled (the DoneTable says so); asynchronously otherwise.
+  Start is D's local prefix-cache hit (block-aligned), end is the prompt length P computed
+  (decode prompt = P's prompt + [t1]; t1's KV is computed by D itself).
 - cancels: prefill requests preempted mid-transfer (their blocks are about to be reused).
 
-Invariants: `get_num_new_matched_tokens` has no side effects; a request's load is claimed once (in
+Invariants: `get_num_new_matched_tokens` has no side effects beyond a memo of its last answer
+(sync or async) that `update_state_after_alloc` consumes; a request's load is claimed once (in
 `update_state_after_alloc`), so a failed load is recomputed rather than retried; a finished
 prefill request's blocks are held (`request_finished` -> True) exactly when a save was emitted
 for it, and the worker reports it in `finished_sending` once the push is settled.
@@ -22,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from splitserve.config import TRANSPORTS
+from splitserve.connector.donetable import DoneTable
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -58,6 +62,7 @@ class LoadSpec:
     block_ids: tuple[int, ...]
     start: int
     end: int  # start == end: nothing to load, just release the staged transfer
+    sync: bool = False  # complete at scheduling time: load before this step's forward
 
 
 @dataclass
@@ -83,8 +88,11 @@ def transfer_params(request: Request) -> dict[str, Any]:
 
 
 class SchedulerSide:
-    def __init__(self, default_transport: str) -> None:
+    def __init__(self, default_transport: str, done_table_path: str) -> None:
         self._default_transport = default_transport
+        self._done_path = done_table_path
+        self._done: DoneTable | None = None
+        self._sync_answer: dict[str, bool] = {}  # last answer per request (a memo, not state)
         self._prefills: dict[str, _Prefill] = {}
         self._saving: set[str] = set()  # a save was emitted: blocks are held at finish
         self._awaiting_send: set[str] = set()  # finished, held, not yet reported
@@ -113,7 +121,16 @@ class SchedulerSide:
             return 0, False
         remote = len(request.prompt_token_ids or ()) - 1
         n = remote - num_computed_tokens
-        return (n, True) if n > 0 else (0, False)
+        if n <= 0:
+            return 0, False
+        ready = self._transfer_complete(str(p["transfer_id"]))
+        self._sync_answer[request.request_id] = ready
+        return n, not ready
+
+    def _transfer_complete(self, transfer_id: str) -> bool:
+        if self._done is None:
+            self._done = DoneTable.open_existing(self._done_path)
+        return self._done is not None and self._done.contains(transfer_id)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
@@ -122,11 +139,12 @@ class SchedulerSide:
                 or request.request_id in self._load_claimed):
             return
         self._load_claimed.add(request.request_id)
+        sync = self._sync_answer.pop(request.request_id, False)
         end = len(request.prompt_token_ids or ()) - 1
         start = end - num_external_tokens if num_external_tokens > 0 else end
         block_ids = tuple(blocks.get_block_ids()[0]) if num_external_tokens > 0 else ()
-        self._pending.loads.append(
-            LoadSpec(request.request_id, str(p["transfer_id"]), block_ids, start, end))
+        self._pending.loads.append(LoadSpec(request.request_id, str(p["transfer_id"]), block_ids,
+                                            start, end, sync=sync and start < end))
 
     # -- every step --------------------------------------------------------------------------
     def build_connector_meta(self, so: SchedulerOutput) -> SplitserveMeta:
@@ -167,6 +185,7 @@ class SchedulerSide:
     def request_finished(self, request: Request, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
+        self._sync_answer.pop(rid, None)
         claimed = rid in self._load_claimed
         self._load_claimed.discard(rid)
         pf = self._prefills.pop(rid, None)

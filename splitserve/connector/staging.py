@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from splitserve.connector.donetable import DoneTable
 from splitserve.connector.layout import KVShape
 from splitserve.connector.stats import ConnectorStats, TransferRecord
 
@@ -133,9 +134,10 @@ class StagedTransfer:
 class StagingArea:
     """Thread-safe registry of staged transfers over one SharedSegment."""
 
-    def __init__(self, capacity: int, shape: KVShape, lease_s: float, stats: ConnectorStats
-                 ) -> None:
+    def __init__(self, capacity: int, shape: KVShape, lease_s: float, stats: ConnectorStats,
+                 done: DoneTable | None = None) -> None:
         self.segment = SharedSegment(capacity)
+        self.done = done
         self.shape = shape
         self.lease_s = lease_s
         self.stats = stats
@@ -180,6 +182,8 @@ class StagingArea:
         with self._lock:
             st.ended = True
             ok = st.complete
+            if ok and self.done is not None and not st.reader_done:
+                self.done.mark(st.transfer_id)
         if ok:
             self.stats.close(st.record, "complete")
         else:
@@ -193,7 +197,7 @@ class StagingArea:
                 st.failed = cause
             if not st.claimed:
                 st.reader_done = True
-                self._done[st.transfer_id] = "failed"
+                self._remember(st.transfer_id, "failed")
             self._free_if_done_locked(st, "failed")
         self.stats.close(st.record, "failed", cause)
 
@@ -222,7 +226,7 @@ class StagingArea:
         """The loader is done with a claimed transfer (loaded, or gave up on it)."""
         with self._lock:
             st.reader_done = True
-            self._done[st.transfer_id] = status
+            self._remember(st.transfer_id, status)
             self._free_if_done_locked(st, status)
 
     def reap(self, now: float | None = None) -> list[str]:
@@ -234,7 +238,7 @@ class StagingArea:
             for st in expired:
                 st.reader_done = True
                 st.failed = st.failed or "lease_expired"
-                self._done[st.transfer_id] = "expired"
+                self._remember(st.transfer_id, "expired")
                 self._free_if_done_locked(st, "expired")
         for st in expired:
             self.stats.close(st.record, "expired", "lease_expired")
@@ -247,6 +251,8 @@ class StagingArea:
             self._remember(st.transfer_id, self._done.get(st.transfer_id, status))
 
     def _remember(self, transfer_id: str, status: str) -> None:
+        if self.done is not None:
+            self.done.clear(transfer_id)
         self._done[transfer_id] = status
         while len(self._done) > 4 * 4096:
             self._done.pop(next(iter(self._done)))
@@ -269,3 +275,5 @@ class StagingArea:
 
     def close(self) -> None:
         self.segment.close()
+        if self.done is not None:
+            self.done.close()

@@ -31,6 +31,7 @@ class TransferRecord:
     complete_s: float | None = None
     load_s: float | None = None  # D: seconds to copy staged KV into vLLM's blocks
     loaded_tokens: int | None = None  # D: tokens copied (fewer when D had a prefix-cache hit)
+    load_mode: str | None = None  # D: "sync" (complete when scheduled) or "async" (waited)
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)

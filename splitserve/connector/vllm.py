@@ -22,6 +22,7 @@ from vllm.v1.attention.backend import AttentionMetadata
 from vllm.v1.core.sched.output import SchedulerOutput
 
 from splitserve.config import ConnectorConfig
+from splitserve.connector.donetable import table_path
 from splitserve.connector.scheduler import SchedulerSide, SplitserveMeta
 
 if TYPE_CHECKING:
@@ -42,7 +43,7 @@ class SplitserveConnector(KVConnectorBase_V1):
         self._sched: SchedulerSide | None = None
         self._worker = None
         if role == KVConnectorRole.SCHEDULER:
-            self._sched = SchedulerSide(self.cfg.transport)
+            self._sched = SchedulerSide(self.cfg.transport, table_path(str(tc.engine_id)))
         else:
             from splitserve.connector.worker import WorkerSide
             from splitserve.worker.launch import installed_vllm_version
@@ -91,6 +92,10 @@ class SplitserveConnector(KVConnectorBase_V1):
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         assert self._worker is not None
         return self._worker.get_transfer_results(finished_req_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        assert self._worker is not None
+        return self._worker.take_load_errors()
 
     def get_finished(self, finished_req_ids: set[str]
                      ) -> tuple[set[str] | None, set[str] | None]:

@@ -21,6 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransfe
 from vllm.logger import init_logger  # noqa: E402
 
 from splitserve.config import ConnectorConfig, load_token
+from splitserve.connector.donetable import DoneTable, table_path
 from splitserve.connector.faults import Faults
 from splitserve.connector.layout import (
     KVShape,
@@ -82,6 +83,7 @@ class WorkerSide:
         self._channels: dict[tuple[str, int, str], PushChannel] = {}
         self._sends: dict[str, _Send] = {}
         self._loads: dict[str, _Load] = {}
+        self._load_errors: set[int] = set()  # blocks of failed synchronous loads
 
     # -- setup -------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -103,7 +105,7 @@ class WorkerSide:
         )
         if self.cfg.role in ("decode", "both"):
             self.staging = StagingArea(self.cfg.staging_bytes, self.shape, self.cfg.lease_s,
-                                       self.stats)
+                                       self.stats, DoneTable(table_path(self.engine_id), True))
         self.listener = KVListener(self.cfg.kv_host, self.cfg.kv_port, self._token,
                                    self.fingerprint, self.staging, self.answer)
 
@@ -170,7 +172,28 @@ class WorkerSide:
     def start_load_kv(self, meta: SplitserveMeta) -> None:
         now = time.monotonic()
         for spec in meta.loads:
-            self._loads[spec.request_id] = _Load(spec, now + self.cfg.load_timeout_s)
+            load = _Load(spec, now + self.cfg.load_timeout_s)
+            if spec.sync:
+                self._load_now(load)
+            else:
+                self._loads[spec.request_id] = load
+
+    def _load_now(self, load: _Load) -> None:
+        """A synchronous load (the transfer was complete when scheduled): copy before the forward,
+        or report the blocks as failed so vLLM recomputes them (or fails the request)."""
+        try:
+            result = self._poll_load(load, float("inf")) if self.staging else "not_a_decode_worker"
+        except Exception:
+            logger.exception("KV load for %s failed", load.spec.request_id)
+            result = "internal_error"
+        if result != "ok":
+            spec = load.spec
+            bs = self._paged[0][0].shape[3]
+            self._load_errors |= set(spec.block_ids[spec.start // bs:-(-spec.end // bs)])
+
+    def take_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
 
     def _copy_into_blocks(self, st: StagedTransfer, spec: LoadSpec) -> None:
         assert self.staging is not None and self.shape is not None
@@ -211,6 +234,7 @@ class WorkerSide:
                 self._copy_into_blocks(st, spec)
                 st.record.load_s = time.perf_counter() - t0
                 st.record.loaded_tokens = spec.end - spec.start
+                st.record.load_mode = "sync" if spec.sync else "async"
                 self.staging.release(st, "loaded")
                 self.stats.close(st.record, "loaded")
                 return "ok"

@@ -54,6 +54,37 @@ def test_bad_transfer_is_recomputed_exactly(llama_pair: tuple[Worker, Worker],
     wait_drained(p, d)
 
 
+def test_complete_transfer_loads_in_the_same_step_late_one_waits(
+        llama_pair: tuple[Worker, Worker], llama_ckpt: Path) -> None:
+    """A transfer already verified when the decode request is scheduled is loaded synchronously
+    (before that step's forward); one still arriving is waited for asynchronously."""
+    p, d = llama_pair
+    for tag, mode in (("on-time", "sync"), ("fault-delay", "async")):
+        prompt = PROMPT[:260] + [len(tag)]
+        tid = fresh(tag)
+        if mode == "sync":  # let the push finish (P holds its blocks until D's ACK) first
+            name = model_name(p)
+            body = {"model": name, "prompt": prompt, "max_tokens": 1, "temperature": 0,
+                    "return_token_ids": True,
+                    "kv_transfer_params": {"do_remote_decode": True, "transfer_id": tid,
+                                           "remote_host": "127.0.0.1", "remote_port": d.kv_port}}
+            t1 = httpx.post(f"{p.url}/v1/completions", json=body, timeout=60).json()[
+                "choices"][0]["token_ids"][0]
+            wait_drained(p)  # acknowledged: the transfer is complete on D
+            body = {"model": name, "prompt": prompt + [t1], "max_tokens": MAX_TOKENS - 1,
+                    "temperature": 0, "ignore_eos": True, "return_token_ids": True,
+                    "kv_transfer_params": {"do_remote_prefill": True, "transfer_id": tid}}
+            rd = httpx.post(f"{d.url}/v1/completions", json=body, timeout=60)
+            tokens = [t1] + rd.json()["choices"][0]["token_ids"]
+        else:
+            tokens, _, rd = two_legs(p, d, prompt, MAX_TOKENS, tid)
+        assert rd is not None and rd.status_code == 200
+        assert tokens == hf_greedy(llama_ckpt, prompt, MAX_TOKENS)
+        rec = transfer_record(d, tid)["recv"]
+        assert rec["status"] == "loaded" and rec["load_mode"] == mode, rec
+    wait_drained(p, d)
+
+
 def test_unknown_transfer_id_is_a_load_error(llama_pair: tuple[Worker, Worker],
                                              llama_ckpt: Path) -> None:
     p, d = llama_pair

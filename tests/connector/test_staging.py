@@ -81,3 +81,22 @@ def test_short_transfer_fails(area: StagingArea) -> None:
     assert st.failed == "short_transfer"
     area.writer_done(st)
     assert area.state()["staged_bytes"] == 0  # unclaimed failure: freed at once
+
+
+def test_done_table_tracks_complete_transfers(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from splitserve.connector.donetable import DoneTable
+
+    done = DoneTable(str(tmp_path / "done"), create=True)
+    reader = DoneTable.open_existing(str(tmp_path / "done"))
+    assert reader is not None
+    area = StagingArea(1024**2, SHAPE, lease_s=10.0, stats=ConnectorStats(), done=done)
+    st = area.begin("t", 10)
+    st.chunks[0] = 10
+    for layer in range(2):
+        area.layer_received(st, layer, 10)
+    assert not reader.contains("t")
+    assert area.end(st) and reader.contains("t")  # seen from another mapping
+    area.release(area.claim("t"), "loaded")  # type: ignore[arg-type]
+    assert not reader.contains("t")
+    area.close()
+    assert not os.path.exists(tmp_path / "done")
