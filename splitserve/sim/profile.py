@@ -155,7 +155,8 @@ def decode_window(recs: list[RequestRecord], prompt_len: int) -> tuple[float, fl
     """(median seconds per decode step, median total context) while all B requests decode: the
     window from the last first token to the first last token. Per request, the time between its
     first and last chunk inside the window over the tokens in between — robust to chunks that
-    carry several tokens (a server that falls behind coalesces them)."""
+    carry several tokens (a server that falls behind coalesces them). Without such a window,
+    each request's whole decode span."""
     start = max(r.chunk_times[0] for r in recs)
     end = min(r.chunk_times[-1] for r in recs)
     b = len(recs)
@@ -171,6 +172,12 @@ def decode_window(recs: list[RequestRecord], prompt_len: int) -> tuple[float, fl
         steps.append((r.chunk_times[i1] - r.chunk_times[i0]) / tokens)
         done = sum(r.chunk_tokens[:i0 + 1]) + tokens / 2  # tokens generated mid-window
         ctxs.append(b * (prompt_len + done))
+    if not steps:  # no common window (tiny models stream in bursts): whole decode spans
+        for r in recs:
+            tokens = sum(r.chunk_tokens[1:])
+            if tokens >= 2:
+                steps.append((r.chunk_times[-1] - r.chunk_times[0]) / tokens)
+                ctxs.append(b * (prompt_len + r.chunk_tokens[0] + tokens / 2))
     if not steps:
         return None
     return statistics.median(steps), statistics.median(ctxs)
