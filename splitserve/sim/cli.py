@@ -177,10 +177,16 @@ def run_validate(args: argparse.Namespace) -> int:
         rates = tuple(sorted(real))
     elif args.url:
         real = measure(args.url)
+    elif cfg.mode == "disagg" or cfg.n_workers != 1:
+        from splitserve.sim.validate import launched
+
+        if args.reprofile:
+            raise SystemExit("--reprofile works with one plain worker (--mode chunked "
+                             "--workers 1); profile a worker of the deployment instead")
+        cpus = tuple(int(c) for c in args.cpus.split(",")) if args.cpus else None
+        with launched(cfg, cpus, cfg.token_budget or prof.token_budget) as url:
+            real = measure(url)
     else:
-        if cfg.mode == "disagg" or cfg.n_workers != 1:
-            raise SystemExit("without --url, validate starts one plain worker: use "
-                             "--mode chunked --workers 1, or pass --url of a deployment")
         from splitserve.demo_model import embedded_model_dir
 
         model = args.model_dir or str(embedded_model_dir())
@@ -267,9 +273,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     _add_deployment_args(val)
     add_workload_arguments(val)
     val.add_argument("--rates", type=_rates, default=(), help="load levels, e.g. 0.5,1,2")
-    val.add_argument("--url", help="a running deployment (default: start one plain worker)")
+    val.add_argument("--url", help="a running deployment (default: start one: a plain worker "
+                     "for --mode chunked --workers 1, else splitserve's launcher)")
     val.add_argument("--model-dir", help="model for the local worker (default: embedded)")
-    val.add_argument("--cpus", help="cores for the local worker, e.g. 1")
+    val.add_argument("--cpus", help="cores for the local worker or deployment, e.g. 0,1")
     val.add_argument("--reprofile", action="store_true",
                      help="profile the local worker first and simulate with that profile")
     val.add_argument("--real-json", help="reuse the measurements of an earlier validation JSON "

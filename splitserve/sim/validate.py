@@ -2,8 +2,9 @@
 and report the error of every metric on its own (errors cannot cancel).
 
 The real side is the benchmark's runner (`splitserve.bench.runner.run_once`) against a running
-deployment (`--url`, e.g. one started by `splitserve serve`), or — for a single plain worker —
-a vLLM worker this command starts itself with `splitserve.worker.launch` and stops afterwards.
+deployment (`--url`, e.g. one started by `splitserve serve`), or one this command starts and
+stops itself: a single plain vLLM worker (`splitserve.worker.launch`), or any other deployment
+through splitserve's launcher (`splitserve.launch.local.LocalDeployment`: router + workers).
 Repeats and rates replay the same prompts, so the deployment must run with prefix caching off
 (the local worker does), or every repeat after the first measures cache hits, not prefills.
 Each real point is measured `repeats` times; the spread (min..max over repeats) is reported
@@ -115,6 +116,25 @@ def local_worker(model: str, cpus: tuple[int, ...] | None, token_budget: int,
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=30)
+
+
+@contextlib.contextmanager
+def launched(cfg: SimConfig, cpus: tuple[int, ...] | None, token_budget: int,
+             log_dir: str | None = None) -> Iterator[str]:
+    """The deployment `cfg` describes, started by splitserve's launcher (router + workers, prefix
+    caching off), for the duration of the block; yields the router's URL."""
+    from splitserve.launch.config import DeploymentConfig
+    from splitserve.launch.local import LocalDeployment
+    from splitserve.worker.launch import free_port
+
+    split = cfg.mode == "disagg"
+    dep = DeploymentConfig(prefill=cfg.n_prefill if split else 0,
+                           decode=cfg.n_decode if split else 0,
+                           colocated=0 if split else cfg.n_workers, transport=cfg.transport,
+                           port=free_port(), max_num_batched_tokens=token_budget, cpus=cpus,
+                           log_dir=log_dir, worker_args=("--no-enable-prefix-caching",))
+    with LocalDeployment(dep) as deployment:
+        yield deployment.url
 
 
 def print_points(points: list[Point]) -> None:
