@@ -47,6 +47,7 @@ from splitserve.sim.model import (
     TransferLink,
 )
 
+_DURATION_KEYS = ("duration_s", "median_s", "seconds", "time_s")
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8": 1, "fp8": 1}
 
 
@@ -239,8 +240,9 @@ def fit_link(samples: list[tuple[float, float]], source: str) -> TransferLink:
 
 
 def links_from_benchmark(path: str | Path) -> dict[str, TransferLink]:
-    """Per-transport links from a KV-transfer benchmark JSON: every object carrying `bytes` and a
-    duration (`duration_s`, `seconds` or `time_s`) is a sample of the transport named by its own
+    """Per-transport links from a KV-transfer benchmark JSON (benchmarks/kv_transfer.py writes
+    one): every object carrying `bytes` and a duration (`duration_s`, `median_s`, `seconds` or
+    `time_s`) is a sample of the transport named by its own
     `transport` key or by the nearest enclosing object's (e.g. the connector's per-transfer
     records inside a `{"transport": "shm", "transfers": [...]}` block)."""
     samples: dict[str, list[tuple[float, float]]] = {}
@@ -249,7 +251,7 @@ def links_from_benchmark(path: str | Path) -> dict[str, TransferLink]:
         if isinstance(node, dict):
             transport = str(node.get("transport", transport)) if (
                 node.get("transport", transport) is not None) else None
-            dur = next((node[k] for k in ("duration_s", "seconds", "time_s") if k in node), None)
+            dur = next((node[k] for k in _DURATION_KEYS if k in node), None)
             if transport and isinstance(node.get("bytes"), int | float) and isinstance(
                     dur, int | float) and dur > 0:
                 samples.setdefault(transport, []).append((float(node["bytes"]), float(dur)))
