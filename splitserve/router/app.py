@@ -32,6 +32,7 @@ from splitserve.router.health import Registry
 from splitserve.router.metrics import RouterMetrics
 from splitserve.router.params import Kind, RequestError, plan_legs, unsplittable_reason, validate
 from splitserve.router.policy import NoWorker, Picker
+from splitserve.router.whole import TRANSPORT_ERRORS, Passthrough, new_session
 
 log = logging.getLogger("splitserve.router")
 T = TypeVar("T")
@@ -79,6 +80,7 @@ class RouterState:
     registry: Registry
     metrics: RouterMetrics
     flow: Flow
+    whole: Passthrough
     model: dict[str, Any]
     tokenizer: Any
     inflight: int = 0
@@ -148,10 +150,13 @@ def create_app(cfg: RouterConfig, token: str | None, api_key: str | None = None,
         model_dir = cfg.model_dir or model.get("root")
         tokenizer = await asyncio.to_thread(_load_tokenizer, model_dir)
         metrics = RouterMetrics()
-        flow = Flow(cfg, registry, Picker(cfg.prefill_policy, cfg.decode_policy), metrics,
-                    client, model["id"], kv_bytes_per_token(model_dir), model.get("max_model_len"))
+        picker = Picker(cfg.prefill_policy, cfg.decode_policy)
+        flow = Flow(cfg, registry, picker, metrics, client, model["id"],
+                    kv_bytes_per_token(model_dir), model.get("max_model_len"))
+        session = new_session(cfg)
+        whole = Passthrough(cfg, registry, picker, metrics, session)
         app.state.router = RouterState(cfg, token, api_key, client, registry, metrics, flow,
-                                       model, tokenizer)
+                                       whole, model, tokenizer)
         health = asyncio.create_task(registry.run())
         log.info("router on %s:%d serving %s", cfg.host, cfg.port, model["id"])
         try:
@@ -161,6 +166,7 @@ def create_app(cfg: RouterConfig, token: str | None, api_key: str | None = None,
             with contextlib.suppress(asyncio.CancelledError):
                 await health
             await client.aclose()
+            await session.close()
 
     app = FastAPI(title="splitserve router", lifespan=lifespan)
 
@@ -312,35 +318,38 @@ def create_app(cfg: RouterConfig, token: str | None, api_key: str | None = None,
         headers = {"X-Request-Id": rid}
         if not body.get("stream"):
             status, content, ctype = await cancellable(
-                request, st.flow.whole_complete(path, raw, rid, t))
+                request, st.whole.complete(path, raw, rid, t))
             t.first_sent = time.monotonic()
             return Response(content, status, headers=headers, media_type=ctype)
-        r, w = await cancellable(request, st.flow.whole_open(path, raw, rid, t))
-        if r.status_code != 200:
+        r, w = await cancellable(request, st.whole.open(path, raw, rid, t))
+        if r.status != 200:
             try:
-                content = await r.aread()
+                content = await r.read()
             finally:
-                await r.aclose()
+                r.release()
                 w.release()
-            return Response(content, r.status_code, headers=headers,
-                            media_type=r.headers.get("content-type"))
+            return Response(content, r.status, headers=headers,
+                            media_type=r.headers.get("Content-Type"))
 
         outcome = ["cancelled"]
 
         async def relay() -> AsyncIterator[bytes]:
             try:
-                async for raw in r.aiter_raw():
+                async for piece in r.content.iter_any():
                     if t.first_sent is None:
                         t.first_sent = time.monotonic()
-                    yield raw
+                    yield piece
                 outcome[0] = "ok"
-            except httpx.HTTPError as exc:
+            except TRANSPORT_ERRORS as exc:
                 outcome[0] = "error"
                 yield sse(error_body(f"worker stream failed: {exc}", "UpstreamError", None, 502))
                 yield DONE
 
         async def close() -> None:
-            await r.aclose()
+            if outcome[0] == "ok":
+                r.release()  # read to the end: the connection goes back to the pool
+            else:
+                r.close()  # closing mid-stream aborts the request in vLLM
             w.release()
             finish(st, kind, "whole", outcome[0], t)
             st.inflight -= 1

@@ -8,8 +8,7 @@ every token already produced (recomputed there, so nothing stale is read), and t
 one unbroken stream. Closing a leg's HTTP stream aborts that request in vLLM, so cancelling the
 client's task aborts whichever leg is open.
 
-Whole: one worker runs the original request unchanged (colocated pools, and requests whose
-parameters the seeded flow cannot honour).
+The unsplit path (one worker, the request unchanged) is `whole.Passthrough`.
 """
 
 from __future__ import annotations
@@ -309,54 +308,3 @@ class Flow:
                 t.kv = body.get("recv") if isinstance(body.get("recv"), dict) else body
         except httpx.HTTPError as exc:
             log.info("no transfer record for %s: %s", t.transfer_id, exc)
-
-    # --- whole ------------------------------------------------------------------------------
-    def pick_whole(self, exclude: set[str]) -> Worker:
-        for role in ("colocated", "decode"):
-            pool = [w for w in self.registry.routable(role) if w.url not in exclude]
-            if pool:
-                return self.picker.colocated(pool)
-        return self.picker.colocated([])
-
-    async def whole_complete(self, path: str, raw: bytes, rid: str, t: Timings
-                             ) -> tuple[int, bytes, str | None]:
-        """A non-streaming request on one worker: (status, body, content type)."""
-        r, w = await self.whole_open(path, raw, rid, t)
-        try:
-            return r.status_code, await r.aread(), r.headers.get("content-type")
-        finally:
-            await r.aclose()
-            w.release()
-
-    async def whole_open(self, path: str, raw: bytes, rid: str, t: Timings
-                         ) -> tuple[httpx.Response, Worker]:
-        """Open the request on one worker, retrying elsewhere before the first byte."""
-        tried: set[str] = set()
-        last: Exception | None = None
-        for attempt in range(self.cfg.prefill_retries + 1):
-            if attempt:
-                t.retries += 1
-                self.metrics.retries.labels("whole").inc()
-                await self._backoff(attempt - 1)
-            w = self.pick_whole(tried)
-            t.decode_url = w.url
-            w.acquire()
-            try:
-                req = self.client.build_request("POST", f"{w.url}{path}", content=raw,
-                                                headers={"X-Request-Id": rid,
-                                                         "Content-Type": "application/json"})
-                r = await self.client.send(req, stream=True)
-                if r.status_code in RETRYABLE_STATUS:
-                    text = (await r.aread())[:200].decode(errors="replace")
-                    await r.aclose()
-                    raise LegFailed(f"http_{r.status_code}", text, r.status_code)
-                return r, w  # the caller releases `w` and closes `r`
-            except (httpx.TransportError, LegFailed) as exc:
-                w.release()
-                tried.add(w.url)
-                self._fail(w, "whole", exc, rid)
-                last = exc
-        status = last.status if isinstance(last, LegFailed) else 502
-        raise UpstreamError(status, {"error": {
-            "message": f"request failed on every attempt: {last}", "type": "UpstreamError",
-            "param": None, "code": status}})

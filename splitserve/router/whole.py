@@ -1,0 +1,96 @@
+"""The unsplit path: one worker runs the request unchanged — its very bytes — and its answer is
+relayed as is. Used by colocated pools and for requests whose parameters the seeded two-leg flow
+cannot honour. On aiohttp: the hot path of a colocated deployment, where the client library's own
+cost is most of what the router adds (httpx costs ~0.3 ms more per request here).
+
+Retries go to another worker before the first byte only; closing a response mid-stream aborts the
+request in vLLM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import aiohttp
+
+from splitserve.router.config import RouterConfig
+from splitserve.router.flow import RETRYABLE_STATUS, LegFailed, Timings, UpstreamError
+from splitserve.router.health import Registry, Worker
+from splitserve.router.metrics import RouterMetrics
+from splitserve.router.policy import Picker
+
+TRANSPORT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
+
+
+def new_session(cfg: RouterConfig) -> aiohttp.ClientSession:
+    return aiohttp.ClientSession(
+        timeout=aiohttp.ClientTimeout(total=None, sock_connect=cfg.connect_timeout_s,
+                                      sock_read=cfg.request_timeout_s),
+        connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60),
+        auto_decompress=False)
+
+
+class Passthrough:
+    def __init__(self, cfg: RouterConfig, registry: Registry, picker: Picker,
+                 metrics: RouterMetrics, session: aiohttp.ClientSession) -> None:
+        self.cfg = cfg
+        self.registry = registry
+        self.picker = picker
+        self.metrics = metrics
+        self.session = session
+
+    def pick(self, exclude: set[str]) -> Worker:
+        """A colocated worker if any is in rotation, else a decode worker."""
+        for role in ("colocated", "decode"):
+            pool = [w for w in self.registry.routable(role) if w.url not in exclude]
+            if pool:
+                return self.picker.colocated(pool)
+        return self.picker.colocated([])
+
+    async def complete(self, path: str, raw: bytes, rid: str, t: Timings
+                       ) -> tuple[int, bytes, str | None]:
+        """A non-streaming request: (status, body, content type)."""
+        r, w = await self.open(path, raw, rid, t)
+        try:
+            return r.status, await r.read(), r.headers.get("Content-Type")
+        finally:
+            r.release()
+            w.release()
+
+    async def open(self, path: str, raw: bytes, rid: str, t: Timings
+                   ) -> tuple[aiohttp.ClientResponse, Worker]:
+        """Open the request on one worker. The caller reads `r`, then releases (read to the
+        end) or closes it (abort), and releases `w`."""
+        tried: set[str] = set()
+        last: Exception | None = None
+        for attempt in range(self.cfg.prefill_retries + 1):
+            if attempt:
+                t.retries += 1
+                self.metrics.retries.labels("whole").inc()
+                base = min(self.cfg.retry_backoff_s * 1.5 ** (attempt - 1),
+                           self.cfg.retry_backoff_max_s)
+                await asyncio.sleep(base * random.uniform(0.8, 1.2))
+            w = self.pick(tried)
+            t.decode_url = w.url
+            w.acquire()
+            try:
+                r = await self.session.post(f"{w.url}{path}", data=raw, headers={
+                    "X-Request-Id": rid, "Content-Type": "application/json"})
+                if r.status in RETRYABLE_STATUS:
+                    text = (await r.read())[:200].decode(errors="replace")
+                    r.release()
+                    raise LegFailed(f"http_{r.status}", text, r.status)
+                return r, w
+            except (*TRANSPORT_ERRORS, LegFailed) as exc:
+                w.release()
+                tried.add(w.url)
+                cause = exc.cause if isinstance(exc, LegFailed) else type(exc).__name__
+                self.metrics.failures.labels("whole", cause).inc()
+                if not (isinstance(exc, LegFailed) and exc.status == 429):
+                    self.registry.failed(w, str(exc))
+                last = exc
+        status = last.status if isinstance(last, LegFailed) else 502
+        raise UpstreamError(status, {"error": {
+            "message": f"request failed on every attempt: {last}", "type": "UpstreamError",
+            "param": None, "code": status}})
