@@ -1,0 +1,74 @@
+"""The admin endpoint: add, drain and remove workers at runtime (deployment token required).
+
+Removal drains first and waits for the worker's open legs, so no request is lost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from splitserve.router.formats import error_body
+
+
+def add_admin_routes(app: FastAPI, state: Callable[[Request], Any],
+                     authorized: Callable[[Request, str | None], bool]) -> None:
+    async def admin_body(request: Request) -> dict[str, Any] | JSONResponse:
+        st = state(request)
+        if not authorized(request, st.token):
+            return JSONResponse(error_body("the admin endpoint needs the deployment token",
+                                           "AuthenticationError", None, 401), 401)
+        try:
+            body = json.loads(await request.body())
+            if not isinstance(body, dict) or not isinstance(body.get("url"), str):
+                raise ValueError("expected {\"url\": ...}")
+            return body
+        except ValueError as exc:
+            return JSONResponse(error_body(str(exc), param="url"), 400)
+
+    @app.post("/admin/workers")
+    async def add_worker(request: Request) -> JSONResponse:
+        body = await admin_body(request)
+        if isinstance(body, JSONResponse):
+            return body
+        reg = state(request).registry
+        try:
+            worker = reg.add(body["url"], str(body.get("role", "")))
+        except ValueError as exc:
+            return JSONResponse(error_body(str(exc), param="url"), 400)
+        await reg.check(worker)
+        return JSONResponse(worker.describe(), 201)
+
+    @app.post("/admin/workers/drain")
+    async def drain_worker(request: Request) -> JSONResponse:
+        body = await admin_body(request)
+        if isinstance(body, JSONResponse):
+            return body
+        found = state(request).registry.find(body["url"], body.get("role"))
+        if not found:
+            return JSONResponse(error_body("unknown worker", "NotFoundError", "url", 404), 404)
+        for worker in found:
+            worker.draining = not body.get("undrain", False)
+        return JSONResponse({"workers": [w.describe() for w in found]})
+
+    @app.post("/admin/workers/remove")
+    async def remove_worker(request: Request) -> JSONResponse:
+        body = await admin_body(request)
+        if isinstance(body, JSONResponse):
+            return body
+        reg = state(request).registry
+        found = reg.find(body["url"], body.get("role"))
+        if not found:
+            return JSONResponse(error_body("unknown worker", "NotFoundError", "url", 404), 404)
+        try:
+            removed = await asyncio.gather(*(reg.remove(w) for w in found))
+        except TimeoutError:
+            return JSONResponse(error_body("worker still busy after the drain timeout",
+                                           "TimeoutError", "url", 504), 504)
+        return JSONResponse({"workers": [w.describe() | {"removed": True} for w in removed]})
+
