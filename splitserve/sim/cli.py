@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from splitserve.bench.cli import add_workload_arguments, spec_from_args
-from splitserve.bench.metrics import SLO
+from splitserve.bench.metrics import SLO, distserve_goodput
 from splitserve.bench.report import print_summary, save_result
 from splitserve.sim.deployment import MODES, POLICIES, SimConfig
 from splitserve.sim.model import Profile, load_profile, save_profile
@@ -136,8 +136,21 @@ def run_sim(args: argparse.Namespace) -> int:
     prof, spec = _profile(args), spec_from_args(args)
     cfg = _sim_config(args, prof)
     slo = SLO(args.slo_ttft_ms, args.slo_tpot_ms)
-    out = simulate(prof, cfg, arrays_from_spec(spec))
-    res = summarize(out, system=_label(cfg), slo=slo)
+    rates = sorted(args.sweep_rates) or [None]
+    if rates[0] is not None and slo.empty:
+        raise SystemExit("a rate sweep needs an SLO (--slo-ttft-ms and/or --slo-tpot-ms)")
+    points = []
+    for rate in rates:  # a sweep ends on its highest rate, as the benchmark's does
+        run_spec = spec if rate is None else spec.with_rate(rate)
+        out = simulate(prof, cfg, arrays_from_spec(run_spec))
+        res = summarize(out, system=_label(cfg), slo=slo)
+        points.append({"rate": rate} | {k: res.get(k) for k in (
+            "slo_attainment", "request_goodput", "request_throughput", "completed", "failed",
+            "median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms", "median_tpot_ms")})
+    if rates[0] is not None:
+        goodput = distserve_goodput([(p["rate"], p["slo_attainment"]) for p in points])
+        res["sweep"] = {"points": points, "distserve_goodput": goodput}
+        res["distserve_goodput"] = goodput["value"]
     if len(out.arrivals) <= MAX_RECORDS:  # per-request records for the bench report's plots
         res["requests"] = [r.to_dict() for r in request_records(out)]
     res["sim"] = {"profile": str(args.profile), "profile_kind": prof.kind,

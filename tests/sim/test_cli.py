@@ -61,3 +61,19 @@ def test_analytic_profile_and_plan(tmp_path: Path) -> None:
     assert labels == ["colocated", "chunked", "1P:2D", "2P:1D"]
     assert plan["best"] in labels
     assert (out / "plan.png").stat().st_size > 0
+
+
+def test_sim_rate_sweep_reports_distserve_goodput(tmp_path: Path) -> None:
+    prof = tmp_path / "p.json"
+    save_profile(make_profile(), prof)
+    out = tmp_path / "sweep.json"
+    assert main(["sim", "--profile", str(prof), "--mode", "chunked", "--workers", "1",
+                 *WORKLOAD, "--slo-ttft-ms", "1000", "--slo-tpot-ms", "50",
+                 "--sweep-rates", "1,4,16,64", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    pts = res["sweep"]["points"]
+    assert [p["rate"] for p in pts] == [1.0, 4.0, 16.0, 64.0]
+    att = [p["slo_attainment"] for p in pts]
+    assert att[0] >= 0.9 > att[-1]  # one worker meets the SLO at 1 req/s, not at 64
+    g = res["sweep"]["distserve_goodput"]
+    assert g["bound"] == "interpolated" and g["bracket"][0] < g["value"] < g["bracket"][1]
