@@ -217,6 +217,23 @@ class StagingArea:
             st.claimed = True
             return st
 
+    def discard(self, transfer_id: str) -> bool:
+        """No decode request will come for this transfer (the request ended at t1, or its client
+        left): free it now, or refuse it at BEGIN if its push has not started. True if found."""
+        with self._lock:
+            st = self._transfers.get(transfer_id)
+            if st is None:
+                if transfer_id not in self._done:
+                    self._remember(transfer_id, "discarded")
+                return False
+            if st.claimed or st.reader_done:
+                return True  # a decode request already owns it (or it is already let go)
+            st.reader_done = True
+            self._remember(transfer_id, "discarded")
+            self._free_if_done_locked(st, "discarded")
+        self.stats.close(st.record, "discarded")
+        return True
+
     def final_status(self, transfer_id: str) -> str | None:
         """"failed", "refused", "expired", "loaded"... once a transfer can no longer be loaded."""
         with self._lock:

@@ -114,6 +114,10 @@ class WorkerSide:
         if query.get("what") == "transfer":
             rec = self.stats.record(str(query.get("transfer_id", "")))
             return rec if rec is not None else {"error": "unknown transfer"}
+        if query.get("what") == "discard":
+            if self.staging is None:
+                return {"error": "not a decode worker"}
+            return {"discarded": self.staging.discard(str(query.get("transfer_id", "")))}
         staging = self.staging.state() if self.staging else {
             "staged_bytes": 0, "staging_capacity_bytes": 0, "staging_free_bytes": 0,
             "open_leases": 0, "claimed_transfers": 0}

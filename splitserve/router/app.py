@@ -272,7 +272,7 @@ def create_app(cfg: RouterConfig, token: str | None, api_key: str | None = None,
                 if pre.decode is not None:
                     await cancellable(request, drain(st.flow.decode(legs, rid, pre, joiner, t)))
             finally:
-                Flow.release(pre)
+                st.flow.release(pre)
             await st.flow.transfer_record(t)
             t.end = time.monotonic()
             return JSONResponse(joiner.response(), headers={
@@ -307,7 +307,7 @@ def create_app(cfg: RouterConfig, token: str | None, api_key: str | None = None,
 
     async def close_split(st: RouterState, kind: str, pre: Prefilled, outcome: str,
                           t: Timings) -> None:
-        Flow.release(pre)
+        st.flow.release(pre)
         finish(st, kind, "split", outcome, t)
         st.inflight -= 1
         st.metrics.inflight.dec()

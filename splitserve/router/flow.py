@@ -137,6 +137,7 @@ class Flow:
         self.model = model
         self.kv_bytes_per_token = kv_bytes_per_token
         self.max_model_len = max_model_len
+        self._discards: set[asyncio.Task[None]] = set()  # in-flight DELETEs (kept referenced)
 
     async def _backoff(self, attempt: int) -> None:
         base = min(self.cfg.retry_backoff_s * 1.5**attempt, self.cfg.retry_backoff_max_s)
@@ -207,6 +208,8 @@ class Flow:
                                          and len(prompt_ids) + 1 >= self.max_model_len)))
             if done:
                 d.release()
+                if kv is not None:  # KV was pushed for a decode leg that will never come
+                    self.discard(d.url, tid)
             return Prefilled(
                 prompt_ids=prompt_ids,
                 t1_text=choice.get("text") or "", t1_ids=list(choice.get("token_ids") or []),
@@ -266,12 +269,31 @@ class Flow:
             finally:
                 d.release()
 
-    @staticmethod
-    def release(pre: Prefilled | None) -> None:
-        """Drop an unused D reservation (the request ended or the client left before D)."""
+    def release(self, pre: Prefilled | None) -> None:
+        """Drop an unused D reservation (the request ended or the client left before D), and
+        free the KV staged for it there."""
         if pre is not None and pre.reserved and pre.decode is not None:
             pre.reserved = False
             pre.decode.release()
+            if pre.kv is not None:
+                self.discard(pre.decode.url, str(pre.kv["transfer_id"]))
+
+    def discard(self, d_url: str, transfer_id: str) -> None:
+        """In the background: tell D that no decode leg will claim this transfer."""
+        if not self.registry.token:
+            return
+
+        async def send() -> None:
+            try:
+                await self.client.delete(
+                    f"{d_url}/splitserve/transfers/{transfer_id}", timeout=2.0,
+                    headers={"Authorization": f"Bearer {self.registry.token}"})
+            except httpx.HTTPError as exc:  # the lease frees it anyway
+                log.info("could not discard transfer %s on %s: %s", transfer_id, d_url, exc)
+
+        task = asyncio.get_running_loop().create_task(send())
+        self._discards.add(task)
+        task.add_done_callback(self._discards.discard)
 
     async def _relay(self, r: httpx.Response, joiner: Joiner, t: Timings
                      ) -> AsyncIterator[dict[str, Any]]:

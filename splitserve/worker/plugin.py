@@ -6,7 +6,8 @@ so every route and the metrics collector ask the connector's listener over its a
 control channel — which works while the engine is idle.
 
 Routes (all require `Authorization: Bearer <deployment token>`): `/splitserve/info`,
-`/splitserve/state`, `/splitserve/transfers/{transfer_id}`. Metrics: `splitserve_kv_*` families
+`/splitserve/state`, `/splitserve/transfers/{transfer_id}` (GET: the record; DELETE: free staged
+KV that no decode request will claim). Metrics: `splitserve_kv_*` families
 in the worker's `/metrics`.
 """
 
@@ -147,6 +148,11 @@ class SplitserveEndpointPlugin:
                 return JSONResponse({"error": {"message": f"unknown transfer {transfer_id}",
                                                "type": "not_found", "code": 404}}, 404)
             return resp
+
+        @app.delete("/splitserve/transfers/{transfer_id}")
+        async def discard(transfer_id: str, request: Request) -> JSONResponse:
+            """Free staged KV no decode request will claim (or refuse its push if not begun)."""
+            return await guarded(request, {"what": "discard", "transfer_id": transfer_id})
 
     async def init_state(self, engine_client: Any, state: State, args: Namespace) -> None:
         return None

@@ -100,3 +100,16 @@ def test_done_table_tracks_complete_transfers(tmp_path) -> None:  # type: ignore
     assert not reader.contains("t")
     area.close()
     assert not os.path.exists(tmp_path / "done")
+
+
+def test_discard_frees_now_or_refuses_the_push(area: StagingArea) -> None:
+    st = area.begin("ended-at-t1", 10)
+    area.writer_done(st)
+    assert area.discard("ended-at-t1") and area.state()["staged_bytes"] == 0
+    assert not area.discard("client-left-early")  # its push has not begun yet ...
+    with pytest.raises(StagingRefused):  # ... and now never will
+        area.begin("client-left-early", 10)
+    claimed = area.begin("in-use", 10)
+    area.claim("in-use")
+    assert area.discard("in-use") and area.state()["claimed_transfers"] == 1  # owner keeps it
+    area.release(claimed, "loaded")

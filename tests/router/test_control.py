@@ -161,6 +161,12 @@ def test_admin_add_drain_remove_loses_no_request(
     assert TOKEN not in Path(router.log).read_text()
 
 
+def sse_text(body: str) -> str:
+    events = [json.loads(line[6:]) for line in body.splitlines()
+              if line.startswith("data: {")]
+    return "".join(e["choices"][0]["text"] for e in events if e.get("choices"))
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_colocated_router_is_plain_load_balancing(
         router_colocated: Router, colocated_worker: Worker, stream: bool) -> None:
@@ -171,7 +177,9 @@ def test_colocated_router_is_plain_load_balancing(
     assert r.status_code == 200 and r.headers["x-request-id"] == f"colo-{stream}"
     direct = httpx.post(f"{colocated_worker.url}/v1/completions", json=body, timeout=60)
     if stream:
-        assert r.text.count("data: ") == direct.text.count("data: ") == 6
+        # vLLM may put two tokens in one event when its consumer lags, so compare the joined
+        # text, not the number of events
+        assert sse_text(r.text) == sse_text(direct.text) and r.text.endswith("data: [DONE]\n\n")
         assert f"cmpl-colo-{stream}" in r.text
     else:
         assert r.json()["choices"][0]["text"] == direct.json()["choices"][0]["text"]

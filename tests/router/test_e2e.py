@@ -147,8 +147,13 @@ def test_joined_stream_equals_colocated_event_for_event(
     for variant in VARIANTS:
         body = {"model": model, "max_tokens": 7, "temperature": 0, "stream": True, **base,
                 **variant}
-        routed, _ = sse_events(router_pd.url, path, body)
-        direct, _ = sse_events(colocated_worker.url, path, body)
+        # vLLM puts two tokens in one event when its consumer lags (a loaded machine); such a
+        # run is not comparable event for event, so a mismatch is retried twice before it counts
+        for _ in range(3):
+            routed, _ = sse_events(router_pd.url, path, body)
+            direct, _ = sse_events(colocated_worker.url, path, body)
+            if [without_ids(e) for e in routed] == [without_ids(e) for e in direct]:
+                break
         assert [without_ids(e) for e in routed] == [without_ids(e) for e in direct], variant
         body = {k: v for k, v in body.items() if k != "stream_options"} | {"stream": False}
         routed_body = httpx.post(router_pd.url + path, json=body, timeout=60).json()

@@ -4,6 +4,7 @@ through untouched. Real workers are in test_e2e.py; these pin the failure paths 
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -42,10 +43,11 @@ class CutStream(httpx.AsyncByteStream):
         yield b"data: [DONE]\n\n"
 
 
-def make_flow(handler: Callable[[httpx.Request], httpx.Response]) -> tuple[Flow, RouterMetrics]:
+def make_flow(handler: Callable[[httpx.Request], httpx.Response], token: str | None = None
+              ) -> tuple[Flow, RouterMetrics]:
     cfg = RouterConfig(prefill=(P1, P2), decode=(D1, D2), retry_backoff_s=0.0)
     client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
-    reg = Registry(cfg, client, token=None)
+    reg = Registry(cfg, client, token=token)
     for w in reg.workers.values():
         w.healthy = True
     metrics = RouterMetrics()
@@ -114,12 +116,17 @@ async def test_client_errors_are_the_answer_not_retried() -> None:
 
 async def test_request_ending_at_t1_needs_no_decode_and_moves_no_kv() -> None:
     bodies: list[dict[str, Any]] = []
+    discarded: list[str] = []
 
     def handler(req: httpx.Request) -> httpx.Response:
+        if req.method == "DELETE":  # D told that no decode leg will claim the staged KV
+            assert req.headers["authorization"] == "Bearer tok"
+            discarded.append(req.url.path.rsplit("/", 1)[1])
+            return httpx.Response(200, json={"discarded": True})
         bodies.append(json.loads(req.content))
         return httpx.Response(200, json=PREFILL_OK)
 
-    flow, _ = make_flow(handler)
+    flow, _ = make_flow(handler, token="tok")
     for w in flow.registry.workers.values():
         w.info = {"kv_host": "127.0.0.1", "kv_port": 5, "engine_id": "e", "transport": "tcp"}
     one = plan_legs({"model": "m", "prompt": "x", "max_tokens": 1}, "completion", "x")
@@ -136,10 +143,14 @@ async def test_request_ending_at_t1_needs_no_decode_and_moves_no_kv() -> None:
     assert pre.reserved and pre.decode is not None and pre.decode.inflight == 1
     second = await flow.prefill(more, "rid2", Timings())
     assert second.decode is not None and second.decode is not pre.decode
-    Flow.release(pre)
-    Flow.release(second)
-    Flow.release(second)  # idempotent
+    flow.release(pre)
+    flow.release(second)
+    flow.release(second)  # idempotent
     assert all(w.inflight == 0 for w in flow.registry.workers.values())
+    for _ in range(5):  # let the background DELETEs run
+        await asyncio.sleep(0)
+    assert sorted(discarded) == sorted([str(pre.kv["transfer_id"]),
+                                        str(second.kv["transfer_id"])])
 
 
 async def test_every_prefill_failure_ends_in_one_explicit_error() -> None:
