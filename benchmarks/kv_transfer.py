@@ -32,7 +32,8 @@ from splitserve.connector.faults import Faults
 from splitserve.connector.layout import KVShape, chunk_views, copy_tokens, paged_kv, region_offset
 from splitserve.connector.listener import KVListener
 from splitserve.connector.protocol import Fingerprint
-from splitserve.connector.staging import SharedSegment, StagingArea
+from splitserve.connector.segment import SharedSegment
+from splitserve.connector.staging import StagingArea
 from splitserve.connector.stats import ConnectorStats
 from splitserve.connector.transport.base import LayerItem, PushChannel
 from splitserve.connector.transport.shm import ShmPushChannel

@@ -13,11 +13,10 @@ the load, the load reports its blocks as failed and vLLM recomputes them.
 
 from __future__ import annotations
 
-import mmap
-import os
-
 import numpy as np
 import xxhash
+
+from splitserve.connector.segment import SharedSegment
 
 SLOTS = 1 << 16
 
@@ -30,16 +29,8 @@ def table_path(engine_id: str) -> str:
 class DoneTable:
     def __init__(self, path: str, create: bool) -> None:
         self.path = path
-        self.owner = create
-        flags = os.O_RDWR | (os.O_CREAT | os.O_TRUNC if create else 0)
-        fd = os.open(path, flags, 0o600)
-        try:
-            if create:
-                os.ftruncate(fd, SLOTS * 8)
-            self._map = mmap.mmap(fd, SLOTS * 8)
-        finally:
-            os.close(fd)
-        self._slots = np.frombuffer(self._map, dtype=np.uint64)
+        self._segment = SharedSegment(SLOTS * 8, path, create=create)
+        self._slots = self._segment.tensor.numpy().view(np.uint64)
 
     @classmethod
     def open_existing(cls, path: str) -> DoneTable | None:
@@ -68,12 +59,4 @@ class DoneTable:
 
     def close(self) -> None:
         del self._slots
-        try:
-            self._map.close()
-        except BufferError:
-            pass
-        if self.owner:
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
+        self._segment.close()

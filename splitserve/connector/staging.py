@@ -14,17 +14,13 @@ Contract (the swap point between transports and the loader):
 
 from __future__ import annotations
 
-import mmap
-import os
-import secrets
 import threading
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from splitserve.connector.donetable import DoneTable
 from splitserve.connector.layout import KVShape
+from splitserve.connector.segment import SharedSegment
 from splitserve.connector.stats import ConnectorStats, TransferRecord
 
 ALIGN = 4096
@@ -36,36 +32,6 @@ class StagingRefused(Exception):
     def __init__(self, cause: str) -> None:
         super().__init__(cause)
         self.cause = cause
-
-
-class SharedSegment:
-    """An owner-only (0600) file in /dev/shm, mapped; P maps the same file for the shm transport."""
-
-    def __init__(self, size: int, path: str | None = None) -> None:
-        self.owner = path is None
-        self.path = path or f"/dev/shm/splitserve-{os.getpid()}-{secrets.token_hex(6)}"
-        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if self.owner else 0)
-        fd = os.open(self.path, flags, 0o600)
-        try:
-            if self.owner:
-                os.ftruncate(fd, size)
-            self.size = os.fstat(fd).st_size
-            self._map = mmap.mmap(fd, self.size)
-        finally:
-            os.close(fd)
-        self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
-
-    def close(self) -> None:
-        del self.tensor
-        try:
-            self._map.close()
-        except BufferError:  # a view is still alive somewhere; the OS reclaims at exit
-            pass
-        if self.owner:
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
 
 
 class RegionAllocator:

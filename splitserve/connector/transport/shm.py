@@ -9,7 +9,7 @@ from typing import Any
 
 from splitserve.connector.layout import region_offset
 from splitserve.connector.protocol import Op, ProtocolError, send_frame
-from splitserve.connector.staging import SharedSegment
+from splitserve.connector.segment import SharedSegment
 from splitserve.connector.transport.base import LayerItem, PushChannel, SendState
 
 
