@@ -49,8 +49,8 @@ def stream_one(url: str, prompt: str, max_tokens: int = 32) -> dict[str, object]
 def tour(transport: str) -> None:
     cfg = DeploymentConfig(prefill=1, decode=1, transport=transport, port=free_port())
     print(f"== one request through 1P+1D ({transport}) on the embedded model ==")
-    with LocalDeployment(cfg) as dep:
-        url = dep.start()
+    with LocalDeployment(cfg) as dep:  # entering starts every part and waits until healthy
+        url = dep.url
         # warm-up on another prompt: first requests pay one-off costs, and the same prompt would
         # be served from both workers' prefix caches
         stream_one(url, "A short warm-up request.", 4)

@@ -124,6 +124,8 @@ class LocalDeployment:
         return out
 
     def start(self) -> str:
+        if self.children:
+            raise RuntimeError("this deployment is already started")
         cfg = self.cfg
         self.log_dir.mkdir(parents=True, exist_ok=True)
         if cfg.model == "embedded":
