@@ -87,6 +87,12 @@ def transfer_params(request: Request) -> dict[str, Any]:
     return request.kv_transfer_params or {}
 
 
+def decode_transfer_id(request: Request) -> str | None:
+    """The transfer a decode-leg request (`do_remote_prefill`) loads from, if it is one."""
+    p = transfer_params(request)
+    return str(p["transfer_id"]) if p.get("do_remote_prefill") and p.get("transfer_id") else None
+
+
 class SchedulerSide:
     def __init__(self, default_transport: str, done_table_path: str) -> None:
         self._default_transport = default_transport
@@ -114,16 +120,14 @@ class SchedulerSide:
     # -- decode (D) side ---------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
                                    ) -> tuple[int, bool]:
-        p = transfer_params(request)
-        if not p.get("do_remote_prefill") or not p.get("transfer_id"):
-            return 0, False
-        if request.request_id in self._load_claimed:
+        tid = decode_transfer_id(request)
+        if tid is None or request.request_id in self._load_claimed:
             return 0, False
         remote = len(request.prompt_token_ids or ()) - 1
         n = remote - num_computed_tokens
         if n <= 0:
             return 0, False
-        ready = self._transfer_complete(str(p["transfer_id"]))
+        ready = self._transfer_complete(tid)
         self._sync_answer[request.request_id] = ready
         return n, not ready
 
@@ -134,17 +138,16 @@ class SchedulerSide:
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
-        p = transfer_params(request)
-        if (not p.get("do_remote_prefill") or not p.get("transfer_id")
-                or request.request_id in self._load_claimed):
+        tid = decode_transfer_id(request)
+        if tid is None or request.request_id in self._load_claimed:
             return
         self._load_claimed.add(request.request_id)
         sync = self._sync_answer.pop(request.request_id, False)
         end = len(request.prompt_token_ids or ()) - 1
         start = end - num_external_tokens if num_external_tokens > 0 else end
         block_ids = tuple(blocks.get_block_ids()[0]) if num_external_tokens > 0 else ()
-        self._pending.loads.append(LoadSpec(request.request_id, str(p["transfer_id"]), block_ids,
-                                            start, end, sync=sync and start < end))
+        self._pending.loads.append(LoadSpec(request.request_id, tid, block_ids, start, end,
+                                            sync=sync and start < end))
 
     # -- every step --------------------------------------------------------------------------
     def build_connector_meta(self, so: SchedulerOutput) -> SplitserveMeta:
@@ -189,12 +192,12 @@ class SchedulerSide:
         claimed = rid in self._load_claimed
         self._load_claimed.discard(rid)
         pf = self._prefills.pop(rid, None)
-        p = transfer_params(request)
-        if p.get("do_remote_prefill") and p.get("transfer_id") and not claimed:
+        tid = decode_transfer_id(request)
+        if tid is not None and not claimed:
             # A decode request that never claimed its transfer (rejected, aborted while
             # queued): release the staged KV now rather than at lease expiry.
             if not any(ld.request_id == rid for ld in self._pending.loads):
-                self._pending.loads.append(LoadSpec(rid, str(p["transfer_id"]), (), 0, 0))
+                self._pending.loads.append(LoadSpec(rid, tid, (), 0, 0))
         if pf is None:
             return False, None
         params = {"transfer_id": pf.transfer_id, "pushed_tokens": pf.sent_upto}

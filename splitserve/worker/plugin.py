@@ -17,7 +17,7 @@ import asyncio
 import hmac
 import json
 from argparse import Namespace
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -120,22 +120,23 @@ class SplitserveEndpointPlugin:
             return JSONResponse({"error": {"message": "missing or wrong deployment token",
                                            "type": "authentication_error", "code": 401}}, 401)
 
-        async def guarded(request: Request, body: dict[str, Any]) -> JSONResponse:
+        async def guarded(request: Request, body: dict[str, Any],
+                          respond: Callable[[dict[str, Any]], JSONResponse] = JSONResponse
+                          ) -> JSONResponse:
+            """Check the token, ask the connector, and shape its answer with `respond`."""
             if not authorized(request):
                 return denied()
             try:
-                return JSONResponse(await ask(body))
+                answer = await ask(body)
             except (OSError, ProtocolError) as exc:
                 return JSONResponse({"error": {"message": f"connector unavailable: {exc}",
                                                "type": "service_unavailable", "code": 503}}, 503)
+            return respond(answer)
 
         @app.get("/splitserve/info")
         async def info(request: Request) -> JSONResponse:
-            resp = await guarded(request, {"what": "state"})
-            if resp.status_code == 200:
-                data = json.loads(bytes(resp.body))
-                return JSONResponse({k: data.get(k) for k in INFO_KEYS})
-            return resp
+            return await guarded(request, {"what": "state"},
+                                 lambda d: JSONResponse({k: d.get(k) for k in INFO_KEYS}))
 
         @app.get("/splitserve/state")
         async def state(request: Request) -> JSONResponse:
@@ -143,11 +144,14 @@ class SplitserveEndpointPlugin:
 
         @app.get("/splitserve/transfers/{transfer_id}")
         async def transfer(transfer_id: str, request: Request) -> JSONResponse:
-            resp = await guarded(request, {"what": "transfer", "transfer_id": transfer_id})
-            if resp.status_code == 200 and "error" in json.loads(bytes(resp.body)):
-                return JSONResponse({"error": {"message": f"unknown transfer {transfer_id}",
-                                               "type": "not_found", "code": 404}}, 404)
-            return resp
+            def respond(record: dict[str, Any]) -> JSONResponse:
+                if "error" in record:
+                    return JSONResponse({"error": {"message": f"unknown transfer {transfer_id}",
+                                                   "type": "not_found", "code": 404}}, 404)
+                return JSONResponse(record)
+
+            return await guarded(request, {"what": "transfer", "transfer_id": transfer_id},
+                                 respond)
 
         @app.delete("/splitserve/transfers/{transfer_id}")
         async def discard(transfer_id: str, request: Request) -> JSONResponse:
