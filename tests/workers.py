@@ -71,14 +71,20 @@ class Worker:
         raise AssertionError("worker exports no vllm:kv_cache_usage_perc")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
+        stop_group(self.proc, 20.0)
+
+
+def stop_group(proc: subprocess.Popen[bytes], grace_s: float) -> None:
+    """SIGTERM a child's process group, then SIGKILL it if it outlives `grace_s`."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
 
 
 def auth_headers() -> dict[str, str]:

@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-from workers import TOKEN
+from workers import TOKEN, stop_group
 
 from splitserve.worker.launch import free_port, wait_healthy
 
@@ -23,14 +21,7 @@ class Router:
     log: Path
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(5)
+        stop_group(self.proc, 15.0)
 
     def workers(self) -> list[dict]:
         return httpx.get(f"{self.url}/workers", timeout=5).json()["workers"]
