@@ -89,6 +89,7 @@ class WorkerConfig:
     staging_bytes: int = 512 * 1024**2
     load_timeout_s: float = 30.0
     lease_s: float = 60.0
+    shutdown_timeout_s: int = 30  # SIGTERM: finish in-flight requests for up to this long
     extra_args: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
@@ -106,6 +107,8 @@ class WorkerConfig:
             raise ValueError(f"cpus must be a non-empty list of core ids, got {self.cpus}")
         if self.kv_cache_gib < 1:
             raise ValueError("kv_cache_gib must be a whole number of GiB, at least 1")
+        if self.shutdown_timeout_s < 0:
+            raise ValueError("shutdown_timeout_s must not be negative (0: abort in-flight)")
         if self.role is not None and self.kv_port == 0:
             raise ValueError("a worker with a connector needs kv_port (the launcher picks one)")
 

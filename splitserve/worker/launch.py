@@ -76,6 +76,8 @@ def worker_command(cfg: WorkerConfig, token: str | None) -> tuple[list[str], dic
         "--max-model-len", str(cfg.max_model_len),
         "--enforce-eager",
         "--disable-uvicorn-access-log",
+        # SIGTERM drains: vLLM stops taking requests and finishes in-flight ones (0: abort them)
+        "--shutdown-timeout", str(cfg.shutdown_timeout_s),
     ]
     if cfg.served_model_name:
         argv += ["--served-model-name", cfg.served_model_name]
