@@ -33,7 +33,7 @@ from splitserve.router.health import Registry
 from splitserve.router.metrics import RouterMetrics
 from splitserve.router.params import Kind, RequestError, plan_legs, unsplittable_reason, validate
 from splitserve.router.policy import NoWorker, Picker
-from splitserve.router.whole import TRANSPORT_ERRORS, Passthrough, new_session
+from splitserve.router.whole import TRANSPORT_ERRORS, Passthrough, new_session, worker_headers
 
 log = logging.getLogger("splitserve.router")
 T = TypeVar("T")
@@ -135,6 +135,7 @@ def create_app(cfg: RouterConfig, token: str | None, api_key: str | None = None,
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         client = httpx.AsyncClient(
+            headers=worker_headers(token),
             timeout=httpx.Timeout(cfg.request_timeout_s, connect=cfg.connect_timeout_s),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
         registry = Registry(cfg, client, token)
@@ -154,7 +155,7 @@ def create_app(cfg: RouterConfig, token: str | None, api_key: str | None = None,
         picker = Picker(cfg.prefill_policy, cfg.decode_policy)
         flow = Flow(cfg, registry, picker, metrics, client, model["id"],
                     kv_bytes_per_token(model_dir), model.get("max_model_len"))
-        session = new_session(cfg)
+        session = new_session(cfg, token)
         whole = Passthrough(cfg, registry, picker, metrics, session)
         app.state.router = RouterState(cfg, token, api_key, client, registry, metrics, flow,
                                        whole, model, tokenizer)

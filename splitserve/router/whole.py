@@ -23,8 +23,14 @@ from splitserve.router.policy import Picker
 TRANSPORT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
 
 
-def new_session(cfg: RouterConfig) -> aiohttp.ClientSession:
+def worker_headers(token: str | None) -> dict[str, str]:
+    """Headers every request to a worker carries: workers refuse callers without the token."""
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
+def new_session(cfg: RouterConfig, token: str | None) -> aiohttp.ClientSession:
     return aiohttp.ClientSession(
+        headers=worker_headers(token),
         timeout=aiohttp.ClientTimeout(total=None, sock_connect=cfg.connect_timeout_s,
                                       sock_read=cfg.request_timeout_s),
         connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60),
