@@ -64,7 +64,7 @@ class Worker:
         return r.json()
 
     def kv_usage(self) -> float:
-        text = httpx.get(f"{self.url}/metrics", timeout=5).text
+        text = httpx.get(f"{self.url}/metrics", headers=auth_headers(), timeout=5).text
         for line in text.splitlines():
             if line.startswith("vllm:kv_cache_usage_perc"):
                 return float(line.rsplit(" ", 1)[1])
@@ -112,7 +112,7 @@ def launch(model: Path, name: str, role: str | None, env: dict[str, str] | None 
                 os.environ[k] = v
     worker = Worker(cfg, proc, log)
     try:
-        wait_healthy(cfg.url, proc, timeout_s=600)
+        wait_healthy(cfg.url, proc, timeout_s=600, token=TOKEN)
     except BaseException:
         worker.stop()
         raise
@@ -168,7 +168,8 @@ def hf_greedy(model_dir: Path, prompt: list[int], max_tokens: int) -> list[int]:
 
 
 def model_name(worker: Worker) -> str:
-    return httpx.get(f"{worker.url}/v1/models", timeout=10).json()["data"][0]["id"]
+    r = httpx.get(f"{worker.url}/v1/models", headers=auth_headers(), timeout=10)
+    return str(r.json()["data"][0]["id"])
 
 
 def two_legs(p: Worker, d: Worker, prompt: list[int], max_tokens: int, transfer_id: str,
@@ -181,7 +182,7 @@ def two_legs(p: Worker, d: Worker, prompt: list[int], max_tokens: int, transfer_
             "kv_transfer_params": {"do_remote_decode": True, "transfer_id": transfer_id,
                                    "remote_host": "127.0.0.1", "remote_port": d.kv_port,
                                    "transport": transport}}
-    rp = httpx.post(f"{p.url}/v1/completions", json=body, timeout=120)
+    rp = httpx.post(f"{p.url}/v1/completions", json=body, headers=auth_headers(), timeout=120)
     rp.raise_for_status()
     t1 = rp.json()["choices"][0]["token_ids"][0]
     if max_tokens == 1:
@@ -189,7 +190,7 @@ def two_legs(p: Worker, d: Worker, prompt: list[int], max_tokens: int, transfer_
     body = {"model": name, "prompt": prompt + [t1], "max_tokens": max_tokens - 1,
             "temperature": 0, "ignore_eos": True, "return_token_ids": True,
             "kv_transfer_params": {"do_remote_prefill": True, "transfer_id": transfer_id}}
-    rd = httpx.post(f"{d.url}/v1/completions", json=body, timeout=120)
+    rd = httpx.post(f"{d.url}/v1/completions", json=body, headers=auth_headers(), timeout=120)
     if rd.status_code != 200:
         return [t1], rp, rd
     return [t1] + rd.json()["choices"][0]["token_ids"], rp, rd

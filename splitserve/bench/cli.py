@@ -18,6 +18,7 @@ import asyncio
 import json
 import re
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,7 @@ from splitserve.bench.workload import (
     WorkloadSpec,
     build_stream,
 )
+from splitserve.config import load_token
 from splitserve.worker.cli import parse_cpus
 
 
@@ -142,14 +144,17 @@ def _deployment(url: str, text: str | None, workers: Any) -> dict[str, Any]:
 
 
 async def _bench_one(name: str, url: str, args: argparse.Namespace,
-                     deployment: dict[str, Any], progress: Any) -> dict[str, Any]:
+                     deployment: dict[str, Any], progress: Any,
+                     worker_token: str | None = None) -> dict[str, Any]:
     metrics_urls, workers = discover_workers(url, args.api_key)
     if workers is not None:
         deployment = deployment | {"workers": workers}
     client = ClientConfig(url=url, model=args.model, api_key=args.api_key,
                           vllm_extras=not args.no_vllm_extras, run_tag=name)
-    return await run_bench(client, spec_from_args(args), name, deployment, metrics_urls,
-                           options_from_args(args), progress)
+    # Workers' /metrics need the deployment token: the one we started, else the environment's.
+    opts = replace(options_from_args(args), worker_token=worker_token or load_token(False))
+    return await run_bench(client, spec_from_args(args), name, deployment, metrics_urls, opts,
+                           progress)
 
 
 def _bench_all(args: argparse.Namespace, endpoints: dict[str, str],
@@ -170,7 +175,7 @@ def _bench_all(args: argparse.Namespace, endpoints: dict[str, str],
                 with deployment(model, arm, log_dir) as ep:
                     dep = arm.description(longest) | {"url": ep.url, "model_dir": model} | ep.info
                     results[arm.name] = asyncio.run(_bench_one(arm.name, ep.url, args, dep,
-                                                               progress))
+                                                               progress, ep.token))
     return results
 
 

@@ -272,9 +272,11 @@ class BusySampler:
     so (a) never sees a prefill worker busy. Queued fraction: the share of samples with a request
     waiting; a saturated engine queues most of the time."""
 
-    def __init__(self, worker_urls: dict[str, str], interval_s: float = 0.1) -> None:
+    def __init__(self, worker_urls: dict[str, str], interval_s: float = 0.1,
+                 token: str | None = None) -> None:
         if interval_s <= 0:
             raise ValueError("interval_s must be positive")
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._urls = dict(worker_urls)
         self._interval = interval_s
         self._busy = dict.fromkeys(self._urls, 0)
@@ -286,7 +288,7 @@ class BusySampler:
         self._task: asyncio.Task[None] | None = None
 
     async def _loop(self) -> None:
-        async with httpx.AsyncClient(timeout=5.0) as client:
+        async with httpx.AsyncClient(timeout=5.0, headers=self._headers) as client:
             while True:
                 for name, url in self._urls.items():
                     try:

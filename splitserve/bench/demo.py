@@ -54,7 +54,8 @@ async def _run_arm(ep: Endpoint, arm: Arm, spec: WorkloadSpec, progress: Any
     if workers is not None:
         dep["workers"] = workers
     return await run_bench(client, spec, arm.name, dep, metrics_urls,
-                           RunOptions(total_cores=len(arm.cores)), progress)
+                           RunOptions(total_cores=len(arm.cores), worker_token=ep.token),
+                           progress)
 
 
 def run_demo(out_dir: str | os.PathLike[str] = "demo-results",

@@ -18,7 +18,7 @@ import os
 import signal
 import subprocess
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -94,6 +94,7 @@ class Endpoint:
 
     url: str
     info: dict[str, Any]
+    token: str | None = field(default=None, repr=False)  # the deployment's, for worker /metrics
 
 
 @contextlib.contextmanager
@@ -125,7 +126,8 @@ def disagg_deployment(model: str, arm: Arm, log_dir: Path) -> Iterator[Endpoint]
     with LocalDeployment(cfg, say=notes.append) as dep:
         yield Endpoint(dep.url, {"launcher": "splitserve.launch.local",
                                  "cores": dep.core_note,
-                                 "worker_cpus": [list(w.cpus or ()) for w in dep.workers]})
+                                 "worker_cpus": [list(w.cpus or ()) for w in dep.workers]},
+                       dep.token)
 
 
 def deployment(model: str, arm: Arm, log_dir: Path) -> contextlib.AbstractContextManager[Endpoint]:

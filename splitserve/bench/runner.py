@@ -12,7 +12,7 @@ running or waiting / with a request waiting (see client.BusySampler).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import httpx
@@ -41,6 +41,8 @@ class RunOptions:
     sweep_rates: tuple[float, ...] = ()
     busy_sample_s: float = 0.25  # /metrics renders cost the worker CPU: keep it light
     total_cores: int | None = None  # for goodput per core
+    # The deployment token, for sampling workers' /metrics (workers require it). Never recorded.
+    worker_token: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.repeats < 1:
@@ -65,7 +67,7 @@ async def run_once(client: ClientConfig, spec: WorkloadSpec, system: str,
         model = await resolve_model(http, client)
     client = replace(client, model=model)
     on_done = progress(system, len(requests)) if progress else None
-    sampler = BusySampler(worker_metrics, opts.busy_sample_s)
+    sampler = BusySampler(worker_metrics, opts.busy_sample_s, opts.worker_token)
     sampler.start()
     try:
         records, duration = await run_stream(client, requests, warmup,

@@ -120,7 +120,11 @@ class LocalDeployment:
                 transport=cfg.transport, dtype=cfg.dtype,  # type: ignore[arg-type]
                 kv_cache_gib=cfg.kv_cache_gib, max_model_len=cfg.max_model_len,
                 max_num_batched_tokens=cfg.max_num_batched_tokens, served_model_name=served,
-                staging_bytes=cfg.staging_mib * 1024**2, extra_args=cfg.worker_args)))
+                staging_bytes=cfg.staging_mib * 1024**2, extra_args=cfg.worker_args,
+                # one certificate for every connector worker (plain workers have no KV channel)
+                kv_tls_cert=cfg.kv_tls_cert if role else None,
+                kv_tls_key=cfg.kv_tls_key if role else None,
+                kv_tls_ca=cfg.kv_tls_ca if role else None)))
         return out
 
     def start(self) -> str:
@@ -144,7 +148,8 @@ class LocalDeployment:
                          + (f" kv {wcfg.transport}:{wcfg.kv_port}" if wcfg.role else "")
                          + f" (log {child.log})")
             with ThreadPoolExecutor(len(self.children)) as pool:
-                list(pool.map(lambda c: wait_healthy(c.url, c.proc, cfg.startup_timeout_s),
+                list(pool.map(lambda c: wait_healthy(c.url, c.proc, cfg.startup_timeout_s,
+                                                      self.token),
                               list(self.children)))
             self._start_router(planned)
             wait_healthy(self.url, self.children[-1].proc, cfg.startup_timeout_s)

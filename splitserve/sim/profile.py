@@ -38,6 +38,7 @@ import numpy as np
 from splitserve.bench.client import ClientConfig, RequestRecord, run_stream
 from splitserve.bench.runsheet import hardware
 from splitserve.bench.workload import Request
+from splitserve.config import load_token
 from splitserve.sim.model import (
     DecodeCost,
     Engine,
@@ -77,8 +78,9 @@ def _prompt(rng: np.random.Generator, n: int) -> tuple[int, ...]:
 
 
 def _run(url: str, requests: list[Request], concurrency: int | None) -> list[RequestRecord]:
-    recs, _ = asyncio.run(run_stream(ClientConfig(url, run_tag="profile"), requests, [],
-                                     concurrency))
+    # A splitserve worker requires the deployment token (from the environment) on every path.
+    cfg = ClientConfig(url, api_key=load_token(required=False), run_tag="profile")
+    recs, _ = asyncio.run(run_stream(cfg, requests, [], concurrency))
     bad = [r for r in recs if not r.ok]
     if bad:
         raise RuntimeError(f"profiling request failed: {bad[0].error_cause}: {bad[0].error}")
@@ -201,7 +203,9 @@ def measure_decode(url: str, plan: ProfilePlan, max_len: int) -> list[tuple[int,
 def worker_facts(url: str) -> dict[str, Any]:
     """Engine version, served model (and its local path), max_model_len and KV capacity."""
     base = url.rstrip("/")
-    with httpx.Client(timeout=30.0) as c:
+    token = load_token(required=False)
+    with httpx.Client(timeout=30.0,
+                      headers={"Authorization": f"Bearer {token}"} if token else {}) as c:
         version = c.get(f"{base}/version").json().get("version", "unknown")
         model = c.get(f"{base}/v1/models").json()["data"][0]
         metrics = c.get(f"{base}/metrics").text

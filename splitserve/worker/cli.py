@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import ssl
 import sys
 
 from splitserve.config import FAILURE_POLICIES, ROLES, TRANSPORTS, WorkerConfig, load_token
+from splitserve.connector.tls import client_context, server_context
 from splitserve.worker.launch import check_vllm_version, free_port, worker_command
 
 
@@ -17,6 +19,18 @@ def parse_cpus(text: str) -> tuple[int, ...]:
         lo, _, hi = part.partition("-")
         cpus += range(int(lo), int(hi or lo) + 1)
     return tuple(cpus)
+
+
+def add_tls_arguments(p: argparse.ArgumentParser) -> None:
+    """`--kv-tls-*`: TLS on the KV channel (file paths; relative ones resolved here)."""
+    p.add_argument("--kv-tls-cert", type=os.path.abspath, default=None, metavar="PEM",
+                   help="encrypt the KV channel: certificate the connector's listener presents "
+                        "(and presents as a client), valid for --host")
+    p.add_argument("--kv-tls-key", type=os.path.abspath, default=None, metavar="PEM",
+                   help="private key of --kv-tls-cert")
+    p.add_argument("--kv-tls-ca", type=os.path.abspath, default=None, metavar="PEM",
+                   help="CA bundle that verifies peers; also makes TLS mutual "
+                        "(default: the system's CAs, listener does not ask for client certs)")
 
 
 def add_worker_arguments(p: argparse.ArgumentParser) -> None:
@@ -41,6 +55,7 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds a decode request waits for its KV before recomputing (or failing)")
     p.add_argument("--kv-lease", type=float, default=60.0,
                    help="seconds staged KV waits for its decode request before it is freed")
+    add_tls_arguments(p)
 
 
 def config_from_args(args: argparse.Namespace, extra: list[str]) -> WorkerConfig:
@@ -55,7 +70,8 @@ def config_from_args(args: argparse.Namespace, extra: list[str]) -> WorkerConfig
         max_num_batched_tokens=args.max_num_batched_tokens,
         served_model_name="splitserve-demo" if args.embedded else None,
         staging_bytes=args.staging_mib * 1024**2, load_timeout_s=args.kv_load_timeout,
-        lease_s=args.kv_lease, extra_args=tuple(extra),
+        lease_s=args.kv_lease, kv_tls_cert=args.kv_tls_cert, kv_tls_key=args.kv_tls_key,
+        kv_tls_ca=args.kv_tls_ca, extra_args=tuple(extra),
     )
 
 
@@ -65,11 +81,19 @@ def run(args: argparse.Namespace) -> int:
     except RuntimeError as exc:
         print(f"splitserve worker: {exc}", file=sys.stderr)
         return 2
-    cfg = config_from_args(args, args.vllm_args)
+    try:
+        cfg = config_from_args(args, args.vllm_args)
+        if cfg.role is not None:  # unreadable or mismatched TLS files fail here, not in vLLM
+            server_context(cfg.connector_config())
+            client_context(cfg.connector_config())
+    except (ValueError, ssl.SSLError, OSError) as exc:
+        print(f"splitserve worker: {exc}", file=sys.stderr)
+        return 2
     token = load_token(required=cfg.role is not None)
     argv, env = worker_command(cfg, token)
     print(f"splitserve worker: vLLM {version}, role={cfg.role or 'plain'}, {cfg.url}"
           + (f", kv {cfg.transport}://{cfg.host}:{cfg.kv_port}" if cfg.role else "")
+          + (" (TLS)" if cfg.kv_tls_cert else "")
           + (f", cpus {','.join(map(str, cfg.cpus))}" if cfg.cpus else ""), flush=True)
     if cfg.cpus:
         os.sched_setaffinity(0, cfg.cpus)

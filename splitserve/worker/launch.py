@@ -17,7 +17,7 @@ from importlib import metadata
 
 import httpx
 
-from splitserve.config import TOKEN_ENV, VLLM_PINNED_VERSION, WorkerConfig
+from splitserve.config import TOKEN_ENV, TOKEN_FILE_ENV, VLLM_PINNED_VERSION, WorkerConfig
 
 CONNECTOR_CLASS = "SplitserveConnector"
 CONNECTOR_MODULE = "splitserve.connector.vllm"
@@ -98,9 +98,13 @@ def worker_command(cfg: WorkerConfig, token: str | None) -> tuple[list[str], dic
     if cfg.cpus is not None:
         env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(str(c) for c in cfg.cpus)
         env["OMP_NUM_THREADS"] = str(len(cfg.cpus))
-    if cfg.role is not None:
-        if not token:
-            raise RuntimeError("a worker with a connector needs the deployment token")
+    if cfg.role is not None and not token:
+        raise RuntimeError("a worker with a connector needs the deployment token")
+    # A worker holding a token requires it on every HTTP path (worker.plugin); one started
+    # without never inherits a token from our own environment.
+    env.pop(TOKEN_FILE_ENV, None)
+    env.pop(TOKEN_ENV, None)
+    if token:
         env[TOKEN_ENV] = token
     return argv, env
 
@@ -117,16 +121,21 @@ def start_worker(cfg: WorkerConfig, token: str | None, log_path: str | None = No
 
 
 def wait_healthy(url: str, proc: subprocess.Popen[bytes] | None = None,
-                 timeout_s: float = 300.0) -> None:
-    """Block until `url/health` answers 200; raise if the process exits or time runs out."""
+                 timeout_s: float = 300.0, token: str | None = None) -> None:
+    """Block until `url/health` answers 200; raise if the process exits, the worker wants a
+    token we do not hold, or time runs out."""
     deadline = time.monotonic() + timeout_s
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"worker {url} exited with code {proc.returncode} while starting")
         try:
-            if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
-                return
+            status = httpx.get(f"{url}/health", headers=headers, timeout=2.0).status_code
         except httpx.HTTPError:
-            pass
+            status = 0
+        if status == 200:
+            return
+        if status == 401:
+            raise RuntimeError(f"worker {url} requires the deployment token")
         time.sleep(0.5)
     raise TimeoutError(f"worker {url} not healthy after {timeout_s:.0f} s")

@@ -5,7 +5,12 @@ unless the server runs splitserve's connector. The connector's state lives in th
 so every route and the metrics collector ask the connector's listener over its authenticated
 control channel — which works while the engine is idle.
 
-Routes (all require `Authorization: Bearer <deployment token>`): `/splitserve/info`,
+Authentication: whenever the worker holds a deployment token (its environment), every HTTP path —
+the OpenAI API, `/health`, `/metrics`, and the routes below — requires
+`Authorization: Bearer <deployment token>`. A worker is an internal surface; the router is the
+public one.
+
+Routes: `/splitserve/info`,
 `/splitserve/state`, `/splitserve/transfers/{transfer_id}` (GET: the record; DELETE: free staged
 KV that no decode request will claim). Metrics: `splitserve_kv_*` families
 in the worker's `/metrics`.
@@ -14,6 +19,7 @@ in the worker's `/metrics`.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import json
 from argparse import Namespace
@@ -23,14 +29,16 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from starlette.datastructures import State
+from starlette.datastructures import Headers, State
 from starlette.routing import Mount
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from splitserve.config import ConnectorConfig, load_token
 from splitserve.connector.protocol import ProtocolError, query
+from splitserve.connector.tls import client_context
 
-INFO_KEYS = ("role", "transport", "kv_host", "kv_port", "engine_id", "model_fingerprint",
-             "vllm_version")
+INFO_KEYS = ("role", "transport", "kv_host", "kv_port", "kv_tls", "engine_id",
+             "model_fingerprint", "vllm_version")
 GAUGES = {
     "staged_bytes": "KV bytes staged on this worker, not yet loaded",
     "staging_capacity_bytes": "size of the staging area",
@@ -58,11 +66,13 @@ class ConnectorCollector:
 
     def __init__(self, cfg: ConnectorConfig, token: str) -> None:
         self.cfg, self.token = cfg, token
+        self.tls = client_context(cfg)  # the listener speaks TLS whenever it is configured
 
     def collect(self) -> Iterator[Metric]:
         up = GaugeMetricFamily("splitserve_kv_listener_up", "connector control channel answers")
         try:
-            state = query(self.cfg.kv_host, self.cfg.kv_port, self.token, {"what": "state"}, 1.0)
+            state = query(self.cfg.kv_host, self.cfg.kv_port, self.token, {"what": "state"}, 1.0,
+                          self.tls)
         except (OSError, ProtocolError):
             up.add_metric([], 0)
             yield up
@@ -98,34 +108,51 @@ class ConnectorCollector:
         yield secs
 
 
+class TokenGuard:
+    """ASGI middleware: every HTTP request must carry the deployment token (constant-time check);
+    anything else gets 401 with an OpenAI-style body before it reaches vLLM."""
+
+    def __init__(self, app: ASGIApp, token: str) -> None:
+        self.app = app
+        self.expected = hashlib.sha256(f"Bearer {token}".encode()).digest()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            given = Headers(scope=scope).get("authorization", "")
+            if not hmac.compare_digest(hashlib.sha256(given.encode()).digest(), self.expected):
+                denied = JSONResponse({"error": {
+                    "message": "this worker requires the deployment token",
+                    "type": "authentication_error", "param": None, "code": 401}}, 401)
+                await denied(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 class SplitserveEndpointPlugin:
     name = "splitserve"
     required_tasks = None
 
     def attach_router(self, app: FastAPI) -> None:
+        token = load_token(required=False)
+        if token:
+            app.add_middleware(TokenGuard, token=token)
         cfg = connector_config(getattr(app.state, "args", None))
         if cfg is None:
             return
-        token = load_token(required=True) or ""
-        _attach_metrics(app, ConnectorCollector(cfg, token))
+        if not token:
+            raise RuntimeError("a worker with splitserve's connector needs the deployment token")
+        collector = ConnectorCollector(cfg, token)
+        _attach_metrics(app, collector)
 
         async def ask(body: dict[str, Any]) -> dict[str, Any]:
-            return await asyncio.to_thread(query, cfg.kv_host, cfg.kv_port, token, body, 2.0)
-
-        def authorized(request: Request) -> bool:
-            given = request.headers.get("authorization", "")
-            return hmac.compare_digest(given.encode(), f"Bearer {token}".encode())
-
-        def denied() -> JSONResponse:
-            return JSONResponse({"error": {"message": "missing or wrong deployment token",
-                                           "type": "authentication_error", "code": 401}}, 401)
+            return await asyncio.to_thread(query, cfg.kv_host, cfg.kv_port, token, body, 2.0,
+                                           collector.tls)
 
         async def guarded(request: Request, body: dict[str, Any],
                           respond: Callable[[dict[str, Any]], JSONResponse] = JSONResponse
                           ) -> JSONResponse:
-            """Check the token, ask the connector, and shape its answer with `respond`."""
-            if not authorized(request):
-                return denied()
+            """Ask the connector (TokenGuard checked the caller), shape its answer with
+            `respond`."""
             try:
                 answer = await ask(body)
             except (OSError, ProtocolError) as exc:

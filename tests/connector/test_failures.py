@@ -68,13 +68,15 @@ def test_complete_transfer_loads_in_the_same_step_late_one_waits(
                     "return_token_ids": True,
                     "kv_transfer_params": {"do_remote_decode": True, "transfer_id": tid,
                                            "remote_host": "127.0.0.1", "remote_port": d.kv_port}}
-            t1 = httpx.post(f"{p.url}/v1/completions", json=body, timeout=60).json()[
-                "choices"][0]["token_ids"][0]
+            rp = httpx.post(f"{p.url}/v1/completions", json=body, headers=auth_headers(),
+                            timeout=60)
+            t1 = rp.json()["choices"][0]["token_ids"][0]
             wait_drained(p)  # acknowledged: the transfer is complete on D
             body = {"model": name, "prompt": prompt + [t1], "max_tokens": MAX_TOKENS - 1,
                     "temperature": 0, "ignore_eos": True, "return_token_ids": True,
                     "kv_transfer_params": {"do_remote_prefill": True, "transfer_id": tid}}
-            rd = httpx.post(f"{d.url}/v1/completions", json=body, timeout=60)
+            rd = httpx.post(f"{d.url}/v1/completions", json=body, headers=auth_headers(),
+                            timeout=60)
             tokens = [t1] + rd.json()["choices"][0]["token_ids"]
         else:
             tokens, _, rd = two_legs(p, d, prompt, MAX_TOKENS, tid)
@@ -93,7 +95,7 @@ def test_unknown_transfer_id_is_a_load_error(llama_pair: tuple[Worker, Worker],
     body = {"model": model_name(d), "prompt": prompt + [t1], "max_tokens": MAX_TOKENS - 1,
             "temperature": 0, "ignore_eos": True, "return_token_ids": True,
             "kv_transfer_params": {"do_remote_prefill": True, "transfer_id": fresh("nobody")}}
-    r = httpx.post(f"{d.url}/v1/completions", json=body, timeout=60)
+    r = httpx.post(f"{d.url}/v1/completions", json=body, headers=auth_headers(), timeout=60)
     assert r.status_code == 200
     assert [t1] + r.json()["choices"][0]["token_ids"] == hf_greedy(llama_ckpt, prompt, MAX_TOKENS)
     wait_drained(p, d)
@@ -120,7 +122,7 @@ def test_unreachable_decode_worker_frees_prefill_blocks(llama_pair: tuple[Worker
     body = {"model": name, "prompt": PROMPT[:120], "max_tokens": 1, "temperature": 0,
             "kv_transfer_params": {"do_remote_decode": True, "transfer_id": fresh("lost"),
                                    "remote_host": "127.0.0.1", "remote_port": closed_port}}
-    r = httpx.post(f"{p.url}/v1/completions", json=body, timeout=60)
+    r = httpx.post(f"{p.url}/v1/completions", json=body, headers=auth_headers(), timeout=60)
     assert r.status_code == 200  # the prefill itself succeeds; the push fails on its own
     wait_drained(p, d)
     rec = transfer_record(p, body["kv_transfer_params"]["transfer_id"])["send"]
@@ -148,13 +150,15 @@ def test_staging_full_is_refused_before_any_kv_moves(llama_ckpt: Path,
 
 def test_internal_routes_require_the_token(llama_pair: tuple[Worker, Worker]) -> None:
     _, d = llama_pair
-    for path in ("/splitserve/info", "/splitserve/state", "/splitserve/transfers/x"):
+    # every HTTP path of a worker holding a token, vLLM's own included
+    for path in ("/splitserve/info", "/splitserve/state", "/splitserve/transfers/x", "/metrics",
+                 "/health", "/v1/models", "/version"):
         assert httpx.get(f"{d.url}{path}", timeout=5).status_code == 401
         bad = {"Authorization": "Bearer not-the-token"}
         assert httpx.get(f"{d.url}{path}", headers=bad, timeout=5).status_code == 401
     info = httpx.get(f"{d.url}/splitserve/info", headers=auth_headers(), timeout=5).json()
     assert info["role"] == "decode" and info["kv_port"] == d.kv_port
     assert info["model_fingerprint"]["num_layers"] == 2
-    metrics = httpx.get(f"{d.url}/metrics", timeout=5).text
+    metrics = httpx.get(f"{d.url}/metrics", headers=auth_headers(), timeout=5).text
     assert "splitserve_kv_listener_up 1.0" in metrics
     assert "splitserve_kv_transfers_total" in metrics

@@ -42,7 +42,8 @@ def test_unsplittable_parameters_run_whole_exactly(
             "max_tokens": 12, "temperature": 0.8, "seed": 5, "stop": ["ai"], "n": 2,
             "frequency_penalty": 0.4}
     routed = httpx.post(f"{router_pd.url}/v1/completions", json=body, timeout=60)
-    direct = httpx.post(f"{colocated_worker.url}/v1/completions", json=body, timeout=60).json()
+    direct = httpx.post(f"{colocated_worker.url}/v1/completions", json=body,
+                        headers=auth_headers(), timeout=60).json()
     assert routed.status_code == 200
     assert [c["text"] for c in routed.json()["choices"]] == [c["text"] for c in direct["choices"]]
     assert len(routed.json()["choices"]) == 2
@@ -175,7 +176,8 @@ def test_colocated_router_is_plain_load_balancing(
     r = httpx.post(f"{router_colocated.url}/v1/completions", json=body, timeout=60,
                    headers={"X-Request-Id": f"colo-{stream}"})
     assert r.status_code == 200 and r.headers["x-request-id"] == f"colo-{stream}"
-    direct = httpx.post(f"{colocated_worker.url}/v1/completions", json=body, timeout=60)
+    direct = httpx.post(f"{colocated_worker.url}/v1/completions", json=body,
+                        headers=auth_headers(), timeout=60)
     if stream:
         # vLLM may put two tokens in one event when its consumer lags, so compare the joined
         # text, not the number of events

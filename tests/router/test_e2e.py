@@ -16,7 +16,7 @@ import httpx
 import pytest
 from router_helpers import Router
 from transformers import AutoTokenizer
-from workers import Worker, hf_greedy, wait_drained
+from workers import Worker, auth_headers, hf_greedy, wait_drained
 
 MAX_TOKENS = 10
 PROMPT_LENGTHS = (1, 9, 130, 400)
@@ -64,8 +64,8 @@ def generate(url: str, model: str, prompt: list[int], stream: bool) -> list[int]
     body = {"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
             "ignore_eos": True, "return_token_ids": True, "stream": stream}
     if stream:
-        return stream_token_ids(sse_events(url, "/v1/completions", body)[0])
-    r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+        return stream_token_ids(sse_events(url, "/v1/completions", body, auth_headers())[0])
+    r = httpx.post(f"{url}/v1/completions", json=body, headers=auth_headers(), timeout=120)
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["token_ids"]
 
@@ -151,13 +151,14 @@ def test_joined_stream_equals_colocated_event_for_event(
         # run is not comparable event for event, so a mismatch is retried twice before it counts
         for _ in range(3):
             routed, _ = sse_events(router_pd.url, path, body)
-            direct, _ = sse_events(colocated_worker.url, path, body)
+            direct, _ = sse_events(colocated_worker.url, path, body, auth_headers())
             if [without_ids(e) for e in routed] == [without_ids(e) for e in direct]:
                 break
         assert [without_ids(e) for e in routed] == [without_ids(e) for e in direct], variant
         body = {k: v for k, v in body.items() if k != "stream_options"} | {"stream": False}
         routed_body = httpx.post(router_pd.url + path, json=body, timeout=60).json()
-        direct_body = httpx.post(colocated_worker.url + path, json=body, timeout=60).json()
+        direct_body = httpx.post(colocated_worker.url + path, json=body, headers=auth_headers(),
+                                 timeout=60).json()
         assert without_ids(routed_body) == without_ids(direct_body), variant
 
 
