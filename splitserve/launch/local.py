@@ -182,14 +182,18 @@ class LocalDeployment:
         return [c for c in self.children if c.proc.poll() is not None]
 
     def stop(self) -> None:
-        """SIGTERM every process group, SIGKILL what is left after the timeout."""
-        for child in reversed(self.children):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(child.proc.pid, signal.SIGTERM)
+        """Graceful drain, front to back: SIGTERM the router and wait while it finishes its
+        in-flight requests (it takes no new ones), then SIGTERM the workers, which drain what
+        is left; SIGKILL whatever outlives the timeout."""
         deadline = time.monotonic() + self.cfg.stop_timeout_s
-        for child in self.children:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                child.proc.wait(max(0.0, deadline - time.monotonic()))
+        front = [c for c in self.children if c.name == "router"]
+        for stage in (front, [c for c in self.children if c not in front]):
+            for child in stage:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(child.proc.pid, signal.SIGTERM)
+            for child in stage:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    child.proc.wait(max(0.0, deadline - time.monotonic()))
         for child in self.children:
             # The group may hold engine processes even after its leader exited.
             with contextlib.suppress(ProcessLookupError, PermissionError):

@@ -10,13 +10,10 @@ import asyncio
 import contextlib
 import json
 import logging
-import re
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
@@ -28,16 +25,18 @@ from splitserve.router.admin import add_admin_routes
 from splitserve.router.config import RouterConfig
 from splitserve.router.detok import text_stream
 from splitserve.router.flow import Flow, Prefilled, Timings, UpstreamError
-from splitserve.router.formats import DONE, Joiner, error_body, sse, sse_comment
+from splitserve.router.formats import DONE, Joiner, error_body, request_id, sse, sse_comment
 from splitserve.router.health import Registry
+from splitserve.router.limits import BodyLimit
 from splitserve.router.metrics import RouterMetrics
 from splitserve.router.params import Kind, RequestError, plan_legs, unsplittable_reason, validate
-from splitserve.router.policy import NoWorker, Picker
+from splitserve.router.policy import NoWorker, Overloaded, Picker
+from splitserve.router.prompt import kv_bytes_per_token, load_tokenizer, render_chat
+from splitserve.router.schema import CHAT_REQUEST, COMPLETION_REQUEST, openapi_body
 from splitserve.router.whole import TRANSPORT_ERRORS, Passthrough, new_session, worker_headers
 
 log = logging.getLogger("splitserve.router")
 T = TypeVar("T")
-RID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 TIMINGS_HEADER = "X-Splitserve-Timings"
 
 
@@ -87,17 +86,6 @@ class RouterState:
     inflight: int = 0
 
 
-def kv_bytes_per_token(model_dir: str | None) -> int:
-    """2 x layers x KV heads x head_dim x 4 bytes (float32: an upper bound), 0 if unknown."""
-    try:
-        cfg = json.loads((Path(model_dir or "") / "config.json").read_text())
-        heads = cfg["num_attention_heads"]
-        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-        return 2 * cfg["num_hidden_layers"] * cfg.get("num_key_value_heads", heads) * head_dim * 4
-    except (OSError, KeyError, ValueError, TypeError):
-        return 0
-
-
 def error_response(exc: RequestError | UpstreamError | NoWorker, rid: str) -> JSONResponse:
     headers = {"X-Request-Id": rid}
     if isinstance(exc, RequestError):
@@ -105,6 +93,9 @@ def error_response(exc: RequestError | UpstreamError | NoWorker, rid: str) -> JS
                             exc.status, headers=headers)
     if isinstance(exc, UpstreamError):
         return JSONResponse(exc.body, exc.status, headers=headers)
+    if isinstance(exc, Overloaded):
+        return JSONResponse(error_body(str(exc), "RateLimitError", None, 429), 429,
+                            headers=headers | {"Retry-After": "1"})
     return JSONResponse(error_body(str(exc), "ServiceUnavailableError", None, 503), 503,
                         headers=headers | {"Retry-After": "1"})
 
@@ -150,12 +141,12 @@ def create_app(cfg: RouterConfig, token: str | None, api_key: str | None = None,
                 await asyncio.sleep(0.5)
         await registry.check_all()
         model_dir = cfg.model_dir or model.get("root")
-        tokenizer = await asyncio.to_thread(_load_tokenizer, model_dir)
+        tokenizer = await asyncio.to_thread(load_tokenizer, model_dir)
         metrics = RouterMetrics()
-        picker = Picker(cfg.prefill_policy, cfg.decode_policy)
-        flow = Flow(cfg, registry, picker, metrics, client, model["id"],
+        picker = Picker(cfg.prefill_policy, cfg.decode_policy, cfg.max_inflight_per_worker)
+        session = new_session(cfg, token)  # both paths' legs; sends the token on every request
+        flow = Flow(cfg, registry, picker, metrics, session, model["id"],
                     kv_bytes_per_token(model_dir), model.get("max_model_len"))
-        session = new_session(cfg, token)
         whole = Passthrough(cfg, registry, picker, metrics, session)
         app.state.router = RouterState(cfg, token, api_key, client, registry, metrics, flow,
                                        whole, model, tokenizer)
@@ -171,27 +162,27 @@ def create_app(cfg: RouterConfig, token: str | None, api_key: str | None = None,
             await session.close()
 
     app = FastAPI(title="splitserve router", lifespan=lifespan)
+    app.add_middleware(BodyLimit, max_bytes=cfg.max_body_bytes, timeout_s=cfg.body_timeout_s)
 
     def state(request: Request) -> RouterState:
         return request.app.state.router  # type: ignore[no-any-return]
 
-    def request_id(request: Request) -> str:
-        rid = request.headers.get("x-request-id", "")
-        return rid if RID_RE.match(rid) else uuid.uuid4().hex
 
     def authorized(request: Request, secret: str | None) -> bool:
         return secret is not None and request.headers.get("authorization") == f"Bearer {secret}"
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions",
+              openapi_extra=openapi_body(COMPLETION_REQUEST, "OpenAI text completion"))
     async def completions(request: Request) -> Response:
         return await serve_request(state(request), request, "completion")
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions",
+              openapi_extra=openapi_body(CHAT_REQUEST, "OpenAI chat completion"))
     async def chat_completions(request: Request) -> Response:
         return await serve_request(state(request), request, "chat")
 
     async def serve_request(st: RouterState, request: Request, kind: Kind) -> Response:
-        rid = request_id(request)
+        rid = request_id(request.headers.get("x-request-id"))
         if st.api_key and not authorized(request, st.api_key):
             return JSONResponse(error_body("invalid API key", "AuthenticationError", None, 401),
                                 401, headers={"X-Request-Id": rid})
@@ -258,7 +249,7 @@ def create_app(cfg: RouterConfig, token: str | None, api_key: str | None = None,
     async def split(st: RouterState, request: Request, body: dict[str, Any], kind: Kind,
                     rid: str, t: Timings) -> Response:
         if kind == "chat":
-            prompt: str | list[int] = render_chat(st, body)
+            prompt: str | list[int] = render_chat(st.tokenizer, body)
         else:
             prompt = body["prompt"]
         legs = plan_legs(body, kind, prompt)
@@ -390,27 +381,3 @@ def create_app(cfg: RouterConfig, token: str | None, api_key: str | None = None,
 async def drain(gen: AsyncIterator[Any]) -> None:
     async for _ in gen:
         pass
-
-
-def _load_tokenizer(model_dir: str | None) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_dir) if model_dir else None
-
-
-def render_chat(st: RouterState, body: dict[str, Any]) -> list[int]:
-    """The chat prompt as token ids, rendered once with the model's chat template."""
-    if st.tokenizer is None:
-        raise RequestError("chat needs the model's tokenizer; start the router with --model",
-                           "messages")
-    kwargs = dict(body.get("chat_template_kwargs") or {})
-    try:
-        ids = st.tokenizer.apply_chat_template(
-            body["messages"], tokenize=True,
-            add_generation_prompt=body.get("add_generation_prompt", True),
-            continue_final_message=body.get("continue_final_message", False), **kwargs)
-    except Exception as exc:  # the template is user-supplied code: report, don't crash
-        raise RequestError(f"cannot apply the chat template: {exc}", "messages") from exc
-    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-        ids = ids["input_ids"]
-    return [int(i) for i in ids]

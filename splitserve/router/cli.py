@@ -40,6 +40,12 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
                    help="transport for every transfer (default: what each D advertises)")
     p.add_argument("--health-interval", type=float, default=1.0, help="seconds between checks")
     p.add_argument("--max-inflight", type=int, default=4096, help="429 above this many requests")
+    p.add_argument("--max-inflight-per-worker", type=int, default=256,
+                   help="queue limit per worker: 429 when every worker of a pool is at it")
+    p.add_argument("--max-body-bytes", type=int, default=16 * 1024**2,
+                   help="413 for larger request bodies")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM: stop accepting, give in-flight requests this long, exit")
     p.add_argument("--log-level", default="info")
 
 
@@ -50,7 +56,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         prefill_policy=args.prefill_policy, decode_policy=args.decode_policy,
         unsplittable=args.unsplittable, kv_transport=args.kv_transport,
         health_interval_s=args.health_interval,
-        max_inflight=args.max_inflight,
+        max_inflight=args.max_inflight, max_inflight_per_worker=args.max_inflight_per_worker,
+        max_body_bytes=args.max_body_bytes, drain_timeout_s=args.drain_timeout,
     )
 
 
@@ -63,8 +70,11 @@ def serve(cfg: RouterConfig, token: str | None, api_key: str | None,
     logging.basicConfig(level=log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
+    # SIGTERM/SIGINT: uvicorn stops accepting at once, lets in-flight requests (streams
+    # included) finish for up to the drain timeout, then runs the app's shutdown.
     uvicorn.run(create_app(cfg, token, api_key), host=cfg.host, port=cfg.port,
-                log_level=log_level, access_log=False)
+                log_level=log_level, access_log=False,
+                timeout_graceful_shutdown=max(1, round(cfg.drain_timeout_s)))
 
 
 def run(args: argparse.Namespace) -> int:

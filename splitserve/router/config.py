@@ -46,7 +46,10 @@ class RouterConfig:
     request_timeout_s: float = 1800.0
     connect_timeout_s: float = 5.0
     max_inflight: int = 4096  # admission: more concurrent requests than this get 429 at once
-    drain_timeout_s: float = 600.0
+    max_inflight_per_worker: int = 256  # queue limit: open legs on one worker; beyond it, 429
+    max_body_bytes: int = 16 * 1024**2  # larger request bodies get 413 before they are read
+    body_timeout_s: float = 30.0  # a request body not received within this gets 408
+    drain_timeout_s: float = 30.0  # SIGTERM: in-flight requests get this long to finish
 
     def __post_init__(self) -> None:
         for url in (*self.prefill, *self.decode, *self.colocated):
@@ -67,10 +70,12 @@ class RouterConfig:
         if self.unsplittable not in UNSPLITTABLE_MODES:
             raise ValueError(f"unsplittable must be one of {UNSPLITTABLE_MODES}")
         for name in ("health_interval_s", "health_timeout_s", "request_timeout_s",
-                     "connect_timeout_s", "drain_timeout_s", "retry_backoff_max_s"):
+                     "connect_timeout_s", "drain_timeout_s", "retry_backoff_max_s",
+                     "body_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
-        for name in ("unhealthy_after", "healthy_after", "max_inflight"):
+        for name in ("unhealthy_after", "healthy_after", "max_inflight",
+                     "max_inflight_per_worker", "max_body_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
         if self.prefill_retries < 0 or self.decode_retries < 0 or self.retry_backoff_s < 0:

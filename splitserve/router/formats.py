@@ -10,7 +10,9 @@ workers produced them.
 from __future__ import annotations
 
 import json
+import re
 import time
+import uuid
 from typing import Any
 
 from splitserve.router.detok import TextStream
@@ -34,6 +36,12 @@ def sse_comment(name: str, obj: dict[str, Any]) -> bytes:
 
 
 DONE = b"data: [DONE]\n\n"
+RID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+
+
+def request_id(given: str | None) -> str:
+    """The client's `X-Request-Id` when it is a sane token, else a fresh one."""
+    return given if given and RID_RE.match(given) else uuid.uuid4().hex
 
 
 class Joiner:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from splitserve.router.health import Worker, parse_gauges
-from splitserve.router.policy import NoWorker, Picker
+from splitserve.router.policy import NoWorker, Overloaded, Picker
 
 
 def w(url: str, role: str = "decode", **state: float) -> Worker:
@@ -65,3 +65,29 @@ def test_parse_vllm_gauges() -> None:
             'vllm:num_requests_waiting{engine="0",model_name="m"} 1.0\n'
             'vllm:num_requests_waiting_by_reason{reason="x"} 9.0\n')
     assert parse_gauges(text) == {"kv_usage": 0.25, "running": 3.0, "waiting": 1.0}
+
+
+def test_queue_limit_skips_full_workers_then_refuses_with_overloaded() -> None:
+    a, b = w("a", "prefill"), w("b", "prefill")
+    pick = Picker("load", "load", max_per_worker=2)
+    for _ in range(2):
+        a.acquire(10)
+    assert pick.prefill([a, b], 10) is b  # a is at its limit, whatever its score
+    for _ in range(2):
+        b.acquire(1)
+    with pytest.raises(Overloaded) as err:
+        pick.prefill([a, b], 10)
+    assert isinstance(err.value, NoWorker) and err.value.role == "prefill"
+    d = w("d")
+    d.acquire()
+    d.acquire()
+    with pytest.raises(Overloaded):
+        pick.decode([d])
+    with pytest.raises(Overloaded):
+        pick.colocated([d])
+    d.release()
+    assert pick.decode([d]) is d and pick.colocated([d]) is d
+    # an empty pool is not overload: it is a missing worker
+    with pytest.raises(NoWorker) as missing:
+        pick.decode([])
+    assert not isinstance(missing.value, Overloaded)
