@@ -39,6 +39,16 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-transport", choices=("tcp", "shm"), default=None,
                    help="transport for every transfer (default: what each D advertises)")
     p.add_argument("--health-interval", type=float, default=1.0, help="seconds between checks")
+    p.add_argument("--health-timeout", type=float, default=2.0, help="seconds per check")
+    p.add_argument("--unhealthy-after", type=int, default=3,
+                   help="consecutive failures (checks or connection-level errors) before a "
+                        "worker leaves rotation")
+    p.add_argument("--healthy-after", type=int, default=2,
+                   help="consecutive good checks before it returns")
+    p.add_argument("--prefill-retries", type=int, default=2,
+                   help="extra attempts on another P before the first token")
+    p.add_argument("--decode-retries", type=int, default=2,
+                   help="resumptions of a broken decode stream on another D")
     p.add_argument("--max-inflight", type=int, default=4096, help="429 above this many requests")
     p.add_argument("--max-inflight-per-worker", type=int, default=256,
                    help="queue limit per worker: 429 when every worker of a pool is at it")
@@ -55,7 +65,9 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         host=args.host, port=args.port, model_dir=args.model,
         prefill_policy=args.prefill_policy, decode_policy=args.decode_policy,
         unsplittable=args.unsplittable, kv_transport=args.kv_transport,
-        health_interval_s=args.health_interval,
+        health_interval_s=args.health_interval, health_timeout_s=args.health_timeout,
+        unhealthy_after=args.unhealthy_after, healthy_after=args.healthy_after,
+        prefill_retries=args.prefill_retries, decode_retries=args.decode_retries,
         max_inflight=args.max_inflight, max_inflight_per_worker=args.max_inflight_per_worker,
         max_body_bytes=args.max_body_bytes, drain_timeout_s=args.drain_timeout,
     )
