@@ -31,6 +31,20 @@ def _check_port(name: str, port: int, allow_zero: bool = False) -> None:
         raise ValueError(f"{name} must be a TCP port, got {port}")
 
 
+def check_tls_files(cert: str | None, key: str | None, ca: str | None, prefix: str = "tls_"
+                    ) -> None:
+    """TLS for the KV channel: certificate and key together (the listener presents them), the CA
+    only with them, and every named file exists."""
+    if (cert is None) != (key is None):
+        raise ValueError(f"{prefix}cert and {prefix}key go together")
+    if ca is not None and cert is None:
+        raise ValueError(f"{prefix}ca needs {prefix}cert and {prefix}key (every worker's "
+                         "listener presents a certificate)")
+    for name, path in (("cert", cert), ("key", key), ("ca", ca)):
+        if path is not None and not Path(path).is_file():
+            raise ValueError(f"{prefix}{name}: no such file {path!r}")
+
+
 @dataclass(frozen=True)
 class ConnectorConfig:
     """The connector's settings, carried in `kv_connector_extra_config` (no secrets)."""
@@ -48,6 +62,11 @@ class ConnectorConfig:
     # P: blocks are freed when D acknowledges, or after this time without an acknowledgement.
     ack_timeout_s: float = 30.0
     connect_timeout_s: float = 5.0
+    # TLS (file paths, never key material): when set, the listener's port speaks only TLS
+    # (pushes over either transport and control queries), and this worker's clients use it.
+    tls_cert: str | None = None  # PEM certificate (chain) the listener presents
+    tls_key: str | None = None  # its private key
+    tls_ca: str | None = None  # verifies peers (and makes TLS mutual); None: the system's CAs
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -60,6 +79,11 @@ class ConnectorConfig:
         for name in ("lease_s", "load_timeout_s", "ack_timeout_s", "connect_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
+        check_tls_files(self.tls_cert, self.tls_key, self.tls_ca)
+
+    @property
+    def tls_enabled(self) -> bool:
+        return self.tls_cert is not None
 
     def to_extra_config(self) -> dict[str, Any]:
         return {"splitserve": asdict(self)}
@@ -90,6 +114,9 @@ class WorkerConfig:
     load_timeout_s: float = 30.0
     lease_s: float = 60.0
     shutdown_timeout_s: int = 30  # SIGTERM: finish in-flight requests for up to this long
+    kv_tls_cert: str | None = None  # TLS on the KV channel (see ConnectorConfig)
+    kv_tls_key: str | None = None
+    kv_tls_ca: str | None = None
     extra_args: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
@@ -111,6 +138,9 @@ class WorkerConfig:
             raise ValueError("shutdown_timeout_s must not be negative (0: abort in-flight)")
         if self.role is not None and self.kv_port == 0:
             raise ValueError("a worker with a connector needs kv_port (the launcher picks one)")
+        check_tls_files(self.kv_tls_cert, self.kv_tls_key, self.kv_tls_ca, prefix="kv_tls_")
+        if self.role is None and self.kv_tls_cert is not None:
+            raise ValueError("kv TLS is for the connector's channel; a plain worker has none")
 
     @property
     def url(self) -> str:
@@ -122,6 +152,7 @@ class WorkerConfig:
             role=self.role, transport=self.transport, kv_host=self.host, kv_port=self.kv_port,
             staging_bytes=self.staging_bytes, load_timeout_s=self.load_timeout_s,
             lease_s=self.lease_s, ack_timeout_s=self.load_timeout_s,
+            tls_cert=self.kv_tls_cert, tls_key=self.kv_tls_key, tls_ca=self.kv_tls_ca,
         )
 
 

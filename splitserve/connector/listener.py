@@ -4,11 +4,14 @@ One thread per connection. A push connection's transfers are written into the St
 every LAYER is verified against its checksum as it lands, END is answered with an ACK (ok, or
 the failure's cause). A connection that drops fails every transfer it had not ended.
 Control connections answer QUERY with the connector's state or one transfer's record.
+With a TLS context, the port speaks only TLS: a connection that does not complete the TLS
+handshake (plain client, untrusted certificate) is closed before the token handshake begins.
 """
 
 from __future__ import annotations
 
 import socket
+import ssl
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -26,15 +29,17 @@ from splitserve.connector.protocol import (
     server_handshake,
 )
 from splitserve.connector.staging import StagedTransfer, StagingArea, StagingRefused
+from splitserve.connector.tls import Conn, TlsStream
 
 REAP_INTERVAL_S = 0.5
 
 
 class KVListener:
     def __init__(self, host: str, port: int, token: str, fingerprint: Fingerprint,
-                 staging: StagingArea | None, answer: Callable[[dict[str, Any]], dict[str, Any]]
-                 ) -> None:
+                 staging: StagingArea | None, answer: Callable[[dict[str, Any]], dict[str, Any]],
+                 tls: ssl.SSLContext | None = None) -> None:
         self._token = token
+        self._tls = tls
         self._fingerprint = fingerprint
         self._staging = staging
         self._answer = answer
@@ -71,11 +76,14 @@ class KVListener:
             return {}
         return {"shm_path": self._staging.segment.path, "size": self._staging.segment.size}
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _serve(self, raw: socket.socket) -> None:
         open_transfers: dict[str, StagedTransfer] = {}
-        with conn:
+        with raw:
             try:
-                conn.settimeout(10.0)  # the handshake must not hold a thread forever
+                raw.settimeout(10.0)  # the handshakes must not hold a thread forever
+                conn: Conn = raw
+                if self._tls is not None:
+                    conn = TlsStream(raw, self._tls, server_side=True)
                 purpose = server_handshake(conn, self._token, self._fingerprint,
                                            self._staging_info())
                 conn.settimeout(None)
@@ -92,14 +100,14 @@ class KVListener:
                         self._staging.fail(st, "peer_gone")
                         self._staging.writer_done(st)
 
-    def _serve_control(self, conn: socket.socket) -> None:
+    def _serve_control(self, conn: Conn) -> None:
         while True:
             op, body = recv_frame(conn)
             if op != Op.QUERY:
                 raise ProtocolError("control connections may only QUERY")
             send_frame(conn, Op.ANSWER, self._answer(body))
 
-    def _serve_push(self, conn: socket.socket, open_transfers: dict[str, StagedTransfer]) -> None:
+    def _serve_push(self, conn: Conn, open_transfers: dict[str, StagedTransfer]) -> None:
         staging = self._staging
         while True:
             op, body = recv_frame(conn)
@@ -136,7 +144,7 @@ class KVListener:
             else:
                 raise ProtocolError(f"unexpected op {op!r} on a push connection")
 
-    def _receive_layer(self, conn: socket.socket, staging: StagingArea, st: StagedTransfer,
+    def _receive_layer(self, conn: Conn, staging: StagingArea, st: StagedTransfer,
                        body: dict[str, Any]) -> None:
         shape = staging.shape
         layer, start, end = int(body["layer"]), int(body["start"]), int(body["end"])

@@ -10,6 +10,9 @@ Handshake (server = the D-side listener, client = a P-side pusher or a control c
                     fingerprint}
   server -> WELCOME {mac = HMAC(token, "server" | client_nonce | nonce), staging}   or REFUSE
 No KV moves before both macs verify and, for `purpose == "push"`, the model fingerprints match.
+
+With TLS configured (connector/tls.py), every connection to the listener is TLS first; the
+frames and the handshake above run inside it unchanged.
 """
 
 from __future__ import annotations
@@ -20,9 +23,12 @@ import hmac
 import json
 import secrets
 import socket
+import ssl
 import struct
 from dataclasses import asdict, dataclass
 from typing import Any
+
+from splitserve.connector.tls import Conn, TlsStream
 
 MAGIC = b"SS"
 PROTOCOL_VERSION = 1
@@ -76,12 +82,12 @@ def config_hash(hf_config_dict: dict[str, Any]) -> str:
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
-def send_frame(sock: socket.socket, op: Op, body: dict[str, Any] | None = None) -> None:
+def send_frame(sock: Conn, op: Op, body: dict[str, Any] | None = None) -> None:
     data = json.dumps(body or {}, separators=(",", ":")).encode()
     sock.sendall(HEADER.pack(MAGIC, int(op), len(data)) + data)
 
 
-def recv_exact_into(sock: socket.socket, view: memoryview) -> None:
+def recv_exact_into(sock: Conn, view: memoryview) -> None:
     got = 0
     n = len(view)
     while got < n:
@@ -91,7 +97,7 @@ def recv_exact_into(sock: socket.socket, view: memoryview) -> None:
         got += k
 
 
-def recv_frame(sock: socket.socket) -> tuple[Op, dict[str, Any]]:
+def recv_frame(sock: Conn) -> tuple[Op, dict[str, Any]]:
     head = bytearray(HEADER.size)
     recv_exact_into(sock, memoryview(head))
     magic, op, length = HEADER.unpack(head)
@@ -110,7 +116,7 @@ def _mac(token: str, side: bytes, a: str, b: str) -> str:
     return hmac.new(token.encode(), msg, hashlib.sha256).hexdigest()
 
 
-def server_handshake(sock: socket.socket, token: str, mine: Fingerprint,
+def server_handshake(sock: Conn, token: str, mine: Fingerprint,
                      staging: dict[str, Any]) -> str:
     """Authenticate a client; return its purpose ("push" or "control"). Raises ProtocolError."""
     nonce = secrets.token_hex(16)
@@ -143,7 +149,7 @@ def server_handshake(sock: socket.socket, token: str, mine: Fingerprint,
     return str(purpose)
 
 
-def client_handshake(sock: socket.socket, token: str, purpose: str,
+def client_handshake(sock: Conn, token: str, purpose: str,
                      fingerprint: Fingerprint | None) -> dict[str, Any]:
     """Prove the token to the server and check its proof; return the server's staging info."""
     op, body = recv_frame(sock)
@@ -166,22 +172,28 @@ def client_handshake(sock: socket.socket, token: str, purpose: str,
 
 
 def connect(host: str, port: int, token: str, purpose: str, fingerprint: Fingerprint | None,
-            timeout_s: float) -> tuple[socket.socket, dict[str, Any]]:
-    sock = socket.create_connection((host, port), timeout=timeout_s)
+            timeout_s: float, tls: ssl.SSLContext | None = None
+            ) -> tuple[Conn, dict[str, Any]]:
+    """Connect, then (with `tls`: verify the listener's certificate for `host` and) authenticate.
+    Raises OSError (ssl.SSLError when TLS fails) or ProtocolError."""
+    raw = socket.create_connection((host, port), timeout=timeout_s)
+    sock: Conn = raw
     try:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if tls is not None:
+            sock = TlsStream(raw, tls, server_side=False, server_hostname=host)
         info = client_handshake(sock, token, purpose, fingerprint)
     except BaseException:
-        sock.close()
+        raw.close()
         raise
     sock.settimeout(None)
     return sock, info
 
 
 def query(host: str, port: int, token: str, body: dict[str, Any],
-          timeout_s: float = 2.0) -> dict[str, Any]:
+          timeout_s: float = 2.0, tls: ssl.SSLContext | None = None) -> dict[str, Any]:
     """One control round trip to a listener (state, or one transfer's record)."""
-    sock, _ = connect(host, port, token, "control", None, timeout_s)
+    sock, _ = connect(host, port, token, "control", None, timeout_s, tls)
     with sock:
         sock.settimeout(timeout_s)
         send_frame(sock, Op.QUERY, body)

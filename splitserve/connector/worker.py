@@ -36,6 +36,7 @@ from splitserve.connector.protocol import Fingerprint, config_hash
 from splitserve.connector.scheduler import LoadSpec, SplitserveMeta
 from splitserve.connector.staging import StagedTransfer, StagingArea
 from splitserve.connector.stats import ConnectorStats
+from splitserve.connector.tls import client_context, server_context
 from splitserve.connector.transport.base import LayerItem, PushChannel, SendState
 from splitserve.connector.transport.shm import ShmPushChannel
 from splitserve.connector.transport.tcp import TcpPushChannel
@@ -69,6 +70,9 @@ class WorkerSide:
         self.cfg = cfg
         self.engine_id = engine_id
         self._token = load_token(required=True) or ""
+        # TLS configured: the listener accepts only TLS, and every push this worker makes uses it
+        self._tls_server = server_context(cfg)
+        self._tls_client = client_context(cfg)
         self._faults = Faults.from_env()
         self._hf_config = hf_config
         self._dtype = dtype
@@ -94,10 +98,11 @@ class WorkerSide:
         self._paged = [paged_kv(kv_caches[n]) for n in names]
         _, heads, _, head_dim = self._paged[0][1].shape
         self.shape = KVShape(len(names), heads, head_dim, first.dtype)
-        logger.info("splitserve connector: role=%s transport=%s kv=%s:%d layers=%d kv_heads=%d "
-                    "head_dim=%d block_size=%d dtype=%s", self.cfg.role, self.cfg.transport,
-                    self.cfg.kv_host, self.cfg.kv_port, len(names), heads, head_dim,
-                    first.shape[2], first.dtype)
+        logger.info("splitserve connector: role=%s transport=%s kv=%s:%d tls=%s layers=%d "
+                    "kv_heads=%d head_dim=%d block_size=%d dtype=%s", self.cfg.role,
+                    self.cfg.transport, self.cfg.kv_host, self.cfg.kv_port,
+                    ("mutual" if self.cfg.tls_ca else "on") if self.cfg.tls_enabled else "off",
+                    len(names), heads, head_dim, first.shape[2], first.dtype)
         self.fingerprint = Fingerprint(
             config_hash=config_hash(self._hf_config), dtype=str(self._dtype).replace("torch.", ""),
             num_layers=len(names), num_kv_heads=heads, head_dim=head_dim,
@@ -107,7 +112,7 @@ class WorkerSide:
             self.staging = StagingArea(self.cfg.staging_bytes, self.shape, self.cfg.lease_s,
                                        self.stats, DoneTable(table_path(self.engine_id), True))
         self.listener = KVListener(self.cfg.kv_host, self.cfg.kv_port, self._token,
-                                   self.fingerprint, self.staging, self.answer)
+                                   self.fingerprint, self.staging, self.answer, self._tls_server)
 
     def answer(self, query: dict[str, Any]) -> dict[str, Any]:
         """The listener's QUERY handler: state, or one transfer's record."""
@@ -123,7 +128,8 @@ class WorkerSide:
             "open_leases": 0, "claimed_transfers": 0}
         return {
             "role": self.cfg.role, "transport": self.cfg.transport, "kv_host": self.cfg.kv_host,
-            "kv_port": self.cfg.kv_port, "engine_id": self.engine_id,
+            "kv_port": self.cfg.kv_port, "kv_tls": self.cfg.tls_enabled,
+            "engine_id": self.engine_id,
             "model_fingerprint": self.fingerprint.__dict__ if self.fingerprint else None,
             "vllm_version": self._vllm_version, **staging,
             "pending_loads": len(self._loads), "held_sends": len(self._sends),
@@ -136,7 +142,8 @@ class WorkerSide:
             assert self.shape is not None and self.fingerprint is not None
             cls = ShmPushChannel if transport == "shm" else TcpPushChannel
             self._channels[key] = cls(host, port, self._token, self.fingerprint, self.stats,
-                                      self._faults, self.shape, self.cfg.connect_timeout_s)
+                                      self._faults, self.shape, self.cfg.connect_timeout_s,
+                                      tls=self._tls_client)
         return self._channels[key]
 
     # -- prefill side ------------------------------------------------------------------------

@@ -9,9 +9,11 @@ import sys
 import threading
 from types import FrameType
 
+from splitserve.config import ConnectorConfig
+from splitserve.connector.tls import client_context, server_context
 from splitserve.launch.config import DeploymentConfig, from_mapping, load_yaml
 from splitserve.launch.local import LocalDeployment
-from splitserve.worker.cli import parse_cpus
+from splitserve.worker.cli import add_tls_arguments, parse_cpus
 
 
 def overrides_from_args(args: argparse.Namespace) -> dict[str, object]:
@@ -22,7 +24,8 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, object]:
         "port": args.port, "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_model_len": args.max_model_len, "kv_cache_gib": args.kv_cache_gib,
         "cpus": args.cpus, "log_dir": args.log_dir, "unsplittable": args.unsplittable,
-        "worker_args": tuple(args.vllm_args) or None,
+        "worker_args": tuple(args.vllm_args) or None, "kv_tls_cert": args.kv_tls_cert,
+        "kv_tls_key": args.kv_tls_key, "kv_tls_ca": args.kv_tls_ca,
     }
 
 
@@ -36,6 +39,10 @@ def config_from_args(args: argparse.Namespace) -> DeploymentConfig:
 def run(args: argparse.Namespace) -> int:
     try:
         cfg = config_from_args(args)
+        tls = ConnectorConfig(tls_cert=cfg.kv_tls_cert, tls_key=cfg.kv_tls_key,
+                              tls_ca=cfg.kv_tls_ca)
+        server_context(tls)  # unreadable or mismatched TLS files fail here, not in every worker
+        client_context(tls)
     except (ValueError, OSError) as exc:
         print(f"splitserve serve: {exc}", file=sys.stderr)
         return 2
@@ -97,4 +104,5 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cpus", type=parse_cpus, default=None, help="cores to use, e.g. 0-7")
     p.add_argument("--log-dir", default=None)
     p.add_argument("--unsplittable", choices=("whole", "refuse"), default=None)
+    add_tls_arguments(p)
     p.set_defaults(func=run, vllm_args=[])

@@ -8,6 +8,9 @@ YAML keys are the field names below; `router:` holds the router's policy fields.
     transport: tcp
     port: 8000
     router: {decode_policy: round_robin}
+    kv_tls_cert: certs/kv.pem  # optional: TLS on the KV channel; one cert for every worker,
+    kv_tls_key: certs/kv.key   # valid for `host`; kv_tls_ca verifies it (and makes TLS mutual)
+    kv_tls_ca: certs/ca.pem
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from splitserve.config import TRANSPORTS
+from splitserve.config import TRANSPORTS, check_tls_files
 from splitserve.router.config import DECODE_POLICIES, PREFILL_POLICIES, UNSPLITTABLE_MODES
 
 ROUTER_KEYS = ("prefill_policy", "decode_policy", "unsplittable", "max_inflight")
@@ -44,6 +47,9 @@ class DeploymentConfig:
     decode_policy: str = "load"
     unsplittable: str = "whole"
     max_inflight: int = 4096
+    kv_tls_cert: str | None = None  # TLS on the KV channel: shared by every P and D worker
+    kv_tls_key: str | None = None
+    kv_tls_ca: str | None = None
     worker_args: tuple[str, ...] = field(default_factory=tuple)  # passed to vLLM unchanged
 
     def __post_init__(self) -> None:
@@ -72,6 +78,10 @@ class DeploymentConfig:
             raise ValueError(f"unsplittable must be one of {UNSPLITTABLE_MODES}")
         if self.model != "embedded" and not Path(self.model).is_dir():
             raise ValueError(f"model directory {self.model!r} does not exist")
+        check_tls_files(self.kv_tls_cert, self.kv_tls_key, self.kv_tls_ca, prefix="kv_tls_")
+        if self.kv_tls_cert is not None and not self.prefill:
+            raise ValueError("kv TLS encrypts the channel between prefill and decode workers; "
+                             "this deployment has none")
 
     @property
     def n_workers(self) -> int:

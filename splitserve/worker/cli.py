@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import ssl
 import sys
 
 from splitserve.config import FAILURE_POLICIES, ROLES, TRANSPORTS, WorkerConfig, load_token
@@ -86,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
         if cfg.role is not None:  # unreadable or mismatched TLS files fail here, not in vLLM
             server_context(cfg.connector_config())
             client_context(cfg.connector_config())
-    except (ValueError, ssl.SSLError, OSError) as exc:
+    except (ValueError, OSError) as exc:
         print(f"splitserve worker: {exc}", file=sys.stderr)
         return 2
     token = load_token(required=cfg.role is not None)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import queue
 import socket
+import ssl
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -33,6 +34,7 @@ from splitserve.connector.protocol import (
     send_frame,
 )
 from splitserve.connector.stats import ConnectorStats, TransferRecord
+from splitserve.connector.tls import Conn
 
 
 @dataclass
@@ -82,8 +84,10 @@ class PushChannel(ABC):
 
     def __init__(self, host: str, port: int, token: str, fingerprint: Fingerprint,
                  stats: ConnectorStats, faults: Faults, shape: KVShape,
-                 connect_timeout_s: float, begin_timeout_s: float = 5.0) -> None:
+                 connect_timeout_s: float, begin_timeout_s: float = 5.0,
+                 tls: ssl.SSLContext | None = None) -> None:
         self.host, self.port = host, port
+        self._tls = tls  # set: every connection is TLS, verified for `host`
         self._token, self._fingerprint = token, fingerprint
         self._stats, self._faults = stats, faults
         self.shape = shape
@@ -94,7 +98,7 @@ class PushChannel(ABC):
         self._lock = threading.Lock()
         self._busy_with: str | None = None  # transfer id the sender is touching right now
         self._idle = threading.Condition(self._lock)
-        self._sock: socket.socket | None = None
+        self._sock: Conn | None = None
         self._closed = False
         self._sender = threading.Thread(target=self._send_loop, daemon=True,
                                         name=f"splitserve-push-{host}:{port}")
@@ -160,14 +164,14 @@ class PushChannel(ABC):
         """Prepare the payload path once the handshake succeeded (e.g. map D's segment)."""
 
     @abstractmethod
-    def write_payload(self, sock: socket.socket, st: SendState, item: LayerItem) -> None:
+    def write_payload(self, sock: Conn, st: SendState, item: LayerItem) -> None:
         """Deliver the chunk's bytes into D's staging region and send its LAYER frame."""
 
     # -- the sender thread -------------------------------------------------------------------
-    def _ensure_connected(self) -> socket.socket:
+    def _ensure_connected(self) -> Conn:
         if self._sock is None:
             sock, info = connect(self.host, self.port, self._token, "push", self._fingerprint,
-                                 self._connect_timeout_s)
+                                 self._connect_timeout_s, self._tls)
             self.on_connected(info)
             self._sock = sock
             threading.Thread(target=self._reply_loop, args=(sock,), daemon=True,
@@ -201,7 +205,12 @@ class PushChannel(ABC):
             try:
                 self._handle(kind, payload, st)
             except (OSError, ProtocolError) as exc:
-                cause = "peer_refused" if "refused by peer" in str(exc) else "peer_unreachable"
+                if isinstance(exc, ssl.SSLError):
+                    cause = "tls_failed"  # untrusted certificate, wrong host, or not TLS
+                elif "refused by peer" in str(exc):
+                    cause = "peer_refused"
+                else:
+                    cause = "peer_unreachable"
                 self._connection_lost(cause)
             finally:
                 with self._lock:
@@ -239,7 +248,7 @@ class PushChannel(ABC):
         return {"transfer_id": item.transfer_id, "layer": item.layer, "start": item.start,
                 "end": item.end, "nbytes": len(payload), "checksum": digest}
 
-    def _reply_loop(self, sock: socket.socket) -> None:
+    def _reply_loop(self, sock: Conn) -> None:
         try:
             while True:
                 op, body = recv_frame(sock)

@@ -4,12 +4,12 @@ then sends the LAYER frame with no inline payload."""
 
 from __future__ import annotations
 
-import socket
 from typing import Any
 
 from splitserve.connector.layout import region_offset
 from splitserve.connector.protocol import Op, ProtocolError, send_frame
 from splitserve.connector.segment import SharedSegment
+from splitserve.connector.tls import Conn
 from splitserve.connector.transport.base import LayerItem, PushChannel, SendState
 
 
@@ -23,7 +23,7 @@ class ShmPushChannel(PushChannel):
         if self._segment is None or self._segment.path != path:
             self._segment = SharedSegment(0, path=str(path))
 
-    def write_payload(self, sock: socket.socket, st: SendState, item: LayerItem) -> None:
+    def write_payload(self, sock: Conn, st: SendState, item: LayerItem) -> None:
         assert self._segment is not None
         nbytes = (item.end - item.start) * self.shape.bytes_per_token_layer
         base = st.offset + region_offset(self.shape, item.start, item.end, item.layer)

@@ -4,12 +4,12 @@ copy) and sends them right after the LAYER frame; D `recv_into`s its staging reg
 from __future__ import annotations
 
 import json
-import socket
 from typing import Any
 
 import torch
 
 from splitserve.connector.protocol import HEADER, MAGIC, Op
+from splitserve.connector.tls import Conn
 from splitserve.connector.transport.base import LayerItem, PushChannel, SendState
 
 
@@ -19,7 +19,7 @@ class TcpPushChannel(PushChannel):
     def on_connected(self, staging_info: dict[str, Any]) -> None:
         return None
 
-    def write_payload(self, sock: socket.socket, st: SendState, item: LayerItem) -> None:
+    def write_payload(self, sock: Conn, st: SendState, item: LayerItem) -> None:
         nbytes = (item.end - item.start) * self.shape.bytes_per_token_layer
         if self._buffer is None or self._buffer.numel() < nbytes:
             self._buffer = torch.empty(max(nbytes, 1 << 20), dtype=torch.uint8)
