@@ -196,11 +196,12 @@ def create_app(cfg: RouterConfig, token: str | None, api_key: str | None = None,
         handed_off = False
         mode = "-"
         try:
+            raw = await request.body()
             try:
-                raw = await request.body()
-                body = validate(json.loads(raw), kind, st.model["id"])
-            except json.JSONDecodeError as exc:
+                parsed = json.loads(raw)
+            except ValueError as exc:  # not JSON, or not UTF-8 at all
                 raise RequestError(f"invalid JSON body: {exc}") from exc
+            body = validate(parsed, kind, st.model["id"])
             mode = choose_mode(st, body, kind)
             t = Timings(mode=mode)
             if mode == "split":

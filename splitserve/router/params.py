@@ -138,7 +138,19 @@ def validate(body: Any, kind: Kind, served_model: str) -> dict[str, Any]:
         raise RequestError("stream_options must be an object", "stream_options")
     if "kv_transfer_params" in body:
         raise RequestError("kv_transfer_params is set by the router", "kv_transfer_params")
+    for field in FLOAT_FIELDS:
+        value = body.get(field)
+        if isinstance(value, int | float) and not isinstance(value, bool) and not (
+                abs(value) <= FLOAT32_MAX):  # also NaN, which Python's JSON parser accepts
+            raise RequestError(f"{field} must be a finite number, got {value}", field)
     return body
+
+
+# Sampling numbers the engine holds as float32: anything beyond its range (or NaN, or infinity)
+# overflows there into NaN logits, an engine error rather than a clear 400.
+FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                "repetition_penalty", "length_penalty")
+FLOAT32_MAX = 3.4028234663852886e38
 
 
 def max_tokens_of(body: dict[str, Any]) -> int | None:

@@ -66,6 +66,10 @@ def test_chat_parameters() -> None:
     ({"prompt": "x", "min_tokens": -1}, "min_tokens", 400),
     ({"prompt": "x", "kv_transfer_params": {}}, "kv_transfer_params", 400),
     ({"prompt": "x", "stream_options": 3}, "stream_options", 400),
+    # numbers beyond float32 (or NaN) would overflow into an engine error: found by the fuzzer
+    ({"prompt": "x", "repetition_penalty": 1e300}, "repetition_penalty", 400),
+    ({"prompt": "x", "temperature": float("nan")}, "temperature", 400),
+    ({"prompt": "x", "top_p": float("inf")}, "top_p", 400),
 ])
 def test_validation_names_the_field(body: dict, param: str, status: int) -> None:
     with pytest.raises(RequestError) as err:
