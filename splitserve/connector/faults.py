@@ -1,8 +1,9 @@
 """Test-only fault injection, read in one place.
 
-Off unless the worker's environment sets `SPLITSERVE_FAULTS=1`. When on, a transfer whose id
-contains one of the markers below misbehaves on the prefill side, so tests can exercise real
-failures on a shared deployment:
+Off unless the worker's environment sets `SPLITSERVE_FAULTS`: `1` enables the transfer faults,
+`1,crash` (or `crash`) also the crash points. When on, a transfer whose id contains one of the
+markers below misbehaves, so tests exercise real failures on a shared deployment. The router puts
+the client's `X-Request-Id` into every transfer id, so a client chooses faults per request:
 
 | marker in transfer_id | effect |
 |---|---|
@@ -10,11 +11,15 @@ failures on a shared deployment:
 | `fault-drop`     | nothing is pushed at all (the transfer never arrives) |
 | `fault-short`    | the last layer is not pushed, END is (a short transfer) |
 | `fault-delay`    | each layer is pushed 0.2 s late |
+| `fault-crash-p`  | crash points on: the prefill worker dies (SIGKILL, whole process group)
+|                  | mid-push, before its middle layer |
+| `fault-crash-d`  | crash points on: the decode worker dies when the transfer's BEGIN arrives |
 """
 
 from __future__ import annotations
 
 import os
+import signal
 from dataclasses import dataclass
 
 from splitserve.config import FAULTS_ENV
@@ -23,10 +28,12 @@ from splitserve.config import FAULTS_ENV
 @dataclass(frozen=True)
 class Faults:
     enabled: bool
+    crashes: bool = False
 
     @classmethod
     def from_env(cls) -> Faults:
-        return cls(enabled=os.environ.get(FAULTS_ENV, "") == "1")
+        parts = set(os.environ.get(FAULTS_ENV, "").split(","))
+        return cls(enabled=bool(parts & {"1", "crash"}), crashes="crash" in parts)
 
     def _has(self, transfer_id: str, marker: str) -> bool:
         return self.enabled and marker in transfer_id
@@ -42,3 +49,13 @@ class Faults:
 
     def delay_s(self, transfer_id: str) -> float:
         return 0.2 if self._has(transfer_id, "fault-delay") else 0.0
+
+    def crash_if(self, transfer_id: str, point: str, layer: int = 0, num_layers: int = 0) -> None:
+        """Kill this worker — its whole process group, as a machine failure would — at `point`
+        (`p-mid-push` at the middle layer, `d-begin`) if the transfer asks for it."""
+        if not self.crashes:
+            return
+        if (point == "p-mid-push" and layer == num_layers // 2
+                and self._has(transfer_id, "fault-crash-p")) or (
+                point == "d-begin" and self._has(transfer_id, "fault-crash-d")):
+            os.killpg(os.getpgrp(), signal.SIGKILL)

@@ -18,6 +18,7 @@ from typing import Any
 
 import xxhash
 
+from splitserve.connector.faults import Faults
 from splitserve.connector.layout import region_offset
 from splitserve.connector.protocol import (
     Fingerprint,
@@ -37,8 +38,9 @@ REAP_INTERVAL_S = 0.5
 class KVListener:
     def __init__(self, host: str, port: int, token: str, fingerprint: Fingerprint,
                  staging: StagingArea | None, answer: Callable[[dict[str, Any]], dict[str, Any]],
-                 tls: ssl.SSLContext | None = None) -> None:
+                 tls: ssl.SSLContext | None = None, faults: Faults | None = None) -> None:
         self._token = token
+        self._faults = faults or Faults(enabled=False)
         self._tls = tls
         self._fingerprint = fingerprint
         self._staging = staging
@@ -117,6 +119,7 @@ class KVListener:
                     send_frame(conn, Op.BEGIN_REFUSED, {"transfer_id": tid,
                                                         "cause": "not_a_decode_worker"})
                     continue
+                self._faults.crash_if(tid, "d-begin")
                 try:
                     st = staging.begin(tid, int(body.get("tokens", 0)))
                 except StagingRefused as exc:

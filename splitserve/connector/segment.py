@@ -6,11 +6,44 @@ is another (the scheduler process maps it).
 
 from __future__ import annotations
 
+import glob
+import logging
 import mmap
 import os
 import secrets
+import time
 
 import torch
+
+logger = logging.getLogger(__name__)
+SHM_GLOB = "/dev/shm/splitserve-*"
+
+
+def sweep_orphans(min_age_s: float = 60.0) -> list[str]:
+    """Remove our shared-memory files that no live process maps: what a worker killed with
+    SIGKILL leaves behind (SIGTERM cleans up itself). Only files this user owns, and only
+    those untouched for `min_age_s`, so a segment between creation and mapping is safe."""
+    mapped: set[str] = set()
+    for maps in glob.glob("/proc/[0-9]*/maps"):
+        try:
+            with open(maps) as f:
+                mapped.update(line.rsplit(" ", 1)[-1].strip() for line in f
+                              if "/dev/shm/splitserve-" in line)
+        except OSError:  # gone, or another user's process (which cannot map our 0600 files)
+            continue
+    removed = []
+    now = time.time()
+    for path in glob.glob(SHM_GLOB):
+        try:
+            st = os.stat(path)
+            if st.st_uid == os.getuid() and path not in mapped and now - st.st_mtime > min_age_s:
+                os.unlink(path)
+                removed.append(path)
+        except OSError:
+            continue
+    if removed:
+        logger.info("removed %d orphaned shared-memory files", len(removed))
+    return removed
 
 
 class SharedSegment:

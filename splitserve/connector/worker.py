@@ -34,6 +34,7 @@ from splitserve.connector.layout import (
 from splitserve.connector.listener import KVListener
 from splitserve.connector.protocol import Fingerprint, config_hash
 from splitserve.connector.scheduler import LoadSpec, SplitserveMeta
+from splitserve.connector.segment import sweep_orphans
 from splitserve.connector.staging import StagedTransfer, StagingArea
 from splitserve.connector.stats import ConnectorStats
 from splitserve.connector.tls import client_context, server_context
@@ -109,10 +110,12 @@ class WorkerSide:
             vllm_version=self._vllm_version,
         )
         if self.cfg.role in ("decode", "both"):
+            sweep_orphans()  # what decode workers killed with SIGKILL left in /dev/shm
             self.staging = StagingArea(self.cfg.staging_bytes, self.shape, self.cfg.lease_s,
                                        self.stats, DoneTable(table_path(self.engine_id), True))
         self.listener = KVListener(self.cfg.kv_host, self.cfg.kv_port, self._token,
-                                   self.fingerprint, self.staging, self.answer, self._tls_server)
+                                   self.fingerprint, self.staging, self.answer, self._tls_server,
+                                   self._faults)
 
     def answer(self, query: dict[str, Any]) -> dict[str, Any]:
         """The listener's QUERY handler: state, or one transfer's record."""

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
 
 from splitserve.connector.layout import KVShape
+from splitserve.connector.segment import SharedSegment, sweep_orphans
 from splitserve.connector.staging import RegionAllocator, StagingArea, StagingRefused
 from splitserve.connector.stats import ConnectorStats
 
@@ -113,3 +115,26 @@ def test_discard_frees_now_or_refuses_the_push(area: StagingArea) -> None:
     area.claim("in-use")
     assert area.discard("in-use") and area.state()["claimed_transfers"] == 1  # owner keeps it
     area.release(claimed, "loaded")
+
+
+def test_sweep_removes_only_unmapped_stale_files() -> None:
+    """What a SIGKILLed worker leaves in /dev/shm goes; live and fresh segments stay."""
+    live = SharedSegment(4096)  # mapped by this process
+    orphan = SharedSegment(4096)
+    orphan_path = orphan.path
+    orphan.owner = False  # leave the file behind, as a killed process would
+    orphan.close()
+    fresh = SharedSegment(4096)
+    fresh_path = fresh.path
+    fresh.owner = False
+    fresh.close()
+    old = time.time() - 3600
+    for path in (live.path, orphan_path):
+        os.utime(path, (old, old))
+    try:
+        removed = sweep_orphans(min_age_s=60.0)
+        assert orphan_path in removed and not os.path.exists(orphan_path)
+        assert os.path.exists(live.path) and os.path.exists(fresh_path)  # mapped; too young
+    finally:
+        live.close()
+        os.unlink(fresh_path)

@@ -233,6 +233,8 @@ class PushChannel(ABC):
                 return
             if delay := self._faults.delay_s(st.transfer_id):
                 time.sleep(delay)
+            self._faults.crash_if(st.transfer_id, "p-mid-push", payload.layer,
+                                  self.shape.num_layers)
             sock = self._ensure_connected()
             self.write_payload(sock, st, payload)
         elif kind == "end":
