@@ -57,8 +57,9 @@ def test_refusal_names_the_parameter_and_api_key(llama_pair: tuple[Worker, Worke
     key = {"Authorization": "Bearer sk-test"}
     try:
         base = {"model": model_of(llama_pair), "prompt": "x", "max_tokens": 4}
-        r = httpx.post(f"{router.url}/v1/completions", json=base, timeout=60)
-        assert r.status_code == 401 and r.json()["error"]["type"] == "AuthenticationError"
+        for wrong in ({}, {"Authorization": "Bearer sk-wrong"}, {"Authorization": "sk-test"}):
+            r = httpx.post(f"{router.url}/v1/completions", json=base, timeout=60, headers=wrong)
+            assert r.status_code == 401 and r.json()["error"]["type"] == "AuthenticationError"
         for extra, param in (({"n": 2}, "n"), ({"logprobs": 1}, "logprobs"),
                              ({"presence_penalty": 1.0}, "presence_penalty"),
                              ({"stop": "."}, "stop"), ({"min_tokens": 2}, None)):
