@@ -5,7 +5,13 @@ Rust router from PyPI) in front of the same worker, when it is installed.
 Each router is pinned to one core; the worker gets the rest. Requests to the targets are
 interleaved so drift hits all alike. Printed and written to JSON, never asserted.
 
+`--split`: the same for the two-leg path — splitserve in front of a P- and a D-worker (both on
+the worker cores). Per request (`max_tokens: 1`, so only P is involved) against P reached
+directly; per streamed token (D's leg relayed, each event re-framed) against D reached directly.
+vllm-router's P/D mode speaks another KV protocol, so it is not in this table.
+
     python benchmarks/router_overhead.py [--model DIR] [--requests 200] [--vllm-router-path DIR]
+    python benchmarks/router_overhead.py --split
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import secrets
 import statistics
 import sys
 import time
@@ -42,6 +49,7 @@ def tiny_model() -> str:
 
 def request_latency(client: httpx.Client, urls: dict[str, str], model: str, n: int
                     ) -> dict[str, list[float]]:
+    """Non-streaming one-token requests, interleaved over the targets."""
     out: dict[str, list[float]] = {k: [] for k in urls}
     body = {"model": model, "prompt": [11, 12, 13, 14], "max_tokens": 1, "temperature": 0}
     for i in range(n):
@@ -88,6 +96,45 @@ async def throughput(url: str, model: str, concurrency: int, tokens: int, pid: i
             "chunks_per_router_cpu_s": received / cpu if cpu else float("nan")}
 
 
+def split_run(args: argparse.Namespace, model_dir: str, logs: Path, router_core: tuple[int, ...],
+              worker_cores: tuple[int, ...]) -> tuple[dict[str, list[float]],
+                                                      dict[str, list[float]], dict[str, Any]]:
+    """(request latencies vs P, token gaps vs D, throughput) of the split path."""
+    token = secrets.token_hex(16)
+    cfgs = [WorkerConfig(model=model_dir, port=free_port(), role=role, kv_port=free_port(),
+                         cpus=worker_cores, max_model_len=2048, served_model_name="bench")
+            for role in ("prefill", "decode")]
+    workers = [start_worker(c, token, str(logs / f"{c.role}.log")) for c in cfgs]
+    router = None
+    try:
+        for c, w in zip(cfgs, workers, strict=True):
+            wait_healthy(c.url, w)
+        port = free_port()
+        router = spawn([sys.executable, "-m", "splitserve.cli", "router", "--prefill",
+                        cfgs[0].url, "--decode", cfgs[1].url, "--port", str(port),
+                        "--log-level", "warning"], logs / "splitserve-router.log", router_core,
+                       dict(os.environ, SPLITSERVE_TOKEN=token))
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, None, 120)
+        with httpx.Client(timeout=120) as client:
+            token_gaps(client, {"splitserve": url}, "bench", 2, 8)  # warm-up
+            lat = request_latency(client, {"direct": cfgs[0].url, "splitserve": url}, "bench",
+                                  args.requests)
+            gaps = token_gaps(client, {"direct": cfgs[1].url, "splitserve": url}, "bench",
+                              args.streams, args.tokens)
+        thr = {"direct": asyncio.run(throughput(cfgs[1].url, "bench", args.concurrency,
+                                                args.tokens, None)),
+               "splitserve": asyncio.run(throughput(url, "bench", args.concurrency,
+                                                    args.tokens, router.pid))}
+    finally:
+        if router is not None:
+            stop(router)
+        for w in workers:
+            w.terminate()
+            w.wait(30)
+    return lat, gaps, thr
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", default=None, help="model directory (default: a tiny llama)")
@@ -97,14 +144,33 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--vllm-router-path", default=None,
                     help="directory holding the vllm_router package (pip install --target)")
-    ap.add_argument("--out", default="benchmarks/results/router_overhead.json")
+    ap.add_argument("--split", action="store_true",
+                    help="the two-leg path (a P- and a D-worker) instead of the colocated one")
+    ap.add_argument("--out", default=None,
+                    help="default: benchmarks/results/router_overhead[_split].json")
     args = ap.parse_args()
+    args.out = args.out or ("benchmarks/results/router_overhead_split.json" if args.split
+                            else "benchmarks/results/router_overhead.json")
     model_dir = args.model or tiny_model()
     cores = sorted(os.sched_getaffinity(0))
     router_core, worker_cores = (cores[0],), tuple(cores[1:] or cores)
     logs = Path(f"/tmp/splitserve-overhead-{time.time():.0f}")
     logs.mkdir(parents=True)
+    rust_note = "not run (--split)"
+    if args.split:
+        lat, gaps, thr = split_run(args, model_dir, logs, router_core, worker_cores)
+        urls: dict[str, str] = {"direct": "", "splitserve": ""}
+    else:
+        lat, gaps, thr, urls, rust_note = colocated_run(args, model_dir, logs, router_core,
+                                                         worker_cores)
+    report(args, model_dir, router_core, worker_cores, rust_note, lat, gaps, thr, urls)
+    return 0
 
+
+def colocated_run(args: argparse.Namespace, model_dir: str, logs: Path,
+                  router_core: tuple[int, ...], worker_cores: tuple[int, ...]
+                  ) -> tuple[dict[str, list[float]], dict[str, list[float]], dict[str, Any],
+                             dict[str, str], str]:
     wcfg = WorkerConfig(model=model_dir, port=free_port(), cpus=worker_cores,
                         max_model_len=2048, served_model_name="bench")
     procs = []
@@ -146,12 +212,21 @@ def main() -> int:
             stop(p)
         worker.terminate()
         worker.wait(30)
+    return lat, gaps, thr, urls, rust_note
 
+
+def report(args: argparse.Namespace, model_dir: str, router_core: tuple[int, ...],
+           worker_cores: tuple[int, ...], rust_note: str, lat: dict[str, list[float]],
+           gaps: dict[str, list[float]], thr: dict[str, Any], urls: dict[str, str]) -> None:
     base_lat = statistics.median(lat["direct"])
     base_gap = statistics.median(gaps["direct"])
     result: dict[str, Any] = {"benchmark": "router_overhead", "model": model_dir,
+                              "path": "split" if args.split else "colocated",
                               "router_core": list(router_core), "worker_cores": list(worker_cores),
                               "vllm_router": rust_note, "targets": {}}
+    if args.split:
+        result["baselines"] = {"request": "P-worker reached directly",
+                               "token": "D-worker reached directly"}
     print(f"{'target':>12} {'req p50 ms':>11} {'added ms':>9} {'ITL p50 ms':>11} "
           f"{'added/token ms':>15} {'chunks/s':>9} {'chunks/router-cpu-s':>20}")
     for name in urls:
@@ -171,7 +246,6 @@ def main() -> int:
         result["added_latency_ratio_vs_vllm_router"] = ratio
         print(f"added request latency, splitserve / vllm-router: {ratio:.2f} (target <= 2)")
     write_json(Path(args.out), result)
-    return 0
 
 
 if __name__ == "__main__":

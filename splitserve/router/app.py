@@ -106,19 +106,28 @@ async def until_disconnect(request: Request) -> None:
 
 
 async def cancellable(request: Request, work: Awaitable[T]) -> T:
-    """Run `work`, cancelling it (and so aborting its open leg) if the client goes away."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(until_disconnect(request))
+    """Run `work` in this task, cancelling it (and so aborting its open leg) if the client goes
+    away first; then raise ClientGone. One watcher task per call: this is on every request."""
+    me = asyncio.current_task()
+    assert me is not None
+    gone = False
+
+    async def watch() -> None:
+        nonlocal gone
+        await until_disconnect(request)
+        gone = True
+        me.cancel()
+
+    watcher = asyncio.get_running_loop().create_task(watch())
     try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        return await work
+    except asyncio.CancelledError:
+        if not gone:
+            raise  # cancelled from outside: not ours to absorb
+        me.uncancel()
+        raise ClientGone() from None
     finally:
         watcher.cancel()
-    if not task.done():
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await task
-        raise ClientGone()
-    return task.result()
 
 
 def create_app(cfg: RouterConfig, token: str | None, api_key: str | None = None,

@@ -8,7 +8,9 @@ every token already produced (recomputed there, so nothing stale is read), and t
 one unbroken stream. Closing a leg's HTTP stream aborts that request in vLLM, so cancelling the
 client's task aborts whichever leg is open.
 
-The unsplit path (one worker, the request unchanged) is `whole.Passthrough`.
+Both legs go over the app's one aiohttp session (`whole.new_session`), whose default headers
+carry the deployment token: every request to a worker is authenticated. The unsplit path (one
+worker, the request unchanged) is `whole.Passthrough`.
 """
 
 from __future__ import annotations
@@ -23,17 +25,21 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
+import aiohttp
 
 from splitserve.router.config import RouterConfig
 from splitserve.router.formats import Joiner
 from splitserve.router.health import Registry, Worker
 from splitserve.router.metrics import RouterMetrics
 from splitserve.router.params import Legs, decode_body, prefill_body
-from splitserve.router.policy import Picker
+from splitserve.router.policy import NoWorker, Picker
 
 log = logging.getLogger("splitserve.router")
 RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})
+# Connection-level failures of a leg (refused, reset, cut mid-body, read timeout): retryable.
+TRANSPORT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
+JSON_HEADERS = {"Content-Type": "application/json"}
+FINAL_STATUS = frozenset({"loaded", "failed", "expired", "discarded", "aborted"})  # D's record
 
 
 class UpstreamError(Exception):
@@ -54,15 +60,21 @@ class LegFailed(Exception):
         self.status = status
 
 
-def upstream_body(r: httpx.Response) -> dict[str, Any]:
+def upstream_body(status: int, raw: bytes) -> dict[str, Any]:
+    """A worker's error answer as an OpenAI error body (vLLM's own when it sent one)."""
     try:
-        body = r.json()
+        body = json.loads(raw)
         if isinstance(body, dict) and "error" in body:
             return body
     except ValueError:
         pass
-    return {"error": {"message": r.text[:500] or f"worker answered {r.status_code}",
-                      "type": "UpstreamError", "param": None, "code": r.status_code}}
+    text = raw[:500].decode(errors="replace")
+    return {"error": {"message": text or f"worker answered {status}",
+                      "type": "UpstreamError", "param": None, "code": status}}
+
+
+def encode(body: dict[str, Any]) -> bytes:
+    return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
 
 
 @dataclass
@@ -84,6 +96,9 @@ class Timings:
     end: float | None = None
     retries: int = 0
     kv: dict[str, Any] | None = None
+    # D's transfer record, fetched while D streams (started at its first token: by then the KV
+    # is loaded), so the record costs the end of the request no round trip
+    record_fetch: asyncio.Task[None] | None = field(default=None, repr=False)
 
     def as_dict(self) -> dict[str, Any]:
         def gap(a: float | None, b: float | None) -> float | None:
@@ -127,13 +142,13 @@ class Prefilled:
 
 class Flow:
     def __init__(self, cfg: RouterConfig, registry: Registry, picker: Picker,
-                 metrics: RouterMetrics, client: httpx.AsyncClient, model: str,
+                 metrics: RouterMetrics, session: aiohttp.ClientSession, model: str,
                  kv_bytes_per_token: int, max_model_len: int | None) -> None:
         self.cfg = cfg
         self.registry = registry
         self.picker = picker
         self.metrics = metrics
-        self.client = client
+        self.session = session  # its default headers authenticate every request to a worker
         self.model = model
         self.kv_bytes_per_token = kv_bytes_per_token
         self.max_model_len = max_model_len
@@ -179,15 +194,19 @@ class Flow:
             d.acquire()  # reserved now, so a burst spreads over D before any decode leg starts
             reserved = False
             try:
-                r = await self.client.post(f"{p.url}/v1/completions", json=body,
-                                           headers={"X-Request-Id": f"{rid}-p{attempt}"})
-                if r.status_code in RETRYABLE_STATUS:
-                    raise LegFailed(f"http_{r.status_code}", r.text[:200], r.status_code)
-                if r.status_code != 200:
-                    raise UpstreamError(r.status_code, upstream_body(r))
-                out = r.json()
+                # read to the end inside the block: the connection goes back to the pool
+                async with self.session.post(
+                        f"{p.url}/v1/completions", data=encode(body),
+                        headers={**JSON_HEADERS, "X-Request-Id": f"{rid}-p{attempt}"}) as r:
+                    raw = await r.read()
+                if r.status in RETRYABLE_STATUS:
+                    raise LegFailed(f"http_{r.status}", raw[:200].decode(errors="replace"),
+                                    r.status)
+                if r.status != 200:
+                    raise UpstreamError(r.status, upstream_body(r.status, raw))
+                out = json.loads(raw)
                 reserved = True
-            except (httpx.TransportError, LegFailed) as exc:
+            except (*TRANSPORT_ERRORS, LegFailed) as exc:
                 tried.add(p.url)
                 self._fail(p, "prefill", exc, rid)
                 last = exc
@@ -224,9 +243,31 @@ class Flow:
             "param": None, "code": status}})
 
     # --- D ----------------------------------------------------------------------------------
+    def _resume_on(self, tried: set[str]) -> Worker:
+        """Where a failed decode leg resumes: a D not tried yet, else a colocated worker not
+        tried yet, else any D in rotation, else any colocated worker. Each of them recomputes
+        from the prompt and the tokens produced so far, so any of them is exact."""
+        decode = self.registry.routable("decode")
+        colocated = self.registry.routable("colocated")
+        groups = ((self.picker.decode, [w for w in decode if w.url not in tried]),
+                  (self.picker.colocated, [w for w in colocated if w.url not in tried]),
+                  (self.picker.decode, decode), (self.picker.colocated, colocated))
+        refused: NoWorker = NoWorker("decode or colocated")
+        for pick, pool in groups:
+            if pool:
+                try:
+                    return pick(pool)
+                except NoWorker as exc:  # every worker of the group at its queue limit
+                    refused = exc
+        raise refused
+
     async def decode(self, legs: Legs, rid: str, pre: Prefilled, joiner: Joiner, t: Timings
                      ) -> AsyncIterator[dict[str, Any]]:
-        """Yield the client's token chunks from D (t1 already went through `joiner`)."""
+        """Yield the client's token chunks from D (t1 already went through `joiner`).
+
+        Invariant: whenever this generator stops early (cancelled, closed, or a leg failed),
+        the open leg's connection is closed, not returned to the pool, and closing it aborts the
+        request in vLLM; the leg's hold on its worker is released exactly once."""
         assert pre.decode is not None and pre.reserved
         d, kv = pre.decode, pre.kv
         pre.reserved = False  # the first attempt's leg is the reservation taken at prefill
@@ -236,30 +277,31 @@ class Flow:
                 t.retries += 1
                 self.metrics.retries.labels("decode").inc()
                 await self._backoff(attempt - 1)
-                pool = [w for w in self.registry.routable("decode") if w.url not in tried]
-                d = self.picker.decode(pool or self.registry.routable("decode"))
+                d = self._resume_on(tried)
                 kv = None  # resumption recomputes: never read KV staged for another worker
                 d.acquire()
             t.decode_url = d.url
             body = decode_body(legs, self.model, pre.prompt_ids, joiner.produced, kv)
             t.d_sent = time.monotonic()
+            r: aiohttp.ClientResponse | None = None
+            complete = False  # read to the end: the connection may be reused
             try:
-                async with self.client.stream(
-                        "POST", f"{d.url}/v1/completions", json=body,
-                        headers={"X-Request-Id": f"{rid}-d{attempt}"}) as r:
-                    if r.status_code in RETRYABLE_STATUS:
-                        raise LegFailed(f"http_{r.status_code}", (await r.aread())[:200].decode(),
-                                        r.status_code)
-                    if r.status_code != 200:
-                        await r.aread()
-                        raise UpstreamError(r.status_code, upstream_body(r))
-                    async for chunk in self._relay(r, joiner, t):
-                        yield chunk
-                    if joiner.finish_reason is None:
-                        raise LegFailed("stream_cut", "D's stream ended before a finish reason")
+                r = await self.session.post(
+                    f"{d.url}/v1/completions", data=encode(body),
+                    headers={**JSON_HEADERS, "X-Request-Id": f"{rid}-d{attempt}"})
+                if r.status in RETRYABLE_STATUS:
+                    raise LegFailed(f"http_{r.status}",
+                                    (await r.read())[:200].decode(errors="replace"), r.status)
+                if r.status != 200:
+                    raise UpstreamError(r.status, upstream_body(r.status, await r.read()))
+                async for chunk in self._relay(r, joiner, t, d.url if kv else None):
+                    yield chunk
+                complete = True
+                if joiner.finish_reason is None:
+                    raise LegFailed("stream_cut", "D's stream ended before a finish reason")
                 self.registry.succeeded(d)
                 return
-            except (httpx.TransportError, LegFailed) as exc:
+            except (*TRANSPORT_ERRORS, LegFailed) as exc:
                 tried.add(d.url)
                 self._fail(d, "decode", exc, rid)
                 if attempt == self.cfg.decode_retries:
@@ -267,6 +309,11 @@ class Flow:
                         "message": f"decode failed on every attempt: {exc}",
                         "type": "UpstreamError", "param": None, "code": 502}}) from exc
             finally:
+                if r is not None:
+                    if complete:
+                        r.release()
+                    else:
+                        r.close()  # mid-stream: aborts the request in vLLM
                 d.release()
 
     def release(self, pre: Prefilled | None) -> None:
@@ -285,48 +332,64 @@ class Flow:
 
         async def send() -> None:
             try:
-                await self.client.delete(
-                    f"{d_url}/splitserve/transfers/{transfer_id}", timeout=2.0,
-                    headers={"Authorization": f"Bearer {self.registry.token}"})
-            except httpx.HTTPError as exc:  # the lease frees it anyway
+                async with self.session.delete(f"{d_url}/splitserve/transfers/{transfer_id}",
+                                               timeout=aiohttp.ClientTimeout(total=2.0)) as r:
+                    await r.read()
+            except TRANSPORT_ERRORS as exc:  # the lease frees it anyway
                 log.info("could not discard transfer %s on %s: %s", transfer_id, d_url, exc)
 
         task = asyncio.get_running_loop().create_task(send())
         self._discards.add(task)
         task.add_done_callback(self._discards.discard)
 
-    async def _relay(self, r: httpx.Response, joiner: Joiner, t: Timings
-                     ) -> AsyncIterator[dict[str, Any]]:
-        async for line in r.aiter_lines():
-            if not line.startswith("data: "):
-                continue
-            data = line[6:]
-            if data == "[DONE]":
-                return
-            obj = json.loads(data)
-            if "error" in obj:
-                err = obj["error"]
-                raise UpstreamError(int(err.get("code") or 500), obj)
-            choices = obj.get("choices")
-            if not choices:
-                continue
-            c = choices[0]
-            if t.d_first is None:
-                t.d_first = time.monotonic()
-            yield joiner.tokens(c.get("text") or "", list(c.get("token_ids") or []),
-                                c.get("finish_reason"), c.get("stop_reason"))
+    async def _relay(self, r: aiohttp.ClientResponse, joiner: Joiner, t: Timings,
+                     kv_on: str | None) -> AsyncIterator[dict[str, Any]]:
+        """D's SSE events as the client's chunks. Reads the body to its end (past `[DONE]`), so
+        a finished leg's connection is reused rather than closed. `kv_on`: the D this leg's
+        KV went to (None when it recomputes)."""
+        rest = b""
+        async for piece in r.content.iter_any():
+            lines = (rest + piece if rest else piece).split(b"\n")
+            rest = lines.pop()  # an unterminated line waits for the next piece
+            for line in lines:
+                if not line.startswith(b"data: {"):
+                    continue  # blank separators, comments, and `data: [DONE]`
+                obj = json.loads(line[6:])
+                if "error" in obj:
+                    err = obj["error"]
+                    raise UpstreamError(int(err.get("code") or 500), obj)
+                choices = obj.get("choices")
+                if not choices:
+                    continue
+                c = choices[0]
+                if t.d_first is None:
+                    t.d_first = time.monotonic()
+                    if kv_on and self.registry.token and t.record_fetch is None:
+                        t.record_fetch = asyncio.get_running_loop().create_task(
+                            self._fetch_record(t, kv_on))
+                yield joiner.tokens(c.get("text") or "", list(c.get("token_ids") or []),
+                                    c.get("finish_reason"), c.get("stop_reason"))
 
     async def transfer_record(self, t: Timings, timeout_s: float = 0.5) -> None:
-        """Fetch the transfer's record from D into `t.kv` (best effort: timings only)."""
+        """D's record of the transfer into `t.kv` (best effort: timings only). Uses the one
+        fetched while D streamed when that one is final, else asks D now."""
         if not t.transfer_id or not t.decode_url or not self.registry.token:
             return
+        if t.record_fetch is not None:
+            await t.record_fetch  # never raises: `_fetch_record` logs and swallows
+            if (t.kv or {}).get("status") in FINAL_STATUS:
+                return
+        await self._fetch_record(t, t.decode_url, timeout_s)
+
+    async def _fetch_record(self, t: Timings, d_url: str, timeout_s: float = 0.5) -> None:
         try:
-            r = await self.client.get(
-                f"{t.decode_url}/splitserve/transfers/{t.transfer_id}", timeout=timeout_s,
-                headers={"Authorization": f"Bearer {self.registry.token}"})
-            if r.status_code == 200:
-                body = r.json()
+            async with self.session.get(
+                    f"{d_url}/splitserve/transfers/{t.transfer_id}",
+                    timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+                raw = await r.read()
+            if r.status == 200:
+                body = json.loads(raw)
                 # D's side of the transfer; the record is either flat or keyed by side
                 t.kv = body.get("recv") if isinstance(body.get("recv"), dict) else body
-        except httpx.HTTPError as exc:
+        except (*TRANSPORT_ERRORS, ValueError) as exc:
             log.info("no transfer record for %s: %s", t.transfer_id, exc)

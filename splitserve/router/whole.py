@@ -13,14 +13,21 @@ import asyncio
 import random
 
 import aiohttp
+from yarl import URL
 
 from splitserve.router.config import RouterConfig
-from splitserve.router.flow import RETRYABLE_STATUS, LegFailed, Timings, UpstreamError
+from splitserve.router.flow import (
+    RETRYABLE_STATUS,
+    TRANSPORT_ERRORS,
+    LegFailed,
+    Timings,
+    UpstreamError,
+)
 from splitserve.router.health import Registry, Worker
 from splitserve.router.metrics import RouterMetrics
 from splitserve.router.policy import Picker
 
-TRANSPORT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
+__all__ = ["TRANSPORT_ERRORS", "Passthrough", "new_session", "worker_headers"]
 
 
 def worker_headers(token: str | None) -> dict[str, str]:
@@ -29,12 +36,14 @@ def worker_headers(token: str | None) -> dict[str, str]:
 
 
 def new_session(cfg: RouterConfig, token: str | None) -> aiohttp.ClientSession:
+    """The app's one session to workers, for both paths: every request carries the token.
+    Workers set no cookies, so the session keeps none (a cookie jar costs time per request)."""
     return aiohttp.ClientSession(
         headers=worker_headers(token),
         timeout=aiohttp.ClientTimeout(total=None, sock_connect=cfg.connect_timeout_s,
                                       sock_read=cfg.request_timeout_s),
         connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60),
-        auto_decompress=False)
+        cookie_jar=aiohttp.DummyCookieJar(), auto_decompress=False)
 
 
 class Passthrough:
@@ -45,6 +54,16 @@ class Passthrough:
         self.picker = picker
         self.metrics = metrics
         self.session = session
+        self._urls: dict[tuple[str, str], URL] = {}  # parsed once per worker and path
+
+    def url(self, worker: Worker, path: str) -> URL:
+        key = (worker.url, path)
+        url = self._urls.get(key)
+        if url is None:
+            if len(self._urls) > 1024:  # workers come and go: never grows without bound
+                self._urls.clear()
+            url = self._urls[key] = URL(f"{worker.url}{path}")
+        return url
 
     def pick(self, exclude: set[str]) -> Worker:
         """A colocated worker if any is in rotation, else a decode worker."""
@@ -81,7 +100,7 @@ class Passthrough:
             t.decode_url = w.url
             w.acquire()
             try:
-                r = await self.session.post(f"{w.url}{path}", data=raw, headers={
+                r = await self.session.post(self.url(w, path), data=raw, headers={
                     "X-Request-Id": rid, "Content-Type": "application/json"})
                 if r.status in RETRYABLE_STATUS:
                     text = (await r.read())[:200].decode(errors="replace")

@@ -1,26 +1,36 @@
-"""The two legs against scripted workers (httpx.MockTransport): P retried on another P with a
-fresh transfer id, D resumed on another D with prompt + every token already produced, 4xx passed
-through untouched. Real workers are in test_e2e.py; these pin the failure paths down exactly."""
+"""The two legs against scripted workers (small aiohttp servers on loopback): P retried on
+another P with a fresh transfer id, D resumed on another D (or a colocated worker) with prompt +
+every token already produced, 4xx passed through untouched, a closed leg aborted on the worker,
+and the deployment token on every request. Real workers are in test_e2e.py; these pin the
+failure paths down exactly."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Callable
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
 
 from splitserve.router.config import RouterConfig
 from splitserve.router.flow import Flow, Timings, UpstreamError
 from splitserve.router.formats import Joiner
 from splitserve.router.health import Registry
 from splitserve.router.metrics import RouterMetrics
-from splitserve.router.params import plan_legs
+from splitserve.router.params import Legs, plan_legs
 from splitserve.router.policy import Picker
+from splitserve.router.whole import new_session
 
-P1, P2, D1, D2 = (f"http://{n}:1" for n in ("p1", "p2", "d1", "d2"))
+Handler = Callable[[str, web.Request], Awaitable[web.StreamResponse]]
+PREFILL_OK = {"choices": [{"text": "a", "token_ids": [10], "prompt_token_ids": [1, 2, 3],
+                           "finish_reason": "length", "stop_reason": None}],
+              "system_fingerprint": "fp"}
 
 
 def chunk(text: str, tok: int, finish: str | None = None) -> bytes:
@@ -29,87 +39,177 @@ def chunk(text: str, tok: int, finish: str | None = None) -> bytes:
     return f"data: {json.dumps(c)}\n\n".encode()
 
 
-class CutStream(httpx.AsyncByteStream):
-    """Yields some SSE chunks, then fails like a worker that died mid-stream."""
-
-    def __init__(self, parts: list[bytes], cut: bool) -> None:
-        self.parts, self.cut = parts, cut
-
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        for p in self.parts:
-            yield p
-        if self.cut:
-            raise httpx.ReadError("connection reset by peer")
-        yield b"data: [DONE]\n\n"
-
-
-def make_flow(handler: Callable[[httpx.Request], httpx.Response], token: str | None = None
-              ) -> tuple[Flow, RouterMetrics]:
-    cfg = RouterConfig(prefill=(P1, P2), decode=(D1, D2), retry_backoff_s=0.0)
-    client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
-    reg = Registry(cfg, client, token=token)
-    for w in reg.workers.values():
-        w.healthy = True
-    metrics = RouterMetrics()
-    return Flow(cfg, reg, Picker("load", "load"), metrics, client, "m", 0,
-                2048), metrics
+async def sse_reply(request: web.Request, parts: list[bytes], cut: bool = False
+                    ) -> web.StreamResponse:
+    """Stream `parts`; then end like vLLM (`[DONE]`), or die mid-body like a crashed worker."""
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    for p in parts:
+        await resp.write(p)
+    if cut:
+        assert request.transport is not None
+        request.transport.close()  # the chunked body never ends: the client sees it cut
+        return resp
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp
 
 
-PREFILL_OK = {"choices": [{"text": "a", "token_ids": [10], "prompt_token_ids": [1, 2, 3],
-                           "finish_reason": "length", "stop_reason": None}],
-              "system_fingerprint": "fp"}
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@asynccontextmanager
+async def workers(handler: Handler, names: tuple[str, ...]) -> AsyncIterator[dict[str, str]]:
+    """One scripted worker per name; `handler(name, request)` answers for each of them."""
+    servers: list[TestServer] = []
+    urls: dict[str, str] = {}
+    try:
+        for name in names:
+            app = web.Application()
+
+            async def route(request: web.Request, name: str = name) -> web.StreamResponse:
+                return await handler(name, request)
+
+            app.router.add_route("*", "/{tail:.*}", route)
+            server = TestServer(app, host="127.0.0.1")
+            await server.start_server()
+            servers.append(server)
+            urls[name] = f"http://127.0.0.1:{server.port}"
+        yield urls
+    finally:
+        for server in servers:
+            await server.close()
+
+
+@asynccontextmanager
+async def make_flow(urls: dict[str, str], token: str | None = None
+                    ) -> AsyncIterator[tuple[Flow, RouterMetrics]]:
+    role = {"p": "prefill", "d": "decode", "c": "colocated"}
+    by_role = {r: tuple(u for n, u in urls.items() if role[n[0]] == r) for r in role.values()}
+    cfg = RouterConfig(prefill=by_role["prefill"], decode=by_role["decode"],
+                       colocated=by_role["colocated"], retry_backoff_s=0.0)
+    async with httpx.AsyncClient() as client:  # the registry's (health checks: not run here)
+        reg = Registry(cfg, client, token=token)
+        for w in reg.workers.values():
+            w.healthy = True
+        metrics = RouterMetrics()
+        session = new_session(cfg, token)
+        try:
+            yield Flow(cfg, reg, Picker("load", "load"), metrics, session, "m", 0, 2048), metrics
+        finally:
+            await session.close()
+
+
+def started(legs: Legs, pre: Any) -> Joiner:
+    joiner = Joiner(legs, "rid", "m")
+    joiner.start(pre.prompt_ids, pre.fingerprint)
+    joiner.tokens(pre.t1_text, pre.t1_ids, None, None)
+    return joiner
 
 
 async def test_prefill_retries_elsewhere_and_decode_resumes_without_loss() -> None:
     seen: list[tuple[str, dict[str, Any]]] = []
 
-    def handler(req: httpx.Request) -> httpx.Response:
-        host = f"http://{req.url.host}:1"
-        body = json.loads(req.content)
-        seen.append((host, body))
-        if host == P1:
-            return httpx.Response(503, json={"error": {"message": "overloaded"}})
-        if host == P2:
-            return httpx.Response(200, json=PREFILL_OK)
-        if host == D1:
-            return httpx.Response(200, stream=CutStream([chunk("b", 11), chunk("c", 12)], True))
-        return httpx.Response(200, stream=CutStream(
-            [chunk("d", 13), chunk("e", 14, "length")], False))
+    async def handler(name: str, req: web.Request) -> web.StreamResponse:
+        seen.append((name, await req.json()))
+        if name == "p1":
+            return web.json_response({"error": {"message": "overloaded"}}, status=503)
+        if name == "p2":
+            return web.json_response(PREFILL_OK)
+        if name == "d1":
+            return await sse_reply(req, [chunk("b", 11), chunk("c", 12)], cut=True)
+        return await sse_reply(req, [chunk("d", 13), chunk("e", 14, "length")])
 
-    flow, metrics = make_flow(handler)
-    legs = plan_legs({"model": "m", "prompt": "x", "max_tokens": 5, "stream": True},
-                     "completion", "x")
-    t = Timings()
-    pre = await flow.prefill(legs, "rid", t)
-    assert [h for h, _ in seen] == [P1, P2] and pre.t1_ids == [10] and pre.finish_reason is None
-    joiner = Joiner(legs, "rid", "m")
-    joiner.start(pre.prompt_ids, pre.fingerprint)
-    joiner.tokens(pre.t1_text, pre.t1_ids, None, None)
-    out = [c async for c in flow.decode(legs, "rid", pre, joiner, t)]
+    async with workers(handler, ("p1", "p2", "d1", "d2")) as urls, make_flow(urls) as (
+            flow, metrics):
+        legs = plan_legs({"model": "m", "prompt": "x", "max_tokens": 5, "stream": True},
+                         "completion", "x")
+        t = Timings()
+        pre = await flow.prefill(legs, "rid", t)
+        assert [n for n, _ in seen] == ["p1", "p2"] and pre.t1_ids == [10]
+        assert pre.finish_reason is None
+        joiner = started(legs, pre)
+        out = [c async for c in flow.decode(legs, "rid", pre, joiner, t)]
     assert "".join(c["choices"][0]["text"] for c in out) == "bcde"
     assert joiner.produced == [10, 11, 12, 13, 14] and joiner.finish_reason == "length"
-    (_, resumed), = [(h, b) for h, b in seen if h == D2]
+    (_, resumed), = [(n, b) for n, b in seen if n == "d2"]
     assert resumed["prompt"] == [1, 2, 3, 10, 11, 12] and resumed["max_tokens"] == 2
     assert "kv_transfer_params" not in resumed  # recomputed on the new D: no foreign KV read
     assert t.retries == 2
     assert all(w.inflight == 0 for w in flow.registry.workers.values())  # nothing left open
     assert metrics.failures.labels("prefill", "http_503")._value.get() == 1
-    assert metrics.failures.labels("decode", "ReadError")._value.get() == 1
+    assert metrics.failures.labels("decode", "ClientPayloadError")._value.get() == 1
+
+
+async def test_decode_resumes_on_a_colocated_worker_when_no_other_d_is_routable() -> None:
+    seen: list[tuple[str, dict[str, Any]]] = []
+
+    async def handler(name: str, req: web.Request) -> web.StreamResponse:
+        seen.append((name, await req.json()))
+        if name == "p1":
+            return web.json_response(PREFILL_OK)
+        if name == "d1":
+            return await sse_reply(req, [chunk("b", 11)], cut=True)
+        return await sse_reply(req, [chunk("c", 12), chunk("d", 13, "length")])
+
+    async with workers(handler, ("p1", "d1", "c1")) as urls, make_flow(urls) as (flow, _):
+        legs = plan_legs({"model": "m", "prompt": "x", "max_tokens": 4, "stream": True},
+                         "completion", "x")
+        pre = await flow.prefill(legs, "rid", t := Timings())
+        joiner = started(legs, pre)
+        out = [c async for c in flow.decode(legs, "rid", pre, joiner, t)]
+        assert all(w.inflight == 0 for w in flow.registry.workers.values())
+    assert [n for n, _ in seen] == ["p1", "d1", "c1"]
+    assert "".join(c["choices"][0]["text"] for c in out) == "bcd"
+    assert seen[-1][1]["prompt"] == [1, 2, 3, 10, 11] and seen[-1][1]["max_tokens"] == 2
+    assert t.decode_url == urls["c1"] and joiner.produced == [10, 11, 12, 13]
+
+
+async def test_closing_the_decode_leg_aborts_it_on_the_worker() -> None:
+    aborted = asyncio.Event()
+
+    async def handler(name: str, req: web.Request) -> web.StreamResponse:
+        if name == "p1":
+            return web.json_response(PREFILL_OK)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(req)
+        try:
+            for i in range(500):  # a long generation, one token every 10 ms
+                await resp.write(chunk("x", 100 + i))
+                await asyncio.sleep(0.01)
+        except (ConnectionResetError, asyncio.CancelledError):
+            aborted.set()  # vLLM aborts the request when its client's connection closes
+            raise
+        return resp
+
+    async with workers(handler, ("p1", "d1")) as urls, make_flow(urls) as (flow, _):
+        legs = plan_legs({"model": "m", "prompt": "x", "max_tokens": 600, "stream": True},
+                         "completion", "x")
+        pre = await flow.prefill(legs, "rid", t := Timings())
+        gen = flow.decode(legs, "rid", pre, started(legs, pre), t)
+        for _ in range(3):
+            await anext(gen)
+        await gen.aclose()  # what a client disconnect does to the open leg
+        await asyncio.wait_for(aborted.wait(), 5)
+        assert all(w.inflight == 0 for w in flow.registry.workers.values())
 
 
 async def test_client_errors_are_the_answer_not_retried() -> None:
     calls: list[str] = []
 
-    def handler(req: httpx.Request) -> httpx.Response:
-        calls.append(req.url.host)
-        return httpx.Response(400, json={"error": {"message": "max_tokens too big",
-                                                   "type": "BadRequestError",
-                                                   "param": "max_tokens", "code": 400}})
+    async def handler(name: str, req: web.Request) -> web.StreamResponse:
+        calls.append(name)
+        return web.json_response({"error": {"message": "max_tokens too big",
+                                             "type": "BadRequestError", "param": "max_tokens",
+                                             "code": 400}}, status=400)
 
-    flow, _ = make_flow(handler)
-    legs = plan_legs({"model": "m", "prompt": "x"}, "completion", "x")
-    with pytest.raises(UpstreamError) as err:
-        await flow.prefill(legs, "rid", Timings())
+    async with workers(handler, ("p1", "p2", "d1")) as urls, make_flow(urls) as (flow, _):
+        legs = plan_legs({"model": "m", "prompt": "x"}, "completion", "x")
+        with pytest.raises(UpstreamError) as err:
+            await flow.prefill(legs, "rid", Timings())
     assert err.value.status == 400 and err.value.body["error"]["param"] == "max_tokens"
     assert len(calls) == 1
 
@@ -117,48 +217,76 @@ async def test_client_errors_are_the_answer_not_retried() -> None:
 async def test_request_ending_at_t1_needs_no_decode_and_moves_no_kv() -> None:
     bodies: list[dict[str, Any]] = []
     discarded: list[str] = []
+    auth: set[str | None] = set()
 
-    def handler(req: httpx.Request) -> httpx.Response:
+    async def handler(name: str, req: web.Request) -> web.StreamResponse:
+        auth.add(req.headers.get("Authorization"))
         if req.method == "DELETE":  # D told that no decode leg will claim the staged KV
-            assert req.headers["authorization"] == "Bearer tok"
-            discarded.append(req.url.path.rsplit("/", 1)[1])
-            return httpx.Response(200, json={"discarded": True})
-        bodies.append(json.loads(req.content))
-        return httpx.Response(200, json=PREFILL_OK)
+            discarded.append(req.path.rsplit("/", 1)[1])
+            return web.json_response({"discarded": True})
+        bodies.append(await req.json())
+        return web.json_response(PREFILL_OK)
 
-    flow, _ = make_flow(handler, token="tok")
-    for w in flow.registry.workers.values():
-        w.info = {"kv_host": "127.0.0.1", "kv_port": 5, "engine_id": "e", "transport": "tcp"}
-    one = plan_legs({"model": "m", "prompt": "x", "max_tokens": 1}, "completion", "x")
-    pre = await flow.prefill(one, "rid", Timings())
-    assert pre.decode is None and pre.finish_reason == "length" and not pre.reserved
-    assert all(w.inflight == 0 for w in flow.registry.workers.values())
-    assert "kv_transfer_params" not in bodies[-1]
-    more = plan_legs({"model": "m", "prompt": "x", "max_tokens": 4}, "completion", "x")
-    pre = await flow.prefill(more, "rid", Timings())
-    kv = bodies[-1]["kv_transfer_params"]
-    assert kv["do_remote_decode"] and kv["remote_port"] == 5 and kv["transport"] == "tcp"
-    assert pre.kv == {"do_remote_prefill": True, "transfer_id": kv["transfer_id"]}
-    # the chosen D is held from the moment it is picked, so a burst spreads over both Ds
-    assert pre.reserved and pre.decode is not None and pre.decode.inflight == 1
-    second = await flow.prefill(more, "rid2", Timings())
-    assert second.decode is not None and second.decode is not pre.decode
-    flow.release(pre)
-    flow.release(second)
-    flow.release(second)  # idempotent
-    assert all(w.inflight == 0 for w in flow.registry.workers.values())
-    for _ in range(5):  # let the background DELETEs run
-        await asyncio.sleep(0)
+    async with workers(handler, ("p1", "p2", "d1", "d2")) as urls, make_flow(
+            urls, token="tok") as (flow, _):
+        for w in flow.registry.workers.values():
+            w.info = {"kv_host": "127.0.0.1", "kv_port": 5, "engine_id": "e", "transport": "tcp"}
+        one = plan_legs({"model": "m", "prompt": "x", "max_tokens": 1}, "completion", "x")
+        pre = await flow.prefill(one, "rid", Timings())
+        assert pre.decode is None and pre.finish_reason == "length" and not pre.reserved
+        assert all(w.inflight == 0 for w in flow.registry.workers.values())
+        assert "kv_transfer_params" not in bodies[-1]
+        more = plan_legs({"model": "m", "prompt": "x", "max_tokens": 4}, "completion", "x")
+        pre = await flow.prefill(more, "rid", Timings())
+        kv = bodies[-1]["kv_transfer_params"]
+        assert kv["do_remote_decode"] and kv["remote_port"] == 5 and kv["transport"] == "tcp"
+        assert pre.kv == {"do_remote_prefill": True, "transfer_id": kv["transfer_id"]}
+        # the chosen D is held from the moment it is picked, so a burst spreads over both Ds
+        assert pre.reserved and pre.decode is not None and pre.decode.inflight == 1
+        second = await flow.prefill(more, "rid2", Timings())
+        assert second.decode is not None and second.decode is not pre.decode
+        flow.release(pre)
+        flow.release(second)
+        flow.release(second)  # idempotent
+        assert all(w.inflight == 0 for w in flow.registry.workers.values())
+        for _ in range(100):  # let the background DELETEs run
+            if len(discarded) == 2:
+                break
+            await asyncio.sleep(0.01)
+    assert pre.kv is not None and second.kv is not None
     assert sorted(discarded) == sorted([str(pre.kv["transfer_id"]),
                                         str(second.kv["transfer_id"])])
+    assert auth == {"Bearer tok"}  # every request to a worker carries the deployment token
 
 
 async def test_every_prefill_failure_ends_in_one_explicit_error() -> None:
-    def handler(req: httpx.Request) -> httpx.Response:
-        raise httpx.ConnectError("refused")
-
-    flow, _ = make_flow(handler)
-    legs = plan_legs({"model": "m", "prompt": "x"}, "completion", "x")
-    with pytest.raises(UpstreamError) as err:
-        await flow.prefill(legs, "rid", Timings())
+    urls = {"p1": f"http://127.0.0.1:{closed_port()}", "d1": f"http://127.0.0.1:{closed_port()}"}
+    async with make_flow(urls) as (flow, _):
+        legs = plan_legs({"model": "m", "prompt": "x"}, "completion", "x")
+        with pytest.raises(UpstreamError) as err:
+            await flow.prefill(legs, "rid", Timings())
     assert err.value.status == 502 and "prefill failed" in err.value.body["error"]["message"]
+
+
+async def test_transfer_record_is_fetched_while_d_streams() -> None:
+    gets: list[str] = []
+
+    async def handler(name: str, req: web.Request) -> web.StreamResponse:
+        if req.method == "GET":  # D's record of the transfer, asked for once
+            gets.append(name)
+            return web.json_response({"recv": {"status": "loaded", "bytes": 5}})
+        if name == "p1":
+            return web.json_response(PREFILL_OK)
+        return await sse_reply(req, [chunk("b", 11), chunk("c", 12, "length")])
+
+    async with workers(handler, ("p1", "d1")) as urls, make_flow(urls, token="tok") as (flow, _):
+        for w in flow.registry.workers.values():
+            w.info = {"kv_host": "127.0.0.1", "kv_port": 5, "engine_id": "e", "transport": "tcp"}
+        legs = plan_legs({"model": "m", "prompt": "x", "max_tokens": 3, "stream": True},
+                         "completion", "x")
+        pre = await flow.prefill(legs, "rid", t := Timings())
+        assert pre.kv is not None
+        _ = [c async for c in flow.decode(legs, "rid", pre, started(legs, pre), t)]
+        await flow.transfer_record(t)
+    assert gets == ["d1"] and t.kv == {"status": "loaded", "bytes": 5}
+    assert t.as_dict()["kv_bytes"] == 5
