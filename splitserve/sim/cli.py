@@ -2,6 +2,7 @@
 
     splitserve profile --url URL --out profile.json          # measure a running vLLM worker
     splitserve profile --analytic --model-config DIR --hardware h100-sxm --out gpu.json
+    splitserve profile --split --url ROUTER --base P.json --out P-split.json  # 1P+1D costs
     splitserve sim --profile P.json --mode disagg --prefill 1 --decode 3 [workload] --out r.json
     splitserve sim validate --profile P.json --rates 1,2 --repeats 3 [--url URL] [workload]
     splitserve plan --profile P.json --workers 8 --request-rate 4 --slo-ttft-ms 1000 \\
@@ -65,6 +66,8 @@ def _add_deployment_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-overlap", action="store_true", help="send KV after the prefill")
     g.add_argument("--shared-link", action="store_true", help="one link for all transfers")
     g.add_argument("--router-hop-ms", type=float, default=0.0)
+    g.add_argument("--no-split-costs", action="store_true",
+                   help="disagg: ignore the profile's measured split costs (router, connector)")
 
 
 def _transport(args: argparse.Namespace, prof: Profile) -> str:
@@ -74,12 +77,16 @@ def _transport(args: argparse.Namespace, prof: Profile) -> str:
 
 
 def _sim_config(args: argparse.Namespace, prof: Profile) -> SimConfig:
+    if args.mode == "disagg" and prof.split is None and not args.no_split_costs:
+        print("note: the profile has no split costs (splitserve profile --split): router and "
+              "connector CPU are not modelled, so disaggregated latencies are lower bounds")
     return SimConfig(mode=args.mode, n_prefill=args.prefill, n_decode=args.decode,
                      n_workers=args.workers, token_budget=args.token_budget,
                      p_policy=args.p_policy, d_policy=args.d_policy,
                      transport=_transport(args, prof),
                      overlap=not args.no_overlap, shared_link=args.shared_link,
-                     router_hop_s=args.router_hop_ms / 1000, seed=args.seed)
+                     router_hop_s=args.router_hop_ms / 1000, seed=args.seed,
+                     split_costs=not args.no_split_costs)
 
 
 def _label(cfg: SimConfig) -> str:
@@ -93,6 +100,12 @@ def run_profile(args: argparse.Namespace) -> int:
         from splitserve.sim.profile import refit
 
         prof = refit(load_profile(args.refit))
+    elif args.split:
+        from splitserve.sim.calibrate import SplitPlan, calibrate_split
+
+        if not (args.url and args.base):
+            raise SystemExit("splitserve profile --split needs --url (a router) and --base")
+        prof = calibrate_split(args.url, load_profile(args.base), SplitPlan())
     elif args.analytic:
         from splitserve.sim.analytic import PRESETS, ModelConfig, analytic_profile
 
@@ -119,6 +132,8 @@ def run_profile(args: argparse.Namespace) -> int:
     print(f"{prof.kind} profile of {prof.model.name} on {prof.engine.name} "
           f"{prof.engine.version}: prefill {prof.prefill}, decode {prof.decode}, "
           f"KV {prof.kv_capacity_tokens} tokens; wrote {args.out}")
+    if prof.split is not None:
+        print(f"split costs: {prof.split.__dict__ | {'fit': '...'}}")
     if prof.fit:
         for part in ("prefill", "decode"):
             q = prof.fit[f"{part}_fit"]
@@ -198,6 +213,13 @@ def run_validate(args: argparse.Namespace) -> int:
                              "--workers 1); profile a worker of the deployment instead")
         cpus = tuple(int(c) for c in args.cpus.split(",")) if args.cpus else None
         with launched(cfg, cpus, cfg.token_budget or prof.token_budget) as url:
+            if args.calibrate and cfg.mode == "disagg":  # this deployment's split costs
+                from splitserve.sim.calibrate import SplitPlan, calibrate_split
+
+                prof = calibrate_split(url, prof, SplitPlan(), cfg)
+                print(f"split costs: {prof.split.__dict__ | {'fit': '...'}}")
+                if args.out:
+                    save_profile(prof, Path(args.out).with_suffix(".profile.json"))
             real = measure(url)
     else:
         from splitserve.demo_model import embedded_model_dir
@@ -262,6 +284,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     prof.add_argument("--no-tcp-probe", action="store_true")
     prof.add_argument("--quick", action="store_true", help="a smaller measurement grid")
     prof.add_argument("--refit", metavar="PROFILE", help="fit a measured profile's points again")
+    prof.add_argument("--split", action="store_true", help="measure a disaggregated "
+                      "deployment's extra costs through its router (--url) on top of --base")
+    prof.add_argument("--base", metavar="PROFILE", help="the plain workers' profile (--split)")
     g = prof.add_argument_group("analytic (GPU) profile")
     g.add_argument("--analytic", action="store_true")
     g.add_argument("--model-config", help="HF config.json (or its directory)")
@@ -292,6 +317,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     val.add_argument("--cpus", help="cores for the local worker or deployment, e.g. 0,1")
     val.add_argument("--reprofile", action="store_true",
                      help="profile the local worker first and simulate with that profile")
+    val.add_argument("--calibrate", action="store_true",
+                     help="disagg: measure the launched deployment's split costs first")
     val.add_argument("--real-json", help="reuse the measurements of an earlier validation JSON "
                      "(simulate again only)")
     val.add_argument("--out", help="validation JSON")

@@ -30,6 +30,7 @@ class SimConfig:
     overlap: bool = True  # layer-wise KV push during the prefill
     shared_link: bool = False  # one link for the whole cluster instead of one per P-worker
     router_hop_s: float = 0.0  # router overhead added to each leg
+    split_costs: bool = True  # disagg: apply the profile's measured `split` costs, if any
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -77,3 +78,4 @@ class SimOutcome:
     join_step: np.ndarray  # per request: that worker's step count when it joined
     kv_transfer_s: np.ndarray
     events: int
+    gap_noise: tuple[tuple[float, int], ...] = ()  # SplitCost.gap_noise, applied to step gaps

@@ -12,6 +12,13 @@ A `Profile` says how long one engine step takes on one worker (DistServe's form)
 KV transfer: bytes per token = `2 × layers × kv_heads × head_dim × dtype_bytes`; time =
 `bytes / bandwidth + latency` per transport (`TransferLink`).
 
+Disaggregated deployments add costs a plain worker's profile does not contain (`SplitCost`,
+the optional `split` section, measured through a running deployment by `sim.calibrate`): the
+router's time per request, P's slowdown while its connector pushes KV, the handover from t1 to
+D's leg (router, KV load, D's admission), D's step cost as the client sees it through the
+router, and the CPU that the router, client and connectors take from the engines' cores per
+request (a mean-field stretch of every step, growing with the offered rate).
+
 Every profile is stamped with the engine (name, version), the model, the hardware, and whether
 it was measured or derived analytically. `load_profile` refuses a profile from another engine
 version unless asked to accept it, in which case it comes back flagged (`mismatch`).
@@ -25,7 +32,9 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
-SCHEMA = "splitserve.profile/1"
+SCHEMA = "splitserve.profile/2"  # /2 added the optional `split` section
+SCHEMAS: tuple[str, ...] = ("splitserve.profile/1", SCHEMA)  # /1 reads as "no split costs"
+MAX_STRETCH = 10.0  # a stretch beyond this means the calibrated host is saturated
 ProfileKind = Literal["measured", "analytic"]
 PROFILE_KINDS: tuple[str, ...] = ("measured", "analytic")
 
@@ -89,6 +98,71 @@ class TransferLink:
 
 
 @dataclass(frozen=True)
+class SplitCost:
+    """What a disaggregated deployment costs beyond its workers' plain step times.
+
+    - `router_request_s`: added to TTFT (client → router → P → router → client, beyond P's
+      prefill);
+    - `prefill_factor`: P's prefill steps relative to the profile's (the connector's sender
+      thread gathers and pushes KV on P's core);
+    - `handover_a_s + handover_b_s·prompt_len`: from t1 at the client to D's leg joining D's
+      batch (router work, KV load, D's admission); D's first step comes on top;
+    - `decode`: D's step cost as the client sees it through the router (replaces the profile's
+      decode cost on D-workers);
+    - `cpu_p_s`, `cpu_d_s`: core-seconds per request that the router, the client and the
+      connectors take from P's and D's cores. At `r` requests/s per worker every step (and the
+      handover) is stretched by `1 / (1 − r·cpu)` (mean field: the offered rate, not the
+      instantaneous one).
+    """
+
+    router_request_s: float
+    prefill_factor: float
+    handover_a_s: float
+    handover_b_s: float
+    decode: DecodeCost
+    cpu_p_s: float = 0.0
+    cpu_d_s: float = 0.0
+    # the client's decode gaps over the step's mean, as (ratio, weight per mille) bins: the
+    # jitter of steps and of the relay through the router at a fixed batch (empty: none)
+    gap_noise: tuple[tuple[float, int], ...] = ()
+    source: str = ""
+    fit: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _finite_nonneg("SplitCost", router_request_s=self.router_request_s,
+                       prefill_factor=self.prefill_factor, handover_a_s=self.handover_a_s,
+                       handover_b_s=self.handover_b_s, cpu_p_s=self.cpu_p_s,
+                       cpu_d_s=self.cpu_d_s)
+        if self.prefill_factor <= 0:
+            raise ValueError("SplitCost.prefill_factor must be > 0")
+        if any(r < 0 or w < 0 for r, w in self.gap_noise):
+            raise ValueError("SplitCost.gap_noise ratios and weights must be >= 0")
+
+    def handover(self, prompt_len: int) -> float:
+        return self.handover_a_s + self.handover_b_s * prompt_len
+
+    @staticmethod
+    def stretch(rate: float, cpu_s: float) -> float:
+        """1 / (1 − rate·cpu), capped at MAX_STRETCH."""
+        busy = rate * cpu_s
+        return MAX_STRETCH if busy >= 1 - 1 / MAX_STRETCH else 1.0 / (1.0 - busy)
+
+    def p_prefill(self, base: PrefillCost, rate_per_p: float) -> PrefillCost:
+        k = self.prefill_factor * self.stretch(rate_per_p, self.cpu_p_s)
+        return PrefillCost(base.a * k, base.b * k, base.c * k)
+
+    def d_decode(self, rate_per_d: float) -> DecodeCost:
+        k = self.stretch(rate_per_d, self.cpu_d_s)
+        return DecodeCost(self.decode.a * k, self.decode.b * k, self.decode.c * k)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SplitCost:
+        return cls(**{k: v for k, v in d.items() if k not in ("decode", "gap_noise")},
+                   decode=DecodeCost(**d["decode"]),
+                   gap_noise=tuple((float(r), int(w)) for r, w in d.get("gap_noise", ())))
+
+
+@dataclass(frozen=True)
 class ModelShape:
     """What the cost of moving KV depends on."""
 
@@ -130,6 +204,7 @@ class Profile:
     max_num_seqs: int = 128  # vLLM's cap on running requests per engine (CPU default)
     fit: dict[str, Any] = field(default_factory=dict)  # measured points and fit quality
     created: str = ""
+    split: SplitCost | None = None  # a disaggregated deployment's extra costs (sim.calibrate)
     mismatch: str | None = None  # set by load_profile when accepted despite a version mismatch
 
     def __post_init__(self) -> None:
@@ -156,9 +231,9 @@ class Profile:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Profile:
-        if d.get("schema") != SCHEMA:
+        if d.get("schema") not in SCHEMAS:
             raise ValueError(f"not a splitserve profile (schema {d.get('schema')!r}, "
-                             f"expected {SCHEMA!r})")
+                             f"expected one of {SCHEMAS})")
         model = {k: v for k, v in d["model"].items() if k != "kv_bytes_per_token"}
         return cls(
             kind=d["kind"], engine=Engine(**d["engine"]), model=ModelShape(**model),
@@ -168,6 +243,7 @@ class Profile:
             max_num_seqs=int(d.get("max_num_seqs", 128)),
             transfer={k: TransferLink(**v) for k, v in d.get("transfer", {}).items()},
             fit=dict(d.get("fit", {})), created=d.get("created", ""),
+            split=SplitCost.from_dict(d["split"]) if d.get("split") else None,
         )
 
 

@@ -17,7 +17,11 @@ Disaggregated flow: the router picks P (least queued prompt tokens, per policy) 
 requests) on arrival; P's last prefill step emits t1 (TTFT); the KV crosses the link
 (`model.transfer_arrival`, overlap and link sharing per `SimConfig`); the decode leg joins D at
 max(t1 + router hop, KV arrival) and produces t2..tN. P holds the prompt's KV until the
-transfer ends.
+transfer ends. With the profile's `split` costs (`model.SplitCost`, unless the config turns them
+off): P's steps are scaled by the measured connector slowdown, t1 gains the router's time per
+request, the decode leg joins D no earlier than t1 + the measured handover, D steps with the
+cost measured through the router, and every step (and the handover) is stretched by the CPU the
+router, client and connectors take per request at the workload's offered rate per worker.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from collections import deque
 import numpy as np
 
 from splitserve.sim.deployment import SimConfig, SimOutcome
-from splitserve.sim.model import Profile, transfer_arrival
+from splitserve.sim.model import DecodeCost, PrefillCost, Profile, transfer_arrival
 from splitserve.sim.workload import SimWorkload
 
 _P, _D, _BOTH = 0, 1, 2
@@ -40,10 +44,10 @@ _EV_STEP, _EV_JOIN = 0, 1
 class _Worker:
     __slots__ = ("role", "queue", "head_done", "waiting", "running", "B", "C", "S", "busy",
                  "kind", "t0", "alpha", "beta", "k", "cut", "ver", "kv_used", "kv_release",
-                 "load", "chunks", "new", "nnew", "step_dur")
+                 "load", "chunks", "new", "nnew", "step_dur", "pf", "dc")
 
-    def __init__(self, role: int) -> None:
-        self.role = role
+    def __init__(self, role: int, pf: PrefillCost, dc: DecodeCost) -> None:
+        self.role, self.pf, self.dc = role, pf, dc
         self.queue: deque[int] = deque()
         self.head_done = 0
         self.waiting: deque[int] = deque()
@@ -80,12 +84,24 @@ class Simulation:
         self.budget = config.token_budget or profile.token_budget
         self.cap = profile.kv_capacity_tokens
         self.max_seqs = profile.max_num_seqs
+        pf, dc = profile.prefill, profile.decode
+        split = profile.split if config.mode == "disagg" and config.split_costs else None
+        self.router_s, self.hand_a, self.hand_b = 0.0, 0.0, 0.0
+        self.noise = split.gap_noise if split is not None else ()
         if config.mode == "disagg":
             self.link = profile.link(config.transport)
-            self.P = [_Worker(_P) for _ in range(config.n_prefill)]
-            self.D = [_Worker(_D) for _ in range(config.n_decode)]
+            p_pf, d_dc = pf, dc
+            if split is not None:
+                rate = workload.offered_rate if math.isfinite(workload.offered_rate) else 0.0
+                p_pf = split.p_prefill(pf, rate / config.n_prefill)
+                d_dc = split.d_decode(rate / config.n_decode)
+                k = split.stretch(rate / config.n_decode, split.cpu_d_s)
+                self.router_s = split.router_request_s
+                self.hand_a, self.hand_b = split.handover_a_s * k, split.handover_b_s * k
+            self.P = [_Worker(_P, p_pf, dc) for _ in range(config.n_prefill)]
+            self.D = [_Worker(_D, pf, d_dc) for _ in range(config.n_decode)]
         else:
-            self.P = [_Worker(_BOTH) for _ in range(config.n_workers)]
+            self.P = [_Worker(_BOTH, pf, dc) for _ in range(config.n_workers)]
             self.D = []
         self.W = self.P + self.D
         self.link_free = [0.0] * len(self.P)
@@ -156,7 +172,7 @@ class Simulation:
             w.new.append(r)
 
     def _plan(self, wi: int, w: _Worker, t: float) -> None:
-        pf, dc = self.profile.prefill, self.profile.decode
+        pf, dc = w.pf, w.dc
         chunks = w.chunks
         chunks.clear()
         if w.queue:
@@ -268,7 +284,7 @@ class Simulation:
     def _prefilled(self, wi: int, w: _Worker, r: int, t: float) -> None:
         """P finished request r's prompt at t: emit t1, start the KV transfer."""
         hop = self.cfg.router_hop_s
-        t1 = t + hop
+        t1 = t + hop + self.router_s
         self.t1[r] = t1
         w.load -= self.pl[r]
         if self.ol[r] == 1:
@@ -285,7 +301,8 @@ class Simulation:
             self.link_free[wi] = free
         heapq.heappush(w.kv_release, (free, self.pl[r]))
         self.xfer[r] = arrive - t
-        self._push(max(arrive, t1 + hop), _EV_JOIN, r, 0)
+        ready = t1 + hop + self.hand_a + self.hand_b * self.pl[r]
+        self._push(max(arrive, ready), _EV_JOIN, r, 0)
 
     def _poke(self, wi: int, w: _Worker, t: float) -> None:
         """New work reached `w` at t: start it now if idle, else at the next step boundary."""
@@ -364,7 +381,7 @@ class Simulation:
             seg_t0=segs[:, 5], seg_worker=segs[:, 6].astype(np.int64),
             seg_step0=segs[:, 7].astype(np.int64), decode_worker=f(self.wdec),
             join_step=f(self.jstep),
-            kv_transfer_s=f(self.xfer), events=events,
+            kv_transfer_s=f(self.xfer), events=events, gap_noise=self.noise,
         )
 
 

@@ -1,0 +1,240 @@
+"""Measure what a disaggregated deployment costs beyond its workers' plain step times
+(`model.SplitCost`), through a running deployment's router, with probes that are not any
+validation workload:
+
+1. **Lone requests** (one at a time, a grid of prompt lengths, a few output tokens): TTFT is
+   fitted to `router_request_s + prefill_factor · base_prefill(l)` (the router's time per
+   request, and P's slowdown while its connector pushes KV); the gap t1 → t2 at the client,
+   less D's first step, to `handover_a_s + handover_b_s · l`.
+2. **Decode through the router** (B concurrent streams, the profile's decode probe): D's step
+   cost as the client sees it, fitted like the plain profile's (`a + b·ctx + c·B`).
+3. **A loaded stream** (fixed lengths, evenly spaced at `load_rate`): the CPU that the router,
+   client and connectors take from P's and D's cores per request (`cpu_p_s`, `cpu_d_s`), found
+   by bisection so that the simulator, with every other term above, reproduces this stream's
+   measured median TTFT and median ITL.
+
+The base profile's prefill times only enter as the shape of the prefill curve: the factor
+absorbs any drift of the machine since the base was measured.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime
+from typing import Any
+
+import numpy as np
+
+from splitserve.bench.client import RequestRecord
+from splitserve.bench.workload import Request
+from splitserve.sim.deployment import SimConfig
+from splitserve.sim.model import DecodeCost, Profile, SplitCost
+from splitserve.sim.profile import (
+    _prompt,
+    _run,
+    chunk_features,
+    decode_window,
+    fit_decode,
+    robust_fit,
+)
+from splitserve.sim.workload import SimWorkload
+
+
+@dataclass(frozen=True)
+class SplitPlan:
+    """What to measure through the router."""
+
+    lone_lens: tuple[int, ...] = (64, 256, 512, 1024)
+    lone_repeats: int = 3
+    lone_tokens: int = 12
+    decode_batches: tuple[int, ...] = (1, 2, 4, 8)
+    decode_prompt_lens: tuple[int, ...] = (32, 256, 512)
+    decode_tokens: int = 40
+    decode_repeats: int = 2
+    load_rate: float = 1.5
+    load_requests: int = 30
+    load_prompt: int = 300
+    load_output: int = 48
+    max_model_len: int = 4096
+    seed: int = 11
+
+    def __post_init__(self) -> None:
+        if len(self.lone_lens) < 2 or min(self.lone_lens) < 1:
+            raise ValueError("need at least 2 positive lone prompt lengths")
+        if self.lone_repeats < 1 or self.lone_tokens < 3:
+            raise ValueError("lone_repeats >= 1 and lone_tokens >= 3 (t2 and a decode gap)")
+        if len(self.decode_batches) * len(self.decode_prompt_lens) < 3:
+            raise ValueError("need at least 3 (batch, prompt) decode points")
+        if not (self.load_rate > 0 and self.load_requests >= 5 and self.load_prompt >= 1
+                and self.load_output >= 3):
+            raise ValueError("load_rate > 0, load_requests >= 5, load_output >= 3")
+
+
+def base_prefill(profile: Profile, length: int) -> float:
+    """The plain worker's time to prefill one lone prompt of `length` tokens."""
+    chunks, tokens, quad = chunk_features(length, profile.token_budget)
+    pf = profile.prefill
+    return pf.a * chunks + pf.b * tokens + pf.c * quad
+
+
+def measure_lone(url: str, plan: SplitPlan) -> list[tuple[int, float, float]]:
+    """(prompt length, TTFT, t2 − t1) per lone request."""
+    rng = np.random.default_rng(plan.seed)
+    lens = [n for n in plan.lone_lens for _ in range(plan.lone_repeats)]
+    reqs = [Request(i, 0.0, _prompt(rng, n), plan.lone_tokens) for i, n in enumerate(lens)]
+    recs = _run(url, reqs, concurrency=1)
+    return [(n, r.chunk_times[0] - r.send_s, r.chunk_times[1] - r.chunk_times[0])
+            for n, r in zip(lens, recs, strict=True)]
+
+
+NOISE_EDGES = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99, 0.995, 1.0)
+
+
+def window_ratios(recs: list[RequestRecord]) -> list[float]:
+    """Each chunk gap while all requests decode, over its request's mean gap there."""
+    start = max(r.chunk_times[1] for r in recs)
+    end = min(r.chunk_times[-1] for r in recs)
+    out: list[float] = []
+    for r in recs:
+        t = [x for x in r.chunk_times[1:] if start <= x <= end]
+        if len(t) >= 3:
+            mean = (t[-1] - t[0]) / (len(t) - 1)
+            out += [(b - a) / mean for a, b in zip(t, t[1:], strict=False)] if mean > 0 else []
+    return out
+
+
+def noise_bins(ratios: list[float]) -> tuple[tuple[float, int], ...]:
+    """The gap/mean-gap distribution as (ratio at the bin's middle quantile, weight per mille)
+    over NOISE_EDGES (fine in the upper tail, where ITL p99 lives)."""
+    if len(ratios) < 50:
+        return ()
+    arr = np.asarray(ratios)
+    return tuple((float(np.quantile(arr, (lo + hi) / 2)), round((hi - lo) * 1000))
+                 for lo, hi in zip(NOISE_EDGES, NOISE_EDGES[1:], strict=False))
+
+
+def measure_decode_split(url: str, plan: SplitPlan
+                         ) -> tuple[list[tuple[int, float, float]], list[float]]:
+    """(batch, context, step seconds) rows through the router, and the gap ratios."""
+    rng = np.random.default_rng(plan.seed + 1)
+    rows, ratios = [], []
+    for L in plan.decode_prompt_lens:
+        for b in plan.decode_batches:
+            for _ in range(plan.decode_repeats):
+                reqs = [Request(i, 0.0, _prompt(rng, L), plan.decode_tokens) for i in range(b)]
+                recs = _run(url, reqs, concurrency=None)
+                got = decode_window(recs, L)
+                if got is not None:
+                    rows.append((b, got[1], got[0]))
+                ratios += window_ratios(recs)
+    return rows, ratios
+
+
+def _nnls_abs(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares (absolute error) with non-negative coefficients, 2 columns."""
+    best, best_err = np.zeros(x.shape[1]), float("inf")
+    for cols in ([0, 1], [0], [1]):
+        coef, *_ = np.linalg.lstsq(x[:, cols], y, rcond=None)
+        if np.any(coef < 0):
+            continue
+        full = np.zeros(x.shape[1])
+        full[cols] = coef
+        err = float(((x @ full - y) ** 2).sum())
+        if err < best_err:
+            best, best_err = full, err
+    return best
+
+
+def fit_lone(base: Profile, points: list[tuple[int, float, float]], decode: DecodeCost
+             ) -> tuple[float, float, float, float, dict[str, Any]]:
+    """(router_request_s, prefill_factor, handover_a_s, handover_b_s, quality)."""
+    x = np.array([[1.0, base_prefill(base, n)] for n, _, _ in points])
+    coef, quality = robust_fit(x, np.array([t for _, t, _ in points]))
+    if coef[1] <= 0:  # the prefill must scale with something; fall back to the ratio
+        coef = np.array([0.0, float(np.median([t / base_prefill(base, n)
+                                               for n, t, _ in points]))])
+    hand = np.array([h - decode.time(1, n + 1) for n, _, h in points])
+    hx = np.array([[1.0, float(n)] for n, _, _ in points])
+    hcoef = _nnls_abs(hx, hand)
+    quality["handover_residual_ms"] = float(np.median(np.abs(hx @ hcoef - hand)) * 1e3)
+    return float(coef[0]), float(coef[1]), float(hcoef[0]), float(hcoef[1]), quality
+
+
+def load_stream(plan: SplitPlan) -> list[Request]:
+    rng = np.random.default_rng(plan.seed + 2)
+    return [Request(i, i / plan.load_rate, _prompt(rng, plan.load_prompt), plan.load_output)
+            for i in range(plan.load_requests)]
+
+
+def stream_medians(recs: list[RequestRecord]) -> tuple[float, float]:
+    """(median TTFT, median pooled inter-chunk gap) in seconds, as the benchmark pools them."""
+    ttft = [r.chunk_times[0] - r.send_s for r in recs]
+    gaps = [b - a for r in recs for a, b in zip(r.chunk_times, r.chunk_times[1:], strict=False)]
+    return statistics.median(ttft), statistics.median(gaps)
+
+
+def _bisect(f: Callable[[float], float], target: float, hi: float, iters: int = 30) -> float:
+    """The smallest x in [0, hi] with f(x) >= target, for increasing f (0 when f(0) >= it)."""
+    lo = 0.0
+    if f(lo) >= target:
+        return 0.0
+    if f(hi) < target:
+        return hi
+    for _ in range(iters):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if f(mid) < target else (lo, mid)
+    return (lo + hi) / 2
+
+
+def fit_cpu(profile: Profile, cfg: SimConfig, wl: SimWorkload, ttft: float, itl: float
+            ) -> tuple[float, float]:
+    """(cpu_p_s, cpu_d_s) that make the simulated median TTFT and ITL of `wl` the measured
+    ones, every other split term held fixed."""
+    from splitserve.sim.results import summarize
+    from splitserve.sim.simulator import simulate
+
+    assert profile.split is not None
+    rate = wl.offered_rate
+
+    def medians(cpu_p: float, cpu_d: float) -> tuple[float, float]:
+        prof = replace(profile, split=replace(profile.split, cpu_p_s=cpu_p, cpu_d_s=cpu_d))
+        res = summarize(simulate(prof, cfg, wl), system="calibrate")
+        return float(res["median_ttft_ms"]) / 1e3, float(res["median_itl_ms"]) / 1e3
+
+    hi_p, hi_d = 0.9 * cfg.n_prefill / rate, 0.9 * cfg.n_decode / rate
+    cpu_p = cpu_d = 0.0
+    for _ in range(2):  # the two interact a little (P's pace sets D's arrivals)
+        cpu_p = _bisect(lambda c, d=cpu_d: medians(c, d)[0], ttft, hi_p)  # type: ignore[misc]
+        cpu_d = _bisect(lambda c, p=cpu_p: medians(p, c)[1], itl, hi_d)  # type: ignore[misc]
+    return cpu_p, cpu_d
+
+
+def calibrate_split(url: str, base: Profile, plan: SplitPlan, cfg: SimConfig | None = None,
+                    say: Callable[[str], None] = print) -> Profile:
+    """`base` with the `split` costs of the deployment behind `url` (a router)."""
+    cfg = cfg or SimConfig("disagg", 1, 1, transport="tcp" if "tcp" in base.transfer
+                           else sorted(base.transfer)[0])
+    say("calibrate: lone requests through the router")
+    lone = measure_lone(url, plan)
+    say("calibrate: decode steps through the router")
+    dec_points, ratios = measure_decode_split(url, plan)
+    decode, qd = fit_decode(dec_points)
+    r0, factor, ha, hb, ql = fit_lone(base, lone, decode)
+    say(f"calibrate: loaded stream, {plan.load_requests} requests at {plan.load_rate:g}/s")
+    reqs = load_stream(plan)
+    ttft, itl = stream_medians(_run(url, reqs, concurrency=None))
+    split = SplitCost(r0, factor, ha, hb, decode, gap_noise=noise_bins(ratios),
+                      source=f"calibrated through {url}")
+    prof = replace(base, split=split)
+    wl = SimWorkload.of([r.arrival_s for r in reqs], [r.input_len for r in reqs],
+                        [r.output_len for r in reqs])
+    cpu_p, cpu_d = fit_cpu(prof, replace(cfg, mode="disagg", split_costs=True), wl, ttft, itl)
+    fit = {"lone_points": [list(p) for p in lone], "lone_fit": ql,
+           "decode_points": [list(p) for p in dec_points], "decode_fit": qd,
+           "load": {"rate": plan.load_rate, "requests": plan.load_requests,
+                    "prompt": plan.load_prompt, "output": plan.load_output,
+                    "median_ttft_s": ttft, "median_itl_s": itl},
+           "measured": datetime.now(UTC).isoformat(timespec="seconds")}
+    return replace(prof, split=replace(split, cpu_p_s=cpu_p, cpu_d_s=cpu_d, fit=fit))

@@ -1,0 +1,144 @@
+"""The disaggregated deployment's measured extra costs (`SplitCost`): closed forms, the profile
+schema, and the calibration fits on synthetic measurements."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from splitserve.sim.calibrate import SplitPlan, base_prefill, fit_cpu, fit_lone, load_stream
+from splitserve.sim.deployment import SimConfig
+from splitserve.sim.model import DecodeCost, Profile, SplitCost, load_profile, save_profile
+from splitserve.sim.results import summarize
+from splitserve.sim.simulator import simulate
+from splitserve.sim.workload import SimWorkload
+from tests.sim.conftest import make_profile
+
+L, N = 400, 30
+SPLIT = SplitCost(router_request_s=0.003, prefill_factor=1.2, handover_a_s=0.05,
+                  handover_b_s=2e-5, decode=DecodeCost(0.009, 3e-6, 2e-3))
+
+
+def _split_profile(split: SplitCost = SPLIT) -> Profile:
+    return replace(make_profile(), split=split)
+
+
+def _lone(profile: Profile, cfg: SimConfig, prompt: int = L, out: int = N):
+    return simulate(profile, cfg, SimWorkload.of([1.0], [prompt], [out]))
+
+
+def test_lone_request_disagg_ttft_and_handover_terms() -> None:
+    """TTFT = factor·prefill + router; t2 − t1 = handover(l) + D's first step (measured cost);
+    a lone request sees no CPU stretch (rate 0)."""
+    prof = _split_profile(replace(SPLIT, cpu_p_s=0.3, cpu_d_s=0.3))
+    o = _lone(prof, SimConfig("disagg", overlap=False))
+    ttft = SPLIT.prefill_factor * prof.prefill.whole(L) + SPLIT.router_request_s
+    assert o.first_token[0] - 1.0 == pytest.approx(ttft)
+    xfer = 2 * 8 * 2 * 64 * 4 * L / 1e8 + 0.002
+    handover = SPLIT.handover_a_s + SPLIT.handover_b_s * L
+    assert handover > xfer  # so the handover, not the KV link, sets the join
+    assert o.second_token[0] - o.first_token[0] == pytest.approx(
+        handover + SPLIT.decode.time(1, L + 1))
+    steps = sum(SPLIT.decode.time(1, L + 1 + j) for j in range(N - 1))
+    assert o.finish[0] - o.first_token[0] == pytest.approx(handover + steps)
+
+
+def test_slow_link_still_bounds_the_join() -> None:
+    prof = replace(_split_profile(), transfer={"tcp": replace(make_profile().link("tcp"),
+                                                              bandwidth_Bps=1e6)})
+    o = _lone(prof, SimConfig("disagg", overlap=False))
+    xfer = 2 * 8 * 2 * 64 * 4 * L / 1e6 + 0.002
+    assert o.second_token[0] - o.first_token[0] == pytest.approx(
+        xfer - SPLIT.router_request_s + SPLIT.decode.time(1, L + 1))
+
+
+def test_split_costs_can_be_turned_off_and_leave_colocated_alone() -> None:
+    plain, split = make_profile(), _split_profile()
+    for cfg in (SimConfig("disagg", split_costs=False), SimConfig("chunked", n_workers=1),
+                SimConfig("colocated", n_workers=1)):
+        a, b = _lone(plain, cfg), _lone(split, cfg)
+        assert a.first_token == pytest.approx(b.first_token)
+        assert a.finish == pytest.approx(b.finish)
+
+
+def test_cpu_stretch_follows_the_offered_rate_per_worker() -> None:
+    assert SplitCost.stretch(0.0, 0.5) == 1.0
+    assert SplitCost.stretch(1.0, 0.25) == pytest.approx(4 / 3)
+    assert SplitCost.stretch(10.0, 0.5) == 10.0  # saturated: capped
+    split = replace(SPLIT, cpu_p_s=0.1, cpu_d_s=0.2)
+    prof = _split_profile(split)
+    # two requests 1 s apart on 1P+1D: 1 request/s per worker
+    o = simulate(prof, SimConfig("disagg", overlap=False),
+                 SimWorkload.of([0.0, 1.0], [L, L], [2, 2]))
+    kp, kd = 1 / (1 - 0.1), 1 / (1 - 0.2)
+    assert o.first_token[0] == pytest.approx(
+        kp * split.prefill_factor * prof.prefill.whole(L) + split.router_request_s)
+    assert o.second_token[0] - o.first_token[0] == pytest.approx(
+        kd * (split.handover(L) + split.decode.time(1, L + 1)))
+    # on 1P+2D each D sees half the rate
+    o2 = simulate(prof, SimConfig("disagg", n_decode=2, d_policy="round_robin", overlap=False),
+                  SimWorkload.of([0.0, 1.0], [L, L], [2, 2]))
+    kd2 = 1 / (1 - 0.1)
+    assert o2.second_token[0] - o2.first_token[0] == pytest.approx(
+        kd2 * (split.handover(L) + split.decode.time(1, L + 1)))
+
+
+def test_profile_schema_2_round_trips_and_schema_1_still_loads(tmp_path: Path) -> None:
+    prof = _split_profile(replace(SPLIT, cpu_d_s=0.1, fit={"lone_points": [[64, 0.1, 0.02]]}))
+    save_profile(prof, tmp_path / "p.json")
+    d = json.loads((tmp_path / "p.json").read_text())
+    assert d["schema"] == "splitserve.profile/2" and d["split"]["decode"]["a"] == 0.009
+    assert load_profile(tmp_path / "p.json") == prof
+    old = make_profile().to_dict() | {"schema": "splitserve.profile/1"}
+    old.pop("split")
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    assert load_profile(tmp_path / "old.json").split is None
+    with pytest.raises(ValueError, match="schema"):
+        Profile.from_dict(old | {"schema": "splitserve.profile/9"})
+    with pytest.raises(ValueError):
+        replace(SPLIT, prefill_factor=0.0)
+
+
+def test_fit_lone_recovers_router_factor_and_handover() -> None:
+    base = make_profile()
+    dec = SPLIT.decode
+    pts = [(n, 0.004 + 1.3 * base_prefill(base, n), 0.015 + 3e-5 * n + dec.time(1, n + 1))
+           for n in (64, 256, 512, 1024) for _ in range(2)]
+    r0, factor, ha, hb, quality = fit_lone(base, pts, dec)
+    assert (r0, factor, ha, hb) == pytest.approx((0.004, 1.3, 0.015, 3e-5), rel=1e-6)
+    assert quality["median_abs_rel_error"] < 1e-9
+
+
+def test_fit_cpu_recovers_the_cpu_that_produced_the_medians() -> None:
+    """Simulate the loaded calibration stream with known CPU terms; the fit finds them again."""
+    truth = replace(SPLIT, cpu_p_s=0.12, cpu_d_s=0.3)
+    reqs = load_stream(SplitPlan(load_requests=20))
+    wl = SimWorkload.of([r.arrival_s for r in reqs], [r.input_len for r in reqs],
+                        [r.output_len for r in reqs])
+    cfg = SimConfig("disagg")
+    res = summarize(simulate(_split_profile(truth), cfg, wl))
+    cpu_p, cpu_d = fit_cpu(_split_profile(), cfg, wl, res["median_ttft_ms"] / 1e3,
+                           res["median_itl_ms"] / 1e3)
+    assert cpu_p == pytest.approx(0.12, rel=0.02)
+    assert cpu_d == pytest.approx(0.3, rel=0.02)
+
+
+def test_gap_noise_spreads_step_gaps_but_not_handovers() -> None:
+    from splitserve.sim.calibrate import noise_bins
+    from splitserve.sim.results import itl_samples
+
+    wl = SimWorkload.of([0.0, 0.5, 1.0], [L, L, L], [20, 20, 20])
+    flat = simulate(_split_profile(), SimConfig("disagg"), wl)
+    bins = noise_bins([1.0] * 90 + [3.0] * 10)
+    assert sum(w for _, w in bins) == 1000 and bins[0][0] == 1.0 and bins[-1][0] == 3.0
+    noisy = simulate(_split_profile(replace(SPLIT, gap_noise=bins)), SimConfig("disagg"), wl)
+    v0, w0 = itl_samples(flat)
+    v1, w1 = itl_samples(noisy)
+    assert int(w1.sum()) == 1000 * int(w0.sum())  # every gap once, in per mille
+    r0, r1 = summarize(flat), summarize(noisy)
+    assert r1["median_ttft_ms"] == r0["median_ttft_ms"]
+    assert r1["p90_itl_ms"] > 2 * r0["p90_itl_ms"]  # the top tenth of step gaps is 3x
+    assert r1["median_tpot_ms"] == pytest.approx(r0["median_tpot_ms"])
