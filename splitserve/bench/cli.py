@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import re
 import tempfile
 from dataclasses import replace
@@ -75,7 +76,10 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
 
     r = p.add_argument_group("measurement")
     r.add_argument("--model", default=None, help="model name (default: the endpoint's first)")
-    r.add_argument("--api-key", default=None)
+    r.add_argument("--api-key", default=os.environ.get("SPLITSERVE_API_KEY")
+                   or os.environ.get("OPENAI_API_KEY"),
+                   help="Bearer key for the endpoint (default: $SPLITSERVE_API_KEY or "
+                        "$OPENAI_API_KEY; prefer the environment: argv is visible to all)")
     r.add_argument("--slo-ttft-ms", type=float, default=None)
     r.add_argument("--slo-tpot-ms", type=float, default=None)
     r.add_argument("--repeats", type=int, default=1)
@@ -151,8 +155,10 @@ async def _bench_one(name: str, url: str, args: argparse.Namespace,
         deployment = deployment | {"workers": workers}
     client = ClientConfig(url=url, model=args.model, api_key=args.api_key,
                           vllm_extras=not args.no_vllm_extras, run_tag=name)
-    # Workers' /metrics need the deployment token: the one we started, else the environment's.
-    opts = replace(options_from_args(args), worker_token=worker_token or load_token(False))
+    # Workers' /metrics need the deployment token: the one we started, else the environment's;
+    # an endpoint that is itself the worker takes the key that lets us use it.
+    token = worker_token or load_token(False) or (args.api_key if workers is None else None)
+    opts = replace(options_from_args(args), worker_token=token)
     return await run_bench(client, spec_from_args(args), name, deployment, metrics_urls, opts,
                            progress)
 

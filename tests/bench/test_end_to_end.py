@@ -23,6 +23,14 @@ STREAM = ["--num-prompts", "10", "--request-rate", "20", "--input-dist", "unifor
           "--warmup", "1"]
 
 
+@pytest.fixture(autouse=True)
+def worker_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plain worker holds the deployment token: the bench presents it as its key; behind a
+    router, it reads the workers' /metrics with the deployment token from the environment."""
+    monkeypatch.setenv("SPLITSERVE_API_KEY", TOKEN)
+    monkeypatch.setenv("SPLITSERVE_TOKEN", TOKEN)
+
+
 @pytest.fixture(scope="module")
 def plain_worker(llama_ckpt: Path) -> Iterator[Worker]:
     """One plain vLLM worker (no connector) on the small llama checkpoint."""
