@@ -72,8 +72,8 @@ def token_gaps(client: httpx.Client, urls: dict[str, str], model: str, n: int, t
     return out
 
 
-async def throughput(url: str, model: str, concurrency: int, tokens: int, pid: int | None
-                     ) -> dict[str, float]:
+async def throughput(url: str, model: str, concurrency: int, tokens: int, pid: int | None,
+                     token: str | None = None) -> dict[str, float]:
     body = {"model": model, "prompt": [30, 31, 32], "max_tokens": tokens, "temperature": 0,
             "ignore_eos": True, "stream": True}
     received = 0
@@ -87,7 +87,9 @@ async def throughput(url: str, model: str, concurrency: int, tokens: int, pid: i
 
     cpu0 = cpu_seconds(pid) if pid else 0.0
     t0 = time.perf_counter()
-    async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=None)) as c:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=None),
+                                 headers=headers) as c:
         await asyncio.gather(*(one(c) for _ in range(concurrency)))
     wall = time.perf_counter() - t0
     cpu = (cpu_seconds(pid) - cpu0) if pid else 0.0
@@ -108,7 +110,7 @@ def split_run(args: argparse.Namespace, model_dir: str, logs: Path, router_core:
     router = None
     try:
         for c, w in zip(cfgs, workers, strict=True):
-            wait_healthy(c.url, w)
+            wait_healthy(c.url, w, token=token)
         port = free_port()
         router = spawn([sys.executable, "-m", "splitserve.cli", "router", "--prefill",
                         cfgs[0].url, "--decode", cfgs[1].url, "--port", str(port),
@@ -116,14 +118,15 @@ def split_run(args: argparse.Namespace, model_dir: str, logs: Path, router_core:
                        dict(os.environ, SPLITSERVE_TOKEN=token))
         url = f"http://127.0.0.1:{port}"
         wait_healthy(url, None, 120)
-        with httpx.Client(timeout=120) as client:
+        # workers require the deployment token (the router ignores it: no API key is set)
+        with httpx.Client(timeout=120, headers={"Authorization": f"Bearer {token}"}) as client:
             token_gaps(client, {"splitserve": url}, "bench", 2, 8)  # warm-up
             lat = request_latency(client, {"direct": cfgs[0].url, "splitserve": url}, "bench",
                                   args.requests)
             gaps = token_gaps(client, {"direct": cfgs[1].url, "splitserve": url}, "bench",
                               args.streams, args.tokens)
         thr = {"direct": asyncio.run(throughput(cfgs[1].url, "bench", args.concurrency,
-                                                args.tokens, None)),
+                                                args.tokens, None, token)),
                "splitserve": asyncio.run(throughput(url, "bench", args.concurrency,
                                                     args.tokens, router.pid))}
     finally:
