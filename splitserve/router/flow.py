@@ -183,7 +183,9 @@ class Flow:
             # A request that is known to end at t1 moves no KV: D is never involved.
             endpoint = (d.kv_endpoint(self.cfg.kv_transport)
                         if p.info and legs.max_tokens != 1 else None)
-            tid = uuid.uuid4().hex
+            # Named after the request (logs join up; test faults are chosen per request id),
+            # fresh per attempt.
+            tid = f"{rid}-{uuid.uuid4().hex[:16]}"
             kv = None if endpoint is None else {"do_remote_decode": True, "transfer_id": tid,
                                                 **endpoint}
             body = prefill_body(legs, self.model, kv)
