@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import logging
 import time
@@ -176,9 +177,9 @@ def create_app(cfg: RouterConfig, token: str | None, api_key: str | None = None,
     def state(request: Request) -> RouterState:
         return request.app.state.router  # type: ignore[no-any-return]
 
-
     def authorized(request: Request, secret: str | None) -> bool:
-        return secret is not None and request.headers.get("authorization") == f"Bearer {secret}"
+        given = request.headers.get("authorization", "").encode()
+        return secret is not None and hmac.compare_digest(given, f"Bearer {secret}".encode())
 
     @app.post("/v1/completions",
               openapi_extra=openapi_body(COMPLETION_REQUEST, "OpenAI text completion"))

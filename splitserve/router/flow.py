@@ -32,7 +32,7 @@ from splitserve.router.formats import Joiner
 from splitserve.router.health import Registry, Worker
 from splitserve.router.metrics import RouterMetrics
 from splitserve.router.params import Legs, decode_body, prefill_body
-from splitserve.router.policy import NoWorker, Picker
+from splitserve.router.policy import NoWorker, Overloaded, Picker
 
 log = logging.getLogger("splitserve.router")
 RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})
@@ -49,6 +49,18 @@ class UpstreamError(Exception):
         super().__init__(str(body))
         self.status = status
         self.body = body
+
+
+def is_backpressure(exc: Exception) -> bool:
+    """429/503 from a worker: it is alive and says "not now" (vLLM's queue limits answer 503)."""
+    return isinstance(exc, LegFailed) and exc.status in (429, 503)
+
+
+def counts_against_worker(exc: Exception) -> bool:
+    """Only connection-level failures (refused, reset, timed out, a stream cut short) trip the
+    circuit breaker. An HTTP answer is the worker speaking: back-pressure, or an error about this
+    request; a worker whose engine is dead fails its health checks instead."""
+    return not isinstance(exc, LegFailed) or exc.cause == "stream_cut"
 
 
 class LegFailed(Exception):
@@ -161,7 +173,7 @@ class Flow:
     def _fail(self, worker: Worker, leg: str, exc: Exception, rid: str) -> None:
         cause = exc.cause if isinstance(exc, LegFailed) else type(exc).__name__
         self.metrics.failures.labels(leg, cause).inc()
-        if not (isinstance(exc, LegFailed) and exc.status == 429):  # back-pressure, not failure
+        if counts_against_worker(exc):
             self.registry.failed(worker, str(exc))
         log.warning("request %s: %s leg on %s failed: %s", rid, leg, worker.url, exc)
 
@@ -211,6 +223,8 @@ class Flow:
             except (*TRANSPORT_ERRORS, LegFailed) as exc:
                 tried.add(p.url)
                 self._fail(p, "prefill", exc, rid)
+                if kv is not None:  # whatever P pushed for this attempt will never be claimed
+                    self.discard(d.url, tid)
                 last = exc
                 continue
             finally:
@@ -239,8 +253,10 @@ class Flow:
                 fingerprint=out.get("system_fingerprint"), decode=None if done else d,
                 kv=None if done or kv is None else {"do_remote_prefill": True,
                                                     "transfer_id": tid}, reserved=not done)
+        if last is not None and is_backpressure(last):
+            raise Overloaded("prefill")  # 429 with Retry-After: every P said "not now"
         status = last.status if isinstance(last, LegFailed) else 502
-        raise UpstreamError(502 if status == 429 else status, {"error": {
+        raise UpstreamError(status, {"error": {
             "message": f"prefill failed on every attempt: {last}", "type": "UpstreamError",
             "param": None, "code": status}})
 

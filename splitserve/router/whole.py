@@ -22,10 +22,12 @@ from splitserve.router.flow import (
     LegFailed,
     Timings,
     UpstreamError,
+    counts_against_worker,
+    is_backpressure,
 )
 from splitserve.router.health import Registry, Worker
 from splitserve.router.metrics import RouterMetrics
-from splitserve.router.policy import Picker
+from splitserve.router.policy import Overloaded, Picker
 
 __all__ = ["TRANSPORT_ERRORS", "Passthrough", "new_session", "worker_headers"]
 
@@ -112,9 +114,11 @@ class Passthrough:
                 tried.add(w.url)
                 cause = exc.cause if isinstance(exc, LegFailed) else type(exc).__name__
                 self.metrics.failures.labels("whole", cause).inc()
-                if not (isinstance(exc, LegFailed) and exc.status == 429):
+                if counts_against_worker(exc):
                     self.registry.failed(w, str(exc))
                 last = exc
+        if last is not None and is_backpressure(last):
+            raise Overloaded(w.role)  # 429 with Retry-After: every worker said "not now"
         status = last.status if isinstance(last, LegFailed) else 502
         raise UpstreamError(status, {"error": {
             "message": f"request failed on every attempt: {last}", "type": "UpstreamError",

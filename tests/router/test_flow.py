@@ -24,7 +24,7 @@ from splitserve.router.formats import Joiner
 from splitserve.router.health import Registry
 from splitserve.router.metrics import RouterMetrics
 from splitserve.router.params import Legs, plan_legs
-from splitserve.router.policy import Picker
+from splitserve.router.policy import Overloaded, Picker
 from splitserve.router.whole import new_session
 
 Handler = Callable[[str, web.Request], Awaitable[web.StreamResponse]]
@@ -290,3 +290,28 @@ async def test_transfer_record_is_fetched_while_d_streams() -> None:
         await flow.transfer_record(t)
     assert gets == ["d1"] and t.kv == {"status": "loaded", "bytes": 5}
     assert t.as_dict()["kv_bytes"] == 5
+
+
+async def test_backpressure_is_429_and_only_connection_failures_trip_the_breaker() -> None:
+    """Workers answering 503/500 are alive: they stay in rotation, and when every P says "not
+    now" the client gets 429 (Retry-After), not a 5xx. A refused connection does count."""
+    async def handler(name: str, req: web.Request) -> web.StreamResponse:
+        if name == "p1":
+            return web.json_response({"error": {"message": "queue full"}}, status=503)
+        return web.json_response({"error": {"message": "engine said no"}}, status=500)
+
+    async with workers(handler, ("p1", "p2", "d1")) as urls:
+        urls["p3"] = f"http://127.0.0.1:{closed_port()}"
+        async with make_flow(urls) as (flow, _):
+            cfg_unhealthy = flow.cfg.unhealthy_after
+            legs = plan_legs({"model": "m", "prompt": "x", "max_tokens": 4}, "completion", "x")
+            for _ in range(cfg_unhealthy):
+                with pytest.raises((UpstreamError, Overloaded)):
+                    await flow.prefill(legs, "rid", Timings())
+            by_url = {w.url: w for w in flow.registry.workers.values()}
+            assert by_url[urls["p1"]].healthy and by_url[urls["p2"]].healthy
+            assert not by_url[urls["p3"]].healthy  # refused every time: out of rotation
+            # only the back-pressured P left: every attempt is "not now"
+            by_url[urls["p2"]].draining = True
+            with pytest.raises(Overloaded):
+                await flow.prefill(legs, "rid", Timings())
