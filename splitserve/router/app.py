@@ -21,6 +21,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.types import ASGIApp
 
 from splitserve.router.admin import add_admin_routes
 from splitserve.router.config import RouterConfig
@@ -28,6 +29,7 @@ from splitserve.router.detok import text_stream
 from splitserve.router.flow import Flow, Prefilled, Timings, UpstreamError
 from splitserve.router.formats import DONE, Joiner, error_body, request_id, sse, sse_comment
 from splitserve.router.health import Registry
+from splitserve.router.hotpath import HotRoutes
 from splitserve.router.limits import BodyLimit
 from splitserve.router.metrics import RouterMetrics
 from splitserve.router.params import Kind, RequestError, plan_legs, unsplittable_reason, validate
@@ -132,7 +134,7 @@ async def cancellable(request: Request, work: Awaitable[T]) -> T:
 
 
 def create_app(cfg: RouterConfig, token: str | None, api_key: str | None = None,
-               startup_timeout_s: float = 300.0) -> FastAPI:
+               startup_timeout_s: float = 300.0) -> ASGIApp:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         client = httpx.AsyncClient(
@@ -172,7 +174,6 @@ def create_app(cfg: RouterConfig, token: str | None, api_key: str | None = None,
             await session.close()
 
     app = FastAPI(title="splitserve router", lifespan=lifespan)
-    app.add_middleware(BodyLimit, max_bytes=cfg.max_body_bytes, timeout_s=cfg.body_timeout_s)
 
     def state(request: Request) -> RouterState:
         return request.app.state.router  # type: ignore[no-any-return]
@@ -386,7 +387,9 @@ def create_app(cfg: RouterConfig, token: str | None, api_key: str | None = None,
 
     add_admin_routes(app, state, authorized)
 
-    return app
+    hot = HotRoutes(app, {"/v1/completions": completions,
+                          "/v1/chat/completions": chat_completions})
+    return BodyLimit(hot, max_bytes=cfg.max_body_bytes, timeout_s=cfg.body_timeout_s)
 
 
 async def drain(gen: AsyncIterator[Any]) -> None:
