@@ -70,6 +70,7 @@ class SplitserveMeta(KVConnectorMetadata):
     saves: list[SaveSpec] = field(default_factory=list)
     loads: list[LoadSpec] = field(default_factory=list)
     cancels: list[str] = field(default_factory=list)  # request ids
+    idle: bool = False  # the step computes nothing: it runs only to collect transfer results
 
 
 @dataclass
@@ -152,6 +153,7 @@ class SchedulerSide:
     # -- every step --------------------------------------------------------------------------
     def build_connector_meta(self, so: SchedulerOutput) -> SplitserveMeta:
         meta, self._pending = self._pending, SplitserveMeta()
+        meta.idle = so.total_num_scheduled_tokens == 0
         for new in so.scheduled_new_reqs:
             pf = self._prefills.get(new.req_id)
             if pf is not None:

@@ -91,7 +91,8 @@ class SplitserveConnector(KVConnectorBase_V1):
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         assert self._worker is not None
-        return self._worker.get_transfer_results(finished_req_ids)
+        idle = self.has_connector_metadata() and self._meta().idle
+        return self._worker.get_transfer_results(finished_req_ids, idle)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         assert self._worker is not None

@@ -43,6 +43,7 @@ from splitserve.connector.transport.shm import ShmPushChannel
 from splitserve.connector.transport.tcp import TcpPushChannel
 
 logger = init_logger(__name__)
+IDLE_WAIT_S = 0.001  # per empty engine step while pushes await D's acknowledgement
 
 
 @dataclass
@@ -260,8 +261,14 @@ class WorkerSide:
         self.stats.close(st.record, "failed", cause)
         return cause
 
-    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+    def get_transfer_results(self, finished_req_ids: set[str], idle: bool = False
+                             ) -> KVConnectorTransferResults:
         out = KVConnectorTransferResults()
+        if idle and self._sends and not self._loads:
+            # The engine keeps stepping, computing nothing, only until D acknowledges our
+            # pushes; on a worker with one core that spin would starve the sender thread and
+            # the API server answering t1. Yield the core for a moment instead.
+            time.sleep(IDLE_WAIT_S)
         for rid in finished_req_ids:
             send = self._sends.get(rid)
             if send is not None:
