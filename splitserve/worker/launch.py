@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
 import time
+from collections import deque
 from importlib import metadata
 
 import httpx
@@ -48,10 +50,38 @@ def check_vllm_version() -> str:
     return found
 
 
+# The ports this process handed out lately (bounded): one process never gets the same port twice
+# before the first taker had time to bind it.
+_HANDED_OUT: deque[int] = deque(maxlen=512)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
+    """A port that is free now, chosen below the kernel's ephemeral range: the OS hands ports
+    in that range to outgoing connections, which could take ours before the worker binds it."""
+    low = _ephemeral_low()
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randrange(max(1024, low - 12000), low)
+        if port in _HANDED_OUT:  # given to an earlier caller that may not have bound it yet
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            _HANDED_OUT.append(port)
+            return port
+    with socket.socket() as s:  # a crowded range: fall back to whatever the kernel gives
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def kv_transfer_config(cfg: WorkerConfig) -> dict[str, object]:
