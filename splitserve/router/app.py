@@ -36,7 +36,7 @@ from splitserve.router.params import Kind, RequestError, plan_legs, unsplittable
 from splitserve.router.policy import NoWorker, Overloaded, Picker
 from splitserve.router.prompt import kv_bytes_per_token, load_tokenizer, render_chat
 from splitserve.router.schema import CHAT_REQUEST, COMPLETION_REQUEST, openapi_body
-from splitserve.router.whole import TRANSPORT_ERRORS, Passthrough, new_session, worker_headers
+from splitserve.router.whole import TRANSPORT_ERRORS, Passthrough, new_session
 
 log = logging.getLogger("splitserve.router")
 T = TypeVar("T")
@@ -137,8 +137,7 @@ def create_app(cfg: RouterConfig, token: str | None, api_key: str | None = None,
                startup_timeout_s: float = 300.0) -> ASGIApp:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        client = httpx.AsyncClient(
-            headers=worker_headers(token),
+        client = httpx.AsyncClient(  # the registry's; it authenticates each request itself
             timeout=httpx.Timeout(cfg.request_timeout_s, connect=cfg.connect_timeout_s),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
         registry = Registry(cfg, client, token)

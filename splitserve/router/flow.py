@@ -63,6 +63,33 @@ def counts_against_worker(exc: Exception) -> bool:
     return not isinstance(exc, LegFailed) or exc.cause == "stream_cut"
 
 
+async def backoff(cfg: RouterConfig, attempt: int) -> None:
+    """Before retry `attempt + 1`: exponential, capped, with ±20 % jitter."""
+    base = min(cfg.retry_backoff_s * 1.5**attempt, cfg.retry_backoff_max_s)
+    await asyncio.sleep(base * random.uniform(0.8, 1.2))
+
+
+def leg_failed(metrics: RouterMetrics, registry: Registry, worker: Worker, leg: str,
+               exc: Exception, rid: str) -> None:
+    """Count a failed leg by cause; only a connection-level failure counts against the worker."""
+    cause = exc.cause if isinstance(exc, LegFailed) else type(exc).__name__
+    metrics.failures.labels(leg, cause).inc()
+    if counts_against_worker(exc):
+        registry.failed(worker, str(exc))
+    log.warning("request %s: %s leg on %s failed: %s", rid, leg, worker.url, exc)
+
+
+def exhausted(last: Exception | None, role: str, what: str) -> Exception:
+    """The answer once every attempt failed: 429 with Retry-After (`Overloaded`) when the last
+    worker said "not now", else the last failure as an explicit upstream error."""
+    if last is not None and is_backpressure(last):
+        return Overloaded(role)
+    status = last.status if isinstance(last, LegFailed) else 502
+    return UpstreamError(status, {"error": {
+        "message": f"{what} failed on every attempt: {last}", "type": "UpstreamError",
+        "param": None, "code": status}})
+
+
 class LegFailed(Exception):
     """A worker-side failure worth a retry elsewhere."""
 
@@ -166,17 +193,6 @@ class Flow:
         self.max_model_len = max_model_len
         self._discards: set[asyncio.Task[None]] = set()  # in-flight DELETEs (kept referenced)
 
-    async def _backoff(self, attempt: int) -> None:
-        base = min(self.cfg.retry_backoff_s * 1.5**attempt, self.cfg.retry_backoff_max_s)
-        await asyncio.sleep(base * random.uniform(0.8, 1.2))
-
-    def _fail(self, worker: Worker, leg: str, exc: Exception, rid: str) -> None:
-        cause = exc.cause if isinstance(exc, LegFailed) else type(exc).__name__
-        self.metrics.failures.labels(leg, cause).inc()
-        if counts_against_worker(exc):
-            self.registry.failed(worker, str(exc))
-        log.warning("request %s: %s leg on %s failed: %s", rid, leg, worker.url, exc)
-
     # --- P ----------------------------------------------------------------------------------
     async def prefill(self, legs: Legs, rid: str, t: Timings) -> Prefilled:
         prompt_len = (len(legs.prompt) if isinstance(legs.prompt, list)
@@ -187,7 +203,7 @@ class Flow:
             if attempt:
                 t.retries += 1
                 self.metrics.retries.labels("prefill").inc()
-                await self._backoff(attempt - 1)
+                await backoff(self.cfg, attempt - 1)
             pool = [w for w in self.registry.routable("prefill") if w.url not in tried]
             p = self.picker.prefill(pool or self.registry.routable("prefill"), prompt_len)
             d = self.picker.decode(self.registry.routable("decode"),
@@ -222,7 +238,7 @@ class Flow:
                 reserved = True
             except (*TRANSPORT_ERRORS, LegFailed) as exc:
                 tried.add(p.url)
-                self._fail(p, "prefill", exc, rid)
+                leg_failed(self.metrics, self.registry, p, "prefill", exc, rid)
                 if kv is not None:  # whatever P pushed for this attempt will never be claimed
                     self.discard(d.url, tid)
                 last = exc
@@ -253,12 +269,7 @@ class Flow:
                 fingerprint=out.get("system_fingerprint"), decode=None if done else d,
                 kv=None if done or kv is None else {"do_remote_prefill": True,
                                                     "transfer_id": tid}, reserved=not done)
-        if last is not None and is_backpressure(last):
-            raise Overloaded("prefill")  # 429 with Retry-After: every P said "not now"
-        status = last.status if isinstance(last, LegFailed) else 502
-        raise UpstreamError(status, {"error": {
-            "message": f"prefill failed on every attempt: {last}", "type": "UpstreamError",
-            "param": None, "code": status}})
+        raise exhausted(last, "prefill", "prefill")
 
     # --- D ----------------------------------------------------------------------------------
     def _resume_on(self, tried: set[str]) -> Worker:
@@ -294,7 +305,7 @@ class Flow:
             if attempt:
                 t.retries += 1
                 self.metrics.retries.labels("decode").inc()
-                await self._backoff(attempt - 1)
+                await backoff(self.cfg, attempt - 1)
                 d = self._resume_on(tried)
                 kv = None  # resumption recomputes: never read KV staged for another worker
                 d.acquire()
@@ -321,7 +332,7 @@ class Flow:
                 return
             except (*TRANSPORT_ERRORS, LegFailed) as exc:
                 tried.add(d.url)
-                self._fail(d, "decode", exc, rid)
+                leg_failed(self.metrics, self.registry, d, "decode", exc, rid)
                 if attempt == self.cfg.decode_retries:
                     raise UpstreamError(502, {"error": {
                         "message": f"decode failed on every attempt: {exc}",

@@ -109,6 +109,11 @@ def parse_gauges(text: str) -> dict[str, float]:
     return out
 
 
+def worker_headers(token: str | None) -> dict[str, str]:
+    """Headers every request to a worker carries: workers refuse callers without the token."""
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
 class Registry:
     """All workers, by URL. The health loop and the admin endpoint are its only writers."""
 
@@ -116,6 +121,7 @@ class Registry:
         self.cfg = cfg
         self.client = client
         self.token = token
+        self.headers = worker_headers(token)  # on every request: workers require the token
         # Keyed by (role, url): one worker (role `both`) may serve in the P and the D pool.
         self.workers: dict[tuple[str, str], Worker] = {}
         for role, urls in (("prefill", cfg.prefill), ("decode", cfg.decode),
@@ -166,13 +172,11 @@ class Registry:
         worker.failures = 0
 
     # --- the health loop --------------------------------------------------------------------
-    def _auth(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.token}"} if self.token else {}
-
     async def check(self, worker: Worker) -> None:
         timeout = self.cfg.health_timeout_s
         try:
-            r = await self.client.get(f"{worker.url}/health", timeout=timeout)
+            r = await self.client.get(f"{worker.url}/health", headers=self.headers,
+                                      timeout=timeout)
             ok = r.status_code == 200
             error = None if ok else f"/health answered {r.status_code}"
         except httpx.HTTPError as exc:
@@ -194,14 +198,15 @@ class Registry:
             self.failed(worker, error or "unhealthy")
 
     async def _read_load(self, worker: Worker, timeout: float) -> None:
-        r = await self.client.get(f"{worker.url}/metrics", timeout=timeout)
+        r = await self.client.get(f"{worker.url}/metrics", headers=self.headers,
+                                  timeout=timeout)
         if r.status_code == 200:
             for key, value in parse_gauges(r.text).items():
                 setattr(worker, key, value)
         if worker.role == "colocated" or not self.token:
             return
         if worker.info is None:
-            r = await self.client.get(f"{worker.url}/splitserve/info", headers=self._auth(),
+            r = await self.client.get(f"{worker.url}/splitserve/info", headers=self.headers,
                                       timeout=timeout)
             # 200: its KV endpoint; 404: plain vLLM (never asked again); else: ask next time
             worker.info = r.json() if r.status_code == 200 else (
@@ -210,7 +215,7 @@ class Registry:
                 log.warning("worker %s has no /splitserve/info (%s): plain vLLM, no KV transfer",
                             worker.url, r.status_code)
         if worker.role == "decode" and worker.info:
-            r = await self.client.get(f"{worker.url}/splitserve/state", headers=self._auth(),
+            r = await self.client.get(f"{worker.url}/splitserve/state", headers=self.headers,
                                       timeout=timeout)
             if r.status_code == 200:
                 state = r.json()
@@ -233,7 +238,7 @@ class Registry:
         errors = []
         for worker in self.workers.values():
             try:
-                r = await self.client.get(f"{worker.url}/v1/models",
+                r = await self.client.get(f"{worker.url}/v1/models", headers=self.headers,
                                           timeout=self.cfg.health_timeout_s)
                 if r.status_code == 200:
                     return dict(r.json()["data"][0])

@@ -9,9 +9,6 @@ request in vLLM.
 
 from __future__ import annotations
 
-import asyncio
-import random
-
 import aiohttp
 from yarl import URL
 
@@ -21,20 +18,15 @@ from splitserve.router.flow import (
     TRANSPORT_ERRORS,
     LegFailed,
     Timings,
-    UpstreamError,
-    counts_against_worker,
-    is_backpressure,
+    backoff,
+    exhausted,
+    leg_failed,
 )
-from splitserve.router.health import Registry, Worker
+from splitserve.router.health import Registry, Worker, worker_headers
 from splitserve.router.metrics import RouterMetrics
-from splitserve.router.policy import Overloaded, Picker
+from splitserve.router.policy import Picker
 
-__all__ = ["TRANSPORT_ERRORS", "Passthrough", "new_session", "worker_headers"]
-
-
-def worker_headers(token: str | None) -> dict[str, str]:
-    """Headers every request to a worker carries: workers refuse callers without the token."""
-    return {"Authorization": f"Bearer {token}"} if token else {}
+__all__ = ["TRANSPORT_ERRORS", "Passthrough", "new_session"]
 
 
 def new_session(cfg: RouterConfig, token: str | None) -> aiohttp.ClientSession:
@@ -95,9 +87,7 @@ class Passthrough:
             if attempt:
                 t.retries += 1
                 self.metrics.retries.labels("whole").inc()
-                base = min(self.cfg.retry_backoff_s * 1.5 ** (attempt - 1),
-                           self.cfg.retry_backoff_max_s)
-                await asyncio.sleep(base * random.uniform(0.8, 1.2))
+                await backoff(self.cfg, attempt - 1)
             w = self.pick(tried)
             t.decode_url = w.url
             w.acquire()
@@ -112,14 +102,6 @@ class Passthrough:
             except (*TRANSPORT_ERRORS, LegFailed) as exc:
                 w.release()
                 tried.add(w.url)
-                cause = exc.cause if isinstance(exc, LegFailed) else type(exc).__name__
-                self.metrics.failures.labels("whole", cause).inc()
-                if counts_against_worker(exc):
-                    self.registry.failed(w, str(exc))
+                leg_failed(self.metrics, self.registry, w, "whole", exc, rid)
                 last = exc
-        if last is not None and is_backpressure(last):
-            raise Overloaded(w.role)  # 429 with Retry-After: every worker said "not now"
-        status = last.status if isinstance(last, LegFailed) else 502
-        raise UpstreamError(status, {"error": {
-            "message": f"request failed on every attempt: {last}", "type": "UpstreamError",
-            "param": None, "code": status}})
+        raise exhausted(last, w.role, "request")
