@@ -31,6 +31,16 @@ def add_admin_routes(app: FastAPI, state: Callable[[Request], Any],
         except ValueError as exc:
             return JSONResponse(error_body(str(exc), param="url"), 400)
 
+    async def admin_targets(request: Request) -> tuple[dict[str, Any], list[Any]] | JSONResponse:
+        """The request's body and the workers it names, or the error answer."""
+        body = await admin_body(request)
+        if isinstance(body, JSONResponse):
+            return body
+        found = state(request).registry.find(body["url"], body.get("role"))
+        if not found:
+            return JSONResponse(error_body("unknown worker", "NotFoundError", "url", 404), 404)
+        return body, found
+
     @app.post("/admin/workers")
     async def add_worker(request: Request) -> JSONResponse:
         body = await admin_body(request)
@@ -46,25 +56,21 @@ def add_admin_routes(app: FastAPI, state: Callable[[Request], Any],
 
     @app.post("/admin/workers/drain")
     async def drain_worker(request: Request) -> JSONResponse:
-        body = await admin_body(request)
-        if isinstance(body, JSONResponse):
-            return body
-        found = state(request).registry.find(body["url"], body.get("role"))
-        if not found:
-            return JSONResponse(error_body("unknown worker", "NotFoundError", "url", 404), 404)
+        targets = await admin_targets(request)
+        if isinstance(targets, JSONResponse):
+            return targets
+        body, found = targets
         for worker in found:
             worker.draining = not body.get("undrain", False)
         return JSONResponse({"workers": [w.describe() for w in found]})
 
     @app.post("/admin/workers/remove")
     async def remove_worker(request: Request) -> JSONResponse:
-        body = await admin_body(request)
-        if isinstance(body, JSONResponse):
-            return body
+        targets = await admin_targets(request)
+        if isinstance(targets, JSONResponse):
+            return targets
+        _, found = targets
         reg = state(request).registry
-        found = reg.find(body["url"], body.get("role"))
-        if not found:
-            return JSONResponse(error_body("unknown worker", "NotFoundError", "url", 404), 404)
         try:
             removed = await asyncio.gather(*(reg.remove(w) for w in found))
         except TimeoutError:
