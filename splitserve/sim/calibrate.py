@@ -37,6 +37,7 @@ from splitserve.sim.profile import (
     chunk_features,
     decode_window,
     fit_decode,
+    nnls,
     robust_fit,
 )
 from splitserve.sim.workload import SimWorkload
@@ -132,21 +133,6 @@ def measure_decode_split(url: str, plan: SplitPlan
     return rows, ratios
 
 
-def _nnls_abs(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Least squares (absolute error) with non-negative coefficients, 2 columns."""
-    best, best_err = np.zeros(x.shape[1]), float("inf")
-    for cols in ([0, 1], [0], [1]):
-        coef, *_ = np.linalg.lstsq(x[:, cols], y, rcond=None)
-        if np.any(coef < 0):
-            continue
-        full = np.zeros(x.shape[1])
-        full[cols] = coef
-        err = float(((x @ full - y) ** 2).sum())
-        if err < best_err:
-            best, best_err = full, err
-    return best
-
-
 def fit_lone(base: Profile, points: list[tuple[int, float, float]], decode: DecodeCost
              ) -> tuple[float, float, float, float, dict[str, Any]]:
     """(router_request_s, prefill_factor, handover_a_s, handover_b_s, quality)."""
@@ -157,7 +143,7 @@ def fit_lone(base: Profile, points: list[tuple[int, float, float]], decode: Deco
                                                for n, t, _ in points]))])
     hand = np.array([h - decode.time(1, n + 1) for n, _, h in points])
     hx = np.array([[1.0, float(n)] for n, _, _ in points])
-    hcoef = _nnls_abs(hx, hand)
+    hcoef = nnls(hx, hand, relative=False)
     quality["handover_residual_ms"] = float(np.median(np.abs(hx @ hcoef - hand)) * 1e3)
     return float(coef[0]), float(coef[1]), float(hcoef[0]), float(hcoef[1]), quality
 

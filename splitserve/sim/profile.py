@@ -93,10 +93,11 @@ def chunk_features(length: int, budget: int) -> tuple[float, float, float]:
     return float(chunks), float(length), float(length) ** 2
 
 
-def _nnls3(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Least squares of *relative* error with non-negative coefficients (few columns: try every
-    active set). Relative, so short prompts and small batches count as much as long ones."""
-    xw, yw = x / y[:, None], np.ones_like(y)
+def nnls(x: np.ndarray, y: np.ndarray, relative: bool = True) -> np.ndarray:
+    """Least squares with non-negative coefficients (few columns: try every active set), of
+    *relative* error by default, so short prompts and small batches count as much as long ones;
+    `relative=False` for absolute error."""
+    xw, yw = (x / y[:, None], np.ones_like(y)) if relative else (x, y)
     best, best_err = np.zeros(x.shape[1]), float("inf")
     for mask in range(1, 2 ** x.shape[1]):
         cols = [i for i in range(x.shape[1]) if mask >> i & 1]
@@ -114,14 +115,14 @@ def _nnls3(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 def robust_fit(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, dict[str, Any]]:
     """Fit, then drop points more than 3× the median relative residual off (at most a fifth of
     them: a shared machine's hiccups) and fit again. Reports the relative residuals."""
-    coef = _nnls3(x, y)
+    coef = nnls(x, y)
     rel = np.abs(x @ coef / y - 1)
     keep = np.ones(len(y), dtype=bool)
     limit = 3 * max(float(np.median(rel)), 0.02)
     worst = np.argsort(-rel)[: len(y) // 5]
     keep[[i for i in worst if rel[i] > limit]] = False
     if not keep.all() and keep.sum() >= x.shape[1]:
-        coef = _nnls3(x[keep], y[keep])
+        coef = nnls(x[keep], y[keep])
     rel = x @ coef / y - 1
     return coef, {"dropped": [int(i) for i in np.flatnonzero(~keep)],
                   "median_abs_rel_error": float(np.median(np.abs(rel[keep]))),
