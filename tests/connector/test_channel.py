@@ -3,25 +3,21 @@ over both transports; corruption, refusal and a vanished peer settle the transfe
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 import pytest
 import torch
+from channels import FP, SHAPE, assert_staged_equals, push, settle
 
 from splitserve.connector.faults import Faults
-from splitserve.connector.layout import KVShape, chunk_views, copy_tokens, paged_kv, region_offset
 from splitserve.connector.listener import KVListener
-from splitserve.connector.protocol import Fingerprint
 from splitserve.connector.staging import StagingArea
 from splitserve.connector.stats import ConnectorStats
-from splitserve.connector.transport.base import LayerItem, PushChannel
+from splitserve.connector.transport.base import PushChannel
 from splitserve.connector.transport.shm import ShmPushChannel
 from splitserve.connector.transport.tcp import TcpPushChannel
 
 TOKEN = "channel-test-token-0123456789"
-SHAPE = KVShape(num_layers=2, num_kv_heads=2, head_dim=32, dtype=torch.float32)
-FP = Fingerprint("cafe", "float32", 2, 2, 32, "0.32.0")
 CHANNELS = {"tcp": TcpPushChannel, "shm": ShmPushChannel}
 
 
@@ -41,26 +37,6 @@ def channel(kind: str, port: int, faults: Faults = NO_FAULTS) -> PushChannel:
     return CHANNELS[kind]("127.0.0.1", port, TOKEN, FP, ConnectorStats(), faults, SHAPE, 2.0)
 
 
-def settle(ch: PushChannel, tid: str, timeout_s: float = 5.0) -> str:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        st = ch.poll(tid)
-        if st is not None and st.settled:
-            return st.status
-        time.sleep(0.01)
-    raise AssertionError("transfer never settled")
-
-
-def push(ch: PushChannel, tid: str, caches: list[torch.Tensor], blocks: tuple[int, ...],
-         chunks: list[tuple[int, int]]) -> None:
-    n = chunks[-1][1]
-    ch.begin(tid, n, SHAPE.transfer_bytes(n), ack_timeout_s=5.0)
-    for s, e in chunks:
-        for layer, cache in enumerate(caches):
-            ch.push_layer(LayerItem(tid, layer, s, e, cache, blocks))
-    ch.end(tid)
-
-
 @pytest.mark.parametrize("kind", ["tcp", "shm"])
 def test_chunked_push_arrives_intact(listener: tuple[KVListener, StagingArea], kind: str) -> None:
     lis, staging = listener
@@ -72,16 +48,7 @@ def test_chunked_push_arrives_intact(listener: tuple[KVListener, StagingArea], k
     assert settle(ch, f"ok-{kind}") == "acked"
     st = staging.claim(f"ok-{kind}")
     assert st is not None and st.complete
-    for layer, cache in enumerate(caches):
-        k_paged, v_paged = paged_kv(cache)
-        for s, e in ((0, 100), (100, 230)):
-            base = st.offset + region_offset(SHAPE, s, e, layer)
-            nbytes = (e - s) * SHAPE.bytes_per_token_layer
-            k_rows, v_rows = chunk_views(staging.segment.tensor[base:base + nbytes].view(
-                torch.float32), 2, 32, e - s)
-            k_ref, v_ref = torch.empty_like(k_rows), torch.empty_like(v_rows)
-            copy_tokens(k_paged, v_paged, blocks, k_ref, v_ref, s, e, s, to_paged=False)
-            assert torch.equal(k_rows, k_ref) and torch.equal(v_rows, v_ref)
+    assert_staged_equals(staging, st, caches, blocks, ((0, 100), (100, 230)))
     staging.release(st, "loaded")
     assert staging.state()["staged_bytes"] == 0
     ch.close()

@@ -10,7 +10,6 @@ import json
 import socket
 import ssl
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from channels import FP, SHAPE, assert_staged_equals, push, settle
 from tlscerts import Pki, make_pki
 from workers import (
     TEST_SPECS,
@@ -33,7 +33,6 @@ from workers import TOKEN as WORKER_TOKEN
 
 from splitserve.config import ConnectorConfig, WorkerConfig
 from splitserve.connector.faults import Faults
-from splitserve.connector.layout import KVShape, chunk_views, copy_tokens, paged_kv, region_offset
 from splitserve.connector.listener import KVListener
 from splitserve.connector.protocol import (
     Fingerprint,
@@ -45,7 +44,7 @@ from splitserve.connector.protocol import (
 from splitserve.connector.staging import StagingArea
 from splitserve.connector.stats import ConnectorStats
 from splitserve.connector.tls import TlsStream, client_context, server_context
-from splitserve.connector.transport.base import LayerItem, PushChannel
+from splitserve.connector.transport.base import PushChannel
 from splitserve.connector.transport.shm import ShmPushChannel
 from splitserve.connector.transport.tcp import TcpPushChannel
 from splitserve.launch import cli as serve_cli
@@ -55,8 +54,6 @@ from splitserve.worker import cli as worker_cli
 from splitserve.worker.launch import worker_command
 
 TOKEN = "tls-test-token-0123456789"
-SHAPE = KVShape(num_layers=2, num_kv_heads=2, head_dim=32, dtype=torch.float32)
-FP = Fingerprint("cafe", "float32", 2, 2, 32, "0.32.0")
 
 
 @dataclass(frozen=True)
@@ -161,26 +158,6 @@ def tls_channel(kind: str, port: int, ctx: ssl.SSLContext | None) -> PushChannel
                tls=ctx)
 
 
-def push(ch: PushChannel, tid: str, caches: list[torch.Tensor], blocks: tuple[int, ...],
-         chunks: list[tuple[int, int]]) -> None:
-    n = chunks[-1][1]
-    ch.begin(tid, n, SHAPE.transfer_bytes(n), ack_timeout_s=5.0)
-    for s, e in chunks:
-        for layer, cache in enumerate(caches):
-            ch.push_layer(LayerItem(tid, layer, s, e, cache, blocks))
-    ch.end(tid)
-
-
-def settle(ch: PushChannel, tid: str, timeout_s: float = 8.0) -> str:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        st = ch.poll(tid)
-        if st is not None and st.settled:
-            return st.status
-        time.sleep(0.01)
-    raise AssertionError("transfer never settled")
-
-
 def assert_nothing_staged(staging: StagingArea, tid: str) -> None:
     assert staging.state()["staged_bytes"] == 0 and staging.final_status(tid) is None
 
@@ -197,16 +174,7 @@ def test_tls_push_arrives_intact(tls_listener: tuple[KVListener, StagingArea], p
     assert settle(ch, f"tls-{kind}") == "acked"
     st = staging.claim(f"tls-{kind}")
     assert st is not None and st.complete
-    for layer, cache in enumerate(caches):
-        k_paged, v_paged = paged_kv(cache)
-        for s, e in chunks:
-            base = st.offset + region_offset(SHAPE, s, e, layer)
-            nbytes = (e - s) * SHAPE.bytes_per_token_layer
-            k_rows, v_rows = chunk_views(staging.segment.tensor[base:base + nbytes].view(
-                torch.float32), 2, 32, e - s)
-            k_ref, v_ref = torch.empty_like(k_rows), torch.empty_like(v_rows)
-            copy_tokens(k_paged, v_paged, blocks, k_ref, v_ref, s, e, s, to_paged=False)
-            assert torch.equal(k_rows, k_ref) and torch.equal(v_rows, v_ref)
+    assert_staged_equals(staging, st, caches, blocks, chunks)
     staging.release(st, "loaded")
     ch.close()
     # the control channel shares the port, so it speaks TLS too
