@@ -13,7 +13,6 @@ be 0). The test-sized version is tests/router/test_chaos.py.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import random
@@ -28,12 +27,10 @@ from typing import Any
 
 import httpx
 
-from splitserve.bench.chaos import Outcome, stream_one, summarize
+from splitserve.bench.chaos import Outcome, chaos_requests, run_wave, summarize
 from splitserve.config import TOKEN_ENV, WorkerConfig, new_token
 from splitserve.worker.launch import free_port, start_worker, wait_healthy
 
-FAULTS = ("", "fault-corrupt", "fault-delay", "fault-drop", "fault-short", "fault-crash-p",
-          "fault-crash-d", "")
 RESULTS = Path(__file__).parent / "results"
 
 
@@ -124,29 +121,6 @@ class Cluster:
                     os.killpg(proc.pid, signal.SIGKILL)
 
 
-def wave_requests(wave: int, n: int, rng: random.Random) -> list[tuple[str, list[int], Any]]:
-    out = []
-    for i in range(n):
-        fault = FAULTS[i % len(FAULTS)]
-        prompt = [3 + rng.randrange(4000) for _ in range(rng.randrange(16, 1200))]
-        out.append((f"c{wave}-{i}{'-' + fault if fault else ''}", prompt,
-                    rng.randrange(2, 10) if i % 5 == 4 else None))
-    return out
-
-
-def run_wave(url: str, reqs: list[tuple[str, list[int], Any]], max_tokens: int
-             ) -> list[Outcome]:
-    async def go() -> list[Outcome]:
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-        async with httpx.AsyncClient(timeout=300, limits=limits) as client:
-            return await asyncio.gather(*(
-                stream_one(client, url, {"prompt": prompt, "max_tokens": max_tokens,
-                                         "temperature": 0, "ignore_eos": True,
-                                         "return_token_ids": True}, rid, hang_up)
-                for rid, prompt, hang_up in reqs))
-    return asyncio.run(go())
-
-
 def chaos_monkey(cluster: Cluster, victims: list[str], stop: threading.Event) -> None:
     """Kill each victim once the router has legs open on it (unless a crash point did)."""
     while victims and not stop.is_set():
@@ -201,8 +175,8 @@ def main() -> int:
     try:
         cluster.start_all()
         for wave in range(args.waves):
-            reqs = wave_requests(wave, args.requests, rng)
-            prompts |= {rid: prompt for rid, prompt, _ in reqs}
+            reqs = chaos_requests(f"c{wave}", args.requests, rng, 4003, 1200)
+            prompts |= {r.rid: r.prompt for r in reqs}
             dead = [n for n in ("p2", "d2") if not cluster.alive(n)]
             restart = threading.Thread(target=cluster.start, args=dead)
             restart.start()  # the dead come back while this wave runs on the survivors

@@ -91,6 +91,13 @@ def auth_headers() -> dict[str, str]:
     return {"Authorization": f"Bearer {TOKEN}"}
 
 
+def metric_sum(worker: Worker, *names: str) -> float:
+    """The sum of every sample of these Prometheus families on the worker's /metrics."""
+    text = httpx.get(f"{worker.url}/metrics", headers=auth_headers(), timeout=5).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(names))
+
+
 def launch(model: Path, name: str, role: str | None, env: dict[str, str] | None = None,
            **overrides: object) -> Worker:
     """Start one worker and wait until it is healthy."""

@@ -13,7 +13,9 @@ A request sent during failures ends in exactly one of:
 
 from __future__ import annotations
 
+import asyncio
 import json
+import random
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -22,6 +24,46 @@ from typing import Any
 import httpx
 
 OUTCOMES = ("complete", "error", "cancelled", "wrong", "lost")
+# Transfer faults by request id (connector/faults.py); the crash markers act only on workers
+# started with SPLITSERVE_FAULTS=1,crash.
+FAULTS = ("", "fault-corrupt", "fault-delay", "fault-drop", "fault-short", "fault-crash-p",
+          "fault-crash-d", "")
+
+
+@dataclass(frozen=True)
+class ChaosRequest:
+    rid: str  # carries the request's fault marker
+    prompt: list[int]
+    hang_up_after: int | None  # the client disconnects after this many tokens
+
+
+def chaos_requests(tag: str, n: int, rng: random.Random, vocab: int, max_prompt: int,
+                   crashes: bool = True) -> list[ChaosRequest]:
+    """`n` requests cycling through FAULTS (crash markers left out unless `crashes`); every
+    fifth client hangs up after a few tokens."""
+    out = []
+    for i in range(n):
+        fault = FAULTS[i % len(FAULTS)]
+        if not crashes and "crash" in fault:
+            fault = ""
+        prompt = [3 + rng.randrange(vocab - 3) for _ in range(rng.randrange(16, max_prompt))]
+        out.append(ChaosRequest(f"{tag}-{i}{'-' + fault if fault else ''}", prompt,
+                                rng.randrange(2, 10) if i % 5 == 4 else None))
+    return out
+
+
+def run_wave(url: str, reqs: list[ChaosRequest], max_tokens: int, timeout_s: float = 300.0
+             ) -> list[Outcome]:
+    """Send every request at once (greedy, `ignore_eos`) and wait for all of them to end."""
+    async def go() -> list[Outcome]:
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
+            return await asyncio.gather(*(
+                stream_one(client, url, {"prompt": r.prompt, "max_tokens": max_tokens,
+                                         "temperature": 0, "ignore_eos": True,
+                                         "return_token_ids": True}, r.rid, r.hang_up_after)
+                for r in reqs))
+    return asyncio.run(go())
 
 
 @dataclass

@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import psutil
 from router_helpers import Router, start_router
-from workers import Worker, auth_headers, hf_greedy, wait_drained
+from workers import Worker, hf_greedy, metric_sum, wait_drained
 
 PROMPT = [5 + (i * 29) % 900 for i in range(48)]
 PER_WORKER = 2  # the router's queue limit per worker
@@ -44,12 +44,6 @@ async def one(client: httpx.AsyncClient, url: str, max_tokens: int) -> dict[str,
                     out["tokens"] += c.get("token_ids") or []
     out["end_s"] = time.monotonic() - t0
     return out
-
-
-def metric_sum(worker: Worker, *names: str) -> float:
-    text = httpx.get(f"{worker.url}/metrics", headers=auth_headers(), timeout=5).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(names))
 
 
 def worker_load(worker: Worker) -> float:

@@ -9,7 +9,6 @@ none lost, none a 200 with wrong tokens — and every live worker drains to zero
 
 from __future__ import annotations
 
-import asyncio
 import os
 import random
 import signal
@@ -19,16 +18,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 from router_helpers import Router, start_router
-from workers import Worker, auth_headers, hf_greedy, launch, wait_drained
+from workers import Worker, hf_greedy, launch, metric_sum, wait_drained
 
-from splitserve.bench.chaos import Outcome, stream_one, summarize
+from splitserve.bench.chaos import ChaosRequest, Outcome, chaos_requests, run_wave, summarize
 
 MAX_TOKENS = 24
-FAULTS = ("", "fault-corrupt", "fault-delay", "fault-drop", "fault-short", "fault-crash-p",
-          "fault-crash-d", "")
 CRASHABLE = {"SPLITSERVE_FAULTS": "1,crash"}
 
 
@@ -52,31 +48,8 @@ def spares(llama_ckpt: Path) -> Iterator[dict[str, Worker]]:
             w.stop()
 
 
-def requests_for(wave: int, n: int, crashes: bool = True
-                 ) -> list[tuple[str, list[int], int | None]]:
-    """(request id with its fault marker, prompt, disconnect after k tokens or None)."""
-    rng = random.Random(wave)
-    out = []
-    for i in range(n):
-        fault = FAULTS[i % len(FAULTS)]
-        if not crashes and "crash" in fault:
-            fault = ""
-        prompt = [3 + rng.randrange(1000) for _ in range(rng.randrange(16, 400))]
-        hang_up = 3 if i % 5 == 4 else None
-        out.append((f"w{wave}-{i}{'-' + fault if fault else ''}", prompt, hang_up))
-    return out
-
-
-def run_wave(router: Router, reqs: list[tuple[str, list[int], int | None]]) -> list[Outcome]:
-    async def go() -> list[Outcome]:
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-        async with httpx.AsyncClient(timeout=120, limits=limits) as client:
-            return await asyncio.gather(*(
-                stream_one(client, router.url, {"prompt": prompt, "max_tokens": MAX_TOKENS,
-                                                "temperature": 0, "ignore_eos": True,
-                                                "return_token_ids": True}, rid, hang_up)
-                for rid, prompt, hang_up in reqs))
-    return asyncio.run(go())
+def requests_for(wave: int, n: int, crashes: bool = True) -> list[ChaosRequest]:
+    return chaos_requests(f"w{wave}", n, random.Random(wave), 1003, 400, crashes)
 
 
 def kill(worker: Worker) -> None:
@@ -110,7 +83,7 @@ def test_chaos(llama_pair: tuple[Worker, Worker], spares: dict[str, Worker],
         wave1 = requests_for(1, 24)
         killer = threading.Thread(target=kill_when_busy, args=(router, (p2, d2)))
         killer.start()
-        outcomes += run_wave(router, wave1)
+        outcomes += run_wave(router.url, wave1, MAX_TOKENS)
         killer.join()
         assert p2.proc.poll() is not None and d2.proc.poll() is not None
         # Wave 2 on the survivors while the spares restart on their old ports.
@@ -120,15 +93,15 @@ def test_chaos(llama_pair: tuple[Worker, Worker], spares: dict[str, Worker],
             decode=start_spare(llama_ckpt, "decode", port=d2.cfg.port, kv_port=d2.cfg.kv_port)))
         restart.start()
         wave2 = requests_for(2, 8)
-        outcomes += run_wave(router, wave2)
+        outcomes += run_wave(router.url, wave2, MAX_TOKENS)
         restart.join()
         spares.update(restarted)
         # Wave 3: everyone is back, and the restarted workers take work again.
         wait_in_rotation(router, {p2.url, d2.url})
         wave3 = requests_for(3, 16, crashes=False)
-        outcomes += run_wave(router, wave3)
-        for rid, prompt, _ in (*wave1, *wave2, *wave3):
-            prompts[rid] = prompt
+        outcomes += run_wave(router.url, wave3, MAX_TOKENS)
+        for r in (*wave1, *wave2, *wave3):
+            prompts[r.rid] = r.prompt
     finally:
         router.stop()
     references = {rid: hf_greedy(llama_ckpt, prompt, MAX_TOKENS)
@@ -168,8 +141,6 @@ def kill_when_busy(router: Router, victims: tuple[Worker, ...], timeout_s: float
 
 def assert_served(worker: Worker) -> bool:
     """The worker completed requests since it (re)started."""
-    text = httpx.get(f"{worker.url}/metrics", headers=auth_headers(), timeout=5).text
-    total = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                if line.startswith("vllm:request_success_total"))
+    total = metric_sum(worker, "vllm:request_success_total")
     assert total > 0, f"{worker.url} took no requests after its restart"
     return True
