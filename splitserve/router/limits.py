@@ -44,7 +44,8 @@ class BodyLimit:
                                     f"{self.max_bytes} bytes", scope, receive, send)
             return
         try:
-            body = await asyncio.wait_for(self._read(receive), self.timeout_s)
+            async with asyncio.timeout(self.timeout_s):  # no extra task per request
+                body = await self._read(receive)
         except BodyTooLarge:
             await self._refuse(413, f"request body is over the limit of {self.max_bytes} "
                                     "bytes", scope, receive, send)
