@@ -1,7 +1,8 @@
 """vLLM endpoint plugin: splitserve's routes and metrics on a worker's OpenAI server.
 
-Loaded by vLLM in the API-server process (entry point `vllm.endpoint_plugins`); it does nothing
-unless the server runs splitserve's connector. The connector's state lives in the worker process,
+Loaded by vLLM in the API-server process (entry point `vllm.endpoint_plugins`). It guards the
+server when a deployment token is set, and adds routes and metrics only when the server runs
+splitserve's connector. The connector's state lives in the worker process,
 so every route and the metrics collector ask the connector's listener over its authenticated
 control channel — which works while the engine is idle.
 
@@ -148,11 +149,11 @@ class SplitserveEndpointPlugin:
             return await asyncio.to_thread(query, cfg.kv_host, cfg.kv_port, token, body, 2.0,
                                            collector.tls)
 
-        async def guarded(request: Request, body: dict[str, Any],
+        async def ask_connector(request: Request, body: dict[str, Any],
                           respond: Callable[[dict[str, Any]], JSONResponse] = JSONResponse
                           ) -> JSONResponse:
-            """Ask the connector (TokenGuard checked the caller), shape its answer with
-            `respond`."""
+            """The connector's answer shaped by `respond` (TokenGuard already checked the
+            caller), or 503 if the connector does not answer."""
             try:
                 answer = await ask(body)
             except (OSError, ProtocolError) as exc:
@@ -162,12 +163,12 @@ class SplitserveEndpointPlugin:
 
         @app.get("/splitserve/info")
         async def info(request: Request) -> JSONResponse:
-            return await guarded(request, {"what": "state"},
+            return await ask_connector(request, {"what": "state"},
                                  lambda d: JSONResponse({k: d.get(k) for k in INFO_KEYS}))
 
         @app.get("/splitserve/state")
         async def state(request: Request) -> JSONResponse:
-            return await guarded(request, {"what": "state"})
+            return await ask_connector(request, {"what": "state"})
 
         @app.get("/splitserve/transfers/{transfer_id}")
         async def transfer(transfer_id: str, request: Request) -> JSONResponse:
@@ -177,13 +178,13 @@ class SplitserveEndpointPlugin:
                                                    "type": "not_found", "code": 404}}, 404)
                 return JSONResponse(record)
 
-            return await guarded(request, {"what": "transfer", "transfer_id": transfer_id},
+            return await ask_connector(request, {"what": "transfer", "transfer_id": transfer_id},
                                  respond)
 
         @app.delete("/splitserve/transfers/{transfer_id}")
         async def discard(transfer_id: str, request: Request) -> JSONResponse:
             """Free staged KV no decode request will claim (or refuse its push if not begun)."""
-            return await guarded(request, {"what": "discard", "transfer_id": transfer_id})
+            return await ask_connector(request, {"what": "discard", "transfer_id": transfer_id})
 
     async def init_state(self, engine_client: Any, state: State, args: Namespace) -> None:
         return None
