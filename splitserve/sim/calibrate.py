@@ -7,8 +7,14 @@ validation workload:
    request, and P's slowdown while its connector pushes KV); the gap t1 → t2 at the client,
    less D's first step, to `handover_a_s + handover_b_s · l`.
 2. **Decode through the router** (B concurrent streams, the profile's decode probe): D's step
-   cost as the client sees it, fitted like the plain profile's (`a + b·ctx + c·B`).
-3. **A loaded stream** (fixed lengths, evenly spaced at `load_rate`): the CPU that the router,
+   cost as the client sees it, fitted like the plain profile's (`a + b·ctx + c·B`). P prefills
+   the B prompts one after the other, so each stream asks for enough tokens that all B still
+   decode together after the last prefill (`decode_tokens` + the steps D takes meanwhile):
+   otherwise the window "all B decoding" is empty and the row holds steps at smaller batches.
+3. **Interference** (`sim.interference`): background streams on D while single requests arrive
+   one by one → D's slowdown while P prefills and the extra seconds of each request event
+   (arrival, t1, join, end) on D's step.
+4. **A loaded stream** (fixed lengths, evenly spaced at `load_rate`): the CPU that the router,
    client and connectors take from P's and D's cores per request (`cpu_p_s`, `cpu_d_s`), found
    by bisection so that the simulator, with every other term above, reproduces this stream's
    measured median TTFT and median ITL.
@@ -30,6 +36,7 @@ import numpy as np
 from splitserve.bench.client import RequestRecord
 from splitserve.bench.workload import Request
 from splitserve.sim.deployment import SimConfig
+from splitserve.sim.interference import InterferencePlan, fit_interference, gap_rows, probe_stream
 from splitserve.sim.model import DecodeCost, Profile, SplitCost
 from splitserve.sim.profile import (
     _prompt,
@@ -58,6 +65,7 @@ class SplitPlan:
     load_requests: int = 30
     load_prompt: int = 300
     load_output: int = 48
+    interference: InterferencePlan = InterferencePlan()
     max_model_len: int = 4096
     seed: int = 11
 
@@ -116,15 +124,24 @@ def noise_bins(ratios: list[float]) -> tuple[tuple[float, int], ...]:
                  for lo, hi in zip(NOISE_EDGES, NOISE_EDGES[1:], strict=False))
 
 
-def measure_decode_split(url: str, plan: SplitPlan
+def decode_tokens(base: Profile, plan: SplitPlan, batch: int, prompt: int) -> int:
+    """Tokens per stream so that `batch` streams all decode together for `decode_tokens` steps
+    after P has prefilled their prompts one by one (1.5× margin on P's and D's base pace)."""
+    wait = 1.5 * batch * (base_prefill(base, prompt) + 0.01)
+    step = base.decode.time(batch, batch * prompt)
+    return min(plan.decode_tokens + int(wait / step) + 1, plan.max_model_len - prompt - 1)
+
+
+def measure_decode_split(url: str, plan: SplitPlan, base: Profile
                          ) -> tuple[list[tuple[int, float, float]], list[float]]:
     """(batch, context, step seconds) rows through the router, and the gap ratios."""
     rng = np.random.default_rng(plan.seed + 1)
     rows, ratios = [], []
     for L in plan.decode_prompt_lens:
         for b in plan.decode_batches:
+            n = decode_tokens(base, plan, b, L)
             for _ in range(plan.decode_repeats):
-                reqs = [Request(i, 0.0, _prompt(rng, L), plan.decode_tokens) for i in range(b)]
+                reqs = [Request(i, 0.0, _prompt(rng, L), n) for i in range(b)]
                 recs = _run(url, reqs, concurrency=None)
                 got = decode_window(recs, L)
                 if got is not None:
@@ -133,15 +150,29 @@ def measure_decode_split(url: str, plan: SplitPlan
     return rows, ratios
 
 
-def fit_lone(base: Profile, points: list[tuple[int, float, float]], decode: DecodeCost
-             ) -> tuple[float, float, float, float, dict[str, Any]]:
-    """(router_request_s, prefill_factor, handover_a_s, handover_b_s, quality)."""
+def measure_interference(url: str, plan: SplitPlan, decode: DecodeCost
+                         ) -> tuple[float, dict[str, float], dict[str, Any]]:
+    """D's slowdown while P prefills and each request event's seconds (`sim.interference`)."""
+    ip = plan.interference
+    rng = np.random.default_rng(plan.seed + 3)
+    step = decode.time(ip.bg_batch + 1, (ip.bg_batch + 1) * (ip.bg_prompt + max(ip.inject_lens)))
+    bg_tokens = min(int(1.5 * (ip.duration_s + 0.5) / step) + 1,
+                    plan.max_model_len - ip.bg_prompt - 1)
+    recs = _run(url, probe_stream(ip, bg_tokens, lambda n: _prompt(rng, n)), concurrency=None)
+    kappa, cost, quality = fit_interference(gap_rows(recs, ip.bg_batch, decode))
+    return kappa, cost, quality | {"bg_tokens": bg_tokens}
+
+
+def fit_lone(base: Profile, points: list[tuple[int, float, float]], decode: DecodeCost,
+             join_s: float = 0.0) -> tuple[float, float, float, float, dict[str, Any]]:
+    """(router_request_s, prefill_factor, handover_a_s, handover_b_s, quality). The handover
+    is t2 − t1 less D's first step, which carries the join's `join_s`."""
     x = np.array([[1.0, base_prefill(base, n)] for n, _, _ in points])
     coef, quality = robust_fit(x, np.array([t for _, t, _ in points]))
     if coef[1] <= 0:  # the prefill must scale with something; fall back to the ratio
         coef = np.array([0.0, float(np.median([t / base_prefill(base, n)
                                                for n, t, _ in points]))])
-    hand = np.array([h - decode.time(1, n + 1) for n, _, h in points])
+    hand = np.array([h - decode.time(1, n + 1) - join_s for n, _, h in points])
     hx = np.array([[1.0, float(n)] for n, _, _ in points])
     hcoef = nnls(hx, hand, relative=False)
     quality["handover_residual_ms"] = float(np.median(np.abs(hx @ hcoef - hand)) * 1e3)
@@ -205,20 +236,24 @@ def calibrate_split(url: str, base: Profile, plan: SplitPlan, cfg: SimConfig | N
     say("calibrate: lone requests through the router")
     lone = measure_lone(url, plan)
     say("calibrate: decode steps through the router")
-    dec_points, ratios = measure_decode_split(url, plan)
+    dec_points, ratios = measure_decode_split(url, plan, base)
     decode, qd = fit_decode(dec_points)
-    r0, factor, ha, hb, ql = fit_lone(base, lone, decode)
+    say("calibrate: interference on D (background streams, requests arriving one by one)")
+    kappa, ev, qi = measure_interference(url, plan, decode)
+    r0, factor, ha, hb, ql = fit_lone(base, lone, decode, ev["join"])
     say(f"calibrate: loaded stream, {plan.load_requests} requests at {plan.load_rate:g}/s")
     reqs = load_stream(plan)
     ttft, itl = stream_medians(_run(url, reqs, concurrency=None))
-    split = SplitCost(r0, factor, ha, hb, decode, gap_noise=noise_bins(ratios),
-                      source=f"calibrated through {url}")
+    split = SplitCost(r0, factor, ha, hb, decode, p_busy_stretch=kappa, arrive_s=ev["arrive"],
+                      t1_s=ev["t1"], join_s=ev["join"], finish_s=ev["finish"],
+                      gap_noise=noise_bins(ratios), source=f"calibrated through {url}")
     prof = replace(base, split=split)
     wl = SimWorkload.of([r.arrival_s for r in reqs], [r.input_len for r in reqs],
                         [r.output_len for r in reqs])
     cpu_p, cpu_d = fit_cpu(prof, replace(cfg, mode="disagg", split_costs=True), wl, ttft, itl)
     fit = {"lone_points": [list(p) for p in lone], "lone_fit": ql,
            "decode_points": [list(p) for p in dec_points], "decode_fit": qd,
+           "interference": qi,
            "load": {"rate": plan.load_rate, "requests": plan.load_requests,
                     "prompt": plan.load_prompt, "output": plan.load_output,
                     "median_ttft_s": ttft, "median_itl_s": itl},

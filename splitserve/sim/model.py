@@ -112,7 +112,15 @@ class SplitCost:
     - `cpu_p_s`, `cpu_d_s`: core-seconds per request that the router, the client and the
       connectors take from P's and D's cores. At `r` requests/s per worker every step (and the
       handover) is stretched by `1 / (1 − r·cpu)` (mean field: the offered rate, not the
-      instantaneous one).
+      instantaneous one);
+    - `p_busy_stretch`: D's decode steps take `1 + p_busy_stretch` times as long while its P
+      (the P it shares cores with) is prefilling: P's engine then saturates its core and the
+      router, client and API servers all run on D's;
+    - `arrive_s`, `t1_s`, `join_s`, `finish_s`: seconds each request's events (arrival at the
+      router, its first token t1, its leg joining D, its end) add to the step its D-worker is
+      running then (the router's, the API servers' and the client's burst of work per event,
+      landing on D's core). `join_s` is part of D's first step for the joining request, so the
+      calibrated handover excludes it.
     """
 
     router_request_s: float
@@ -122,6 +130,11 @@ class SplitCost:
     decode: DecodeCost
     cpu_p_s: float = 0.0
     cpu_d_s: float = 0.0
+    p_busy_stretch: float = 0.0
+    arrive_s: float = 0.0
+    t1_s: float = 0.0
+    join_s: float = 0.0
+    finish_s: float = 0.0
     # the client's decode gaps over the step's mean, as (ratio, weight per mille) bins: the
     # jitter of steps and of the relay through the router at a fixed batch (empty: none)
     gap_noise: tuple[tuple[float, int], ...] = ()
@@ -132,11 +145,18 @@ class SplitCost:
         _finite_nonneg("SplitCost", router_request_s=self.router_request_s,
                        prefill_factor=self.prefill_factor, handover_a_s=self.handover_a_s,
                        handover_b_s=self.handover_b_s, cpu_p_s=self.cpu_p_s,
-                       cpu_d_s=self.cpu_d_s)
+                       cpu_d_s=self.cpu_d_s, p_busy_stretch=self.p_busy_stretch,
+                       arrive_s=self.arrive_s, t1_s=self.t1_s, join_s=self.join_s,
+                       finish_s=self.finish_s)
         if self.prefill_factor <= 0:
             raise ValueError("SplitCost.prefill_factor must be > 0")
         if any(r < 0 or w < 0 for r, w in self.gap_noise):
             raise ValueError("SplitCost.gap_noise ratios and weights must be >= 0")
+
+    @property
+    def events(self) -> tuple[float, float, float, float]:
+        """(arrive_s, t1_s, join_s, finish_s)."""
+        return self.arrive_s, self.t1_s, self.join_s, self.finish_s
 
     def handover(self, prompt_len: int) -> float:
         return self.handover_a_s + self.handover_b_s * prompt_len

@@ -21,59 +21,32 @@ transfer ends. With the profile's `split` costs (`model.SplitCost`, unless the c
 off): P's steps are scaled by the measured connector slowdown, t1 gains the router's time per
 request, the decode leg joins D no earlier than t1 + the measured handover, D steps with the
 cost measured through the router, and every step (and the handover) is stretched by the CPU the
-router, client and connectors take per request at the workload's offered rate per worker.
+router, client and connectors take per request at the workload's offered rate per worker. D j
+shares its host's cores with P (j mod n_P): D's steps that start while that P prefills take
+`1 + p_busy_stretch` times as long, and each request's events (arrival, t1, its leg joining,
+its end) put their measured seconds on its D-worker's next step (none while D runs no streams).
 """
 
 from __future__ import annotations
 
 import heapq
 import math
-from collections import deque
 
 import numpy as np
 
 from splitserve.sim.deployment import SimConfig, SimOutcome
-from splitserve.sim.model import DecodeCost, PrefillCost, Profile, transfer_arrival
+from splitserve.sim.model import Profile, transfer_arrival
+from splitserve.sim.workerstate import BOTH as _BOTH
+from splitserve.sim.workerstate import SEG as _SEG
+from splitserve.sim.workerstate import STEP as _STEP
+from splitserve.sim.workerstate import WAIT as _WAIT
+from splitserve.sim.workerstate import D as _D
+from splitserve.sim.workerstate import P as _P
+from splitserve.sim.workerstate import Worker as _Worker
+from splitserve.sim.workerstate import steps_done as _steps_done
 from splitserve.sim.workload import SimWorkload
 
-_P, _D, _BOTH = 0, 1, 2
-_STEP, _SEG, _WAIT = 0, 1, 2
 _EV_STEP, _EV_JOIN = 0, 1
-
-
-class _Worker:
-    __slots__ = ("role", "queue", "head_done", "waiting", "running", "B", "C", "S", "busy",
-                 "kind", "t0", "alpha", "beta", "k", "cut", "ver", "kv_used", "kv_release",
-                 "load", "chunks", "new", "nnew", "step_dur", "pf", "dc")
-
-    def __init__(self, role: int, pf: PrefillCost, dc: DecodeCost) -> None:
-        self.role, self.pf, self.dc = role, pf, dc
-        self.queue: deque[int] = deque()
-        self.head_done = 0
-        self.waiting: deque[int] = deque()
-        self.running: list[tuple[int, int]] = []
-        self.B = self.S = self.k = self.ver = self.kv_used = self.load = self.nnew = 0
-        self.C = 0
-        self.busy = self.cut = False
-        self.kind = _STEP
-        self.t0 = self.alpha = self.beta = self.step_dur = 0.0
-        self.kv_release: list[tuple[float, int]] = []
-        self.chunks: list[tuple[int, int, int]] = []
-        self.new: list[int] = []
-
-
-def _steps_done(alpha: float, beta: float, elapsed: float) -> int:
-    """Largest k with T(k) = α·k + β·k(k−1)/2 <= elapsed."""
-    if beta <= 0.0:
-        k = int(elapsed / alpha)
-    else:
-        h = alpha - beta / 2
-        k = int((-h + math.sqrt(h * h + 2 * beta * elapsed)) / beta)
-    while k > 0 and alpha * k + beta * k * (k - 1) / 2 > elapsed:
-        k -= 1
-    while alpha * (k + 1) + beta * (k + 1) * k / 2 <= elapsed:
-        k += 1
-    return k
 
 
 class Simulation:
@@ -88,6 +61,9 @@ class Simulation:
         split = profile.split if config.mode == "disagg" and config.split_costs else None
         self.router_s, self.hand_a, self.hand_b = 0.0, 0.0, 0.0
         self.noise = split.gap_noise if split is not None else ()
+        # D's interference terms (SplitCost): stretch while its P prefills, per-event work
+        self.kappa = split.p_busy_stretch if split is not None else 0.0
+        self.ev = split.events if split is not None else (0.0, 0.0, 0.0, 0.0)
         if config.mode == "disagg":
             self.link = profile.link(config.transport)
             p_pf, d_dc = pf, dc
@@ -100,6 +76,8 @@ class Simulation:
                 self.hand_a, self.hand_b = split.handover_a_s * k, split.handover_b_s * k
             self.P = [_Worker(_P, p_pf, dc) for _ in range(config.n_prefill)]
             self.D = [_Worker(_D, pf, d_dc) for _ in range(config.n_decode)]
+            for j, d in enumerate(self.D):  # D j shares its host's cores with P (j mod n_P)
+                d.mate = j % config.n_prefill
         else:
             self.P = [_Worker(_BOTH, pf, dc) for _ in range(config.n_workers)]
             self.D = []
@@ -170,6 +148,24 @@ class Simulation:
             w.B += 1
             w.C += pl[r] + 1
             w.new.append(r)
+            w.extra += self.ev[2]  # the leg joins: D's next step carries the join's work
+
+    def _charge(self, di: int, cost: float, t: float) -> None:
+        """A request event at t puts `cost` seconds of other work on D-worker di's core: its
+        next step carries it (dropped while D runs no streams: nobody waits on that step)."""
+        w = self.D[di]
+        if cost > 0.0 and w.B:
+            w.extra += cost
+            self._cut(len(self.P) + di, w, t)
+
+    def _cut(self, wi: int, w: _Worker, t: float) -> None:
+        """End `w`'s decode-only segment at its next step boundary (the next step differs)."""
+        if w.busy and w.kind == _SEG and not w.cut:
+            w.cut = True
+            k = _steps_done(w.alpha, w.beta, t - w.t0) + 1
+            if k < w.k:
+                w.k = k
+                self._schedule(wi, w, w.t0 + w.alpha * k + w.beta * k * (k - 1) / 2)
 
     def _plan(self, wi: int, w: _Worker, t: float) -> None:
         pf, dc = w.pf, w.dc
@@ -209,6 +205,11 @@ class Simulation:
                     w.head_done = 0
                 else:
                     w.head_done = done + q
+        if w.role == _P and self.kappa and w.prefilling != bool(chunks):
+            w.prefilling = bool(chunks)  # D-workers on this P's cores step at another pace
+            npw = len(self.P)
+            for j in range(wi, len(self.D), npw):
+                self._cut(npw + j, self.D[j], t)
         if chunks:
             tok = sum(c[1] for c in chunks)
             quad = sum(q * q + 2 * p * q for _, q, p in chunks)
@@ -218,12 +219,20 @@ class Simulation:
             w.kind, w.step_dur, w.t0, first = _STEP, dur, t, dur
             end = t + dur
         elif w.B:
-            k = w.running[0][0] - w.S
-            alpha = dc.a + dc.b * w.C + dc.c * w.B
-            beta = dc.b * w.B
-            w.kind, w.t0, w.alpha, w.beta, w.k, w.cut = _SEG, t, alpha, beta, k, False
-            end = t + alpha * k + beta * k * (k - 1) / 2
-            first = alpha
+            # invariant: a segment's steps all run at one pace (P's state, no events)
+            pace = 1.0 + self.kappa if w.role == _D and self.P[w.mate].prefilling else 1.0
+            alpha = (dc.a + dc.b * w.C + dc.c * w.B) * pace
+            if w.extra > 0.0:  # one step carrying the events' work
+                w.kind, w.step_dur, w.t0 = _STEP, alpha + w.extra, t
+                w.extra = 0.0
+                first = w.step_dur
+                end = t + first
+            else:
+                k = w.running[0][0] - w.S
+                beta = dc.b * w.B * pace
+                w.kind, w.t0, w.alpha, w.beta, w.k, w.cut = _SEG, t, alpha, beta, k, False
+                end = t + alpha * k + beta * k * (k - 1) / 2
+                first = alpha
         else:
             w.busy = False
             if w.queue and w.kv_release:  # blocked on KV that a transfer still holds
@@ -276,6 +285,8 @@ class Simulation:
             w.C -= pl[r] + ol[r]
             w.kv_used -= pl[r] + ol[r]
             w.load -= 1
+            if w.role == _D and w.B:
+                w.extra += self.ev[3]
         w.busy = False
         if w.waiting:
             self._admit(wi, w)
@@ -301,6 +312,7 @@ class Simulation:
             self.link_free[wi] = free
         heapq.heappush(w.kv_release, (free, self.pl[r]))
         self.xfer[r] = arrive - t
+        self._charge(self.dsel[r], self.ev[1], t)
         ready = t1 + hop + self.hand_a + self.hand_b * self.pl[r]
         self._push(max(arrive, ready), _EV_JOIN, r, 0)
 
@@ -310,12 +322,8 @@ class Simulation:
             if w.waiting:
                 self._admit(wi, w)
             self._plan(wi, w, t)
-        elif w.kind == _SEG and not w.cut:
-            w.cut = True
-            k = _steps_done(w.alpha, w.beta, t - w.t0) + 1
-            if k < w.k:
-                w.k = k
-                self._schedule(wi, w, w.t0 + w.alpha * k + w.beta * k * (k - 1) / 2)
+        else:
+            self._cut(wi, w, t)
 
     def run(self) -> SimOutcome:
         cfg, n = self.cfg, len(self.arr)
@@ -364,6 +372,7 @@ class Simulation:
                     d = self._pick(D, cfg.d_policy, pre_d, r, two_d)
                     self.dsel[r] = d
                     D[d].load += 1
+                    self._charge(d, self.ev[0], ta)
             else:
                 w.load += 1
             self._poke(p, w, ta)

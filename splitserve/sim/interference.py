@@ -1,0 +1,119 @@
+"""How other processes' work slows D's decode steps in a disaggregated deployment whose workers
+share a host's cores with the router and the client (`SplitCost.p_busy_stretch`, `arrive_s`,
+`t1_s`, `join_s`, `finish_s`), measured by a probe that is no validation workload:
+
+`bg_batch` long background streams decode on D while `injections` requests (prompts cycling
+through `inject_lens`, `inject_tokens` tokens each) arrive one by one, spaced so that each one's
+events — arrival, t1, joining D, end — fall apart from the others'. Each background gap is
+compared with D's calibrated step at that moment's batch and context (`DecodeCost`); gaps with
+no request event give the pace while P idles and while P prefills (P's busy windows are the
+FIFO intervals [max(send, previous t1), t1] over all requests, P being one worker); an event's
+extra seconds are the excess of the gap holding it plus the gap after (the work lands on the
+step in progress or, if it comes at the step's end, on the next: the simulator puts it on the
+next), over events whose two gaps hold no other event.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from splitserve.bench.client import RequestRecord
+from splitserve.bench.workload import Request
+from splitserve.sim.model import DecodeCost
+
+EVENTS = ("arrive", "t1", "join", "finish")
+
+
+@dataclass(frozen=True)
+class InterferencePlan:
+    bg_batch: int = 2
+    bg_prompt: int = 128
+    injections: int = 12
+    inject_lens: tuple[int, ...] = (128, 320, 512)
+    inject_tokens: int = 12
+    first_s: float = 0.8  # the background streams have all joined D by then
+    spacing_s: float = 0.45  # > the longest injected request's prefill + handover + decode
+
+    def __post_init__(self) -> None:
+        if self.bg_batch < 1 or self.injections < 3 or not self.inject_lens:
+            raise ValueError("need >= 1 background stream and >= 3 injections")
+        if self.inject_tokens < 3 or self.spacing_s <= 0 or self.first_s <= 0:
+            raise ValueError("inject_tokens >= 3 and positive times")
+
+    @property
+    def duration_s(self) -> float:
+        return self.first_s + self.injections * self.spacing_s
+
+
+def probe_stream(plan: InterferencePlan, bg_tokens: int, prompt: Any) -> list[Request]:
+    """The background streams (arriving at 0) then the injected requests; `prompt(n)` makes an
+    n-token prompt."""
+    reqs = [Request(i, 0.0, prompt(plan.bg_prompt), bg_tokens) for i in range(plan.bg_batch)]
+    for j in range(plan.injections):
+        n = plan.inject_lens[j % len(plan.inject_lens)]
+        reqs.append(Request(len(reqs), plan.first_s + j * plan.spacing_s, prompt(n),
+                            plan.inject_tokens))
+    return reqs
+
+
+def _p_busy(recs: list[RequestRecord]) -> list[tuple[float, float]]:
+    out, prev = [], -np.inf
+    for r in sorted(recs, key=lambda r: r.chunk_times[0]):
+        start = max(r.send_s, prev)
+        out.append((start, r.chunk_times[0]))
+        prev = r.chunk_times[0]
+    return out
+
+
+Row = tuple[int, float, float, float, tuple[str, ...]]
+
+
+def gap_rows(recs: list[RequestRecord], bg: int, decode: DecodeCost) -> list[Row]:
+    """(stream, gap s, D's calibrated step s, P-busy fraction, events in the gap) for every
+    background gap while all background streams decode, in time order per stream (records in
+    request order, background first)."""
+    back, inj = recs[:bg], recs[bg:]
+    start = max(r.chunk_times[1] for r in back)
+    end = min(r.chunk_times[-1] for r in back)
+    busy = _p_busy(recs)
+    events = [(name, t) for r in inj
+              for name, t in zip(EVENTS, (r.send_s, r.chunk_times[0], r.chunk_times[1],
+                                          r.chunk_times[-1]), strict=True)]
+    rows = []
+    for i, r in enumerate(back):
+        t = r.chunk_times
+        for a, b in zip(t[1:], t[2:], strict=False):
+            if a < start or b > end or b <= a:
+                continue
+            live = [q for q in recs if q.chunk_times[1] <= b <= q.chunk_times[-1]]
+            ctx = sum(q.input_len + sum(1 for x in q.chunk_times if x <= a) for q in live)
+            pb = sum(max(0.0, min(b, e) - max(a, s)) for s, e in busy) / (b - a)
+            here = tuple(n for n, x in events if a < x <= b)
+            rows.append((i, b - a, decode.time(len(live), ctx), pb, here))
+    return rows
+
+
+def fit_interference(rows: list[Row]) -> tuple[float, dict[str, float], dict[str, Any]]:
+    """(p_busy_stretch, seconds per event, quality). The pace while P idles (gap over the
+    calibrated step, no event) is the reference, so the terms do not absorb the decode fit's
+    level; an event's seconds are the median excess of its gap and the next."""
+    idle = [g / p for _, g, p, pb, ev in rows if not ev and pb == 0.0]
+    full = [g / p for _, g, p, pb, ev in rows if not ev and pb >= 1.0]
+    if len(idle) < 10:
+        raise RuntimeError(f"interference probe: only {len(idle)} clean gaps while P idles")
+    s0 = statistics.median(idle)
+    kappa = max(0.0, statistics.median(full) / s0 - 1.0) if len(full) >= 5 else 0.0
+    cost, n = {}, {}
+    excess = [g - p * s0 * (1.0 + kappa * pb) for _, g, p, pb, _ in rows]
+    for name in EVENTS:
+        ex = [excess[j] + excess[j + 1] for j in range(len(rows) - 1)
+              if rows[j][4] == (name,) and not rows[j + 1][4] and rows[j][0] == rows[j + 1][0]]
+        cost[name] = max(0.0, statistics.median(ex)) if len(ex) >= 3 else 0.0
+        n[name] = len(ex)
+    quality = {"idle_pace": s0, "clean_idle_gaps": len(idle), "clean_busy_gaps": len(full),
+               "event_gaps": n}
+    return kappa, cost, quality

@@ -1,0 +1,52 @@
+"""One simulated worker's state (`Worker`) and the closed form of a decode-only segment
+(`steps_done`); the mechanics that move it live in `simulator.py`."""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+from splitserve.sim.model import DecodeCost, PrefillCost
+
+P, D, BOTH = 0, 1, 2  # roles
+STEP, SEG, WAIT = 0, 1, 2  # what a busy worker is doing
+
+
+class Worker:
+    __slots__ = ("role", "queue", "head_done", "waiting", "running", "B", "C", "S", "busy",
+                 "kind", "t0", "alpha", "beta", "k", "cut", "ver", "kv_used", "kv_release",
+                 "load", "chunks", "new", "nnew", "step_dur", "pf", "dc", "extra", "prefilling",
+                 "mate")
+
+    def __init__(self, role: int, pf: PrefillCost, dc: DecodeCost) -> None:
+        self.role, self.pf, self.dc = role, pf, dc
+        self.queue: deque[int] = deque()
+        self.head_done = 0
+        self.waiting: deque[int] = deque()
+        self.running: list[tuple[int, int]] = []
+        self.B = self.S = self.k = self.ver = self.kv_used = self.load = self.nnew = 0
+        self.C = 0
+        self.busy = self.cut = False
+        self.kind = STEP
+        self.t0 = self.alpha = self.beta = self.step_dur = 0.0
+        self.kv_release: list[tuple[float, int]] = []
+        self.chunks: list[tuple[int, int, int]] = []
+        self.new: list[int] = []
+        # D: seconds of other processes' work (request events) to add to its next step
+        self.extra = 0.0
+        self.prefilling = False  # P: its current step prefills
+        self.mate = 0  # D: the index of the P it shares cores with
+
+
+def steps_done(alpha: float, beta: float, elapsed: float) -> int:
+    """Largest k with T(k) = α·k + β·k(k−1)/2 <= elapsed."""
+    if beta <= 0.0:
+        k = int(elapsed / alpha)
+    else:
+        h = alpha - beta / 2
+        k = int((-h + math.sqrt(h * h + 2 * beta * elapsed)) / beta)
+    while k > 0 and alpha * k + beta * k * (k - 1) / 2 > elapsed:
+        k -= 1
+    while alpha * (k + 1) + beta * (k + 1) * k / 2 <= elapsed:
+        k += 1
+    return k
