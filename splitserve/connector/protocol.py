@@ -82,9 +82,30 @@ def config_hash(hf_config_dict: dict[str, Any]) -> str:
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
-def send_frame(sock: Conn, op: Op, body: dict[str, Any] | None = None) -> None:
+def encode_frame(op: Op, body: dict[str, Any] | None = None) -> bytes:
     data = json.dumps(body or {}, separators=(",", ":")).encode()
-    sock.sendall(HEADER.pack(MAGIC, int(op), len(data)) + data)
+    return HEADER.pack(MAGIC, int(op), len(data)) + data
+
+
+def send_frame(sock: Conn, op: Op, body: dict[str, Any] | None = None) -> None:
+    sock.sendall(encode_frame(op, body))
+
+
+def send_parts(sock: Conn, parts: list[bytes | memoryview]) -> None:
+    """Send `parts` back to back. On a plain socket one gathering `sendmsg` per pass: a frame
+    and its payload leave in one system call, so D wakes once per frame rather than per part."""
+    if not isinstance(sock, socket.socket):  # TLS records: no gathering send
+        for part in parts:
+            sock.sendall(part)
+        return
+    views = [memoryview(p).cast("B") for p in parts if len(p)]
+    while views:
+        sent = sock.sendmsg(views)
+        while views and sent >= len(views[0]):
+            sent -= len(views[0])
+            views.pop(0)
+        if sent:
+            views[0] = views[0][sent:]
 
 
 def recv_exact_into(sock: Conn, view: memoryview) -> None:

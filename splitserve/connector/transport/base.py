@@ -2,8 +2,9 @@
 
 Contract (the swap point between transports):
 - `PushChannel.submit` never blocks the forward pass; a sender thread does the I/O.
-- A transport only decides how a LAYER's payload reaches D's staging region
-  (`write_payload`); framing, handshake, BEGIN/END/ABORT and ACK handling are shared here.
+- A transport only decides how a LAYER's payload reaches D's staging region and when its frame
+  leaves (`write_payload`: sent at once, or held in `SendState.unsent`, which goes out with END
+  in one send); framing, handshake, BEGIN/END/ABORT and ACK handling are shared here.
 - Every transfer ends in exactly one of: `acked` (D verified it), `failed` (refused, peer gone,
   D reported a failure, or no ACK in time), or `cancelled`. `is_settled` tells the worker when
   P's blocks may be freed: once settled, the channel never touches the transfer's blocks again.
@@ -30,8 +31,10 @@ from splitserve.connector.protocol import (
     Op,
     ProtocolError,
     connect,
+    encode_frame,
     recv_frame,
     send_frame,
+    send_parts,
 )
 from splitserve.connector.stats import ConnectorStats, TransferRecord
 from splitserve.connector.tls import Conn
@@ -46,6 +49,10 @@ class SendState:
     status: str = "pending"  # pending | acked | failed | cancelled
     offset: int = -1  # D's staging offset (from BEGIN_OK)
     began: threading.Event = field(default_factory=threading.Event)
+    # LAYER frames whose payload is already in D's staging, held back so that D wakes less
+    # often (sender thread only); they go out with END, or are dropped if the transfer aborts
+    unsent: list[bytes] = field(default_factory=list)
+    layer_frames: int = 0  # LAYER frames written so far (sent or held)
 
     @property
     def settled(self) -> bool:
@@ -239,9 +246,13 @@ class PushChannel(ABC):
             self.write_payload(sock, st, payload)
         elif kind == "end":
             if st.offset >= 0:
-                send_frame(self._ensure_connected(), Op.END, {"transfer_id": st.transfer_id})
-        elif kind == "abort" and self._sock is not None and st.offset >= 0:
-            send_frame(self._sock, Op.ABORT, {"transfer_id": st.transfer_id})
+                end = encode_frame(Op.END, {"transfer_id": st.transfer_id})
+                send_parts(self._ensure_connected(), [*st.unsent, end])
+            st.unsent.clear()
+        elif kind == "abort":
+            st.unsent.clear()
+            if self._sock is not None and st.offset >= 0:
+                send_frame(self._sock, Op.ABORT, {"transfer_id": st.transfer_id})
 
     def layer_header(self, item: LayerItem, payload: memoryview) -> dict[str, Any]:
         digest = checksum(payload)

@@ -1,14 +1,14 @@
 """tcp transport: P gathers the chunk's rows from its blocks into a reusable send buffer (one
-copy) and sends them right after the LAYER frame; D `recv_into`s its staging region."""
+copy) and sends them with the LAYER frame in one gathering send; D `recv_into`s its staging
+region."""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import torch
 
-from splitserve.connector.protocol import HEADER, MAGIC, Op
+from splitserve.connector.protocol import Op, encode_frame, send_parts
 from splitserve.connector.tls import Conn
 from splitserve.connector.transport.base import LayerItem, PushChannel, SendState
 
@@ -26,6 +26,4 @@ class TcpPushChannel(PushChannel):
         region = self._buffer[:nbytes]
         item.gather_into(self.shape, region)
         payload = memoryview(region.numpy())
-        body = json.dumps(self.layer_header(item, payload), separators=(",", ":")).encode()
-        sock.sendall(HEADER.pack(MAGIC, int(Op.LAYER), len(body)) + body)
-        sock.sendall(payload)
+        send_parts(sock, [encode_frame(Op.LAYER, self.layer_header(item, payload)), payload])
