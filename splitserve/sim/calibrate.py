@@ -11,9 +11,10 @@ validation workload:
    the B prompts one after the other, so each stream asks for enough tokens that all B still
    decode together after the last prefill (`decode_tokens` + the steps D takes meanwhile):
    otherwise the window "all B decoding" is empty and the row holds steps at smaller batches.
+   Each gap there less its stream's mean gap is the additive jitter (`gap_jitter_s`).
 3. **Interference** (`sim.interference`): background streams on D while single requests arrive
    one by one → D's slowdown while P prefills and the extra seconds of each request event
-   (arrival, t1, join, end) on D's step.
+   (arrival, t1, join, end) on D's step, one row per background batch size.
 4. **A loaded stream** (fixed lengths, evenly spaced at `load_rate`): the CPU that the router,
    client and connectors take from P's and D's cores per request (`cpu_p_s`, `cpu_d_s`), found
    by bisection so that the simulator, with every other term above, reproduces this stream's
@@ -36,7 +37,13 @@ import numpy as np
 from splitserve.bench.client import RequestRecord
 from splitserve.bench.workload import Request
 from splitserve.sim.deployment import SimConfig
-from splitserve.sim.interference import InterferencePlan, fit_interference, gap_rows, probe_stream
+from splitserve.sim.interference import (
+    InterferencePlan,
+    fit_interference,
+    gap_rows,
+    interference_rows,
+    probe_stream,
+)
 from splitserve.sim.model import DecodeCost, Profile, SplitCost
 from splitserve.sim.profile import (
     _prompt,
@@ -101,8 +108,10 @@ def measure_lone(url: str, plan: SplitPlan) -> list[tuple[int, float, float]]:
 NOISE_EDGES = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99, 0.995, 1.0)
 
 
-def window_ratios(recs: list[RequestRecord]) -> list[float]:
-    """Each chunk gap while all requests decode, over its request's mean gap there."""
+def window_jitter(recs: list[RequestRecord]) -> list[float]:
+    """Each chunk gap while all requests decode, less its request's mean gap there (seconds:
+    the jitter is additive — in runs 1–3 gaps carrying an event's extra milliseconds spread
+    no wider than plain ones)."""
     start = max(r.chunk_times[1] for r in recs)
     end = min(r.chunk_times[-1] for r in recs)
     out: list[float] = []
@@ -110,16 +119,16 @@ def window_ratios(recs: list[RequestRecord]) -> list[float]:
         t = [x for x in r.chunk_times[1:] if start <= x <= end]
         if len(t) >= 3:
             mean = (t[-1] - t[0]) / (len(t) - 1)
-            out += [(b - a) / mean for a, b in zip(t, t[1:], strict=False)] if mean > 0 else []
+            out += [(b - a) - mean for a, b in zip(t, t[1:], strict=False)]
     return out
 
 
-def noise_bins(ratios: list[float]) -> tuple[tuple[float, int], ...]:
-    """The gap/mean-gap distribution as (ratio at the bin's middle quantile, weight per mille)
-    over NOISE_EDGES (fine in the upper tail, where ITL p99 lives)."""
-    if len(ratios) < 50:
+def noise_bins(values: list[float]) -> tuple[tuple[float, int], ...]:
+    """A gap jitter distribution (seconds, or gap/mean-gap ratios) as (value at the bin's middle
+    quantile, weight per mille) over NOISE_EDGES (fine in the upper tail, where ITL p99 lives)."""
+    if len(values) < 50:
         return ()
-    arr = np.asarray(ratios)
+    arr = np.asarray(values)
     return tuple((float(np.quantile(arr, (lo + hi) / 2)), round((hi - lo) * 1000))
                  for lo, hi in zip(NOISE_EDGES, NOISE_EDGES[1:], strict=False))
 
@@ -134,9 +143,9 @@ def decode_tokens(base: Profile, plan: SplitPlan, batch: int, prompt: int) -> in
 
 def measure_decode_split(url: str, plan: SplitPlan, base: Profile
                          ) -> tuple[list[tuple[int, float, float]], list[float]]:
-    """(batch, context, step seconds) rows through the router, and the gap ratios."""
+    """(batch, context, step seconds) rows through the router, and the gaps' jitter (s)."""
     rng = np.random.default_rng(plan.seed + 1)
-    rows, ratios = [], []
+    rows, jitter = [], []
     for L in plan.decode_prompt_lens:
         for b in plan.decode_batches:
             n = decode_tokens(base, plan, b, L)
@@ -146,21 +155,27 @@ def measure_decode_split(url: str, plan: SplitPlan, base: Profile
                 got = decode_window(recs, L)
                 if got is not None:
                     rows.append((b, got[1], got[0]))
-                ratios += window_ratios(recs)
-    return rows, ratios
+                jitter += window_jitter(recs)
+    return rows, jitter
 
 
 def measure_interference(url: str, plan: SplitPlan, decode: DecodeCost
-                         ) -> tuple[float, dict[str, float], dict[str, Any]]:
-    """D's slowdown while P prefills and each request event's seconds (`sim.interference`)."""
+                         ) -> tuple[tuple[tuple[float, ...], ...], dict[str, Any]]:
+    """`SplitCost.interference` rows (D's slowdown while P prefills and each request event's
+    seconds, per background batch; `sim.interference`) and the fits' quality."""
     ip = plan.interference
     rng = np.random.default_rng(plan.seed + 3)
-    step = decode.time(ip.bg_batch + 1, (ip.bg_batch + 1) * (ip.bg_prompt + max(ip.inject_lens)))
-    bg_tokens = min(int(1.5 * (ip.duration_s + 0.5) / step) + 1,
-                    plan.max_model_len - ip.bg_prompt - 1)
-    recs = _run(url, probe_stream(ip, bg_tokens, lambda n: _prompt(rng, n)), concurrency=None)
-    kappa, cost, quality = fit_interference(gap_rows(recs, ip.bg_batch, decode))
-    return kappa, cost, quality | {"bg_tokens": bg_tokens}
+    fits, quality = [], {}
+    for bg in ip.bg_batches:
+        step = decode.time(bg + 1, (bg + 1) * (ip.bg_prompt + max(ip.inject_lens)))
+        bg_tokens = min(int(1.5 * (ip.duration_s + 0.5) / step) + 1,
+                        plan.max_model_len - ip.bg_prompt - 1)
+        reqs = probe_stream(ip, bg, bg_tokens, lambda n: _prompt(rng, n))
+        kappa, cost, q = fit_interference(gap_rows(_run(url, reqs, concurrency=None), bg,
+                                                   decode))
+        fits.append((bg, kappa, cost))
+        quality[str(bg)] = q | {"bg_tokens": bg_tokens}
+    return interference_rows(fits), quality
 
 
 def fit_lone(base: Profile, points: list[tuple[int, float, float]], decode: DecodeCost,
@@ -236,17 +251,18 @@ def calibrate_split(url: str, base: Profile, plan: SplitPlan, cfg: SimConfig | N
     say("calibrate: lone requests through the router")
     lone = measure_lone(url, plan)
     say("calibrate: decode steps through the router")
-    dec_points, ratios = measure_decode_split(url, plan, base)
+    dec_points, jitter = measure_decode_split(url, plan, base)
     decode, qd = fit_decode(dec_points)
     say("calibrate: interference on D (background streams, requests arriving one by one)")
-    kappa, ev, qi = measure_interference(url, plan, decode)
-    r0, factor, ha, hb, ql = fit_lone(base, lone, decode, ev["join"])
+    rows, qi = measure_interference(url, plan, decode)
+    kappa, *ev = rows[0][1:]  # the scalars hold the first row (SplitCost.interference)
+    r0, factor, ha, hb, ql = fit_lone(base, lone, decode, rows[0][4])  # lone: D's first row
     say(f"calibrate: loaded stream, {plan.load_requests} requests at {plan.load_rate:g}/s")
     reqs = load_stream(plan)
     ttft, itl = stream_medians(_run(url, reqs, concurrency=None))
-    split = SplitCost(r0, factor, ha, hb, decode, p_busy_stretch=kappa, arrive_s=ev["arrive"],
-                      t1_s=ev["t1"], join_s=ev["join"], finish_s=ev["finish"],
-                      gap_noise=noise_bins(ratios), source=f"calibrated through {url}")
+    split = SplitCost(r0, factor, ha, hb, decode, p_busy_stretch=kappa, arrive_s=ev[0],
+                      t1_s=ev[1], join_s=ev[2], finish_s=ev[3], interference=rows,
+                      gap_jitter_s=noise_bins(jitter), source=f"calibrated through {url}")
     prof = replace(base, split=split)
     wl = SimWorkload.of([r.arrival_s for r in reqs], [r.input_len for r in reqs],
                         [r.output_len for r in reqs])

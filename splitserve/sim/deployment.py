@@ -79,3 +79,4 @@ class SimOutcome:
     kv_transfer_s: np.ndarray
     events: int
     gap_noise: tuple[tuple[float, int], ...] = ()  # SplitCost.gap_noise, applied to step gaps
+    gap_jitter_s: tuple[tuple[float, int], ...] = ()  # SplitCost.gap_jitter_s (replaces it)

@@ -2,9 +2,13 @@
 share a host's cores with the router and the client (`SplitCost.p_busy_stretch`, `arrive_s`,
 `t1_s`, `join_s`, `finish_s`), measured by a probe that is no validation workload:
 
-`bg_batch` long background streams decode on D while `injections` requests (prompts cycling
-through `inject_lens`, `inject_tokens` tokens each) arrive one by one, spaced so that each one's
-events — arrival, t1, joining D, end — fall apart from the others'. Each background gap is
+For each size in `bg_batches`, that many long background streams decode on D while
+`injections` requests (prompts cycling through `inject_lens`, `inject_tokens` tokens each) arrive
+one by one, spaced so that each one's events — arrival, t1, joining D, end — fall apart from the
+others'. Each size gives one row of `SplitCost.interference` (the terms with that many other
+streams on D; the simulator interpolates between rows): the stretch and the events' seconds
+shrink as D's batch grows (runs 1–3: gaps while P prefilled were 1.15–1.2× the idle ones at
+B = 1–2 and 1.07–1.12× at B = 3–5), so one size cannot stand for all. Each background gap is
 compared with D's calibrated step at that moment's batch and context (`DecodeCost`); gaps with
 no request event give the pace while P idles and while P prefills (P's busy windows are the
 FIFO intervals [max(send, previous t1), t1] over all requests, P being one worker); an event's
@@ -30,17 +34,20 @@ EVENTS = ("arrive", "t1", "join", "finish")
 
 @dataclass(frozen=True)
 class InterferencePlan:
-    bg_batch: int = 2
+    bg_batches: tuple[int, ...] = (1, 4)  # increasing; one probe run each
     bg_prompt: int = 128
-    injections: int = 12
+    injections: int = 18  # per run: an event's median over fewer was ±1 ms run to run
     inject_lens: tuple[int, ...] = (128, 320, 512)
     inject_tokens: int = 12
     first_s: float = 0.8  # the background streams have all joined D by then
     spacing_s: float = 0.45  # > the longest injected request's prefill + handover + decode
 
     def __post_init__(self) -> None:
-        if self.bg_batch < 1 or self.injections < 3 or not self.inject_lens:
+        if (not self.bg_batches or min(self.bg_batches) < 1 or self.injections < 3
+                or not self.inject_lens):
             raise ValueError("need >= 1 background stream and >= 3 injections")
+        if any(a >= b for a, b in zip(self.bg_batches, self.bg_batches[1:], strict=False)):
+            raise ValueError("bg_batches must increase")
         if self.inject_tokens < 3 or self.spacing_s <= 0 or self.first_s <= 0:
             raise ValueError("inject_tokens >= 3 and positive times")
 
@@ -49,10 +56,10 @@ class InterferencePlan:
         return self.first_s + self.injections * self.spacing_s
 
 
-def probe_stream(plan: InterferencePlan, bg_tokens: int, prompt: Any) -> list[Request]:
-    """The background streams (arriving at 0) then the injected requests; `prompt(n)` makes an
+def probe_stream(plan: InterferencePlan, bg: int, bg_tokens: int, prompt: Any) -> list[Request]:
+    """`bg` background streams (arriving at 0) then the injected requests; `prompt(n)` makes an
     n-token prompt."""
-    reqs = [Request(i, 0.0, prompt(plan.bg_prompt), bg_tokens) for i in range(plan.bg_batch)]
+    reqs = [Request(i, 0.0, prompt(plan.bg_prompt), bg_tokens) for i in range(bg)]
     for j in range(plan.injections):
         n = plan.inject_lens[j % len(plan.inject_lens)]
         reqs.append(Request(len(reqs), plan.first_s + j * plan.spacing_s, prompt(n),
@@ -117,3 +124,13 @@ def fit_interference(rows: list[Row]) -> tuple[float, dict[str, float], dict[str
     quality = {"idle_pace": s0, "clean_idle_gaps": len(idle), "clean_busy_gaps": len(full),
                "event_gaps": n}
     return kappa, cost, quality
+
+
+def interference_rows(fits: list[tuple[int, float, dict[str, float]]]
+                      ) -> tuple[tuple[float, ...], ...]:
+    """`SplitCost.interference` rows from (background streams, p_busy_stretch, event seconds)
+    per probe run. Every term is measured with the background streams as D's other streams
+    (P prefills while only they decode; the arrival and t1 come before the request joins, the
+    join and the end are charged net of the request itself), so the row's batch is `bg`."""
+    return tuple((float(bg), kappa, *(cost[n] for n in EVENTS))
+                 for bg, kappa, cost in sorted(fits, key=lambda f: f[0]))

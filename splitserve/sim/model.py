@@ -121,6 +121,11 @@ class SplitCost:
       running then (the router's, the API servers' and the client's burst of work per event,
       landing on D's core). `join_s` is part of D's first step for the joining request, so the
       calibrated handover excludes it.
+    - `interference`: the five terms above measured at several batch sizes, rows
+      `(others, p_busy_stretch, arrive_s, t1_s, join_s, finish_s)` by increasing `others`, the
+      number of D's streams other than the event's request (for the stretch: D's streams). When
+      present it replaces the five scalars (which then hold the first row): `terms(others)`
+      interpolates linearly between rows and holds the end rows' values outside them.
     """
 
     router_request_s: float
@@ -138,6 +143,11 @@ class SplitCost:
     # the client's decode gaps over the step's mean, as (ratio, weight per mille) bins: the
     # jitter of steps and of the relay through the router at a fixed batch (empty: none)
     gap_noise: tuple[tuple[float, int], ...] = ()
+    # the same jitter in seconds added to a gap, as (seconds, weight per mille) bins: it does not
+    # grow with the gap (a gap carrying an event's work spreads no wider than a plain one);
+    # replaces `gap_noise` when present
+    gap_jitter_s: tuple[tuple[float, int], ...] = ()
+    interference: tuple[tuple[float, ...], ...] = ()
     source: str = ""
     fit: dict[str, Any] = field(default_factory=dict)
 
@@ -152,11 +162,39 @@ class SplitCost:
             raise ValueError("SplitCost.prefill_factor must be > 0")
         if any(r < 0 or w < 0 for r, w in self.gap_noise):
             raise ValueError("SplitCost.gap_noise ratios and weights must be >= 0")
+        if any(not math.isfinite(s) or w < 0 for s, w in self.gap_jitter_s):
+            raise ValueError("SplitCost.gap_jitter_s needs finite seconds and weights >= 0")
+        for row in self.interference:
+            if len(row) != 6 or not all(math.isfinite(v) and v >= 0 for v in row):
+                raise ValueError(f"SplitCost.interference rows are 6 finite numbers >= 0: {row}")
+        if any(a[0] >= b[0] for a, b in zip(self.interference, self.interference[1:],
+                                             strict=False)):
+            raise ValueError("SplitCost.interference rows must have increasing batch sizes")
 
     @property
     def events(self) -> tuple[float, float, float, float]:
         """(arrive_s, t1_s, join_s, finish_s)."""
         return self.arrive_s, self.t1_s, self.join_s, self.finish_s
+
+    def terms(self, others: float) -> tuple[float, float, float, float, float]:
+        """(p_busy_stretch, arrive_s, t1_s, join_s, finish_s) with `others` other streams on D:
+        the `interference` rows interpolated linearly, held constant beyond the end rows; the
+        scalars when there are no rows."""
+        rows = self.interference
+        if not rows:
+            return (self.p_busy_stretch, *self.events)
+        lo, hi = rows[0], rows[-1]
+        for a, b in zip(rows, rows[1:], strict=False):
+            if others <= b[0]:
+                lo, hi = a, b
+                break
+        w = 0.0 if hi[0] == lo[0] else min(1.0, max(0.0, (others - lo[0]) / (hi[0] - lo[0])))
+        v = [x + w * (y - x) for x, y in zip(lo[1:], hi[1:], strict=True)]
+        return v[0], v[1], v[2], v[3], v[4]
+
+    def term_table(self, n: int) -> list[tuple[float, float, float, float, float]]:
+        """`terms(b)` for b = 0..n (the simulator's lookup by batch)."""
+        return [self.terms(b) for b in range(n + 1)]
 
     def handover(self, prompt_len: int) -> float:
         return self.handover_a_s + self.handover_b_s * prompt_len
@@ -177,9 +215,13 @@ class SplitCost:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SplitCost:
-        return cls(**{k: v for k, v in d.items() if k not in ("decode", "gap_noise")},
+        return cls(**{k: v for k, v in d.items()
+                      if k not in ("decode", "gap_noise", "gap_jitter_s", "interference")},
                    decode=DecodeCost(**d["decode"]),
-                   gap_noise=tuple((float(r), int(w)) for r, w in d.get("gap_noise", ())))
+                   gap_noise=tuple((float(r), int(w)) for r, w in d.get("gap_noise", ())),
+                   gap_jitter_s=tuple((float(s), int(w)) for s, w in d.get("gap_jitter_s", ())),
+                   interference=tuple(tuple(float(v) for v in row)
+                                      for row in d.get("interference", ())))
 
 
 @dataclass(frozen=True)

@@ -23,8 +23,12 @@ request, the decode leg joins D no earlier than t1 + the measured handover, D st
 cost measured through the router, and every step (and the handover) is stretched by the CPU the
 router, client and connectors take per request at the workload's offered rate per worker. D j
 shares its host's cores with P (j mod n_P): D's steps that start while that P prefills take
-`1 + p_busy_stretch` times as long, and each request's events (arrival, t1, its leg joining,
-its end) put their measured seconds on its D-worker's next step (none while D runs no streams).
+`1 + stretch` times as long, and each request's events (arrival, t1, its leg joining, its end)
+put their measured seconds on its D-worker's next step (none while D runs no streams); stretch
+and seconds are `SplitCost.terms(b)`, b = D's streams other than the event's request. Stretching
+by P's state at a step's start rather than by the step's overlap with P's prefill gives the same
+stretched time in expectation (run 3: 12.4 vs 12.5 % and 24.8 vs 25.1 % of D's time at 1 and
+2 req/s); it only makes the few steps that straddle a prefill's edge (1.5–3 %) all or nothing.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import numpy as np
 
 from splitserve.sim.deployment import SimConfig, SimOutcome
 from splitserve.sim.model import Profile, transfer_arrival
+from splitserve.sim.routing import pick, pick_all
 from splitserve.sim.workerstate import BOTH as _BOTH
 from splitserve.sim.workerstate import SEG as _SEG
 from splitserve.sim.workerstate import STEP as _STEP
@@ -61,9 +66,13 @@ class Simulation:
         split = profile.split if config.mode == "disagg" and config.split_costs else None
         self.router_s, self.hand_a, self.hand_b = 0.0, 0.0, 0.0
         self.noise = split.gap_noise if split is not None else ()
-        # D's interference terms (SplitCost): stretch while its P prefills, per-event work
-        self.kappa = split.p_busy_stretch if split is not None else 0.0
-        self.ev = split.events if split is not None else (0.0, 0.0, 0.0, 0.0)
+        self.jitter = split.gap_jitter_s if split is not None else ()
+        # D's interference terms (SplitCost.terms) by D's other streams, 0..max_num_seqs:
+        # (stretch while its P prefills, arrive, t1, join, finish seconds)
+        zero = (0.0, 0.0, 0.0, 0.0, 0.0)
+        self.iterm = (split.term_table(self.max_seqs) if split is not None
+                      else [zero] * (self.max_seqs + 1))
+        self.kappa = any(x[0] > 0.0 for x in self.iterm)
         if config.mode == "disagg":
             self.link = profile.link(config.transport)
             p_pf, d_dc = pf, dc
@@ -100,25 +109,6 @@ class Simulation:
         self.shared_free = 0.0
         self.rng = np.random.default_rng(config.seed)
 
-    # routing ---------------------------------------------------------------------------
-    def _pick_all(self, pool: list[_Worker], policy: str, n: int) -> list[int] | None:
-        """Choices that do not depend on load, drawn for all requests at once."""
-        m = len(pool)
-        if policy == "round_robin":
-            return [i % m for i in range(n)]
-        if policy == "random":
-            return self.rng.integers(0, m, size=n).tolist()
-        return None
-
-    def _pick(self, pool: list[_Worker], policy: str, pre: list[int] | None, i: int,
-              two: list[list[int]]) -> int:
-        if pre is not None:
-            return pre[i]
-        if policy == "power_of_two":
-            a, b = two[0][i], two[1][i]
-            return a if pool[a].load <= pool[b].load else b
-        return min(range(len(pool)), key=lambda j: pool[j].load)
-
     # worker mechanics ------------------------------------------------------------------
     def _push(self, t: float, kind: int, a: int, b: int) -> None:
         self.seq += 1
@@ -148,12 +138,14 @@ class Simulation:
             w.B += 1
             w.C += pl[r] + 1
             w.new.append(r)
-            w.extra += self.ev[2]  # the leg joins: D's next step carries the join's work
+            w.extra += self.iterm[w.B - 1][3]  # the join's work, on D's next step
 
-    def _charge(self, di: int, cost: float, t: float) -> None:
-        """A request event at t puts `cost` seconds of other work on D-worker di's core: its
-        next step carries it (dropped while D runs no streams: nobody waits on that step)."""
+    def _charge(self, di: int, term: int, t: float) -> None:
+        """A request event at t puts its seconds (`iterm[B][term]`, B = D's streams) of other
+        work on D-worker di's core: its next step carries them (dropped while D runs no
+        streams: nobody waits on that step)."""
         w = self.D[di]
+        cost = self.iterm[w.B][term]
         if cost > 0.0 and w.B:
             w.extra += cost
             self._cut(len(self.P) + di, w, t)
@@ -220,7 +212,8 @@ class Simulation:
             end = t + dur
         elif w.B:
             # invariant: a segment's steps all run at one pace (P's state, no events)
-            pace = 1.0 + self.kappa if w.role == _D and self.P[w.mate].prefilling else 1.0
+            busy = w.role == _D and self.P[w.mate].prefilling
+            pace = 1.0 + self.iterm[w.B][0] if busy else 1.0
             alpha = (dc.a + dc.b * w.C + dc.c * w.B) * pace
             if w.extra > 0.0:  # one step carrying the events' work
                 w.kind, w.step_dur, w.t0 = _STEP, alpha + w.extra, t
@@ -286,7 +279,7 @@ class Simulation:
             w.kv_used -= pl[r] + ol[r]
             w.load -= 1
             if w.role == _D and w.B:
-                w.extra += self.ev[3]
+                w.extra += self.iterm[w.B][4]
         w.busy = False
         if w.waiting:
             self._admit(wi, w)
@@ -312,7 +305,7 @@ class Simulation:
             self.link_free[wi] = free
         heapq.heappush(w.kv_release, (free, self.pl[r]))
         self.xfer[r] = arrive - t
-        self._charge(self.dsel[r], self.ev[1], t)
+        self._charge(self.dsel[r], 2, t)
         ready = t1 + hop + self.hand_a + self.hand_b * self.pl[r]
         self._push(max(arrive, ready), _EV_JOIN, r, 0)
 
@@ -332,10 +325,10 @@ class Simulation:
         P, D, W = self.P, self.D, self.W
         npw = len(P)
         two_p = [self.rng.integers(0, len(P), size=n).tolist() for _ in range(2)]
-        pre_p = self._pick_all(P, cfg.p_policy, n)
+        pre_p = pick_all(self.rng, P, cfg.p_policy, n)
         if D:
             two_d = [self.rng.integers(0, len(D), size=n).tolist() for _ in range(2)]
-            pre_d = self._pick_all(D, cfg.d_policy, n)
+            pre_d = pick_all(self.rng, D, cfg.d_policy, n)
         heap, arr, pl, ol = self.heap, self.arr, self.pl, self.ol
         pop = heapq.heappop
         i, events = 0, 0
@@ -363,16 +356,16 @@ class Simulation:
                 continue
             r, i = i, i + 1
             events += 1
-            p = self._pick(P, cfg.p_policy, pre_p, r, two_p)
+            p = pick(P, cfg.p_policy, pre_p, r, two_p)
             w = P[p]
             w.queue.append(r)
             if D:
                 w.load += pl[r]
                 if ol[r] > 1:
-                    d = self._pick(D, cfg.d_policy, pre_d, r, two_d)
+                    d = pick(D, cfg.d_policy, pre_d, r, two_d)
                     self.dsel[r] = d
                     D[d].load += 1
-                    self._charge(d, self.ev[0], ta)
+                    self._charge(d, 1, ta)
             else:
                 w.load += 1
             self._poke(p, w, ta)
@@ -391,6 +384,7 @@ class Simulation:
             seg_step0=segs[:, 7].astype(np.int64), decode_worker=f(self.wdec),
             join_step=f(self.jstep),
             kv_transfer_s=f(self.xfer), events=events, gap_noise=self.noise,
+            gap_jitter_s=self.jitter,
         )
 
 

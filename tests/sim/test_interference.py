@@ -3,12 +3,19 @@ terms from records that the simulator produced with them."""
 
 from __future__ import annotations
 
-from dataclasses import replace
+import json
+from dataclasses import asdict, replace
 
 import pytest
 
 from splitserve.sim.deployment import SimConfig
-from splitserve.sim.interference import InterferencePlan, fit_interference, gap_rows, probe_stream
+from splitserve.sim.interference import (
+    InterferencePlan,
+    fit_interference,
+    gap_rows,
+    interference_rows,
+    probe_stream,
+)
 from splitserve.sim.model import DecodeCost, Profile, SplitCost
 from splitserve.sim.records import request_records, token_times
 from splitserve.sim.simulator import simulate
@@ -55,13 +62,13 @@ def test_d_steps_stretch_while_p_prefills_and_events_land_on_the_next_step() -> 
 
 
 def test_fit_interference_recovers_the_terms_from_simulated_probe_records() -> None:
-    ip = InterferencePlan()
-    reqs = probe_stream(ip, 700, lambda n: (1,) * n)
+    ip = InterferencePlan(injections=12)
+    reqs = probe_stream(ip, 2, 700, lambda n: (1,) * n)
     wl = SimWorkload.of([r.arrival_s for r in reqs], [r.input_len for r in reqs],
                         [r.output_len for r in reqs])
     truth = dict(p_busy_stretch=0.2, arrive_s=0.004, t1_s=0.005, join_s=0.003, finish_s=0.002)
     recs = request_records(simulate(_prof(**truth), SimConfig("disagg"), wl))
-    kappa, cost, q = fit_interference(gap_rows(recs, ip.bg_batch, DEC))
+    kappa, cost, q = fit_interference(gap_rows(recs, 2, DEC))
     assert q["idle_pace"] == pytest.approx(1.0, abs=1e-6)
     assert kappa == pytest.approx(0.2, abs=0.01)
     # the simulator puts an event's seconds on the step after it: the gap holding it alone
@@ -72,3 +79,87 @@ def test_fit_interference_recovers_the_terms_from_simulated_probe_records() -> N
     for name, want, tol in (("arrive", 0.004, 2e-3), ("t1", 0.005, 2e-3), ("join", 0.003, 5e-4),
                             ("finish", 0.002, 5e-4)):
         assert cost[name] == pytest.approx(want, abs=tol), name
+
+
+ROWS = ((1.0, 0.4, 0.003, 0.004, 0.002, 0.001), (3.0, 0.1, 0.001, 0.002, 0.001, 0.0))
+
+
+def test_terms_interpolate_between_rows_and_hold_beyond_them() -> None:
+    s = replace(SPLIT, p_busy_stretch=9.0, interference=ROWS)  # rows replace the scalars
+    assert s.terms(0) == pytest.approx(ROWS[0][1:])
+    assert s.terms(1) == pytest.approx(ROWS[0][1:])
+    assert s.terms(2) == pytest.approx((0.25, 0.002, 0.003, 0.0015, 0.0005))
+    assert s.terms(3) == pytest.approx(ROWS[1][1:]) and s.terms(50) == pytest.approx(ROWS[1][1:])
+    assert replace(SPLIT, p_busy_stretch=0.3, t1_s=0.01).terms(7) == (0.3, 0.0, 0.01, 0.0, 0.0)
+    back = SplitCost.from_dict(json.loads(json.dumps(asdict(replace(SPLIT, interference=ROWS)))))
+    assert back.interference == ROWS
+    with pytest.raises(ValueError):
+        replace(SPLIT, interference=(ROWS[1], ROWS[0]))
+
+
+@pytest.mark.parametrize("bg", [1, 2, 3])
+def test_d_stretch_while_p_prefills_follows_ds_batch(bg: int) -> None:
+    """`bg` streams decode; a request arrives and P prefills it: D's steps that start meanwhile
+    take 1 + terms(bg)[0] times the calibrated step (0.4 at 1 stream, 0.25 at 2, 0.1 at 3)."""
+    prof = _prof(interference=ROWS)
+    wl = SimWorkload.of([0.0] * bg + [0.8], [200] * bg + [1500], [400] * bg + [5])
+    recs = request_records(simulate(prof, CFG, wl))
+    kappa = prof.split.terms(bg)[0]
+    rows = gap_rows(recs, bg, DEC)
+    # inside P's prefill, past the step that carries the arrival's seconds
+    busy = [g / p for prev, (_, g, p, pb, ev) in zip(rows, rows[1:], strict=False)
+            if pb >= 1.0 and not ev and not prev[4] and prev[3] >= 1.0]
+    assert len(busy) >= 3 * bg and busy == pytest.approx([1.0 + kappa] * len(busy))
+
+
+def test_probe_fit_per_background_batch_recovers_the_rows() -> None:
+    """The probe at 1 and 3 background streams, simulated with ROWS, gives ROWS back (the
+    events that fall partly inside P's prefill within a share of a step's stretch)."""
+    ip = InterferencePlan(bg_batches=(1, 3), injections=12)
+    prof = _prof(interference=ROWS)
+    fits = []
+    for bg in ip.bg_batches:
+        reqs = probe_stream(ip, bg, 900, lambda n: (1,) * n)
+        wl = SimWorkload.of([r.arrival_s for r in reqs], [r.input_len for r in reqs],
+                            [r.output_len for r in reqs])
+        recs = request_records(simulate(prof, SimConfig("disagg"), wl))
+        kappa, cost, _ = fit_interference(gap_rows(recs, bg, DEC))
+        fits.append((bg, kappa, cost))
+    rows = interference_rows(fits)
+    assert [r[0] for r in rows] == [1.0, 3.0]
+    for got, want in zip(rows, ROWS, strict=True):
+        assert got[1] == pytest.approx(want[1], abs=0.01)
+        assert got[4:] == pytest.approx(want[4:], abs=5e-4)  # join, finish
+        assert got[2:4] == pytest.approx(want[2:4], abs=3e-3)  # arrive, t1
+
+
+def test_calibrate_split_against_a_simulated_deployment_recovers_the_rows(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`calibrate_split` end to end, its requests answered by the simulator running a known
+    split profile: the interference rows (one per background batch), the first row in the
+    scalars, and additive jitter bins (none here: the simulated gaps do not jitter)."""
+    from splitserve.sim import calibrate
+
+    truth = _prof(interference=ROWS, p_busy_stretch=ROWS[0][1])
+
+    def fake_run(url: str, reqs: list, concurrency: int | None) -> list:
+        def sim(rs: list) -> list:
+            wl = SimWorkload.of([r.arrival_s for r in rs], [r.input_len for r in rs],
+                                [r.output_len for r in rs])
+            return request_records(simulate(truth, SimConfig("disagg"), wl))
+        if concurrency == 1:
+            return [sim([r])[0] for r in reqs]
+        return sim(reqs)
+
+    monkeypatch.setattr(calibrate, "_run", fake_run)
+    plan = calibrate.SplitPlan(interference=InterferencePlan(bg_batches=(1, 3), injections=12))
+    got = calibrate.calibrate_split("sim://", make_profile(), plan, say=lambda _: None).split
+    assert got is not None and [r[0] for r in got.interference] == [1.0, 3.0]
+    # the decode fitted through this deployment is ~6 % off DEC (the probe's windows), and the
+    # terms are read against it: within 0.03 stretch and 0.5 ms per event
+    for row, want in zip(got.interference, ROWS, strict=True):
+        assert row[1] == pytest.approx(want[1], abs=0.03)
+        assert row[4:] == pytest.approx(want[4:], abs=5e-4)
+    assert (got.p_busy_stretch, got.join_s) == (got.interference[0][1], got.interference[0][4])
+    assert got.decode.a == pytest.approx(DEC.a, rel=0.1) and got.gap_noise == ()
+    assert all(abs(s) < 5e-4 for s, _ in got.gap_jitter_s)  # steps grow with context

@@ -142,3 +142,36 @@ def test_gap_noise_spreads_step_gaps_but_not_handovers() -> None:
     assert r1["median_ttft_ms"] == r0["median_ttft_ms"]
     assert r1["p90_itl_ms"] > 2 * r0["p90_itl_ms"]  # the top tenth of step gaps is 3x
     assert r1["median_tpot_ms"] == pytest.approx(r0["median_tpot_ms"])
+
+
+def test_gap_jitter_adds_seconds_to_step_gaps_whatever_their_length() -> None:
+    """Additive jitter (`gap_jitter_s`): every step gap g becomes g + s in s's share; a long
+    gap spreads no wider than a short one, and it replaces the ratio bins."""
+    from splitserve.sim.results import itl_samples
+
+    wl = SimWorkload.of([0.0, 0.5, 1.0], [L, L, L], [20, 20, 20])
+    flat = simulate(_split_profile(), SimConfig("disagg"), wl)
+    bins = ((-0.002, 500), (0.004, 500))
+    prof = _split_profile(replace(SPLIT, gap_jitter_s=bins, gap_noise=((9.0, 1000),)))
+    noisy = simulate(prof, SimConfig("disagg"), wl)
+    v0, w0 = itl_samples(flat)
+    v1, w1 = itl_samples(noisy)
+    hand = int((wl.output_lens > 1).sum())
+    steps0 = v0[:-hand]
+    assert v1[:-hand] == pytest.approx((steps0[:, None] + [-0.002, 0.004]).ravel())
+    assert w1[:-hand].tolist() == (w0[:-hand][:, None] * [500, 500]).ravel().tolist()
+    assert v1[-hand:] == pytest.approx(v0[-hand:])  # handovers carry no jitter
+
+
+def test_window_jitter_is_each_gap_less_its_streams_mean_gap() -> None:
+    from splitserve.bench.client import RequestRecord
+    from splitserve.sim.calibrate import window_jitter
+
+    def rec(times: list[float]) -> RequestRecord:
+        return RequestRecord(0, "normal", 10, len(times), 0.0, chunk_times=times)
+
+    a = rec([0.0, 0.1, 0.11, 0.12, 0.14, 0.15])
+    b = rec([0.0, 0.1, 0.115, 0.13, 0.145, 0.16])
+    # window: from the last t2 (0.1) to the first end (0.15); a's mean gap 0.0125
+    assert window_jitter([a, b]) == pytest.approx([-0.0025, -0.0025, 0.0075, -0.0025,
+                                                   0.0, 0.0, 0.0])
