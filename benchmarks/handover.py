@@ -4,12 +4,26 @@ directly and pinned to the same cores as the P-worker, for prompts of 256-4,096 
 Target: disaggregated TTFT <= colocated TTFT x 1.05 + 2 ms. Handover = t1 at the client -> t2
 at the client. Timings are printed and written to JSON, never asserted.
 
-    python benchmarks/handover.py [--model DIR] [--lengths 256,1024,4096] [--reps 5]
+Three systems are up for the whole run and their requests alternate, each with a fresh prompt,
+so drift of this shared machine hits all alike; per-pair differences are reported next to the
+medians:
+- `1p1d`: the deployment, through the router;
+- `colocated`: a separate plain vLLM worker on the P-worker's cores (the baseline as specified);
+- `p-direct`: the P-worker itself, sent a plain request (no KV push: it serves it colocated).
+  Two vLLM processes on the same core can differ in speed by 10-15 % for as long as they live;
+  this baseline is the same process as P, so `1p1d` against it is the cost of disaggregation
+  alone (router hop + KV push), free of that instance-to-instance spread.
+A quiet gap follows every request: vLLM's model runner busy-polls for about a second after its
+last step, and the baselines share the P-worker's core, so back-to-back requests would charge
+one system's idle spin to the next.
+
+    python benchmarks/handover.py [--model DIR] [--lengths 256,1024,4096] [--reps 7] [--gap-s 1.2]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import statistics
 import sys
@@ -28,34 +42,95 @@ from splitserve.launch.config import DeploymentConfig  # noqa: E402
 from splitserve.launch.local import LocalDeployment  # noqa: E402
 from splitserve.worker.launch import free_port, start_worker, wait_healthy  # noqa: E402
 
+Runs = dict[int, list[StreamTiming]]
+
 
 def prompt(length: int, seed: int, vocab: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(10, vocab - 1) for _ in range(length)]
 
 
-def run(url: str, model: str, lengths: list[int], reps: int, vocab: int, seed_base: int,
-        max_tokens: int) -> dict[int, list[StreamTiming]]:
-    out: dict[int, list[StreamTiming]] = {}
-    with httpx.Client(timeout=300) as client:
-        timed_stream(client, url, {"model": model, "prompt": prompt(64, seed_base - 1, vocab),
-                                   "max_tokens": 2, "temperature": 0})  # warm-up
-        for length in lengths:
-            out[length] = []
-            for rep in range(reps):
-                # a fresh prompt every time: no prefix-cache hit on either side
-                body = {"model": model, "prompt": prompt(length, seed_base + 1000 * length + rep,
-                                                         vocab),
+def run(systems: dict[str, httpx.Client], model: str, lengths: list[int], reps: int,
+        vocab: int, max_tokens: int, gap_s: float) -> dict[str, Runs]:
+    """Every (length, rep) sends one request to each system in turn, quiet gap after each.
+    Each client carries its system's base URL and credentials."""
+    out: dict[str, Runs] = {name: {} for name in systems}
+    for i, client in enumerate(systems.values()):
+        for w in range(2):  # warm-up
+            timed_stream(client, "", {"model": model, "prompt": prompt(64, 10 * i + w, vocab),
+                                      "max_tokens": 2, "temperature": 0})
+            time.sleep(gap_s)
+    for length in lengths:
+        for rep in range(reps):
+            for i, (name, client) in enumerate(systems.items()):
+                # a fresh prompt every time: no prefix-cache hit anywhere
+                seed = 1000 * length + len(systems) * rep + i + 100
+                body = {"model": model, "prompt": prompt(length, seed, vocab),
                         "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
-                out[length].append(timed_stream(client, url, body))
+                out[name].setdefault(length, []).append(timed_stream(client, "", body))
+                time.sleep(gap_s)
     return out
+
+
+def ms(ts: list[StreamTiming]) -> float:
+    return statistics.median(t.ttft for t in ts) * 1e3
+
+
+def paired_ms(a: list[StreamTiming], b: list[StreamTiming]) -> float:
+    return statistics.median(x.ttft - y.ttft for x, y in zip(a, b, strict=True)) * 1e3
+
+
+def row_for(length: int, d: list[StreamTiming], c: list[StreamTiming], p: list[StreamTiming]
+            ) -> dict[str, Any]:
+    kv_ms = [t.server["kv_transfer_s"] * 1e3 for t in d
+             if isinstance(t.server.get("kv_transfer_s"), int | float)]
+    kv_mb = [t.server["kv_bytes"] / 1e6 for t in d
+             if isinstance(t.server.get("kv_bytes"), int | float)]
+    target, target_p = ms(c) * 1.05 + 2.0, ms(p) * 1.05 + 2.0
+    return {
+        "prompt_tokens": length,
+        "ttft_1p1d_ms": summary([t.ttft for t in d]),
+        "ttft_colocated_ms": summary([t.ttft for t in c]),
+        "ttft_p_direct_ms": summary([t.ttft for t in p]),
+        "target_ms": target, "target_met": ms(d) <= target,
+        "target_vs_p_direct_ms": target_p, "target_vs_p_direct_met": ms(d) <= target_p,
+        "paired_diff_vs_colocated_ms": paired_ms(d, c),
+        "paired_diff_vs_p_direct_ms": paired_ms(d, p),
+        "handover_1p1d_ms": summary([t.gaps[0] for t in d if t.gaps]),
+        "first_itl_colocated_ms": summary([t.gaps[0] for t in c if t.gaps]),
+        "p_leg_ms": summary([t.server["p_leg_s"] for t in d if t.server.get("p_leg_s")]),
+        # the router's share: the client's TTFT minus P's leg as the router timed it
+        "router_ms": summary([t.ttft - t.server["p_leg_s"] for t in d
+                              if t.server.get("p_leg_s")]),
+        "kv_transfer_ms_median": statistics.median(kv_ms) if kv_ms else None,
+        "kv_mb_median": statistics.median(kv_mb) if kv_mb else None,
+        "kv_status": sorted({str(t.server.get("kv_status")) for t in d}),
+        "raw_ttft_ms": {name: [round(t.ttft * 1e3, 2) for t in ts]
+                        for name, ts in (("1p1d", d), ("colocated", c), ("p-direct", p))},
+    }
+
+
+def print_row(r: dict[str, Any]) -> None:
+    def med(key: str) -> float:
+        return float(r[key].get("median_ms", float("nan")))
+
+    print(f"{r['prompt_tokens']:>7} {med('ttft_1p1d_ms'):>9.1f} {med('ttft_colocated_ms'):>9.1f} "
+          f"{r['target_ms']:>8.1f} {'yes' if r['target_met'] else 'NO':>4} "
+          f"{r['paired_diff_vs_colocated_ms']:>+7.1f} {med('ttft_p_direct_ms'):>9.1f} "
+          f"{'yes' if r['target_vs_p_direct_met'] else 'NO':>4} "
+          f"{r['paired_diff_vs_p_direct_ms']:>+7.1f} {med('handover_1p1d_ms'):>9.1f} "
+          f"{med('first_itl_colocated_ms'):>6.1f} {med('router_ms'):>7.1f} "
+          f"{r['kv_transfer_ms_median'] or float('nan'):>7.1f} "
+          f"{r['kv_mb_median'] or float('nan'):>6.2f}")
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", default="embedded")
     ap.add_argument("--lengths", default="256,512,1024,2048,4096")
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--gap-s", type=float, default=1.2,
+                    help="quiet time after every request (vLLM busy-polls ~1 s after a step)")
     ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--transport", choices=("tcp", "shm"), default="tcp")
     ap.add_argument("--out", default="benchmarks/results/handover.json")
@@ -69,57 +144,40 @@ def main() -> int:
     colocated = None
     try:
         model = httpx.get(f"{dep.url}/v1/models").json()["data"][0]["id"]
-        vocab = int(__import__("json").loads(
-            (Path(dep.model_dir) / "config.json").read_text())["vocab_size"])
+        vocab = int(json.loads((Path(dep.model_dir) / "config.json").read_text())["vocab_size"])
         p_cfg = dep.workers[0]
-        disagg = run(dep.url, model, lengths, args.reps, vocab, 1, args.max_tokens)
-        # the baseline: one plain worker on exactly the P-worker's cores, reached directly
         ccfg = WorkerConfig(model=dep.model_dir, port=free_port(), cpus=p_cfg.cpus,
                             dtype=p_cfg.dtype, max_model_len=p_cfg.max_model_len,
                             served_model_name=p_cfg.served_model_name)
         colocated = start_worker(ccfg, None, str(dep.log_dir / "colocated.log"))
         wait_healthy(ccfg.url, colocated)
-        coloc = run(ccfg.url, model, lengths, args.reps, vocab, 2, args.max_tokens)
+        systems = {
+            "1p1d": httpx.Client(base_url=dep.url, timeout=300),
+            "colocated": httpx.Client(base_url=ccfg.url, timeout=300),
+            "p-direct": httpx.Client(base_url=p_cfg.url, timeout=300,
+                                     headers={"Authorization": f"Bearer {dep.token}"}),
+        }
+        res = run(systems, model, lengths, args.reps, vocab, args.max_tokens, args.gap_s)
     finally:
         if colocated is not None:
             colocated.terminate()
             colocated.wait(30)
         dep.stop()
 
-    rows: list[dict[str, Any]] = []
-    print(f"{'prompt':>7} {'TTFT 1P1D':>10} {'TTFT coloc':>11} {'target':>8} {'met':>4} "
-          f"{'handover':>9} {'coloc ITL1':>11} {'P leg':>7} {'KV ms':>7} {'KV MB':>7}")
+    print(f"{'':>7} {'--- TTFT ms ---':^28} {'':>4} {'paired':>7} {'P-direct':>9} {'met':>4} "
+          f"{'paired':>7}")
+    print(f"{'prompt':>7} {'1P1D':>9} {'coloc':>9} {'target':>8} {'met':>4} {'vs col':>7} "
+          f"{'TTFT':>9} {'':>4} {'vs P':>7} {'handover':>9} {'ITL1c':>6} {'router':>7} "
+          f"{'KV ms':>7} {'KV MB':>6}")
+    rows = []
     for length in lengths:
-        d, c = disagg[length], coloc[length]
-        ttft_d = statistics.median(t.ttft for t in d) * 1e3
-        ttft_c = statistics.median(t.ttft for t in c) * 1e3
-        target = ttft_c * 1.05 + 2.0
-        kv_ms = [t.server["kv_transfer_s"] * 1e3 for t in d
-                 if isinstance(t.server.get("kv_transfer_s"), int | float)]
-        kv_mb = [t.server["kv_bytes"] / 1e6 for t in d
-                 if isinstance(t.server.get("kv_bytes"), int | float)]
-        row = {
-            "prompt_tokens": length, "ttft_1p1d_ms": summary([t.ttft for t in d]),
-            "ttft_colocated_ms": summary([t.ttft for t in c]),
-            "target_ms": target, "target_met": ttft_d <= target,
-            "handover_1p1d_ms": summary([t.gaps[0] for t in d if t.gaps]),
-            "first_itl_colocated_ms": summary([t.gaps[0] for t in c if t.gaps]),
-            "p_leg_ms": summary([t.server["p_leg_s"] for t in d if t.server.get("p_leg_s")]),
-            "kv_transfer_ms_median": statistics.median(kv_ms) if kv_ms else None,
-            "kv_mb_median": statistics.median(kv_mb) if kv_mb else None,
-            "kv_status": sorted({str(t.server.get("kv_status")) for t in d}),
-        }
-        rows.append(row)
-        print(f"{length:>7} {ttft_d:>10.1f} {ttft_c:>11.1f} {target:>8.1f} "
-              f"{'yes' if row['target_met'] else 'NO':>4} "
-              f"{row['handover_1p1d_ms'].get('median_ms', float('nan')):>9.1f} "
-              f"{row['first_itl_colocated_ms'].get('median_ms', float('nan')):>11.1f} "
-              f"{row['p_leg_ms'].get('median_ms', float('nan')):>7.1f} "
-              f"{row['kv_transfer_ms_median'] or float('nan'):>7.1f} "
-              f"{row['kv_mb_median'] or float('nan'):>7.2f}")
+        rows.append(row_for(length, res["1p1d"][length], res["colocated"][length],
+                            res["p-direct"][length]))
+        print_row(rows[-1])
     write_json(Path(args.out), {
         "benchmark": "handover", "model": args.model, "transport": args.transport,
-        "reps": args.reps, "max_tokens": args.max_tokens, "core_plan": dep.core_note,
+        "reps": args.reps, "max_tokens": args.max_tokens, "gap_s": args.gap_s,
+        "core_plan": dep.core_note, "order": "interleaved per rep: 1p1d, colocated, p-direct",
         "prefill_cpus": list(p_cfg.cpus or ()), "rows": rows,
         "target": "disaggregated TTFT <= colocated TTFT x 1.05 + 2 ms (medians)"})
     return 0
