@@ -20,15 +20,13 @@ from typing import Any
 import httpx
 
 from splitserve.router.config import WORKER_ROLES, RouterConfig
+from splitserve.worker.load import LOAD_GAUGES
 
 log = logging.getLogger("splitserve.router")
 
-# vLLM gauges the decode policy reads from each worker's /metrics.
-VLLM_GAUGES = {
-    "vllm:kv_cache_usage_perc": "kv_usage",
-    "vllm:num_requests_running": "running",
-    "vllm:num_requests_waiting": "waiting",
-}
+# The load the policies read: a splitserve worker's light `/splitserve/load`; a plain vLLM
+# worker's `/metrics`, parsed for the same gauges.
+LOAD_PATH = "/splitserve/load"
 
 
 @dataclass
@@ -43,6 +41,7 @@ class Worker:
     failures: int = 0
     last_error: str | None = None
     info: dict[str, Any] | None = None  # GET /splitserve/info; None for a plain vLLM worker
+    load_path: str = LOAD_PATH  # "/metrics" once the worker answered 404 (plain vLLM)
     inflight: int = 0
     inflight_prefill_tokens: int = 0
     kv_usage: float = 0.0
@@ -99,13 +98,14 @@ def parse_gauges(text: str) -> dict[str, float]:
         if not line.startswith("vllm:"):
             continue
         name, _, rest = line.partition("{")
-        if name not in VLLM_GAUGES:
+        key = LOAD_GAUGES.get(name)
+        if key is None:
             continue
         try:
             value = float(rest.rsplit(" ", 1)[1])
         except (IndexError, ValueError):
             continue
-        out[VLLM_GAUGES[name]] = out.get(VLLM_GAUGES[name], 0.0) + value
+        out[key] = out.get(key, 0.0) + value
     return out
 
 
@@ -198,11 +198,17 @@ class Registry:
             self.failed(worker, error or "unhealthy")
 
     async def _read_load(self, worker: Worker, timeout: float) -> None:
-        r = await self.client.get(f"{worker.url}/metrics", headers=self.headers,
+        r = await self.client.get(f"{worker.url}{worker.load_path}", headers=self.headers,
                                   timeout=timeout)
+        if r.status_code == 404 and worker.load_path == LOAD_PATH:
+            worker.load_path = "/metrics"  # plain vLLM: no splitserve routes
+            r = await self.client.get(f"{worker.url}/metrics", headers=self.headers,
+                                      timeout=timeout)
         if r.status_code == 200:
-            for key, value in parse_gauges(r.text).items():
-                setattr(worker, key, value)
+            load = r.json() if worker.load_path == LOAD_PATH else parse_gauges(r.text)
+            for key in LOAD_GAUGES.values():
+                if isinstance(load.get(key), int | float):
+                    setattr(worker, key, float(load[key]))
         if worker.role == "colocated" or not self.token:
             return
         if worker.info is None:

@@ -20,6 +20,8 @@ from workers import (
     wait_drained,
 )
 
+from splitserve.router.health import parse_gauges
+
 MAX_TOKENS = 10
 PROMPT = [5 + (i * 13) % 900 for i in range(300)]
 
@@ -151,8 +153,8 @@ def test_staging_full_is_refused_before_any_kv_moves(llama_ckpt: Path,
 def test_internal_routes_require_the_token(llama_pair: tuple[Worker, Worker]) -> None:
     _, d = llama_pair
     # every HTTP path of a worker holding a token, vLLM's own included
-    for path in ("/splitserve/info", "/splitserve/state", "/splitserve/transfers/x", "/metrics",
-                 "/health", "/v1/models", "/version"):
+    for path in ("/splitserve/info", "/splitserve/state", "/splitserve/transfers/x",
+                 "/splitserve/load", "/metrics", "/health", "/v1/models", "/version"):
         assert httpx.get(f"{d.url}{path}", timeout=5).status_code == 401
         bad = {"Authorization": "Bearer not-the-token"}
         assert httpx.get(f"{d.url}{path}", headers=bad, timeout=5).status_code == 401
@@ -162,3 +164,7 @@ def test_internal_routes_require_the_token(llama_pair: tuple[Worker, Worker]) ->
     metrics = httpx.get(f"{d.url}/metrics", headers=auth_headers(), timeout=5).text
     assert "splitserve_kv_listener_up 1.0" in metrics
     assert "splitserve_kv_transfers_total" in metrics
+    # the router's light load read says what /metrics says (the worker is idle here)
+    load = httpx.get(f"{d.url}/splitserve/load", headers=auth_headers(), timeout=5).json()
+    assert set(load) == {"kv_usage", "running", "waiting"}
+    assert load == parse_gauges(metrics)

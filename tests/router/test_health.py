@@ -29,6 +29,9 @@ async def test_circuit_breaker_endpoints_and_load() -> None:
             return httpx.Response(200)
         if req.url.path == "/metrics":
             return httpx.Response(200, text=METRICS)
+        if req.url.path == "/splitserve/load":  # P plays a plain vLLM worker: no such route
+            return (httpx.Response(200, json={"kv_usage": 0.25, "running": 3.0, "waiting": 1.0})
+                    if base == D else httpx.Response(404))
         if req.headers.get("authorization") != "Bearer tok":
             return httpx.Response(401)
         if req.url.path == "/splitserve/info":
@@ -45,10 +48,15 @@ async def test_circuit_breaker_endpoints_and_load() -> None:
                                    "remote_engine_id": "e1", "transport": "shm"}
         assert d.kv_endpoint("tcp")["transport"] == "tcp"
         assert p.info == {} and p.kv_endpoint() is None  # plain vLLM: no KV endpoint
-        assert (d.kv_usage, d.running, d.staged_bytes, d.staging_capacity_bytes) == (
-            0.5, 2.0, 10.0, 100.0)
+        assert (d.kv_usage, d.running, d.waiting, d.staged_bytes, d.staging_capacity_bytes) == (
+            0.25, 3.0, 1.0, 10.0, 100.0)
+        assert (p.kv_usage, p.running) == (0.5, 2.0)  # parsed out of a plain worker's /metrics
         await reg.check_all()
         assert asked.count(f"{D}/splitserve/info") == 1  # the endpoint is read once
+        # a splitserve worker's load never costs it a /metrics render; a plain worker is
+        # asked for /splitserve/load once, then /metrics
+        assert f"{D}/metrics" not in asked
+        assert asked.count(f"{P}/splitserve/load") == 1 and asked.count(f"{P}/metrics") == 2
 
         up[D] = False
         for _ in range(2):
