@@ -143,7 +143,26 @@ def validate(body: Any, kind: Kind, served_model: str) -> dict[str, Any]:
         if isinstance(value, int | float) and not isinstance(value, bool) and not (
                 abs(value) <= FLOAT32_MAX):  # also NaN, which Python's JSON parser accepts
             raise RequestError(f"{field} must be a finite number, got {value}", field)
+    for field, value in body.items():
+        if field not in ("prompt", "messages") and beyond_int64(value):
+            raise RequestError(f"{field} holds an integer beyond 64 bits", field)
     return body
+
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+def beyond_int64(value: Any) -> bool:
+    """An integer the engine cannot carry (its messages are msgspec: 64-bit integers): vLLM
+    answers such a `top_k` with a 500. Looks into lists (token id lists) and dict values
+    (`logit_bias`). Prompts and messages are the workers' to check (out of vocabulary)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return not INT64_MIN <= value <= INT64_MAX
+    if isinstance(value, list):
+        return any(beyond_int64(v) for v in value)
+    if isinstance(value, dict):
+        return any(beyond_int64(v) for v in value.values())
+    return False
 
 
 # Sampling numbers the engine holds as float32: anything beyond its range (or NaN, or infinity)
