@@ -28,7 +28,7 @@ from typing import Any
 import httpx
 
 from splitserve.bench.chaos import Outcome, chaos_requests, run_wave, summarize
-from splitserve.config import TOKEN_ENV, WorkerConfig, new_token
+from splitserve.config import TOKEN_ENV, WorkerConfig, bearer_headers, new_token
 from splitserve.worker.launch import free_port, start_worker, wait_healthy
 
 RESULTS = Path(__file__).parent / "results"
@@ -94,7 +94,7 @@ class Cluster:
     def leaks(self) -> dict[str, dict[str, float]]:
         """Per worker: KV blocks in use and staged bytes (both 0 when drained)."""
         out = {}
-        headers = {"Authorization": f"Bearer {self.token}"}
+        headers = bearer_headers(self.token)
         for name, cfg in self.cfgs.items():
             state = httpx.get(f"{cfg.url}/splitserve/state", headers=headers, timeout=5).json()
             text = httpx.get(f"{cfg.url}/metrics", headers=headers, timeout=5).text

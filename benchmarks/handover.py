@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from _common import StreamTiming, summary, timed_stream, write_json  # noqa: E402
 
-from splitserve.config import WorkerConfig  # noqa: E402
+from splitserve.config import WorkerConfig, bearer_headers  # noqa: E402
 from splitserve.launch.config import DeploymentConfig  # noqa: E402
 from splitserve.launch.local import LocalDeployment  # noqa: E402
 from splitserve.worker.launch import free_port, start_worker, wait_healthy  # noqa: E402
@@ -155,7 +155,7 @@ def main() -> int:
             "1p1d": httpx.Client(base_url=dep.url, timeout=300),
             "colocated": httpx.Client(base_url=ccfg.url, timeout=300),
             "p-direct": httpx.Client(base_url=p_cfg.url, timeout=300,
-                                     headers={"Authorization": f"Bearer {dep.token}"}),
+                                     headers=bearer_headers(dep.token)),
         }
         res = run(systems, model, lengths, args.reps, vocab, args.max_tokens, args.gap_s)
     finally:

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from _common import cpu_seconds, spawn, stop, summary, timed_stream, write_json  # noqa: E402
 
-from splitserve.config import WorkerConfig  # noqa: E402
+from splitserve.config import WorkerConfig, bearer_headers  # noqa: E402
 from splitserve.demo_model import ModelSpec, build_checkpoint, default_cache_dir  # noqa: E402
 from splitserve.worker.launch import free_port, start_worker, wait_healthy  # noqa: E402
 
@@ -87,7 +87,7 @@ async def throughput(url: str, model: str, concurrency: int, tokens: int, pid: i
 
     cpu0 = cpu_seconds(pid) if pid else 0.0
     t0 = time.perf_counter()
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    headers = bearer_headers(token)
     async with httpx.AsyncClient(timeout=300, limits=httpx.Limits(max_connections=None),
                                  headers=headers) as c:
         await asyncio.gather(*(one(c) for _ in range(concurrency)))
@@ -119,7 +119,7 @@ def split_run(args: argparse.Namespace, model_dir: str, logs: Path, router_core:
         url = f"http://127.0.0.1:{port}"
         wait_healthy(url, None, 120)
         # workers require the deployment token (the router ignores it: no API key is set)
-        with httpx.Client(timeout=120, headers={"Authorization": f"Bearer {token}"}) as client:
+        with httpx.Client(timeout=120, headers=bearer_headers(token)) as client:
             token_gaps(client, {"splitserve": url}, "bench", 2, 8)  # warm-up
             lat = request_latency(client, {"direct": cfgs[0].url, "splitserve": url}, "bench",
                                   args.requests)

@@ -171,3 +171,9 @@ def load_token(required: bool = True) -> str | None:
 
 def new_token() -> str:
     return secrets.token_urlsafe(32)
+
+
+def bearer_headers(secret: str | None) -> dict[str, str]:
+    """`Authorization: Bearer <secret>`, or nothing without a secret: how every client of a
+    worker (the deployment token) or of the router (its API key) authenticates."""
+    return {"Authorization": f"Bearer {secret}"} if secret else {}

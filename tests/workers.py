@@ -18,7 +18,7 @@ from pathlib import Path
 
 import httpx
 
-from splitserve.config import WorkerConfig
+from splitserve.config import WorkerConfig, bearer_headers
 from splitserve.demo_model import ModelSpec, build_checkpoint
 from splitserve.worker.launch import free_port, start_worker, wait_healthy
 
@@ -88,7 +88,7 @@ def stop_group(proc: subprocess.Popen[bytes], grace_s: float) -> None:
 
 
 def auth_headers() -> dict[str, str]:
-    return {"Authorization": f"Bearer {TOKEN}"}
+    return bearer_headers(TOKEN)
 
 
 def metric_sum(worker: Worker, *names: str) -> float:

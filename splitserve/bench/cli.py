@@ -42,7 +42,7 @@ from splitserve.bench.workload import (
     WorkloadSpec,
     build_stream,
 )
-from splitserve.config import load_token
+from splitserve.config import bearer_headers, load_token
 from splitserve.worker.cli import parse_cpus
 
 
@@ -119,7 +119,7 @@ def options_from_args(args: argparse.Namespace) -> RunOptions:
 
 def discover_workers(url: str, api_key: str | None = None) -> tuple[dict[str, str], Any]:
     """Worker `/metrics` URLs to sample: a router's `/workers` list, else the URL itself."""
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    headers = bearer_headers(api_key)
     try:
         resp = httpx.get(f"{url.rstrip('/')}/workers", headers=headers, timeout=5.0)
         if resp.status_code == 200:

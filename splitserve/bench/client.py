@@ -26,6 +26,7 @@ from typing import Any
 import httpx
 
 from splitserve.bench.workload import Request
+from splitserve.config import bearer_headers
 
 TIMINGS_HEADER = "x-splitserve-timings"
 
@@ -91,7 +92,7 @@ class ClientConfig:
         return self.url.rstrip("/")
 
     def headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        return bearer_headers(self.api_key)
 
 
 async def resolve_model(client: httpx.AsyncClient, cfg: ClientConfig) -> str:
@@ -276,7 +277,7 @@ class BusySampler:
                  token: str | None = None) -> None:
         if interval_s <= 0:
             raise ValueError("interval_s must be positive")
-        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._headers = bearer_headers(token)
         self._urls = dict(worker_urls)
         self._interval = interval_s
         self._busy = dict.fromkeys(self._urls, 0)

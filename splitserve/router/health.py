@@ -19,6 +19,7 @@ from typing import Any
 
 import httpx
 
+from splitserve.config import bearer_headers
 from splitserve.router.config import WORKER_ROLES, RouterConfig
 from splitserve.worker.load import LOAD_GAUGES
 
@@ -109,11 +110,6 @@ def parse_gauges(text: str) -> dict[str, float]:
     return out
 
 
-def worker_headers(token: str | None) -> dict[str, str]:
-    """Headers every request to a worker carries: workers refuse callers without the token."""
-    return {"Authorization": f"Bearer {token}"} if token else {}
-
-
 class Registry:
     """All workers, by URL. The health loop and the admin endpoint are its only writers."""
 
@@ -121,7 +117,7 @@ class Registry:
         self.cfg = cfg
         self.client = client
         self.token = token
-        self.headers = worker_headers(token)  # on every request: workers require the token
+        self.headers = bearer_headers(token)  # on every request: workers require the token
         # Keyed by (role, url): one worker (role `both`) may serve in the P and the D pool.
         self.workers: dict[tuple[str, str], Worker] = {}
         for role, urls in (("prefill", cfg.prefill), ("decode", cfg.decode),

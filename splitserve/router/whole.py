@@ -12,6 +12,7 @@ from __future__ import annotations
 import aiohttp
 from yarl import URL
 
+from splitserve.config import bearer_headers
 from splitserve.router.config import RouterConfig
 from splitserve.router.flow import (
     RETRYABLE_STATUS,
@@ -22,7 +23,7 @@ from splitserve.router.flow import (
     exhausted,
     leg_failed,
 )
-from splitserve.router.health import Registry, Worker, worker_headers
+from splitserve.router.health import Registry, Worker
 from splitserve.router.metrics import RouterMetrics
 from splitserve.router.policy import Picker
 
@@ -33,7 +34,7 @@ def new_session(cfg: RouterConfig, token: str | None) -> aiohttp.ClientSession:
     """The app's one session to workers, for both paths: every request carries the token.
     Workers set no cookies, so the session keeps none (a cookie jar costs time per request)."""
     return aiohttp.ClientSession(
-        headers=worker_headers(token),
+        headers=bearer_headers(token),
         timeout=aiohttp.ClientTimeout(total=None, sock_connect=cfg.connect_timeout_s,
                                       sock_read=cfg.request_timeout_s),
         connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60),

@@ -38,7 +38,7 @@ import numpy as np
 from splitserve.bench.client import ClientConfig, RequestRecord, run_stream
 from splitserve.bench.runsheet import hardware
 from splitserve.bench.workload import Request
-from splitserve.config import load_token
+from splitserve.config import bearer_headers, load_token
 from splitserve.sim.model import (
     DecodeCost,
     Engine,
@@ -206,7 +206,7 @@ def worker_facts(url: str) -> dict[str, Any]:
     base = url.rstrip("/")
     token = load_token(required=False)
     with httpx.Client(timeout=30.0,
-                      headers={"Authorization": f"Bearer {token}"} if token else {}) as c:
+                      headers=bearer_headers(token)) as c:
         version = c.get(f"{base}/version").json().get("version", "unknown")
         model = c.get(f"{base}/v1/models").json()["data"][0]
         metrics = c.get(f"{base}/metrics").text

@@ -19,7 +19,13 @@ from importlib import metadata
 
 import httpx
 
-from splitserve.config import TOKEN_ENV, TOKEN_FILE_ENV, VLLM_PINNED_VERSION, WorkerConfig
+from splitserve.config import (
+    TOKEN_ENV,
+    TOKEN_FILE_ENV,
+    VLLM_PINNED_VERSION,
+    WorkerConfig,
+    bearer_headers,
+)
 
 CONNECTOR_CLASS = "SplitserveConnector"
 CONNECTOR_MODULE = "splitserve.connector.vllm"
@@ -155,7 +161,7 @@ def wait_healthy(url: str, proc: subprocess.Popen[bytes] | None = None,
     """Block until `url/health` answers 200; raise if the process exits, the worker wants a
     token we do not hold, or time runs out."""
     deadline = time.monotonic() + timeout_s
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    headers = bearer_headers(token)
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"worker {url} exited with code {proc.returncode} while starting")
