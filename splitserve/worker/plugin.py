@@ -28,7 +28,7 @@ from argparse import Namespace
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from starlette.datastructures import Headers, State
@@ -152,46 +152,42 @@ class SplitserveEndpointPlugin:
         collector = ConnectorCollector(cfg, token)
         _attach_metrics(app, collector)
 
-        async def ask(body: dict[str, Any]) -> dict[str, Any]:
-            return await asyncio.to_thread(query, cfg.kv_host, cfg.kv_port, token, body, 2.0,
-                                           collector.tls)
-
-        async def ask_connector(request: Request, body: dict[str, Any],
-                          respond: Callable[[dict[str, Any]], JSONResponse] = JSONResponse
-                          ) -> JSONResponse:
+        async def ask_connector(body: dict[str, Any],
+                                respond: Callable[[dict[str, Any]], JSONResponse] = JSONResponse
+                                ) -> JSONResponse:
             """The connector's answer shaped by `respond` (TokenGuard already checked the
             caller), or 503 if the connector does not answer."""
             try:
-                answer = await ask(body)
+                answer = await asyncio.to_thread(query, cfg.kv_host, cfg.kv_port, token, body,
+                                                 2.0, collector.tls)
             except (OSError, ProtocolError) as exc:
                 return JSONResponse({"error": {"message": f"connector unavailable: {exc}",
                                                "type": "service_unavailable", "code": 503}}, 503)
             return respond(answer)
 
         @app.get("/splitserve/info")
-        async def info(request: Request) -> JSONResponse:
-            return await ask_connector(request, {"what": "state"},
-                                 lambda d: JSONResponse({k: d.get(k) for k in INFO_KEYS}))
+        async def info() -> JSONResponse:
+            return await ask_connector({"what": "state"},
+                                       lambda d: JSONResponse({k: d.get(k) for k in INFO_KEYS}))
 
         @app.get("/splitserve/state")
-        async def state(request: Request) -> JSONResponse:
-            return await ask_connector(request, {"what": "state"})
+        async def state() -> JSONResponse:
+            return await ask_connector({"what": "state"})
 
         @app.get("/splitserve/transfers/{transfer_id}")
-        async def transfer(transfer_id: str, request: Request) -> JSONResponse:
+        async def transfer(transfer_id: str) -> JSONResponse:
             def respond(record: dict[str, Any]) -> JSONResponse:
                 if "error" in record:
                     return JSONResponse({"error": {"message": f"unknown transfer {transfer_id}",
                                                    "type": "not_found", "code": 404}}, 404)
                 return JSONResponse(record)
 
-            return await ask_connector(request, {"what": "transfer", "transfer_id": transfer_id},
-                                 respond)
+            return await ask_connector({"what": "transfer", "transfer_id": transfer_id}, respond)
 
         @app.delete("/splitserve/transfers/{transfer_id}")
-        async def discard(transfer_id: str, request: Request) -> JSONResponse:
+        async def discard(transfer_id: str) -> JSONResponse:
             """Free staged KV no decode request will claim (or refuse its push if not begun)."""
-            return await ask_connector(request, {"what": "discard", "transfer_id": transfer_id})
+            return await ask_connector({"what": "discard", "transfer_id": transfer_id})
 
     async def init_state(self, engine_client: Any, state: State, args: Namespace) -> None:
         return None
