@@ -52,7 +52,7 @@ class SendState:
     # LAYER frames whose payload is already in D's staging, held back so that D wakes less
     # often (sender thread only); they go out with END, or are dropped if the transfer aborts
     unsent: list[bytes] = field(default_factory=list)
-    layer_frames: int = 0  # LAYER frames written so far (sent or held)
+    first_layer_sent: bool = False  # shm: the first LAYER frame goes at once, the rest wait
 
     @property
     def settled(self) -> bool:

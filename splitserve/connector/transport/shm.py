@@ -34,8 +34,8 @@ class ShmPushChannel(PushChannel):
         item.gather_into(self.shape, region)
         header = self.layer_header(item, memoryview(region.numpy()))
         frame = encode_frame(Op.LAYER, header | {"inline": False})
-        if st.layer_frames:
+        if st.first_layer_sent:
             st.unsent.append(frame)
         else:
             sock.sendall(frame)
-        st.layer_frames += 1
+            st.first_layer_sent = True
