@@ -296,6 +296,8 @@ class BusySampler:
                         resp = await client.get(f"{url.rstrip('/')}/metrics")
                     except httpx.HTTPError:
                         continue
+                    if resp.status_code != 200:  # e.g. 401: no sample, not an idle one
+                        continue
                     running, waiting = parse_load(resp.text)
                     self._samples[name] += 1
                     self._busy[name] += running + waiting > 0

@@ -1,10 +1,16 @@
-"""Stream parsing: token counts per chunk, usage, errors, the server's per-leg timings."""
+"""Stream parsing: token counts per chunk, usage, errors, the server's per-leg timings; the busy
+sampler."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import math
+
+from aiohttp import web
 
 from splitserve.bench.client import (
+    BusySampler,
     RequestRecord,
     _absorb_chunk,
     _absorb_comment,
@@ -105,3 +111,35 @@ async def test_send_one_failures_are_explicit() -> None:
     assert busy.error_cause == "http_503" and "overloaded" in (busy.error or "")
     empty = await _send(_sse("data: [DONE]"))
     assert empty.error_cause == "empty"
+
+
+async def test_busy_sampler_counts_no_sample_from_a_refusing_worker() -> None:
+    """A worker that refuses the sampler (401: no deployment token) is unknown, never idle."""
+    busy = 'vllm:num_requests_running{engine="0"} 1.0\nvllm:num_requests_waiting{engine="0"} 0.0\n'
+
+    async def refuse(_: web.Request) -> web.Response:
+        return web.Response(status=401, text="no token")
+
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(text=busy)
+
+    urls = {}
+    runners = []
+    for name, handler in (("refusing", refuse), ("busy", metrics)):
+        app = web.Application()
+        app.router.add_get("/metrics", handler)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        runners.append(runner)
+        urls[name] = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    try:
+        sampler = BusySampler(urls, interval_s=0.01)
+        sampler.start()
+        await asyncio.sleep(0.2)
+        out = await sampler.stop()
+    finally:
+        for runner in runners:
+            await runner.cleanup()
+    assert math.isnan(out["refusing"]) and out["busy"] == 1.0
