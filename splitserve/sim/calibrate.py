@@ -109,17 +109,21 @@ NOISE_EDGES = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.98, 0.9
 
 
 def window_jitter(recs: list[RequestRecord]) -> list[float]:
-    """Each chunk gap while all requests decode, less its request's mean gap there (seconds:
-    the jitter is additive — in runs 1–3 gaps carrying an event's extra milliseconds spread
-    no wider than plain ones)."""
+    """Each chunk gap while all requests decode, less its request's local pace there: the
+    least-squares line through that request's gaps in the window (seconds: the jitter is
+    additive — in runs 1–3 gaps carrying an event's extra milliseconds spread no wider than
+    plain ones). Against a line, not the window's mean: the context grows over the window and
+    the simulated step already grows with it (`b·ctx`), so the drift is not jitter."""
     start = max(r.chunk_times[1] for r in recs)
     end = min(r.chunk_times[-1] for r in recs)
     out: list[float] = []
     for r in recs:
-        t = [x for x in r.chunk_times[1:] if start <= x <= end]
-        if len(t) >= 3:
-            mean = (t[-1] - t[0]) / (len(t) - 1)
-            out += [(b - a) - mean for a, b in zip(t, t[1:], strict=False)]
+        t = np.array([x for x in r.chunk_times[1:] if start <= x <= end])
+        if len(t) >= 4:
+            gaps = np.diff(t)
+            idx = np.arange(len(gaps), dtype=float)
+            slope, icept = np.polyfit(idx, gaps, 1)
+            out += (gaps - (icept + slope * idx)).tolist()
     return out
 
 
@@ -270,6 +274,7 @@ def calibrate_split(url: str, base: Profile, plan: SplitPlan, cfg: SimConfig | N
     fit = {"lone_points": [list(p) for p in lone], "lone_fit": ql,
            "decode_points": [list(p) for p in dec_points], "decode_fit": qd,
            "interference": qi,
+           "jitter_ms": [round(j * 1e3, 3) for j in jitter],  # the samples behind gap_jitter_s
            "load": {"rate": plan.load_rate, "requests": plan.load_requests,
                     "prompt": plan.load_prompt, "output": plan.load_output,
                     "median_ttft_s": ttft, "median_itl_s": itl},

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -179,6 +180,7 @@ def run_sim(args: argparse.Namespace) -> int:
 
 
 def run_validate(args: argparse.Namespace) -> int:
+    from splitserve.sim.drift import Speed, run_canary
     from splitserve.sim.validate import compare, local_worker, measure_point, print_points
 
     prof, spec = _profile(args), spec_from_args(args)
@@ -186,9 +188,21 @@ def run_validate(args: argparse.Namespace) -> int:
     if args.repeats < 3:
         print("note: fewer than 3 repeats per point; the spread is poorly known")
     rates = args.rates or (spec.arrival.rate,)
+    reference: Speed | None = None  # the canary around this command's own profiling
 
     def measure(url: str) -> dict[float, list[dict[str, Any]]]:
-        return {r: measure_point(url, spec.with_rate(r), args.repeats) for r in rates}
+        canary = reference is not None
+        return {r: measure_point(url, spec.with_rate(r), args.repeats, canary) for r in rates}
+
+    def profiled(url: str, take: Callable[[], Any]) -> Any:
+        """Run `take` (the profiling) between two canaries; their mean is the reference."""
+        nonlocal reference
+        before = run_canary(url)
+        out = take()
+        reference = Speed.mean([before, run_canary(url)])
+        print(f"canary reference: TTFT {reference.ttft_s * 1e3:.1f} ms, decode gap "
+              f"{reference.gap_s * 1e3:.2f} ms")
+        return out
 
     if args.real_json:
         from splitserve.bench.workload import WorkloadSpec
@@ -203,6 +217,11 @@ def run_validate(args: argparse.Namespace) -> int:
                     runs.append({})
                 runs[i][p["metric"]] = v
         rates = tuple(sorted(real))
+        if drift := stored.get("drift"):  # the canaries of that measurement
+            reference = Speed(**drift["reference"])
+            for rate, canaries in drift["canaries"].items():
+                for run, c in zip(real[float(rate)], canaries, strict=True):
+                    run["canary"] = c
     elif args.url:
         real = measure(args.url)
     elif cfg.mode == "disagg" or cfg.n_workers != 1:
@@ -216,7 +235,7 @@ def run_validate(args: argparse.Namespace) -> int:
             if args.calibrate and cfg.mode == "disagg":  # this deployment's split costs
                 from splitserve.sim.calibrate import SplitPlan, calibrate_split
 
-                prof = calibrate_split(url, prof, SplitPlan(), cfg)
+                prof = profiled(url, lambda: calibrate_split(url, prof, SplitPlan(), cfg))
                 print(f"split costs: {prof.split.__dict__ | {'fit': '...'}}")
                 if args.out:
                     save_profile(prof, Path(args.out).with_suffix(".profile.json"))
@@ -233,11 +252,11 @@ def run_validate(args: argparse.Namespace) -> int:
                 plan = ProfilePlan(prefill_lens=(16, 64, 256, 512, 1024, 2048),
                                    decode_prompt_lens=(32, 512),
                                    token_budget=cfg.token_budget or prof.token_budget)
-                prof = profile_worker(url, plan, model, probe_tcp=False)
+                prof = profiled(url, lambda: profile_worker(url, plan, model, probe_tcp=False))
                 if args.out:
                     save_profile(prof, Path(args.out).with_suffix(".profile.json"))
             real = measure(url)
-    points = compare(prof, cfg, spec, rates, real)
+    points = compare(prof, cfg, spec, rates, real, reference)
     print_points(points)
     if args.out and not args.real_json:  # the raw measured runs, for a later --real-json
         raw = Path(args.out).with_suffix(".runs.json")
@@ -245,7 +264,11 @@ def run_validate(args: argparse.Namespace) -> int:
     if args.out:
         Path(args.out).write_text(json.dumps(
             {"profile": str(args.profile), "config": cfg.__dict__, "workload": spec.to_dict(),
-             "repeats": args.repeats, "points": [p.to_dict() for p in points]}, indent=2))
+             "repeats": args.repeats, "points": [p.to_dict() for p in points],
+             "drift": None if reference is None else {
+                 "reference": reference.__dict__,
+                 "canaries": {f"{r:g}": [run.get("canary") for run in runs]
+                              for r, runs in real.items()}}}, indent=2))
         print(f"wrote {args.out}")
     return 0
 

@@ -11,6 +11,11 @@ Each real point is measured `repeats` times; the spread (min..max over repeats) 
 next to the error, and an error whose simulated value lies inside the measured min..max is
 marked as noise rather than a miss. The simulation replays the identical request stream (same
 spec, seed and rate).
+
+Where the profile is taken in the same command (`--reprofile`, `--calibrate`), a small canary
+probe (`sim.drift`) runs around the profiling and before every repeat: each repeat is also
+simulated on the profile scaled by its own drift, and that drift-adjusted error is reported next
+to the raw one (the machine's drift between profiling and measuring is not the model's error).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from splitserve.bench.client import ClientConfig
 from splitserve.bench.runner import RunOptions, run_once
 from splitserve.bench.workload import WorkloadSpec
 from splitserve.sim.deployment import SimConfig
+from splitserve.sim.drift import Speed, run_canary, scaled
 from splitserve.sim.model import Profile
 from splitserve.sim.results import summarize
 from splitserve.sim.simulator import simulate
@@ -42,6 +48,7 @@ class Point:
     metric: str
     real: tuple[float, ...]  # one per repeat
     sim: float
+    sim_adjusted: float | None = None  # mean over repeats of each repeat's drift-scaled sim
 
     @property
     def real_mean(self) -> float:
@@ -61,33 +68,70 @@ class Point:
     def within_noise(self) -> bool:
         return min(self.real) <= self.sim <= max(self.real)
 
+    @property
+    def adjusted(self) -> Point | None:
+        """The same point judged by its drift-adjusted simulation (None: no canary)."""
+        if self.sim_adjusted is None:
+            return None
+        return Point(self.rate, self.metric, self.real, self.sim_adjusted)
+
+    def verdict(self) -> str:
+        return "noise" if self.within_noise else ("ok" if abs(self.error) <= 0.10 else "MISS")
+
     def to_dict(self) -> dict[str, Any]:
+        adj = self.adjusted
         return {"rate": self.rate, "metric": self.metric, "real": list(self.real),
                 "real_mean": self.real_mean, "sim": self.sim, "error": self.error,
-                "spread": self.spread, "within_noise": self.within_noise}
+                "spread": self.spread, "within_noise": self.within_noise,
+                "sim_adjusted": self.sim_adjusted,
+                "error_adjusted": adj.error if adj else None,
+                "within_noise_adjusted": adj.within_noise if adj else None}
 
 
 def simulate_point(profile: Profile, cfg: SimConfig, spec: WorkloadSpec) -> dict[str, Any]:
     return summarize(simulate(profile, cfg, arrays_from_spec(spec)), system="sim")
 
 
-def measure_point(url: str, spec: WorkloadSpec, repeats: int) -> list[dict[str, Any]]:
+def measure_point(url: str, spec: WorkloadSpec, repeats: int, canary: bool = False
+                  ) -> list[dict[str, Any]]:
+    """`repeats` benchmark runs of `spec`; with `canary`, each run's dict carries the canary
+    taken just before it (`canary`: {ttft_s, gap_s})."""
     out = []
     for i in range(repeats):
+        speed = run_canary(url) if canary else None
         client = ClientConfig(url=url, run_tag=f"validate-{spec.arrival.rate:g}-r{i}")
-        out.append(asyncio.run(run_once(client, spec, "real", {"url": url}, {}, RunOptions())))
+        run = asyncio.run(run_once(client, spec, "real", {"url": url}, {}, RunOptions()))
+        if speed is not None:
+            run["canary"] = {"ttft_s": speed.ttft_s, "gap_s": speed.gap_s}
+        out.append(run)
     return out
 
 
+def repeat_drifts(runs: list[dict[str, Any]], reference: Speed | None
+                  ) -> list[tuple[float, float]] | None:
+    """Each repeat's (prefill, decode) drift against the reference; None unless every repeat
+    carries a canary."""
+    if reference is None or not runs or any("canary" not in r for r in runs):
+        return None
+    return [Speed(r["canary"]["ttft_s"], r["canary"]["gap_s"]).drift(reference) for r in runs]
+
+
 def compare(profile: Profile, cfg: SimConfig, spec: WorkloadSpec, rates: tuple[float, ...],
-            real: dict[float, list[dict[str, Any]]]) -> list[Point]:
+            real: dict[float, list[dict[str, Any]]], reference: Speed | None = None
+            ) -> list[Point]:
     points = []
     for rate in rates:
-        sim = simulate_point(profile, cfg, spec.with_rate(rate))
+        run_spec = spec.with_rate(rate)
+        sim = simulate_point(profile, cfg, run_spec)
+        drifts = repeat_drifts(real[rate], reference)
+        adjusted = [simulate_point(scaled(profile, kp, kd), cfg, run_spec)
+                    for kp, kd in drifts] if drifts else []
         for m in METRICS:
             vals = tuple(float(r[m]) for r in real[rate] if r.get(m) is not None)
             if vals and sim.get(m) is not None:
-                points.append(Point(rate, m, vals, float(sim[m])))
+                adj = [float(a[m]) for a in adjusted if a.get(m) is not None]
+                points.append(Point(rate, m, vals, float(sim[m]),
+                                    sum(adj) / len(adj) if adj else None))
     return points
 
 
@@ -141,13 +185,18 @@ def print_points(points: list[Point]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title="simulated vs measured (error = (sim − real mean) / real mean)")
-    for col in ("rate", "metric", "real mean", "real min..max", "sim", "error", "spread",
-                "verdict"):
+    t = Table(title="simulated vs measured (error = (sim − real mean) / real mean; adjusted: "
+                    "each repeat simulated at its canary's drift)")
+    drift = any(p.adjusted is not None for p in points)
+    cols = ["rate", "metric", "real mean", "real min..max", "spread", "sim", "error", "verdict"]
+    for col in cols + (["sim adj", "error adj", "verdict adj"] if drift else []):
         t.add_column(col, justify="right")
     for p in points:
-        verdict = "noise" if p.within_noise else ("ok" if abs(p.error) <= 0.10 else "MISS")
-        t.add_row(f"{p.rate:g}", p.metric, f"{p.real_mean:.3g}",
-                  f"{min(p.real):.3g}..{max(p.real):.3g}", f"{p.sim:.3g}", f"{p.error:+.1%}",
-                  f"±{p.spread:.1%}", verdict)
-    Console(width=max(Console().width, 110)).print(t)
+        row = [f"{p.rate:g}", p.metric, f"{p.real_mean:.3g}",
+               f"{min(p.real):.3g}..{max(p.real):.3g}", f"±{p.spread:.1%}", f"{p.sim:.3g}",
+               f"{p.error:+.1%}", p.verdict()]
+        adj = p.adjusted
+        if drift:
+            row += [f"{adj.sim:.3g}", f"{adj.error:+.1%}", adj.verdict()] if adj else ["–"] * 3
+        t.add_row(*row)
+    Console(width=max(Console().width, 140)).print(t)

@@ -11,6 +11,7 @@ import pytest
 
 from splitserve.config import WorkerConfig
 from splitserve.demo_model import ModelSpec, build_checkpoint
+from splitserve.sim.drift import CanaryPlan, run_canary
 from splitserve.sim.model import load_profile, save_profile
 from splitserve.sim.profile import ProfilePlan, profile_worker
 from splitserve.worker.launch import free_port, installed_vllm_version, start_worker, wait_healthy
@@ -30,6 +31,7 @@ def test_profile_a_real_worker(tmp_path: Path) -> None:
                            decode_batches=(1, 3), decode_prompt_lens=(16, 200),
                            decode_tokens=24, token_budget=256)
         prof = profile_worker(cfg.url, plan, probe_tcp=True)
+        canary = run_canary(cfg.url, CanaryPlan(prompt=200, tokens=12, requests=2))
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGTERM)
@@ -45,3 +47,6 @@ def test_profile_a_real_worker(tmp_path: Path) -> None:
     assert prof.transfer["tcp"].source.startswith("loopback")
     save_profile(prof, tmp_path / "p.json")
     assert load_profile(tmp_path / "p.json", engine_version=installed_vllm_version()) == prof
+    # the drift canary reads the same worker: a prefill of 200 tokens, then decode steps
+    assert 0 < canary.gap_s < 1 and 0 < canary.ttft_s < 5
+    assert canary.drift(canary) == (1.0, 1.0)

@@ -163,15 +163,20 @@ def test_gap_jitter_adds_seconds_to_step_gaps_whatever_their_length() -> None:
     assert v1[-hand:] == pytest.approx(v0[-hand:])  # handovers carry no jitter
 
 
-def test_window_jitter_is_each_gap_less_its_streams_mean_gap() -> None:
+def test_window_jitter_is_each_gap_less_its_streams_local_pace() -> None:
     from splitserve.bench.client import RequestRecord
     from splitserve.sim.calibrate import window_jitter
 
-    def rec(times: list[float]) -> RequestRecord:
+    def rec(gaps: list[float]) -> RequestRecord:
+        times = [0.0, 0.1]  # TTFT, then t2 at 0.1: the window starts at the last t2
+        for g in gaps:
+            times.append(times[-1] + g)
         return RequestRecord(0, "normal", 10, len(times), 0.0, chunk_times=times)
 
-    a = rec([0.0, 0.1, 0.11, 0.12, 0.14, 0.15])
-    b = rec([0.0, 0.1, 0.115, 0.13, 0.145, 0.16])
-    # window: from the last t2 (0.1) to the first end (0.15); a's mean gap 0.0125
-    assert window_jitter([a, b]) == pytest.approx([-0.0025, -0.0025, 0.0075, -0.0025,
-                                                   0.0, 0.0, 0.0])
+    drifting = rec([0.010, 0.011, 0.012, 0.013, 0.014, 0.015])  # the context grows: no jitter
+    spiky = rec([0.010, 0.010, 0.020, 0.010, 0.010, 0.020])  # ends last: outside the window
+    got = window_jitter([drifting, spiky])
+    # the window ends at the drifting stream's end (0.175): its 6 gaps, and the spiky one's 5
+    # gaps 0.01/0.01/0.02/0.01/0.01, whose line is flat at 0.012
+    assert got[:6] == pytest.approx([0.0] * 6, abs=1e-12)
+    assert got[6:] == pytest.approx([-0.002, -0.002, 0.008, -0.002, -0.002])
