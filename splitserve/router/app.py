@@ -26,7 +26,8 @@ from starlette.types import ASGIApp
 from splitserve.router.admin import add_admin_routes
 from splitserve.router.config import RouterConfig
 from splitserve.router.detok import text_stream
-from splitserve.router.flow import Flow, Prefilled, Timings, UpstreamError
+from splitserve.router.failures import UpstreamError
+from splitserve.router.flow import Flow, Prefilled, Timings
 from splitserve.router.formats import DONE, Joiner, error_body, request_id, sse, sse_comment
 from splitserve.router.health import Registry
 from splitserve.router.hotpath import HotRoutes

@@ -14,15 +14,15 @@ from yarl import URL
 
 from splitserve.config import bearer_headers
 from splitserve.router.config import RouterConfig
-from splitserve.router.flow import (
+from splitserve.router.failures import (
     RETRYABLE_STATUS,
     TRANSPORT_ERRORS,
     LegFailed,
-    Timings,
     backoff,
     exhausted,
     leg_failed,
 )
+from splitserve.router.flow import Timings
 from splitserve.router.health import Registry, Worker
 from splitserve.router.metrics import RouterMetrics
 from splitserve.router.policy import Picker

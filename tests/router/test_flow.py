@@ -19,7 +19,8 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from splitserve.router.config import RouterConfig
-from splitserve.router.flow import Flow, Timings, UpstreamError
+from splitserve.router.failures import UpstreamError
+from splitserve.router.flow import Flow, Timings
 from splitserve.router.formats import Joiner
 from splitserve.router.health import Registry
 from splitserve.router.metrics import RouterMetrics
