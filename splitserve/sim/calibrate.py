@@ -44,6 +44,7 @@ from splitserve.sim.interference import (
     interference_rows,
     probe_stream,
 )
+from splitserve.sim.jitter import noise_bins, window_jitter
 from splitserve.sim.model import DecodeCost, Profile, SplitCost
 from splitserve.sim.profile import (
     _prompt,
@@ -103,38 +104,6 @@ def measure_lone(url: str, plan: SplitPlan) -> list[tuple[int, float, float]]:
     recs = _run(url, reqs, concurrency=1)
     return [(n, r.chunk_times[0] - r.send_s, r.chunk_times[1] - r.chunk_times[0])
             for n, r in zip(lens, recs, strict=True)]
-
-
-NOISE_EDGES = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99, 0.995, 1.0)
-
-
-def window_jitter(recs: list[RequestRecord]) -> list[float]:
-    """Each chunk gap while all requests decode, less its request's local pace there: the
-    least-squares line through that request's gaps in the window (seconds: the jitter is
-    additive — in runs 1–3 gaps carrying an event's extra milliseconds spread no wider than
-    plain ones). Against a line, not the window's mean: the context grows over the window and
-    the simulated step already grows with it (`b·ctx`), so the drift is not jitter."""
-    start = max(r.chunk_times[1] for r in recs)
-    end = min(r.chunk_times[-1] for r in recs)
-    out: list[float] = []
-    for r in recs:
-        t = np.array([x for x in r.chunk_times[1:] if start <= x <= end])
-        if len(t) >= 4:
-            gaps = np.diff(t)
-            idx = np.arange(len(gaps), dtype=float)
-            slope, icept = np.polyfit(idx, gaps, 1)
-            out += (gaps - (icept + slope * idx)).tolist()
-    return out
-
-
-def noise_bins(values: list[float]) -> tuple[tuple[float, int], ...]:
-    """A gap jitter distribution (seconds, or gap/mean-gap ratios) as (value at the bin's middle
-    quantile, weight per mille) over NOISE_EDGES (fine in the upper tail, where ITL p99 lives)."""
-    if len(values) < 50:
-        return ()
-    arr = np.asarray(values)
-    return tuple((float(np.quantile(arr, (lo + hi) / 2)), round((hi - lo) * 1000))
-                 for lo, hi in zip(NOISE_EDGES, NOISE_EDGES[1:], strict=False))
 
 
 def decode_tokens(base: Profile, plan: SplitPlan, batch: int, prompt: int) -> int:

@@ -9,8 +9,9 @@ The canary is small and fixed (lone requests of one prompt length, each decoding
 never the validated workload). `sim validate` runs it around the calibration (the reference)
 and before every measured repeat; the ratio of its median TTFT (prefill speed) and of its median
 decode gap (decode speed) to the reference is that repeat's drift. `scaled` applies a drift to
-a profile: prefill times by the first ratio, decode times and every per-event second on the
-decode side by the second. The raw error is always reported next to the drift-adjusted one.
+a profile: prefill times by the first ratio, decode times, the gap jitter and every per-event
+second on the decode side by the second. The raw error is always reported next to the
+drift-adjusted one.
 """
 
 from __future__ import annotations
@@ -98,4 +99,5 @@ def scaled(profile: Profile, prefill: float, decode: float) -> Profile:
         raise ValueError(f"drift ratios must be positive, got {prefill}, {decode}")
     split = _split(profile.split, prefill, decode) if profile.split is not None else None
     return replace(profile, prefill=_prefill(profile.prefill, prefill),
-                   decode=_decode(profile.decode, decode), split=split)
+                   decode=_decode(profile.decode, decode), split=split,
+                   gap_jitter_s=tuple((v * decode, w) for v, w in profile.gap_jitter_s))

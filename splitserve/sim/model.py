@@ -267,6 +267,10 @@ class Profile:
     fit: dict[str, Any] = field(default_factory=dict)  # measured points and fit quality
     created: str = ""
     split: SplitCost | None = None  # a disaggregated deployment's extra costs (sim.calibrate)
+    # the client's decode gaps less their local pace at a fixed batch, as (seconds, weight per
+    # mille) bins (`sim.jitter`), added to each simulated gap; a deployment's `split` costs
+    # carry their own (through its router), which replace these on its workers
+    gap_jitter_s: tuple[tuple[float, int], ...] = ()
     mismatch: str | None = None  # set by load_profile when accepted despite a version mismatch
 
     def __post_init__(self) -> None:
@@ -274,6 +278,8 @@ class Profile:
             raise ValueError(f"kind must be one of {PROFILE_KINDS}, got {self.kind!r}")
         if self.token_budget < 1 or self.kv_capacity_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("token_budget, kv_capacity_tokens and max_num_seqs must be >= 1")
+        if any(not math.isfinite(v) or w < 0 for v, w in self.gap_jitter_s):
+            raise ValueError("Profile.gap_jitter_s needs finite seconds and weights >= 0")
 
     def link(self, transport: str) -> TransferLink:
         if transport not in self.transfer:
@@ -306,6 +312,7 @@ class Profile:
             transfer={k: TransferLink(**v) for k, v in d.get("transfer", {}).items()},
             fit=dict(d.get("fit", {})), created=d.get("created", ""),
             split=SplitCost.from_dict(d["split"]) if d.get("split") else None,
+            gap_jitter_s=tuple((float(v), int(w)) for v, w in d.get("gap_jitter_s", ())),
         )
 
 

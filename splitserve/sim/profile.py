@@ -39,6 +39,7 @@ from splitserve.bench.client import ClientConfig, RequestRecord, run_stream
 from splitserve.bench.runsheet import hardware
 from splitserve.bench.workload import Request
 from splitserve.config import bearer_headers, load_token
+from splitserve.sim.jitter import noise_bins, window_jitter
 from splitserve.sim.model import (
     DecodeCost,
     Engine,
@@ -187,18 +188,22 @@ def decode_window(recs: list[RequestRecord], prompt_len: int) -> tuple[float, fl
     return statistics.median(steps), statistics.median(ctxs)
 
 
-def measure_decode(url: str, plan: ProfilePlan, max_len: int) -> list[tuple[int, float, float]]:
+def measure_decode(url: str, plan: ProfilePlan, max_len: int
+                   ) -> tuple[list[tuple[int, float, float]], list[float]]:
+    """(batch, context, step seconds) rows, and the windows' gap jitter (seconds)."""
     rng = np.random.default_rng(plan.seed + 1)
-    rows = []
+    rows, jitter = [], []
     for L in plan.decode_prompt_lens:
         if L + plan.decode_tokens + 1 > max_len:
             continue
         for b in plan.decode_batches:
             reqs = [Request(i, 0.0, _prompt(rng, L), plan.decode_tokens) for i in range(b)]
-            got = decode_window(_run(url, reqs, concurrency=None), L)
+            recs = _run(url, reqs, concurrency=None)
+            got = decode_window(recs, L)
             if got is not None:
                 rows.append((b, got[1], got[0]))
-    return rows
+                jitter += window_jitter(recs)
+    return rows, jitter
 
 
 def worker_facts(url: str) -> dict[str, Any]:
@@ -318,7 +323,7 @@ def profile_worker(url: str, plan: ProfilePlan, model_dir: str | None = None,
     shape = shape_from_config(root, facts["model"])
     max_len = int(facts["max_model_len"])
     pre = measure_prefill(url, plan, max_len)
-    dec = measure_decode(url, plan, max_len)
+    dec, jitter = measure_decode(url, plan, max_len)
     prefill, qp = fit_prefill(pre, plan.token_budget)
     decode, qd = fit_decode(dec)
     links: dict[str, TransferLink] = {}
@@ -333,11 +338,13 @@ def profile_worker(url: str, plan: ProfilePlan, model_dir: str | None = None,
         kv_capacity_tokens=int(facts.get("kv_capacity_tokens", 10**6)), transfer=links,
         fit={"prefill_points": [[n, t] for n, t in pre], "prefill_fit": qp,
              "decode_points": [[b, c, t] for b, c, t in dec], "decode_fit": qd,
+             "jitter_ms": [round(j * 1e3, 3) for j in jitter],  # behind gap_jitter_s
              "plan": {"prefill_lens": list(plan.prefill_lens),
                       "decode_batches": list(plan.decode_batches),
                       "decode_prompt_lens": list(plan.decode_prompt_lens),
                       "decode_tokens": plan.decode_tokens}},
         created=datetime.now(UTC).isoformat(timespec="seconds"),
+        gap_jitter_s=noise_bins(jitter),
     )
 
 

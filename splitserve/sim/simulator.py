@@ -66,7 +66,7 @@ class Simulation:
         split = profile.split if config.mode == "disagg" and config.split_costs else None
         self.router_s, self.hand_a, self.hand_b = 0.0, 0.0, 0.0
         self.noise = split.gap_noise if split is not None else ()
-        self.jitter = split.gap_jitter_s if split is not None else ()
+        self.jitter = split.gap_jitter_s if split is not None else profile.gap_jitter_s
         # D's interference terms (SplitCost.terms) by D's other streams, 0..max_num_seqs:
         # (stretch while its P prefills, arrive, t1, join, finish seconds)
         zero = (0.0, 0.0, 0.0, 0.0, 0.0)

@@ -35,6 +35,8 @@ def test_speed_is_median_ttft_and_median_gap_after_t2() -> None:
 def test_a_drifted_profile_scales_a_lone_requests_ttft_and_tpot() -> None:
     from splitserve.sim.simulator import simulate
 
+    prof = replace(make_profile(), gap_jitter_s=((-0.001, 500), (0.003, 500)))
+    assert scaled(prof, 1.0, 2.0).gap_jitter_s == ((-0.002, 500), (0.006, 500))
     prof = make_profile()
     wl = SimWorkload.of([1.0], [300], [20])
     base = simulate(prof, SimConfig("colocated", n_workers=1), wl)

@@ -45,6 +45,8 @@ def test_profile_a_real_worker(tmp_path: Path) -> None:
     assert all(t > 0 for _, t in prof.fit["prefill_points"])
     assert prof.kv_capacity_tokens > 1000  # read from the worker's /metrics
     assert prof.transfer["tcp"].source.startswith("loopback")
+    # the decode windows' gaps less their local pace: the jitter bins and their samples
+    assert sum(w for _, w in prof.gap_jitter_s) == 1000 and len(prof.fit["jitter_ms"]) >= 50
     save_profile(prof, tmp_path / "p.json")
     assert load_profile(tmp_path / "p.json", engine_version=installed_vllm_version()) == prof
     # the drift canary reads the same worker: a prefill of 200 tokens, then decode steps

@@ -60,11 +60,34 @@ def test_every_token_gap_is_pooled_once(mode: str) -> None:
 
 
 def test_profile_json_round_trips(tmp_path: Path) -> None:
-    prof = make_profile()
+    from dataclasses import replace
+
+    prof = replace(make_profile(), gap_jitter_s=((-0.001, 500), (0.002, 500)))
     path = tmp_path / "p.json"
     save_profile(prof, path)
     assert json.loads(path.read_text())["model"]["kv_bytes_per_token"] == 2 * 8 * 2 * 64 * 4
     assert Profile.from_dict(json.loads(path.read_text())) == prof
+    with pytest.raises(ValueError, match="gap_jitter_s"):
+        replace(prof, gap_jitter_s=((float("nan"), 1000),))
+
+
+def test_a_plain_workers_jitter_spreads_every_colocated_step_gap() -> None:
+    from dataclasses import replace
+
+    from splitserve.sim.workload import SimWorkload
+
+    wl = SimWorkload.of([0.0, 0.3, 0.9], [200, 300, 100], [12, 12, 12])
+    cfg = SimConfig("colocated", n_workers=1)
+    flat = simulate(make_profile(), cfg, wl)
+    noisy = simulate(replace(make_profile(), gap_jitter_s=((-0.001, 900), (0.005, 100))), cfg,
+                     wl)
+    v0, w0 = itl_samples(flat)
+    v1, w1 = itl_samples(noisy)
+    n = len(wl.output_lens)  # t1 -> t2 gaps come last and carry no jitter
+    assert v1[:-n] == pytest.approx((v0[:-n, None] + [-0.001, 0.005]).ravel())
+    assert w1[:-n].tolist() == (w0[:-n, None] * [900, 100]).ravel().tolist()
+    fast = summarize(flat, system="a")["p99_itl_ms"]
+    assert summarize(noisy, system="b")["p99_itl_ms"] == pytest.approx(fast + 5.0, rel=0.05)
 
 
 def test_profile_from_another_engine_version_is_refused_or_flagged(tmp_path: Path) -> None:

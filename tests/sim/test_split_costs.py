@@ -165,7 +165,7 @@ def test_gap_jitter_adds_seconds_to_step_gaps_whatever_their_length() -> None:
 
 def test_window_jitter_is_each_gap_less_its_streams_local_pace() -> None:
     from splitserve.bench.client import RequestRecord
-    from splitserve.sim.calibrate import window_jitter
+    from splitserve.sim.jitter import window_jitter
 
     def rec(gaps: list[float]) -> RequestRecord:
         times = [0.0, 0.1]  # TTFT, then t2 at 0.1: the window starts at the last t2
