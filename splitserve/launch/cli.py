@@ -23,7 +23,8 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, object]:
         "model": model, "dtype": args.dtype, "transport": args.transport, "host": args.host,
         "port": args.port, "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_model_len": args.max_model_len, "kv_cache_gib": args.kv_cache_gib,
-        "cpus": args.cpus, "log_dir": args.log_dir, "unsplittable": args.unsplittable,
+        "cpus": args.cpus, "router_cpus": args.router_cpus, "log_dir": args.log_dir,
+        "unsplittable": args.unsplittable,
         "worker_args": tuple(args.vllm_args) or None, "kv_tls_cert": args.kv_tls_cert,
         "kv_tls_key": args.kv_tls_key, "kv_tls_ca": args.kv_tls_ca,
     }
@@ -102,6 +103,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-cache-gib", type=int, default=None)
     p.add_argument("--cpus", type=parse_cpus, default=None, help="cores to use, e.g. 0-7")
+    p.add_argument("--router-cpus", type=parse_cpus, default=None,
+                   help="the router's cores (default: one of its own when there are more "
+                        "cores than workers, else it shares all of them)")
     p.add_argument("--log-dir", default=None)
     p.add_argument("--unsplittable", choices=("whole", "refuse"), default=None)
     add_tls_arguments(p)

@@ -40,6 +40,8 @@ class DeploymentConfig:
     kv_cache_gib: int = 1
     staging_mib: int = 512
     cpus: tuple[int, ...] | None = None  # cores to use (default: this process's affinity)
+    # the router's cores (default: a core of its own when there are workers + 1, else all)
+    router_cpus: tuple[int, ...] | None = None
     log_dir: str | None = None
     startup_timeout_s: float = 600.0
     stop_timeout_s: float = 20.0
@@ -70,6 +72,8 @@ class DeploymentConfig:
             raise ValueError("max_num_batched_tokens must be positive")
         if self.cpus is not None and not self.cpus:
             raise ValueError("cpus must not be empty")
+        if self.router_cpus is not None and not self.router_cpus:
+            raise ValueError("router_cpus must not be empty")
         if self.prefill_policy not in PREFILL_POLICIES:
             raise ValueError(f"prefill_policy must be one of {PREFILL_POLICIES}")
         if self.decode_policy not in DECODE_POLICIES:
@@ -104,7 +108,7 @@ def from_mapping(data: dict[str, Any], overrides: dict[str, Any] | None = None
     unknown = set(flat) - known
     if unknown:
         raise ValueError(f"unknown deployment keys: {sorted(unknown)}")
-    for key in ("cpus", "worker_args"):
+    for key in ("cpus", "router_cpus", "worker_args"):
         if key in flat and flat[key] is not None:
             flat[key] = tuple(flat[key])
     return DeploymentConfig(**flat)

@@ -107,7 +107,9 @@ class LocalDeployment:
         cores = list(cfg.cpus or sorted(os.sched_getaffinity(0)))
         plan = plan_cores(cores, cfg.n_workers)
         self.core_note = plan.note
-        self.router_cpus = plan.router
+        self.router_cpus = cfg.router_cpus or plan.router
+        if cfg.router_cpus:
+            self.core_note += f"; the router on cpus {','.join(map(str, cfg.router_cpus))}"
         roles: list[tuple[str, str | None]] = (
             [("prefill", "prefill")] * cfg.prefill + [("decode", "decode")] * cfg.decode
             + [("colocated", None)] * cfg.colocated)
@@ -176,7 +178,8 @@ class LocalDeployment:
         env = dict(os.environ)
         env[TOKEN_ENV] = self.token
         child = self._spawn("router", self.url, argv, env, self.router_cpus)
-        self.say(f"splitserve: router {self.url} (log {child.log})")
+        self.say(f"splitserve: router {self.url} cpus {','.join(map(str, self.router_cpus))} "
+                 f"(log {child.log})")
 
     def dead(self) -> list[Child]:
         return [c for c in self.children if c.proc.poll() is not None]

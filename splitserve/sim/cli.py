@@ -179,12 +179,20 @@ def run_sim(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cores(text: str | None) -> tuple[int, ...] | None:
+    return tuple(int(c) for c in text.split(",")) if text else None
+
+
 def run_validate(args: argparse.Namespace) -> int:
     from splitserve.sim.drift import Speed, run_canary
     from splitserve.sim.validate import compare, local_worker, measure_point, print_points
 
     prof, spec = _profile(args), spec_from_args(args)
     cfg = _sim_config(args, prof)
+    if client := _cores(args.client_cpus):
+        import os
+
+        os.sched_setaffinity(0, client)  # the launched workers and router set their own
     if args.repeats < 3:
         print("note: fewer than 3 repeats per point; the spread is poorly known")
     rates = args.rates or (spec.arrival.rate,)
@@ -230,8 +238,9 @@ def run_validate(args: argparse.Namespace) -> int:
         if args.reprofile:
             raise SystemExit("--reprofile works with one plain worker (--mode chunked "
                              "--workers 1); profile a worker of the deployment instead")
-        cpus = tuple(int(c) for c in args.cpus.split(",")) if args.cpus else None
-        with launched(cfg, cpus, cfg.token_budget or prof.token_budget) as url:
+        cpus = _cores(args.cpus)
+        with launched(cfg, cpus, cfg.token_budget or prof.token_budget,
+                      router_cpus=_cores(args.router_cpus)) as url:
             if args.calibrate and cfg.mode == "disagg":  # this deployment's split costs
                 from splitserve.sim.calibrate import SplitPlan, calibrate_split
 
@@ -244,7 +253,7 @@ def run_validate(args: argparse.Namespace) -> int:
         from splitserve.demo_model import embedded_model_dir
 
         model = args.model_dir or str(embedded_model_dir())
-        cpus = tuple(int(c) for c in args.cpus.split(",")) if args.cpus else None
+        cpus = _cores(args.cpus)
         with local_worker(model, cpus, cfg.token_budget or prof.token_budget) as url:
             if args.reprofile:  # calibrate on this very worker, under today's conditions
                 from splitserve.sim.profile import ProfilePlan, profile_worker
@@ -338,6 +347,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                      "for --mode chunked --workers 1, else splitserve's launcher)")
     val.add_argument("--model-dir", help="model for the local worker (default: embedded)")
     val.add_argument("--cpus", help="cores for the local worker or deployment, e.g. 0,1")
+    val.add_argument("--router-cpus", help="cores for the deployment's router, e.g. 1")
+    val.add_argument("--client-cpus",
+                     help="cores for this command (the benchmark client), e.g. 1")
     val.add_argument("--reprofile", action="store_true",
                      help="profile the local worker first and simulate with that profile")
     val.add_argument("--calibrate", action="store_true",

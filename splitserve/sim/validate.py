@@ -164,7 +164,8 @@ def local_worker(model: str, cpus: tuple[int, ...] | None, token_budget: int,
 
 @contextlib.contextmanager
 def launched(cfg: SimConfig, cpus: tuple[int, ...] | None, token_budget: int,
-             log_dir: str | None = None) -> Iterator[str]:
+             log_dir: str | None = None, router_cpus: tuple[int, ...] | None = None
+             ) -> Iterator[str]:
     """The deployment `cfg` describes, started by splitserve's launcher (router + workers, prefix
     caching off), for the duration of the block; yields the router's URL."""
     from splitserve.launch.config import DeploymentConfig
@@ -176,7 +177,8 @@ def launched(cfg: SimConfig, cpus: tuple[int, ...] | None, token_budget: int,
                            decode=cfg.n_decode if split else 0,
                            colocated=0 if split else cfg.n_workers, transport=cfg.transport,
                            port=free_port(), max_num_batched_tokens=token_budget, cpus=cpus,
-                           log_dir=log_dir, worker_args=("--no-enable-prefix-caching",))
+                           log_dir=log_dir, worker_args=("--no-enable-prefix-caching",),
+                           router_cpus=router_cpus)
     with LocalDeployment(dep) as deployment:
         yield deployment.url
 

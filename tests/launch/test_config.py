@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from splitserve.launch.config import DeploymentConfig, from_mapping, load_yaml
-from splitserve.launch.local import plan_cores
+from splitserve.launch.local import LocalDeployment, plan_cores
 
 
 def test_enough_cores_gives_every_worker_its_own() -> None:
@@ -25,6 +25,19 @@ def test_exactly_one_core_each_shares_the_router() -> None:
 def test_too_few_cores_spreads_evenly_and_says_so() -> None:
     plan = plan_cores([0, 1], 3)
     assert plan.workers == ((0,), (1,), (0,)) and "share cores" in plan.note
+
+
+def test_the_router_can_be_given_its_own_cores(tmp_path: Path) -> None:
+    f = tmp_path / "d.yaml"
+    f.write_text("prefill: 1\ndecode: 1\ncpus: [0, 1]\nrouter_cpus: [1]\n")
+    cfg = load_yaml(f)
+    assert cfg.router_cpus == (1,)
+    dep = LocalDeployment(cfg)
+    assert [w.cpus for _, w in dep.plan_workers()] == [(0,), (1,)]
+    assert dep.router_cpus == (1,) and "the router on cpus 1" in dep.core_note
+    plain = LocalDeployment(DeploymentConfig(prefill=1, decode=1, cpus=(0, 1)))
+    plain.plan_workers()
+    assert plain.router_cpus == (0, 1)
 
 
 def test_yaml_with_flags_overriding(tmp_path: Path) -> None:
@@ -45,6 +58,7 @@ def test_yaml_with_flags_overriding(tmp_path: Path) -> None:
     ({"colocated": 1, "router": {"bogus": 1}}, "unknown router keys"),
     ({"colocated": 1, "port": 0}, "port"),
     ({"colocated": -1}, "negative"),
+    ({"colocated": 1, "router_cpus": []}, "router_cpus"),
 ])
 def test_invalid_deployments_are_refused(data: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
