@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import sys
@@ -133,12 +134,19 @@ def main() -> int:
                     help="quiet time after every request (vLLM busy-polls ~1 s after a step)")
     ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--transport", choices=("tcp", "shm"), default="tcp")
+    ap.add_argument("--router-cpus", default=None,
+                    help="the router's cores, e.g. 1 (default: the launcher's plan)")
+    ap.add_argument("--client-cpus", default=None, help="this client's cores, e.g. 1")
     ap.add_argument("--out", default="benchmarks/results/handover.json")
     args = ap.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
+    router_cpus = tuple(int(c) for c in args.router_cpus.split(",")) if args.router_cpus else None
+    if args.client_cpus:  # the workers and the router set their own
+        os.sched_setaffinity(0, [int(c) for c in args.client_cpus.split(",")])
 
     dep = LocalDeployment(DeploymentConfig(prefill=1, decode=1, model=args.model,
                                            transport=args.transport, port=free_port(),
+                                           router_cpus=router_cpus,
                                            log_dir=f"/tmp/splitserve-handover-{time.time():.0f}"))
     dep.start()
     colocated = None
@@ -177,7 +185,8 @@ def main() -> int:
     write_json(Path(args.out), {
         "benchmark": "handover", "model": args.model, "transport": args.transport,
         "reps": args.reps, "max_tokens": args.max_tokens, "gap_s": args.gap_s,
-        "core_plan": dep.core_note, "order": "interleaved per rep: 1p1d, colocated, p-direct",
+        "core_plan": dep.core_note, "client_cpus": args.client_cpus,
+        "order": "interleaved per rep: 1p1d, colocated, p-direct",
         "prefill_cpus": list(p_cfg.cpus or ()), "rows": rows,
         "target": "disaggregated TTFT <= colocated TTFT x 1.05 + 2 ms (medians)"})
     return 0
