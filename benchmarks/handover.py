@@ -141,14 +141,14 @@ def main() -> int:
     args = ap.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
     router_cpus = tuple(int(c) for c in args.router_cpus.split(",")) if args.router_cpus else None
-    if args.client_cpus:  # the workers and the router set their own
-        os.sched_setaffinity(0, [int(c) for c in args.client_cpus.split(",")])
 
     dep = LocalDeployment(DeploymentConfig(prefill=1, decode=1, model=args.model,
                                            transport=args.transport, port=free_port(),
                                            router_cpus=router_cpus,
                                            log_dir=f"/tmp/splitserve-handover-{time.time():.0f}"))
-    dep.start()
+    dep.start()  # its core plan reads this process's affinity: pin the client only after it
+    if args.client_cpus:
+        os.sched_setaffinity(0, [int(c) for c in args.client_cpus.split(",")])
     colocated = None
     try:
         model = httpx.get(f"{dep.url}/v1/models").json()["data"][0]["id"]

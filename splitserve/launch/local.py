@@ -109,7 +109,8 @@ class LocalDeployment:
         self.core_note = plan.note
         self.router_cpus = cfg.router_cpus or plan.router
         if cfg.router_cpus:
-            self.core_note += f"; the router on cpus {','.join(map(str, cfg.router_cpus))}"
+            self.core_note += (f"; --router-cpus puts the router on cpus "
+                               f"{','.join(map(str, cfg.router_cpus))}")
         roles: list[tuple[str, str | None]] = (
             [("prefill", "prefill")] * cfg.prefill + [("decode", "decode")] * cfg.decode
             + [("colocated", None)] * cfg.colocated)

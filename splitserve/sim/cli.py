@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -189,22 +190,26 @@ def run_validate(args: argparse.Namespace) -> int:
 
     prof, spec = _profile(args), spec_from_args(args)
     cfg = _sim_config(args, prof)
-    if client := _cores(args.client_cpus):
-        import os
-
-        os.sched_setaffinity(0, client)  # the launched workers and router set their own
     if args.repeats < 3:
         print("note: fewer than 3 repeats per point; the spread is poorly known")
     rates = args.rates or (spec.arrival.rate,)
     reference: Speed | None = None  # the canary around this command's own profiling
 
+    def pin_client() -> None:
+        """This process (the benchmark client) onto --client-cpus, once the deployment is up:
+        the launcher plans its cores from this process's affinity."""
+        if client := _cores(args.client_cpus):
+            os.sched_setaffinity(0, client)
+
     def measure(url: str) -> dict[float, list[dict[str, Any]]]:
+        pin_client()
         canary = reference is not None
         return {r: measure_point(url, spec.with_rate(r), args.repeats, canary) for r in rates}
 
     def profiled(url: str, take: Callable[[], Any]) -> Any:
         """Run `take` (the profiling) between two canaries; their mean is the reference."""
         nonlocal reference
+        pin_client()
         before = run_canary(url)
         out = take()
         reference = Speed.mean([before, run_canary(url)])

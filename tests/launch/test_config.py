@@ -34,7 +34,7 @@ def test_the_router_can_be_given_its_own_cores(tmp_path: Path) -> None:
     assert cfg.router_cpus == (1,)
     dep = LocalDeployment(cfg)
     assert [w.cpus for _, w in dep.plan_workers()] == [(0,), (1,)]
-    assert dep.router_cpus == (1,) and "the router on cpus 1" in dep.core_note
+    assert dep.router_cpus == (1,) and "puts the router on cpus 1" in dep.core_note
     plain = LocalDeployment(DeploymentConfig(prefill=1, decode=1, cpus=(0, 1)))
     plain.plan_workers()
     assert plain.router_cpus == (0, 1)
