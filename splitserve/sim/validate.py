@@ -111,7 +111,7 @@ def repeat_drifts(runs: list[dict[str, Any]], reference: Speed | None
                   ) -> list[tuple[float, float]] | None:
     """Each repeat's (prefill, decode) drift against the reference; None unless every repeat
     carries a canary."""
-    if reference is None or not runs or any("canary" not in r for r in runs):
+    if reference is None or not runs or any(r.get("canary") is None for r in runs):
         return None
     return [Speed(r["canary"]["ttft_s"], r["canary"]["gap_s"]).drift(reference) for r in runs]
 
