@@ -41,6 +41,7 @@ from _common import StreamTiming, summary, timed_stream, write_json  # noqa: E40
 from splitserve.config import WorkerConfig, bearer_headers  # noqa: E402
 from splitserve.launch.config import DeploymentConfig  # noqa: E402
 from splitserve.launch.local import LocalDeployment  # noqa: E402
+from splitserve.worker.cli import parse_cpus  # noqa: E402
 from splitserve.worker.launch import free_port, start_worker, wait_healthy  # noqa: E402
 
 Runs = dict[int, list[StreamTiming]]
@@ -134,21 +135,21 @@ def main() -> int:
                     help="quiet time after every request (vLLM busy-polls ~1 s after a step)")
     ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--transport", choices=("tcp", "shm"), default="tcp")
-    ap.add_argument("--router-cpus", default=None,
+    ap.add_argument("--router-cpus", type=parse_cpus, default=None,
                     help="the router's cores, e.g. 1 (default: the launcher's plan)")
-    ap.add_argument("--client-cpus", default=None, help="this client's cores, e.g. 1")
+    ap.add_argument("--client-cpus", type=parse_cpus, default=None,
+                    help="this client's cores, e.g. 1")
     ap.add_argument("--out", default="benchmarks/results/handover.json")
     args = ap.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
-    router_cpus = tuple(int(c) for c in args.router_cpus.split(",")) if args.router_cpus else None
 
     dep = LocalDeployment(DeploymentConfig(prefill=1, decode=1, model=args.model,
                                            transport=args.transport, port=free_port(),
-                                           router_cpus=router_cpus,
+                                           router_cpus=args.router_cpus,
                                            log_dir=f"/tmp/splitserve-handover-{time.time():.0f}"))
     dep.start()  # its core plan reads this process's affinity: pin the client only after it
     if args.client_cpus:
-        os.sched_setaffinity(0, [int(c) for c in args.client_cpus.split(",")])
+        os.sched_setaffinity(0, args.client_cpus)
     colocated = None
     try:
         model = httpx.get(f"{dep.url}/v1/models").json()["data"][0]["id"]
@@ -185,7 +186,7 @@ def main() -> int:
     write_json(Path(args.out), {
         "benchmark": "handover", "model": args.model, "transport": args.transport,
         "reps": args.reps, "max_tokens": args.max_tokens, "gap_s": args.gap_s,
-        "core_plan": dep.core_note, "client_cpus": args.client_cpus,
+        "core_plan": dep.core_note, "client_cpus": list(args.client_cpus or ()),
         "order": "interleaved per rep: 1p1d, colocated, p-direct",
         "prefill_cpus": list(p_cfg.cpus or ()), "rows": rows,
         "target": "disaggregated TTFT <= colocated TTFT x 1.05 + 2 ms (medians)"})

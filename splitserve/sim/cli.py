@@ -27,6 +27,7 @@ from splitserve.bench.metrics import SLO, distserve_goodput
 from splitserve.bench.report import print_summary, save_result
 from splitserve.sim.deployment import MODES, POLICIES, SimConfig
 from splitserve.sim.model import Profile, load_profile, save_profile
+from splitserve.worker.cli import parse_cpus
 
 
 def _installed_engine() -> str | None:
@@ -180,10 +181,6 @@ def run_sim(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cores(text: str | None) -> tuple[int, ...] | None:
-    return tuple(int(c) for c in text.split(",")) if text else None
-
-
 def run_validate(args: argparse.Namespace) -> int:
     from splitserve.sim.drift import Speed, run_canary
     from splitserve.sim.validate import compare, local_worker, measure_point, print_points
@@ -198,8 +195,8 @@ def run_validate(args: argparse.Namespace) -> int:
     def pin_client() -> None:
         """This process (the benchmark client) onto --client-cpus, once the deployment is up:
         the launcher plans its cores from this process's affinity."""
-        if client := _cores(args.client_cpus):
-            os.sched_setaffinity(0, client)
+        if args.client_cpus:
+            os.sched_setaffinity(0, args.client_cpus)
 
     def measure(url: str) -> dict[float, list[dict[str, Any]]]:
         pin_client()
@@ -243,9 +240,8 @@ def run_validate(args: argparse.Namespace) -> int:
         if args.reprofile:
             raise SystemExit("--reprofile works with one plain worker (--mode chunked "
                              "--workers 1); profile a worker of the deployment instead")
-        cpus = _cores(args.cpus)
-        with launched(cfg, cpus, cfg.token_budget or prof.token_budget,
-                      router_cpus=_cores(args.router_cpus)) as url:
+        with launched(cfg, args.cpus, cfg.token_budget or prof.token_budget,
+                      router_cpus=args.router_cpus) as url:
             if args.calibrate and cfg.mode == "disagg":  # this deployment's split costs
                 from splitserve.sim.calibrate import SplitPlan, calibrate_split
 
@@ -258,8 +254,7 @@ def run_validate(args: argparse.Namespace) -> int:
         from splitserve.demo_model import embedded_model_dir
 
         model = args.model_dir or str(embedded_model_dir())
-        cpus = _cores(args.cpus)
-        with local_worker(model, cpus, cfg.token_budget or prof.token_budget) as url:
+        with local_worker(model, args.cpus, cfg.token_budget or prof.token_budget) as url:
             if args.reprofile:  # calibrate on this very worker, under today's conditions
                 from splitserve.sim.profile import ProfilePlan, profile_worker
 
@@ -351,9 +346,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     val.add_argument("--url", help="a running deployment (default: start one: a plain worker "
                      "for --mode chunked --workers 1, else splitserve's launcher)")
     val.add_argument("--model-dir", help="model for the local worker (default: embedded)")
-    val.add_argument("--cpus", help="cores for the local worker or deployment, e.g. 0,1")
-    val.add_argument("--router-cpus", help="cores for the deployment's router, e.g. 1")
-    val.add_argument("--client-cpus",
+    val.add_argument("--cpus", type=parse_cpus,
+                     help="cores for the local worker or deployment, e.g. 0,1")
+    val.add_argument("--router-cpus", type=parse_cpus,
+                     help="cores for the deployment's router, e.g. 1")
+    val.add_argument("--client-cpus", type=parse_cpus,
                      help="cores for this command (the benchmark client), e.g. 1")
     val.add_argument("--reprofile", action="store_true",
                      help="profile the local worker first and simulate with that profile")
