@@ -45,6 +45,18 @@ def _finite_nonneg(owner: str, **values: float) -> None:
             raise ValueError(f"{owner}.{name} must be a finite number >= 0, got {v}")
 
 
+Bins = tuple[tuple[float, int], ...]  # (seconds | ratio, weight per mille)
+
+
+def _bins(raw: Any) -> Bins:
+    return tuple((float(v), int(w)) for v, w in raw)
+
+
+def _check_bins(owner: str, bins: Bins) -> None:
+    if any(not math.isfinite(v) or w < 0 for v, w in bins):
+        raise ValueError(f"{owner}.gap_jitter_s needs finite seconds and weights >= 0")
+
+
 @dataclass(frozen=True)
 class PrefillCost:
     """Seconds for one prefill step: a + b·Σq + c·Σ(q² + 2pq)."""
@@ -142,11 +154,11 @@ class SplitCost:
     finish_s: float = 0.0
     # the client's decode gaps over the step's mean, as (ratio, weight per mille) bins: the
     # jitter of steps and of the relay through the router at a fixed batch (empty: none)
-    gap_noise: tuple[tuple[float, int], ...] = ()
+    gap_noise: Bins = ()
     # the same jitter in seconds added to a gap, as (seconds, weight per mille) bins: it does not
     # grow with the gap (a gap carrying an event's work spreads no wider than a plain one);
     # replaces `gap_noise` when present
-    gap_jitter_s: tuple[tuple[float, int], ...] = ()
+    gap_jitter_s: Bins = ()
     interference: tuple[tuple[float, ...], ...] = ()
     source: str = ""
     fit: dict[str, Any] = field(default_factory=dict)
@@ -162,8 +174,7 @@ class SplitCost:
             raise ValueError("SplitCost.prefill_factor must be > 0")
         if any(r < 0 or w < 0 for r, w in self.gap_noise):
             raise ValueError("SplitCost.gap_noise ratios and weights must be >= 0")
-        if any(not math.isfinite(s) or w < 0 for s, w in self.gap_jitter_s):
-            raise ValueError("SplitCost.gap_jitter_s needs finite seconds and weights >= 0")
+        _check_bins("SplitCost", self.gap_jitter_s)
         for row in self.interference:
             if len(row) != 6 or not all(math.isfinite(v) and v >= 0 for v in row):
                 raise ValueError(f"SplitCost.interference rows are 6 finite numbers >= 0: {row}")
@@ -218,8 +229,8 @@ class SplitCost:
         return cls(**{k: v for k, v in d.items()
                       if k not in ("decode", "gap_noise", "gap_jitter_s", "interference")},
                    decode=DecodeCost(**d["decode"]),
-                   gap_noise=tuple((float(r), int(w)) for r, w in d.get("gap_noise", ())),
-                   gap_jitter_s=tuple((float(s), int(w)) for s, w in d.get("gap_jitter_s", ())),
+                   gap_noise=_bins(d.get("gap_noise", ())),
+                   gap_jitter_s=_bins(d.get("gap_jitter_s", ())),
                    interference=tuple(tuple(float(v) for v in row)
                                       for row in d.get("interference", ())))
 
@@ -270,7 +281,7 @@ class Profile:
     # the client's decode gaps less their local pace at a fixed batch, as (seconds, weight per
     # mille) bins (`sim.jitter`), added to each simulated gap; a deployment's `split` costs
     # carry their own (through its router), which replace these on its workers
-    gap_jitter_s: tuple[tuple[float, int], ...] = ()
+    gap_jitter_s: Bins = ()
     mismatch: str | None = None  # set by load_profile when accepted despite a version mismatch
 
     def __post_init__(self) -> None:
@@ -278,8 +289,7 @@ class Profile:
             raise ValueError(f"kind must be one of {PROFILE_KINDS}, got {self.kind!r}")
         if self.token_budget < 1 or self.kv_capacity_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("token_budget, kv_capacity_tokens and max_num_seqs must be >= 1")
-        if any(not math.isfinite(v) or w < 0 for v, w in self.gap_jitter_s):
-            raise ValueError("Profile.gap_jitter_s needs finite seconds and weights >= 0")
+        _check_bins("Profile", self.gap_jitter_s)
 
     def link(self, transport: str) -> TransferLink:
         if transport not in self.transfer:
@@ -312,7 +322,7 @@ class Profile:
             transfer={k: TransferLink(**v) for k, v in d.get("transfer", {}).items()},
             fit=dict(d.get("fit", {})), created=d.get("created", ""),
             split=SplitCost.from_dict(d["split"]) if d.get("split") else None,
-            gap_jitter_s=tuple((float(v), int(w)) for v, w in d.get("gap_jitter_s", ())),
+            gap_jitter_s=_bins(d.get("gap_jitter_s", ())),
         )
 
 
