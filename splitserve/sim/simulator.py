@@ -52,6 +52,8 @@ from splitserve.sim.workerstate import steps_done as _steps_done
 from splitserve.sim.workload import SimWorkload
 
 _EV_STEP, _EV_JOIN = 0, 1
+# fields of a `SplitCost.terms` row: D's stretch while its P prefills, each event's seconds
+_STRETCH, _ARRIVE, _T1, _JOIN, _FINISH = range(5)
 
 
 class Simulation:
@@ -72,7 +74,7 @@ class Simulation:
         zero = (0.0, 0.0, 0.0, 0.0, 0.0)
         self.iterm = (split.term_table(self.max_seqs) if split is not None
                       else [zero] * (self.max_seqs + 1))
-        self.kappa = any(x[0] > 0.0 for x in self.iterm)
+        self.stretches = any(x[_STRETCH] > 0.0 for x in self.iterm)
         if config.mode == "disagg":
             self.link = profile.link(config.transport)
             p_pf, d_dc = pf, dc
@@ -138,7 +140,7 @@ class Simulation:
             w.B += 1
             w.C += pl[r] + 1
             w.new.append(r)
-            w.extra += self.iterm[w.B - 1][3]  # the join's work, on D's next step
+            w.extra += self.iterm[w.B - 1][_JOIN]  # the join's work, on D's next step
 
     def _charge(self, di: int, term: int, t: float) -> None:
         """A request event at t puts its seconds (`iterm[B][term]`, B = D's streams) of other
@@ -197,7 +199,7 @@ class Simulation:
                     w.head_done = 0
                 else:
                     w.head_done = done + q
-        if w.role == _P and self.kappa and w.prefilling != bool(chunks):
+        if w.role == _P and self.stretches and w.prefilling != bool(chunks):
             w.prefilling = bool(chunks)  # D-workers on this P's cores step at another pace
             npw = len(self.P)
             for j in range(wi, len(self.D), npw):
@@ -213,7 +215,7 @@ class Simulation:
         elif w.B:
             # invariant: a segment's steps all run at one pace (P's state, no events)
             busy = w.role == _D and self.P[w.mate].prefilling
-            pace = 1.0 + self.iterm[w.B][0] if busy else 1.0
+            pace = 1.0 + self.iterm[w.B][_STRETCH] if busy else 1.0
             alpha = (dc.a + dc.b * w.C + dc.c * w.B) * pace
             if w.extra > 0.0:  # one step carrying the events' work
                 w.kind, w.step_dur, w.t0 = _STEP, alpha + w.extra, t
@@ -279,7 +281,7 @@ class Simulation:
             w.kv_used -= pl[r] + ol[r]
             w.load -= 1
             if w.role == _D and w.B:
-                w.extra += self.iterm[w.B][4]
+                w.extra += self.iterm[w.B][_FINISH]
         w.busy = False
         if w.waiting:
             self._admit(wi, w)
@@ -305,7 +307,7 @@ class Simulation:
             self.link_free[wi] = free
         heapq.heappush(w.kv_release, (free, self.pl[r]))
         self.xfer[r] = arrive - t
-        self._charge(self.dsel[r], 2, t)
+        self._charge(self.dsel[r], _T1, t)
         ready = t1 + hop + self.hand_a + self.hand_b * self.pl[r]
         self._push(max(arrive, ready), _EV_JOIN, r, 0)
 
@@ -365,7 +367,7 @@ class Simulation:
                     d = pick(D, cfg.d_policy, pre_d, r, two_d)
                     self.dsel[r] = d
                     D[d].load += 1
-                    self._charge(d, 1, ta)
+                    self._charge(d, _ARRIVE, ta)
             else:
                 w.load += 1
             self._poke(p, w, ta)
