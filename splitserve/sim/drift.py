@@ -24,6 +24,7 @@ import numpy as np
 from splitserve.bench.client import RequestRecord
 from splitserve.bench.workload import Request
 from splitserve.sim.model import DecodeCost, PrefillCost, Profile, SplitCost
+from splitserve.sim.profile import _prompt, _run
 
 
 @dataclass(frozen=True)
@@ -64,8 +65,6 @@ class Speed:
 
 
 def run_canary(url: str, plan: CanaryPlan = CanaryPlan()) -> Speed:
-    from splitserve.sim.profile import _prompt, _run
-
     rng = np.random.default_rng(plan.seed)
     reqs = [Request(i, 0.0, _prompt(rng, plan.prompt), plan.tokens)
             for i in range(plan.requests)]
