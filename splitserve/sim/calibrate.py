@@ -11,7 +11,8 @@ validation workload:
    the B prompts one after the other, so each stream asks for enough tokens that all B still
    decode together after the last prefill (`decode_tokens` + the steps D takes meanwhile):
    otherwise the window "all B decoding" is empty and the row holds steps at smaller batches.
-   Each gap there less its stream's mean gap is the additive jitter (`gap_jitter_s`).
+   Each gap there less its stream's local pace is the additive jitter (`gap_jitter_s`,
+   `sim.jitter`).
 3. **Interference** (`sim.interference`): background streams on D while single requests arrive
    one by one → D's slowdown while P prefills and the extra seconds of each request event
    (arrival, t1, join, end) on D's step, one row per background batch size.
