@@ -27,6 +27,7 @@ import httpx
 
 from splitserve.bench.workload import Request
 from splitserve.config import bearer_headers
+from splitserve.worker.load import LOAD_PATH, parse_metrics
 
 TIMINGS_HEADER = "x-splitserve-timings"
 
@@ -228,18 +229,8 @@ async def run_stream(cfg: ClientConfig, requests: list[Request], warmup: list[Re
 
 def parse_load(metrics_text: str) -> tuple[float, float]:
     """(requests running, requests waiting) from a vLLM `/metrics` page, summed over engines."""
-    running = waiting = 0.0
-    for line in metrics_text.splitlines():
-        if line.startswith(("vllm:num_requests_running{", "vllm:num_requests_waiting{")):
-            try:
-                value = float(line.rsplit(" ", 1)[1])
-            except ValueError:
-                continue
-            if line.startswith("vllm:num_requests_running"):
-                running += value
-            else:
-                waiting += value
-    return running, waiting
+    load = parse_metrics(metrics_text)
+    return load.get("running", 0.0), load.get("waiting", 0.0)
 
 
 PREFILL_SECONDS = "vllm:request_prefill_time_seconds_sum"
@@ -264,7 +255,10 @@ def parse_busy(metrics_text: str) -> bool:
 
 
 class BusySampler:
-    """Samples workers' `/metrics` every `interval_s` while a run is in progress.
+    """Samples workers' load every `interval_s` while a run is in progress: a splitserve
+    worker's light `/splitserve/load`, a plain vLLM worker's `/metrics` (after a 404); rendering
+    `/metrics` costs the engine's core ~4 ms, so it is read once more per run only for the
+    prefill seconds, at the start and at the stop.
 
     Busy fraction: the larger of (a) the share of samples in which the engine had a request
     running or waiting (occupancy; for a decode engine not the same as utilisation) and (b) the
@@ -278,7 +272,8 @@ class BusySampler:
         if interval_s <= 0:
             raise ValueError("interval_s must be positive")
         self._headers = bearer_headers(token)
-        self._urls = dict(worker_urls)
+        self._urls = {name: url.rstrip("/") for name, url in worker_urls.items()}
+        self._paths = dict.fromkeys(self._urls, LOAD_PATH)
         self._interval = interval_s
         self._busy = dict.fromkeys(self._urls, 0)
         self._queued = dict.fromkeys(self._urls, 0)
@@ -288,24 +283,41 @@ class BusySampler:
         self._samples = dict.fromkeys(self._urls, 0)
         self._task: asyncio.Task[None] | None = None
 
+    async def _prefill_seconds(self, client: httpx.AsyncClient, into: dict[str, float]) -> None:
+        for name, url in self._urls.items():
+            try:
+                resp = await client.get(f"{url}/metrics")
+            except httpx.HTTPError:
+                continue
+            if resp.status_code == 200 and (
+                    s := parse_sum(resp.text, PREFILL_SECONDS)) is not None:
+                into[name] = s
+
+    async def _sample(self, client: httpx.AsyncClient, name: str) -> dict[str, float] | None:
+        url = self._urls[name]
+        resp = await client.get(f"{url}{self._paths[name]}")
+        if resp.status_code == 404 and self._paths[name] == LOAD_PATH:
+            self._paths[name] = "/metrics"  # plain vLLM: no splitserve routes
+            resp = await client.get(f"{url}/metrics")
+        if resp.status_code != 200:  # e.g. 401: no sample, not an idle one
+            return None
+        return resp.json() if self._paths[name] == LOAD_PATH else parse_metrics(resp.text)
+
     async def _loop(self) -> None:
         async with httpx.AsyncClient(timeout=5.0, headers=self._headers) as client:
+            await self._prefill_seconds(client, self._prefill_first)
             while True:
-                for name, url in self._urls.items():
+                for name in self._urls:
                     try:
-                        resp = await client.get(f"{url.rstrip('/')}/metrics")
+                        load = await self._sample(client, name)
                     except httpx.HTTPError:
                         continue
-                    if resp.status_code != 200:  # e.g. 401: no sample, not an idle one
+                    if load is None:
                         continue
-                    running, waiting = parse_load(resp.text)
+                    running, waiting = load.get("running", 0.0), load.get("waiting", 0.0)
                     self._samples[name] += 1
                     self._busy[name] += running + waiting > 0
                     self._queued[name] += waiting > 0
-                    prefill_s = parse_sum(resp.text, PREFILL_SECONDS)
-                    if prefill_s is not None:
-                        self._prefill_first.setdefault(name, prefill_s)
-                        self._prefill_last[name] = prefill_s
                 self._t1 = time.perf_counter()
                 await asyncio.sleep(self._interval)
 
@@ -321,10 +333,13 @@ class BusySampler:
                 await self._task
             except asyncio.CancelledError:
                 pass
+            async with httpx.AsyncClient(timeout=5.0, headers=self._headers) as client:
+                await self._prefill_seconds(client, self._prefill_last)
+            self._t1 = time.perf_counter()
         occupancy = self._fractions(self._busy)
         wall = self._t1 - self._t0
         for name, first in self._prefill_first.items():
-            if wall > 0:
+            if wall > 0 and name in self._prefill_last:
                 share = min(1.0, (self._prefill_last[name] - first) / wall)
                 occupancy[name] = share if math.isnan(occupancy[name]) else max(
                     occupancy[name], share)

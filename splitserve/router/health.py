@@ -21,13 +21,10 @@ import httpx
 
 from splitserve.config import bearer_headers
 from splitserve.router.config import WORKER_ROLES, RouterConfig
-from splitserve.worker.load import LOAD_GAUGES
+from splitserve.worker.load import LOAD_GAUGES, LOAD_PATH, parse_metrics
 
 log = logging.getLogger("splitserve.router")
 
-# The load the policies read: a splitserve worker's light `/splitserve/load`; a plain vLLM
-# worker's `/metrics`, parsed for the same gauges.
-LOAD_PATH = "/splitserve/load"
 
 
 @dataclass
@@ -42,7 +39,9 @@ class Worker:
     failures: int = 0
     last_error: str | None = None
     info: dict[str, Any] | None = None  # GET /splitserve/info; None for a plain vLLM worker
-    load_path: str = LOAD_PATH  # "/metrics" once the worker answered 404 (plain vLLM)
+    # the load the policies read: a splitserve worker's light route; "/metrics" (parsed for the
+    # same gauges) once the worker answered 404 (plain vLLM)
+    load_path: str = LOAD_PATH
     inflight: int = 0
     inflight_prefill_tokens: int = 0
     kv_usage: float = 0.0
@@ -90,24 +89,6 @@ class Worker:
                 "kv_endpoint": self.kv_endpoint(), "last_error": self.last_error,
                 "checked_age_s": round(time.monotonic() - self.checked_at, 3)
                 if self.checked_at else None}
-
-
-def parse_gauges(text: str) -> dict[str, float]:
-    """Sum of each watched vLLM gauge over its label sets (one engine per worker)."""
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line.startswith("vllm:"):
-            continue
-        name, _, rest = line.partition("{")
-        key = LOAD_GAUGES.get(name)
-        if key is None:
-            continue
-        try:
-            value = float(rest.rsplit(" ", 1)[1])
-        except (IndexError, ValueError):
-            continue
-        out[key] = out.get(key, 0.0) + value
-    return out
 
 
 class Registry:
@@ -201,7 +182,7 @@ class Registry:
             r = await self.client.get(f"{worker.url}/metrics", headers=self.headers,
                                       timeout=timeout)
         if r.status_code == 200:
-            load = r.json() if worker.load_path == LOAD_PATH else parse_gauges(r.text)
+            load = r.json() if worker.load_path == LOAD_PATH else parse_metrics(r.text)
             for key in LOAD_GAUGES.values():
                 if isinstance(load.get(key), int | float):
                     setattr(worker, key, float(load[key]))

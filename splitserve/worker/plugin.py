@@ -38,7 +38,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from splitserve.config import ConnectorConfig, load_token
 from splitserve.connector.protocol import ProtocolError, query
 from splitserve.connector.tls import client_context
-from splitserve.worker.load import read_load
+from splitserve.worker.load import LOAD_PATH, read_load
 
 INFO_KEYS = ("role", "transport", "kv_host", "kv_port", "kv_tls", "engine_id",
              "model_fingerprint", "vllm_version")
@@ -140,7 +140,7 @@ class SplitserveEndpointPlugin:
         if token:
             app.add_middleware(TokenGuard, token=token)
 
-        @app.get("/splitserve/load")
+        @app.get(LOAD_PATH)
         async def load() -> JSONResponse:
             return JSONResponse(read_load())
 
