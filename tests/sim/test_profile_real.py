@@ -29,7 +29,7 @@ def test_profile_a_real_worker(tmp_path: Path) -> None:
         wait_healthy(cfg.url, proc, timeout_s=240)
         plan = ProfilePlan(prefill_lens=(16, 128, 512, 900), prefill_repeats=1,
                            decode_batches=(1, 3), decode_prompt_lens=(16, 200),
-                           decode_tokens=24, token_budget=256)
+                           decode_tokens=48, token_budget=256)
         prof = profile_worker(cfg.url, plan, probe_tcp=True)
         canary = run_canary(cfg.url, CanaryPlan(prompt=200, tokens=12, requests=2))
     finally:
