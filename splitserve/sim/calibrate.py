@@ -40,6 +40,7 @@ from splitserve.bench.workload import Request
 from splitserve.sim.deployment import SimConfig
 from splitserve.sim.interference import (
     InterferencePlan,
+    background_tokens,
     fit_interference,
     gap_rows,
     interference_rows,
@@ -141,9 +142,7 @@ def measure_interference(url: str, plan: SplitPlan, decode: DecodeCost
     rng = np.random.default_rng(plan.seed + 3)
     fits, quality = [], {}
     for bg in ip.bg_batches:
-        step = decode.time(bg + 1, (bg + 1) * (ip.bg_prompt + max(ip.inject_lens)))
-        bg_tokens = min(int(1.5 * (ip.duration_s + 0.5) / step) + 1,
-                        plan.max_model_len - ip.bg_prompt - 1)
+        bg_tokens = background_tokens(ip, bg, decode, plan.max_model_len)
         reqs = probe_stream(ip, bg, bg_tokens, lambda n: _prompt(rng, n))
         kappa, cost, q = fit_interference(gap_rows(_run(url, reqs, concurrency=None), bg,
                                                    decode))

@@ -182,8 +182,15 @@ def run_sim(args: argparse.Namespace) -> int:
 
 
 def run_validate(args: argparse.Namespace) -> int:
-    from splitserve.sim.drift import Speed, run_canary
-    from splitserve.sim.validate import compare, local_worker, measure_point, print_points
+    from splitserve.sim.drift import Canary, Speed, StretchPlan
+    from splitserve.sim.validate import (
+        compare,
+        drift_json,
+        local_worker,
+        measure_point,
+        print_drifts,
+        print_points,
+    )
 
     prof, spec = _profile(args), spec_from_args(args)
     cfg = _sim_config(args, prof)
@@ -191,6 +198,10 @@ def run_validate(args: argparse.Namespace) -> int:
         print("note: fewer than 3 repeats per point; the spread is poorly known")
     rates = args.rates or (spec.arrival.rate,)
     reference: Speed | None = None  # the canary around this command's own profiling
+    # a disaggregated deployment's canary reads D's P-busy stretch too, against the base
+    # profile's decode shape (the same for the reference and every repeat)
+    canary = (Canary(stretch=StretchPlan(), decode=prof.decode) if cfg.mode == "disagg"
+              else Canary())
 
     def pin_client() -> None:
         """This process (the benchmark client) onto --client-cpus, once the deployment is up:
@@ -200,38 +211,26 @@ def run_validate(args: argparse.Namespace) -> int:
 
     def measure(url: str) -> dict[float, list[dict[str, Any]]]:
         pin_client()
-        canary = reference is not None
-        return {r: measure_point(url, spec.with_rate(r), args.repeats, canary) for r in rates}
+        run = canary if reference is not None else None
+        return {r: measure_point(url, spec.with_rate(r), args.repeats, run) for r in rates}
 
     def profiled(url: str, take: Callable[[], Any]) -> Any:
         """Run `take` (the profiling) between two canaries; their mean is the reference."""
         nonlocal reference
         pin_client()
-        before = run_canary(url)
+        before = canary.run(url)
         out = take()
-        reference = Speed.mean([before, run_canary(url)])
+        reference = Speed.mean([before, canary.run(url)])
+        stretch = "" if reference.stretch is None else f", P-busy stretch {reference.stretch:.3f}"
         print(f"canary reference: TTFT {reference.ttft_s * 1e3:.1f} ms, decode gap "
-              f"{reference.gap_s * 1e3:.2f} ms")
+              f"{reference.gap_s * 1e3:.2f} ms{stretch}")
         return out
 
     if args.real_json:
-        from splitserve.bench.workload import WorkloadSpec
+        from splitserve.sim.validate import stored_real
 
-        stored = json.loads(Path(args.real_json).read_text())
-        spec = WorkloadSpec.from_dict(stored["workload"])  # the stream that was measured
-        real = {}
-        for p in stored["points"]:
-            for i, v in enumerate(p["real"]):
-                runs = real.setdefault(float(p["rate"]), [])
-                while len(runs) <= i:
-                    runs.append({})
-                runs[i][p["metric"]] = v
+        spec, real, reference = stored_real(json.loads(Path(args.real_json).read_text()))
         rates = tuple(sorted(real))
-        if drift := stored.get("drift"):  # the canaries of that measurement
-            reference = Speed(**drift["reference"])
-            for rate, canaries in drift["canaries"].items():
-                for run, c in zip(real[float(rate)], canaries, strict=True):
-                    run["canary"] = c
     elif args.url:
         real = measure(args.url)
     elif cfg.mode == "disagg" or cfg.n_workers != 1:
@@ -266,6 +265,7 @@ def run_validate(args: argparse.Namespace) -> int:
                     save_profile(prof, Path(args.out).with_suffix(".profile.json"))
             real = measure(url)
     points = compare(prof, cfg, spec, rates, real, reference)
+    print_drifts(real, reference)
     print_points(points)
     if args.out and not args.real_json:  # the raw measured runs, for a later --real-json
         raw = Path(args.out).with_suffix(".runs.json")
@@ -274,10 +274,7 @@ def run_validate(args: argparse.Namespace) -> int:
         Path(args.out).write_text(json.dumps(
             {"profile": str(args.profile), "config": cfg.__dict__, "workload": spec.to_dict(),
              "repeats": args.repeats, "points": [p.to_dict() for p in points],
-             "drift": None if reference is None else {
-                 "reference": reference.__dict__,
-                 "canaries": {f"{r:g}": [run.get("canary") for run in runs]
-                              for r, runs in real.items()}}}, indent=2))
+             "drift": drift_json(reference, real)}, indent=2))
         print(f"wrote {args.out}")
     return 0
 

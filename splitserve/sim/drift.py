@@ -1,34 +1,57 @@
-"""The machine's drift between a profile and a measurement, read off a fixed canary probe.
+"""The machine's drift between a profile and a measurement, read off fixed canary probes.
 
 On a shared machine the engines' speed drifts by 5–20 % within minutes (whoever else runs on
 the cores): a profile calibrated at 04:44 describes the machine at 04:44, and a measurement at
 04:48 can run 15 % faster — an error no cost model can own (`sim validate` run 6: every decode
 metric +27..+50 %, calibrated decode step 9.4 ms against 8.1 ms measured minutes later).
 
-The canary is small and fixed (lone requests of one prompt length, each decoding a few tokens;
-never the validated workload). `sim validate` runs it around the calibration (the reference)
-and before every measured repeat; the ratio of its median TTFT (prefill speed) and of its median
-decode gap (decode speed) to the reference is that repeat's drift. `scaled` applies a drift to
-a profile: prefill times by the first ratio, decode times, the gap jitter and every per-event
-second on the decode side by the second. The raw error is always reported next to the
-drift-adjusted one.
+The canaries are small and fixed (never the validated workload). `sim validate` runs them around
+the calibration (the mean of the two is the reference) and before every measured repeat:
+
+- the **speed canary** (`CanaryPlan`): lone requests of one prompt length, each decoding a few
+  tokens; its median TTFT (prefill speed) and median decode gap (decode speed);
+- for a disaggregated deployment, the **stretch canary** (`StretchPlan`, ~6 s): one decode
+  stream on D, through the router, while a few long prompts prefill on P one after another;
+  read like the interference probe at one background stream (`interference.gap_rows`,
+  `interference.Pace`), its D-pace while P prefills over its pace while P idles is the P-busy
+  stretch factor (1 + `p_busy_stretch`) of that minute (runs 9–12: 1.02–1.25×, drifting between
+  minutes on this KVM guest).
+
+A repeat's `Drift` is its canaries over the reference: the TTFT ratio, the decode-gap ratio, and
+the stretch factor's ratio (1.0 where either side has no stretch reading). `scaled` applies a
+drift to a profile: prefill times by the first ratio; decode times, the gap jitter and every
+per-event second on the decode side by the second; each P-busy stretch term k (the scalar and
+every interference row's) to (1 + k) · ratio − 1, never below 0, by the third (the factor, not
+k, is scaled: k is near 0 in some sessions, and a ratio of near-zero readings is noise). The raw
+error is always reported next to the drift-adjusted one.
 """
 
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
+from typing import Any
 
 import numpy as np
 
 from splitserve.bench.client import RequestRecord
 from splitserve.bench.workload import Request
+from splitserve.sim.interference import (
+    InterferencePlan,
+    Pace,
+    background_tokens,
+    gap_rows,
+    probe_stream,
+)
 from splitserve.sim.model import DecodeCost, PrefillCost, Profile, SplitCost
 from splitserve.sim.profile import _prompt, _run
 
 
 @dataclass(frozen=True)
 class CanaryPlan:
+    """The speed canary: `requests` lone requests (one at a time) of `prompt` tokens, each
+    decoding `tokens` tokens (~1.5 s on the demo model)."""
+
     prompt: int = 320
     tokens: int = 24
     requests: int = 5
@@ -40,35 +63,133 @@ class CanaryPlan:
 
 
 @dataclass(frozen=True)
+class StretchPlan:
+    """The stretch canary: one stream (prompt `stream_prompt`) decodes on D while `prefills`
+    prompts of `prompt` tokens arrive `spacing_s` apart from `first_s` on, each asking 3 tokens
+    (t1, its leg joining D, its end), so P prefills each alone for ~0.3 s (the demo model on one
+    core) and idles in between: ~6 s in all, ~100 clean gaps of each kind."""
+
+    prompt: int = 1024
+    prefills: int = 4
+    stream_prompt: int = 128
+    first_s: float = 0.8
+    spacing_s: float = 1.0
+    max_model_len: int = 4096
+    seed: int = 13
+
+    def __post_init__(self) -> None:
+        if self.prompt < 1 or self.stream_prompt < 1:
+            raise ValueError("the stretch canary needs positive prompt lengths")
+        _ = self.probe  # InterferencePlan checks prefills (>= 3), first_s and spacing_s
+
+    @property
+    def probe(self) -> InterferencePlan:
+        """The same canary as an interference probe at one background stream."""
+        return InterferencePlan(bg_batches=(1,), bg_prompt=self.stream_prompt,
+                                injections=self.prefills, inject_lens=(self.prompt,),
+                                inject_tokens=3, first_s=self.first_s, spacing_s=self.spacing_s)
+
+
+@dataclass(frozen=True)
+class Drift:
+    """A repeat's canaries over the reference (>1: slower now): prefill time, decode time, and
+    the P-busy stretch factor (1 + `p_busy_stretch`); 1.0 where there is nothing to compare."""
+
+    prefill: float = 1.0
+    decode: float = 1.0
+    stretch: float = 1.0
+
+
+@dataclass(frozen=True)
 class Speed:
-    """One canary's median TTFT and median decode gap (seconds)."""
+    """One canary's median TTFT and median decode gap (seconds), and its P-busy stretch factor
+    (`Pace.ratio` of the stretch canary; None: not measured, or too few clean gaps)."""
 
     ttft_s: float
     gap_s: float
+    stretch: float | None = None
 
     @classmethod
-    def of(cls, recs: list[RequestRecord]) -> Speed:
+    def of(cls, recs: list[RequestRecord], stretch: float | None = None) -> Speed:
         ttft = [r.chunk_times[0] - r.send_s for r in recs]
         # from t2 on: the first gap carries no prefill of its own, but is measured with the rest
         gaps = [b - a for r in recs
                 for a, b in zip(r.chunk_times[1:], r.chunk_times[2:], strict=False)]
-        return cls(statistics.median(ttft), statistics.median(gaps))
+        return cls(statistics.median(ttft), statistics.median(gaps), stretch)
 
     @staticmethod
     def mean(speeds: list[Speed]) -> Speed:
+        """The mean of each reading; the stretch over the canaries that have one."""
+        stretch = [s.stretch for s in speeds if s.stretch is not None]
         return Speed(statistics.fmean(s.ttft_s for s in speeds),
-                     statistics.fmean(s.gap_s for s in speeds))
+                     statistics.fmean(s.gap_s for s in speeds),
+                     statistics.fmean(stretch) if stretch else None)
 
-    def drift(self, reference: Speed) -> tuple[float, float]:
-        """(prefill, decode) time ratios of this canary to the reference (>1: slower now)."""
-        return self.ttft_s / reference.ttft_s, self.gap_s / reference.gap_s
+    def drift(self, reference: Speed) -> Drift:
+        """This canary's ratios to the reference; the stretch's is 1.0 unless both have one."""
+        stretch = (self.stretch / reference.stretch
+                   if self.stretch is not None and reference.stretch is not None else 1.0)
+        return Drift(self.ttft_s / reference.ttft_s, self.gap_s / reference.gap_s, stretch)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Speed:
+        """Reads what `to_dict` wrote, and older canaries without `stretch` (None)."""
+        stretch = d.get("stretch")
+        return cls(float(d["ttft_s"]), float(d["gap_s"]),
+                   None if stretch is None else float(stretch))
 
 
 def run_canary(url: str, plan: CanaryPlan = CanaryPlan()) -> Speed:
+    """The speed canary (no stretch reading)."""
     rng = np.random.default_rng(plan.seed)
     reqs = [Request(i, 0.0, _prompt(rng, plan.prompt), plan.tokens)
             for i in range(plan.requests)]
     return Speed.of(_run(url, reqs, concurrency=1))
+
+
+def stretch_of(recs: list[RequestRecord], decode: DecodeCost) -> float | None:
+    """The stretch canary's records (the stream first) → D's pace while P prefills over its
+    pace while P idles, each gap over `decode`'s step at its batch and context; None with too
+    few clean gaps of either kind."""
+    try:
+        return Pace.of(gap_rows(recs, 1, decode)).ratio
+    except RuntimeError:
+        return None
+
+
+def run_stretch_canary(url: str, decode: DecodeCost, plan: StretchPlan = StretchPlan()
+                       ) -> float | None:
+    """The stretch canary against a disaggregated deployment's router (`stretch_of`). `decode`
+    only shapes the step over batch and context: pass the same one for the reference and every
+    repeat."""
+    rng = np.random.default_rng(plan.seed)
+    probe = plan.probe
+    reqs = probe_stream(probe, 1, background_tokens(probe, 1, decode, plan.max_model_len),
+                        lambda n: _prompt(rng, n))
+    return stretch_of(_run(url, reqs, concurrency=None), decode)
+
+
+@dataclass(frozen=True)
+class Canary:
+    """What `sim validate` runs as the canary: the speed canary, and with `stretch` (a
+    disaggregated deployment) the stretch canary read against `decode`."""
+
+    speed: CanaryPlan = CanaryPlan()
+    stretch: StretchPlan | None = None
+    decode: DecodeCost | None = None
+
+    def __post_init__(self) -> None:
+        if self.stretch is not None and self.decode is None:
+            raise ValueError("the stretch canary needs a decode cost to read gaps against")
+
+    def run(self, url: str) -> Speed:
+        speed = run_canary(url, self.speed)
+        if self.stretch is None or self.decode is None:
+            return speed
+        return replace(speed, stretch=run_stretch_canary(url, self.decode, self.stretch))
 
 
 def _prefill(c: PrefillCost, k: float) -> PrefillCost:
@@ -79,24 +200,34 @@ def _decode(c: DecodeCost, k: float) -> DecodeCost:
     return DecodeCost(c.a * k, c.b * k, c.c * k)
 
 
-def _split(s: SplitCost, kp: float, kd: float) -> SplitCost:
+def _stretched(k: float, ratio: float) -> float:
+    """A P-busy stretch k whose factor 1 + k runs `ratio` times as high (>= 0; k at ratio 1)."""
+    return k if ratio == 1.0 else max(0.0, (1.0 + k) * ratio - 1.0)
+
+
+def _split(s: SplitCost, kp: float, kd: float, ks: float) -> SplitCost:
     """Seconds on P's side (its CPU per request) by `kp`; D's steps, the router's and API
     servers' seconds per request and event (they run on D's core while P prefills), the
-    handover and the gap jitter by `kd`. Ratios (`prefill_factor`, `p_busy_stretch`) stay."""
-    rows = tuple((row[0], row[1], *(v * kd for v in row[2:])) for row in s.interference)
+    handover and the gap jitter by `kd`; the P-busy stretch terms (the scalar, each row's) by
+    `ks` (`_stretched`). `prefill_factor` (a ratio to the base profile) stays."""
+    rows = tuple((row[0], _stretched(row[1], ks), *(v * kd for v in row[2:]))
+                 for row in s.interference)
     return replace(
         s, router_request_s=s.router_request_s * kd, handover_a_s=s.handover_a_s * kd,
         handover_b_s=s.handover_b_s * kd, decode=_decode(s.decode, kd), cpu_p_s=s.cpu_p_s * kp,
-        cpu_d_s=s.cpu_d_s * kd, arrive_s=s.arrive_s * kd, t1_s=s.t1_s * kd,
-        join_s=s.join_s * kd, finish_s=s.finish_s * kd, interference=rows,
+        cpu_d_s=s.cpu_d_s * kd, p_busy_stretch=_stretched(s.p_busy_stretch, ks),
+        arrive_s=s.arrive_s * kd, t1_s=s.t1_s * kd, join_s=s.join_s * kd,
+        finish_s=s.finish_s * kd, interference=rows,
         gap_jitter_s=tuple((v * kd, w) for v, w in s.gap_jitter_s))
 
 
-def scaled(profile: Profile, prefill: float, decode: float) -> Profile:
-    """`profile` on a machine whose prefill runs `prefill` and decode `decode` times as long."""
-    if not (prefill > 0 and decode > 0):
-        raise ValueError(f"drift ratios must be positive, got {prefill}, {decode}")
-    split = _split(profile.split, prefill, decode) if profile.split is not None else None
+def scaled(profile: Profile, prefill: float, decode: float, stretch: float = 1.0) -> Profile:
+    """`profile` on a machine whose prefill runs `prefill` and decode `decode` times as long,
+    and where D's steps while P prefills stretch by a factor `stretch` times the profile's."""
+    if not (prefill > 0 and decode > 0 and stretch > 0):
+        raise ValueError(f"drift ratios must be positive, got {prefill}, {decode}, {stretch}")
+    split = (_split(profile.split, prefill, decode, stretch) if profile.split is not None
+             else None)
     return replace(profile, prefill=_prefill(profile.prefill, prefill),
                    decode=_decode(profile.decode, decode), split=split,
                    gap_jitter_s=tuple((v * decode, w) for v, w in profile.gap_jitter_s))

@@ -104,16 +104,55 @@ def gap_rows(recs: list[RequestRecord], bg: int, decode: DecodeCost) -> list[Row
     return rows
 
 
+MIN_IDLE_GAPS, MIN_BUSY_GAPS = 10, 5
+
+
+@dataclass(frozen=True)
+class Pace:
+    """D's clean gaps (no request event in them) over its calibrated step: the median while P
+    idles for the whole gap and while P prefills for the whole gap, and how many of each."""
+
+    idle: float
+    busy: float | None  # None: fewer than MIN_BUSY_GAPS busy gaps
+    idle_gaps: int
+    busy_gaps: int
+
+    @classmethod
+    def of(cls, rows: list[Row]) -> Pace:
+        """Raises RuntimeError with fewer than MIN_IDLE_GAPS clean gaps while P idles."""
+        idle = [g / p for _, g, p, pb, ev in rows if not ev and pb == 0.0]
+        full = [g / p for _, g, p, pb, ev in rows if not ev and pb >= 1.0]
+        if len(idle) < MIN_IDLE_GAPS:
+            raise RuntimeError(f"P-busy pace: only {len(idle)} clean gaps while P idles")
+        busy = statistics.median(full) if len(full) >= MIN_BUSY_GAPS else None
+        return cls(statistics.median(idle), busy, len(idle), len(full))
+
+    @property
+    def ratio(self) -> float | None:
+        """Busy over idle pace: how many times as long D's steps take while P prefills (1.0:
+        no slowdown; below 1 only by noise); None without enough busy gaps."""
+        return None if self.busy is None else self.busy / self.idle
+
+    @property
+    def stretch(self) -> float:
+        """`p_busy_stretch`: the ratio less 1, never below 0 (0 without busy gaps)."""
+        return 0.0 if self.ratio is None else max(0.0, self.ratio - 1.0)
+
+
+def background_tokens(plan: InterferencePlan, bg: int, decode: DecodeCost,
+                      max_model_len: int) -> int:
+    """Tokens per background stream so that `bg` streams outlast the probe's injections with a
+    1.5× margin on `decode`'s pace (with one injected stream and the longest prompt joined)."""
+    step = decode.time(bg + 1, (bg + 1) * (plan.bg_prompt + max(plan.inject_lens)))
+    return min(int(1.5 * (plan.duration_s + 0.5) / step) + 1, max_model_len - plan.bg_prompt - 1)
+
+
 def fit_interference(rows: list[Row]) -> tuple[float, dict[str, float], dict[str, Any]]:
     """(p_busy_stretch, seconds per event, quality). The pace while P idles (gap over the
     calibrated step, no event) is the reference, so the terms do not absorb the decode fit's
     level; an event's seconds are the median excess of its gap and the next."""
-    idle = [g / p for _, g, p, pb, ev in rows if not ev and pb == 0.0]
-    full = [g / p for _, g, p, pb, ev in rows if not ev and pb >= 1.0]
-    if len(idle) < 10:
-        raise RuntimeError(f"interference probe: only {len(idle)} clean gaps while P idles")
-    s0 = statistics.median(idle)
-    kappa = max(0.0, statistics.median(full) / s0 - 1.0) if len(full) >= 5 else 0.0
+    pace = Pace.of(rows)
+    s0, kappa = pace.idle, pace.stretch
     cost, n = {}, {}
     excess = [g - p * s0 * (1.0 + kappa * pb) for _, g, p, pb, _ in rows]
     for name in EVENTS:
@@ -121,7 +160,8 @@ def fit_interference(rows: list[Row]) -> tuple[float, dict[str, float], dict[str
               if rows[j][4] == (name,) and not rows[j + 1][4] and rows[j][0] == rows[j + 1][0]]
         cost[name] = max(0.0, statistics.median(ex)) if len(ex) >= 3 else 0.0
         n[name] = len(ex)
-    quality = {"idle_pace": s0, "clean_idle_gaps": len(idle), "clean_busy_gaps": len(full),
+    quality = {"idle_pace": s0, "clean_idle_gaps": pace.idle_gaps,
+               "clean_busy_gaps": pace.busy_gaps,
                "event_gaps": n}
     return kappa, cost, quality
 

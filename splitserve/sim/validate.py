@@ -13,9 +13,13 @@ marked as noise rather than a miss. The simulation replays the identical request
 spec, seed and rate).
 
 Where the profile is taken in the same command (`--reprofile`, `--calibrate`), a small canary
-probe (`sim.drift`) runs around the profiling and before every repeat: each repeat is also
-simulated on the profile scaled by its own drift, and that drift-adjusted error is reported next
-to the raw one (the machine's drift between profiling and measuring is not the model's error).
+probe (`sim.drift`) runs around the profiling and before every repeat — for a disaggregated
+deployment the stretch canary too — and each repeat is also simulated on the profile scaled by
+its own drift (prefill and decode speed, and D's P-busy stretch); that drift-adjusted error is
+reported next to the raw one (the machine's drift between profiling and measuring is not the
+model's error). The stored JSON keeps the canaries (`drift_json`), so `--real-json` simulates a
+measurement again without re-measuring (`stored_real`; JSON from before the stretch canary
+reads with no stretch drift).
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from splitserve.bench.client import ClientConfig
 from splitserve.bench.runner import RunOptions, run_once
 from splitserve.bench.workload import WorkloadSpec
 from splitserve.sim.deployment import SimConfig
-from splitserve.sim.drift import Speed, run_canary, scaled
+from splitserve.sim.drift import Canary, Drift, Speed, scaled
 from splitserve.sim.model import Profile
 from splitserve.sim.results import summarize
 from splitserve.sim.simulator import simulate
@@ -92,28 +96,26 @@ def simulate_point(profile: Profile, cfg: SimConfig, spec: WorkloadSpec) -> dict
     return summarize(simulate(profile, cfg, arrays_from_spec(spec)), system="sim")
 
 
-def measure_point(url: str, spec: WorkloadSpec, repeats: int, canary: bool = False
+def measure_point(url: str, spec: WorkloadSpec, repeats: int, canary: Canary | None = None
                   ) -> list[dict[str, Any]]:
     """`repeats` benchmark runs of `spec`; with `canary`, each run's dict carries the canary
-    taken just before it (`canary`: {ttft_s, gap_s})."""
+    taken just before it (`canary`: `Speed.to_dict()`)."""
     out = []
     for i in range(repeats):
-        speed = run_canary(url) if canary else None
+        speed = canary.run(url) if canary is not None else None
         client = ClientConfig(url=url, run_tag=f"validate-{spec.arrival.rate:g}-r{i}")
         run = asyncio.run(run_once(client, spec, "real", {"url": url}, {}, RunOptions()))
         if speed is not None:
-            run["canary"] = {"ttft_s": speed.ttft_s, "gap_s": speed.gap_s}
+            run["canary"] = speed.to_dict()
         out.append(run)
     return out
 
 
-def repeat_drifts(runs: list[dict[str, Any]], reference: Speed | None
-                  ) -> list[tuple[float, float]] | None:
-    """Each repeat's (prefill, decode) drift against the reference; None unless every repeat
-    carries a canary."""
+def repeat_drifts(runs: list[dict[str, Any]], reference: Speed | None) -> list[Drift] | None:
+    """Each repeat's drift against the reference; None unless every repeat carries a canary."""
     if reference is None or not runs or any(r.get("canary") is None for r in runs):
         return None
-    return [Speed(r["canary"]["ttft_s"], r["canary"]["gap_s"]).drift(reference) for r in runs]
+    return [Speed.from_dict(r["canary"]).drift(reference) for r in runs]
 
 
 def compare(profile: Profile, cfg: SimConfig, spec: WorkloadSpec, rates: tuple[float, ...],
@@ -124,8 +126,8 @@ def compare(profile: Profile, cfg: SimConfig, spec: WorkloadSpec, rates: tuple[f
         run_spec = spec.with_rate(rate)
         sim = simulate_point(profile, cfg, run_spec)
         drifts = repeat_drifts(real[rate], reference)
-        adjusted = [simulate_point(scaled(profile, kp, kd), cfg, run_spec)
-                    for kp, kd in drifts] if drifts else []
+        adjusted = [simulate_point(scaled(profile, d.prefill, d.decode, d.stretch), cfg,
+                                   run_spec) for d in drifts] if drifts else []
         for m in METRICS:
             vals = tuple(float(r[m]) for r in real[rate] if r.get(m) is not None)
             if vals and sim.get(m) is not None:
@@ -133,6 +135,38 @@ def compare(profile: Profile, cfg: SimConfig, spec: WorkloadSpec, rates: tuple[f
                 points.append(Point(rate, m, vals, float(sim[m]),
                                     sum(adj) / len(adj) if adj else None))
     return points
+
+
+def drift_json(reference: Speed | None, real: dict[float, list[dict[str, Any]]]
+               ) -> dict[str, Any] | None:
+    """The validation JSON's `drift`: the reference and each repeat's canary, by rate."""
+    if reference is None:
+        return None
+    return {"reference": reference.to_dict(),
+            "canaries": {f"{r:g}": [run.get("canary") for run in runs]
+                         for r, runs in real.items()}}
+
+
+def stored_real(stored: dict[str, Any]
+                ) -> tuple[WorkloadSpec, dict[float, list[dict[str, Any]]], Speed | None]:
+    """A validation JSON's measured stream, its per-repeat metrics (each run with its canary
+    where the JSON has one) and the canary reference: what `compare` needs to simulate it
+    again."""
+    spec = WorkloadSpec.from_dict(stored["workload"])
+    real: dict[float, list[dict[str, Any]]] = {}
+    for p in stored["points"]:
+        runs = real.setdefault(float(p["rate"]), [])
+        for i, v in enumerate(p["real"]):
+            while len(runs) <= i:
+                runs.append({})
+            runs[i][p["metric"]] = v
+    reference = None
+    if drift := stored.get("drift"):
+        reference = Speed.from_dict(drift["reference"])
+        for rate, canaries in drift["canaries"].items():
+            for run, c in zip(real[float(rate)], canaries, strict=True):
+                run["canary"] = c
+    return spec, real, reference
 
 
 @contextlib.contextmanager
@@ -181,6 +215,16 @@ def launched(cfg: SimConfig, cpus: tuple[int, ...] | None, token_budget: int,
                            router_cpus=router_cpus)
     with LocalDeployment(dep) as deployment:
         yield deployment.url
+
+
+def print_drifts(real: dict[float, list[dict[str, Any]]], reference: Speed | None) -> None:
+    """Each repeat's drift (prefill, decode, P-busy stretch ratios), one line per rate."""
+    for rate, runs in sorted(real.items()):
+        drifts = repeat_drifts(runs, reference)
+        if drifts:
+            print(f"drift at {rate:g}/s (prefill / decode / P-busy stretch, per repeat): "
+                  + ", ".join(f"{d.prefill:.3f} / {d.decode:.3f} / {d.stretch:.3f}"
+                              for d in drifts))
 
 
 def print_points(points: list[Point]) -> None:

@@ -9,7 +9,7 @@ import pytest
 from splitserve.bench.client import RequestRecord
 from splitserve.bench.workload import ArrivalSpec, LengthDist, WorkloadSpec
 from splitserve.sim.deployment import SimConfig
-from splitserve.sim.drift import Speed, scaled
+from splitserve.sim.drift import Drift, Speed, scaled
 from splitserve.sim.model import DecodeCost, SplitCost
 from splitserve.sim.validate import METRICS, compare, simulate_point
 from splitserve.sim.workload import SimWorkload
@@ -27,7 +27,9 @@ def test_speed_is_median_ttft_and_median_gap_after_t2() -> None:
     speed = Speed.of(recs)
     assert speed.ttft_s == pytest.approx(0.11)
     assert speed.gap_s == pytest.approx(0.02)  # gaps 0.01 x3, 0.02 x6
-    assert speed.drift(Speed(0.055, 0.01)) == pytest.approx((2.0, 2.0))
+    drift = speed.drift(Speed(0.055, 0.01))
+    assert (drift.prefill, drift.decode) == pytest.approx((2.0, 2.0))
+    assert drift.stretch == 1.0  # no stretch reading on either side
     assert Speed.mean([Speed(0.1, 0.01), Speed(0.2, 0.03)]) == Speed(pytest.approx(0.15),
                                                                       pytest.approx(0.02))
 
@@ -85,3 +87,64 @@ def test_validation_points_carry_the_drift_adjusted_simulation() -> None:
     assert all(p.adjusted is None for p in compare(prof, cfg, spec, (1.0,), real))
     real[1.0][1] = {m: slow[m] for m in METRICS}
     assert all(p.sim_adjusted is None for p in compare(prof, cfg, spec, (1.0,), real, ref))
+
+
+SPLIT = SplitCost(0.002, 1.1, 0.003, 1e-6, DecodeCost(0.008, 1e-6, 4e-4), cpu_p_s=0.02,
+                  cpu_d_s=0.01, p_busy_stretch=0.2, arrive_s=0.001, t1_s=0.004, join_s=0.003,
+                  finish_s=0.002, gap_jitter_s=((-0.002, 500), (0.004, 500)),
+                  interference=((1.0, 0.2, 0.001, 0.004, 0.003, 0.002),
+                                (4.0, 0.05, 0.002, 0.005, 0.004, 0.003)))
+
+
+def test_drift_carries_the_stretch_factor_ratio() -> None:
+    now, ref = Speed(0.1, 0.01, 1.32), Speed(0.1, 0.01, 1.1)
+    assert now.drift(ref) == Drift(1.0, 1.0, pytest.approx(1.2))
+    assert now.drift(Speed(0.1, 0.01)).stretch == 1.0  # reference without a stretch reading
+    assert Speed(0.1, 0.01).drift(ref).stretch == 1.0
+    mean = Speed.mean([Speed(0.1, 0.01, 1.1), Speed(0.2, 0.03), Speed(0.3, 0.02, 1.3)])
+    assert mean.stretch == pytest.approx(1.2)  # over the canaries that read one
+    assert Speed.mean([Speed(0.1, 0.01), Speed(0.2, 0.03)]).stretch is None
+
+
+def test_a_stretch_ratio_scales_exactly_the_p_busy_stretch_terms() -> None:
+    prof = replace(make_profile(), split=SPLIT, gap_jitter_s=((-0.001, 500), (0.003, 500)))
+    got = scaled(prof, 1.0, 1.0, 1.1)
+    s = got.split
+    assert s is not None
+    # the factor 1 + k is scaled: (1 + 0.2) · 1.1 − 1 = 0.32, (1 + 0.05) · 1.1 − 1 = 0.155
+    assert s.p_busy_stretch == pytest.approx(0.32)
+    assert [r[1] for r in s.interference] == pytest.approx([0.32, 0.155])
+    assert s.terms(2.0)[0] == pytest.approx(0.32 + (0.155 - 0.32) / 3)
+    # and nothing else: with the stretch terms put back, it is the same profile
+    back = replace(s, p_busy_stretch=SPLIT.p_busy_stretch,
+                   interference=tuple((r[0], o[1], *r[2:])
+                                      for r, o in zip(s.interference, SPLIT.interference,
+                                                      strict=True)))
+    assert back == SPLIT and replace(got, split=SPLIT) == prof
+    # a factor that falls below 1 means no stretch, never a negative one
+    low = scaled(prof, 1.0, 1.0, 0.9).split
+    assert low is not None and low.p_busy_stretch == pytest.approx(0.08)
+    assert [r[1] for r in low.interference] == pytest.approx([0.08, 0.0])
+    # with the other ratios: each on its own terms
+    both = scaled(prof, 1.5, 2.0, 1.1).split
+    assert both is not None and both.p_busy_stretch == pytest.approx(0.32)
+    assert both.decode.a == pytest.approx(0.016) and both.cpu_p_s == pytest.approx(0.03)
+    with pytest.raises(ValueError):
+        scaled(prof, 1.0, 1.0, 0.0)
+
+
+def test_a_scaled_stretch_simulates_as_the_stretch_it_stands_for() -> None:
+    """A profile with stretch 0.2 scaled by a factor ratio 1.25 steps D exactly as one
+    calibrated with stretch 0.5 (1.2 · 1.25 = 1.5) while P prefills."""
+    from splitserve.sim.records import token_times
+    from splitserve.sim.simulator import simulate
+
+    base = SplitCost(0.0, 1.0, 0.05, 0.0, DecodeCost(0.008, 1e-6, 5e-4))
+    wl = SimWorkload.of([0.0, 0.5, 1.2], [200, 1500, 900], [300, 5, 5])
+    cfg = SimConfig("disagg", overlap=False)
+    got = simulate(scaled(replace(make_profile(), split=replace(base, p_busy_stretch=0.2)),
+                          1.0, 1.0, 1.25), cfg, wl)
+    want = simulate(replace(make_profile(), split=replace(base, p_busy_stretch=0.5)), cfg, wl)
+    plain = simulate(replace(make_profile(), split=replace(base, p_busy_stretch=0.2)), cfg, wl)
+    assert token_times(got)[0] == pytest.approx(token_times(want)[0], rel=1e-12)
+    assert token_times(got)[0][-1] > token_times(plain)[0][-1]

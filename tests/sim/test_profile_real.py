@@ -11,7 +11,7 @@ import pytest
 
 from splitserve.config import WorkerConfig
 from splitserve.demo_model import ModelSpec, build_checkpoint
-from splitserve.sim.drift import CanaryPlan, run_canary
+from splitserve.sim.drift import CanaryPlan, Drift, run_canary
 from splitserve.sim.model import load_profile, save_profile
 from splitserve.sim.profile import ProfilePlan, profile_worker
 from splitserve.worker.launch import free_port, installed_vllm_version, start_worker, wait_healthy
@@ -51,4 +51,4 @@ def test_profile_a_real_worker(tmp_path: Path) -> None:
     assert load_profile(tmp_path / "p.json", engine_version=installed_vllm_version()) == prof
     # the drift canary reads the same worker: a prefill of 200 tokens, then decode steps
     assert 0 < canary.gap_s < 1 and 0 < canary.ttft_s < 5
-    assert canary.drift(canary) == (1.0, 1.0)
+    assert canary.drift(canary) == Drift(1.0, 1.0, 1.0) and canary.stretch is None
