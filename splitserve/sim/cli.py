@@ -265,7 +265,10 @@ def run_validate(args: argparse.Namespace) -> int:
                     save_profile(prof, Path(args.out).with_suffix(".profile.json"))
             real = measure(url)
     points = compare(prof, cfg, spec, rates, real, reference)
-    print_drifts(real, reference)
+    if cfg.mode == "disagg":  # P's busy windows are one P's; read against D's calibrated step
+        print_drifts(real, reference, prof.split.decode if prof.split else prof.decode)
+    else:
+        print_drifts(real, reference)
     print_points(points)
     if args.out and not args.real_json:  # the raw measured runs, for a later --real-json
         raw = Path(args.out).with_suffix(".runs.json")

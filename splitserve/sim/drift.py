@@ -39,9 +39,11 @@ from splitserve.bench.workload import Request
 from splitserve.sim.interference import (
     InterferencePlan,
     Pace,
+    Row,
     background_tokens,
     gap_rows,
     probe_stream,
+    workload_rows,
 )
 from splitserve.sim.model import DecodeCost, PrefillCost, Profile, SplitCost
 from splitserve.sim.profile import _prompt, _run
@@ -150,14 +152,24 @@ def run_canary(url: str, plan: CanaryPlan = CanaryPlan()) -> Speed:
     return Speed.of(_run(url, reqs, concurrency=1))
 
 
+def _ratio(rows: list[Row]) -> float | None:
+    try:
+        return Pace.of(rows).ratio
+    except RuntimeError:  # too few clean gaps while P idles
+        return None
+
+
 def stretch_of(recs: list[RequestRecord], decode: DecodeCost) -> float | None:
     """The stretch canary's records (the stream first) → D's pace while P prefills over its
     pace while P idles, each gap over `decode`'s step at its batch and context; None with too
     few clean gaps of either kind."""
-    try:
-        return Pace.of(gap_rows(recs, 1, decode)).ratio
-    except RuntimeError:
-        return None
+    return _ratio(gap_rows(recs, 1, decode))
+
+
+def workload_stretch(recs: list[RequestRecord], decode: DecodeCost) -> float | None:
+    """The same factor read off a measured 1P+1D run's own records (all its streams' clean
+    gaps, `interference.workload_rows`): what the canary before it stood for."""
+    return _ratio(workload_rows(recs, decode))
 
 
 def run_stretch_canary(url: str, decode: DecodeCost, plan: StretchPlan = StretchPlan()

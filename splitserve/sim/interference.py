@@ -19,6 +19,7 @@ next), over events whose two gaps hold no other event.
 
 from __future__ import annotations
 
+import bisect
 import statistics
 from dataclasses import dataclass
 from typing import Any
@@ -79,29 +80,46 @@ def _p_busy(recs: list[RequestRecord]) -> list[tuple[float, float]]:
 Row = tuple[int, float, float, float, tuple[str, ...]]
 
 
-def gap_rows(recs: list[RequestRecord], bg: int, decode: DecodeCost) -> list[Row]:
-    """(stream, gap s, D's calibrated step s, P-busy fraction, events in the gap) for every
-    background gap while all background streams decode, in time order per stream (records in
-    request order, background first)."""
-    back, inj = recs[:bg], recs[bg:]
-    start = max(r.chunk_times[1] for r in back)
-    end = min(r.chunk_times[-1] for r in back)
+def _events(recs: list[RequestRecord]) -> list[tuple[str, float]]:
+    return [(name, t) for r in recs
+            for name, t in zip(EVENTS, (r.send_s, r.chunk_times[0], r.chunk_times[1],
+                                        r.chunk_times[-1]), strict=True)]
+
+
+def _rows(recs: list[RequestRecord], streams: range, events: list[tuple[str, float]],
+          decode: DecodeCost, start: float = -np.inf, end: float = np.inf) -> list[Row]:
+    """The rows of `recs[i]`'s gaps from t2 on, i in `streams`, inside [start, end]."""
     busy = _p_busy(recs)
-    events = [(name, t) for r in inj
-              for name, t in zip(EVENTS, (r.send_s, r.chunk_times[0], r.chunk_times[1],
-                                          r.chunk_times[-1]), strict=True)]
     rows = []
-    for i, r in enumerate(back):
-        t = r.chunk_times
+    for i in streams:
+        t = recs[i].chunk_times
         for a, b in zip(t[1:], t[2:], strict=False):
             if a < start or b > end or b <= a:
                 continue
             live = [q for q in recs if q.chunk_times[1] <= b <= q.chunk_times[-1]]
-            ctx = sum(q.input_len + sum(1 for x in q.chunk_times if x <= a) for q in live)
+            ctx = sum(q.input_len + bisect.bisect_right(q.chunk_times, a) for q in live)
             pb = sum(max(0.0, min(b, e) - max(a, s)) for s, e in busy) / (b - a)
             here = tuple(n for n, x in events if a < x <= b)
             rows.append((i, b - a, decode.time(len(live), ctx), pb, here))
     return rows
+
+
+def gap_rows(recs: list[RequestRecord], bg: int, decode: DecodeCost) -> list[Row]:
+    """(stream, gap s, D's calibrated step s, P-busy fraction, events in the gap) for every
+    background gap while all background streams decode, in time order per stream (records in
+    request order, background first); the events are the injected requests'."""
+    back = recs[:bg]
+    return _rows(recs, range(bg), _events(recs[bg:]), decode,
+                 max(r.chunk_times[1] for r in back), min(r.chunk_times[-1] for r in back))
+
+
+def workload_rows(recs: list[RequestRecord], decode: DecodeCost) -> list[Row]:
+    """The same rows for every gap from t2 on of every request of a measured 1P+1D run (P is
+    one worker), with every request's events: `Pace.of` them is the P-busy stretch that run
+    met (a diagnostic for the stretch canary). Requests with fewer than 2 chunks are left
+    out."""
+    recs = [r for r in recs if len(r.chunk_times) >= 2]
+    return _rows(recs, range(len(recs)), _events(recs), decode)
 
 
 MIN_IDLE_GAPS, MIN_BUSY_GAPS = 10, 5

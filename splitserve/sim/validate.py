@@ -32,12 +32,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from splitserve.bench.client import ClientConfig
+from splitserve.bench.client import ClientConfig, RequestRecord
 from splitserve.bench.runner import RunOptions, run_once
 from splitserve.bench.workload import WorkloadSpec
 from splitserve.sim.deployment import SimConfig
-from splitserve.sim.drift import Canary, Drift, Speed, scaled
-from splitserve.sim.model import Profile
+from splitserve.sim.drift import Canary, Drift, Speed, scaled, workload_stretch
+from splitserve.sim.model import DecodeCost, Profile
 from splitserve.sim.results import summarize
 from splitserve.sim.simulator import simulate
 from splitserve.sim.workload import arrays_from_spec
@@ -217,14 +217,29 @@ def launched(cfg: SimConfig, cpus: tuple[int, ...] | None, token_budget: int,
         yield deployment.url
 
 
-def print_drifts(real: dict[float, list[dict[str, Any]]], reference: Speed | None) -> None:
-    """Each repeat's drift (prefill, decode, P-busy stretch ratios), one line per rate."""
+def print_drifts(real: dict[float, list[dict[str, Any]]], reference: Speed | None,
+                 decode: DecodeCost | None = None) -> None:
+    """Each repeat's drift (prefill, decode, P-busy stretch ratios), one line per rate; with
+    `decode` (D's calibrated step) and the repeats' per-request records, also the P-busy
+    stretch factor each repeat met (`drift.workload_stretch`) next to its canary's."""
     for rate, runs in sorted(real.items()):
         drifts = repeat_drifts(runs, reference)
-        if drifts:
-            print(f"drift at {rate:g}/s (prefill / decode / P-busy stretch, per repeat): "
-                  + ", ".join(f"{d.prefill:.3f} / {d.decode:.3f} / {d.stretch:.3f}"
-                              for d in drifts))
+        if not drifts:
+            continue
+        print(f"drift at {rate:g}/s (prefill / decode / P-busy stretch, per repeat): "
+              + ", ".join(f"{d.prefill:.3f} / {d.decode:.3f} / {d.stretch:.3f}"
+                          for d in drifts))
+        if decode is None or any(not r.get("requests") for r in runs):
+            continue
+        met = [workload_stretch([RequestRecord.from_dict(q) for q in r["requests"]], decode)
+               for r in runs]
+        print(f"P-busy stretch factor at {rate:g}/s, canary / met by the repeat: "
+              + ", ".join(f"{_f(Speed.from_dict(r['canary']).stretch)} / {_f(m)}"
+                          for r, m in zip(runs, met, strict=True)))
+
+
+def _f(x: float | None) -> str:
+    return "–" if x is None else f"{x:.3f}"
 
 
 def print_points(points: list[Point]) -> None:

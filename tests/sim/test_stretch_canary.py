@@ -14,7 +14,15 @@ from splitserve.bench.client import RequestRecord
 from splitserve.bench.workload import ArrivalSpec, LengthDist, WorkloadSpec
 from splitserve.sim import drift
 from splitserve.sim.deployment import SimConfig
-from splitserve.sim.drift import Canary, CanaryPlan, Speed, StretchPlan, scaled, stretch_of
+from splitserve.sim.drift import (
+    Canary,
+    CanaryPlan,
+    Speed,
+    StretchPlan,
+    scaled,
+    stretch_of,
+    workload_stretch,
+)
 from splitserve.sim.model import DecodeCost, Profile, SplitCost, save_profile
 from splitserve.sim.records import request_records
 from splitserve.sim.simulator import simulate
@@ -56,6 +64,10 @@ def test_stretch_is_the_busy_over_idle_pace_of_the_streams_clean_gaps() -> None:
     # no prefill during the stream: no stretch reading; a stream too short: none either
     assert stretch_of(recs[:1], DecodeCost(IDLE, 0.0, 0.0)) is None
     assert stretch_of([_rec(0, 0.0, [0.05, 0.06, 0.07, 0.08])], DecodeCost(IDLE, 0.0)) is None
+    # a measured run's own records: every stream's clean gaps, every request's events
+    two = [*recs, _rec(3, 0.0, [t + 0.003 for t in _stream(2.9)]), _rec(4, 0.5, [])]
+    assert workload_stretch(two, DecodeCost(IDLE, 0.0, 0.0)) == pytest.approx(BUSY / IDLE)
+    assert workload_stretch(recs[:1], DecodeCost(IDLE, 0.0, 0.0)) is None
 
 
 DEC = DecodeCost(0.008, 1e-6, 5e-4)
