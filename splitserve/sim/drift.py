@@ -10,7 +10,7 @@ the calibration (the mean of the two is the reference) and before every measured
 
 - the **speed canary** (`CanaryPlan`): lone requests of one prompt length, each decoding a few
   tokens; its median TTFT (prefill speed) and median decode gap (decode speed);
-- for a disaggregated deployment, the **stretch canary** (`StretchPlan`, ~6 s): one decode
+- for a disaggregated deployment, the **stretch canary** (`StretchPlan`, ~8 s): one decode
   stream on D, through the router, while a few long prompts prefill on P one after another;
   read like the interference probe at one background stream (`interference.gap_rows`,
   `interference.Pace`), its D-pace while P prefills over its pace while P idles is the P-busy
@@ -69,7 +69,9 @@ class StretchPlan:
     """The stretch canary: one stream (prompt `stream_prompt`) decodes on D while `prefills`
     prompts of `prompt` tokens arrive `spacing_s` apart from `first_s` on, each asking 3 tokens
     (t1, its leg joining D, its end), so P prefills each alone for ~0.3 s (the demo model on one
-    core) and idles in between: ~6 s in all, ~100 clean gaps of each kind."""
+    core) and idles in between. The stream is sized to outlast the injections with a 1.5×
+    margin at the given decode pace (`interference.background_tokens`): 826 tokens on the demo
+    profile, ~8 s at 9 ms a step; ~100 clean gaps while P prefills, several hundred idle."""
 
     prompt: int = 1024
     prefills: int = 4
