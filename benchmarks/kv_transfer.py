@@ -58,7 +58,7 @@ def ours(ch: PushChannel, tokens: int, staging: StagingArea, src: list[torch.Ten
     t0 = time.perf_counter()
     ch.begin(tid, tokens, SHAPE.transfer_bytes(tokens), 30.0)
     for layer, cache in enumerate(src):
-        ch.push_layer(LayerItem(tid, layer, 0, tokens, cache, blocks))
+        ch.push_layer(LayerItem(tid, layer, 0, tokens, paged_kv(cache), blocks))
     ch.end(tid)
     while not (st := ch.poll(tid)).settled:
         time.sleep(0.0002)

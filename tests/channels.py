@@ -23,7 +23,7 @@ def push(ch: PushChannel, tid: str, caches: list[torch.Tensor], blocks: tuple[in
     ch.begin(tid, n, SHAPE.transfer_bytes(n), ack_timeout_s=5.0)
     for s, e in chunks:
         for layer, cache in enumerate(caches):
-            ch.push_layer(LayerItem(tid, layer, s, e, cache, blocks))
+            ch.push_layer(LayerItem(tid, layer, s, e, paged_kv(cache), blocks))
     ch.end(tid)
 
 

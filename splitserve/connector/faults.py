@@ -38,6 +38,10 @@ class Faults:
     def _has(self, transfer_id: str, marker: str) -> bool:
         return self.enabled and marker in transfer_id
 
+    def marks(self, transfer_id: str) -> bool:
+        """The transfer asks for some fault (its layers then take the sender thread's path)."""
+        return self._has(transfer_id, "fault-")
+
     def corrupt_layer(self, transfer_id: str, layer: int) -> bool:
         return layer == 1 and self._has(transfer_id, "fault-corrupt")
 

@@ -67,9 +67,13 @@ def paged_kv(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def chunk_views(region: torch.Tensor, heads: int, head_dim: int, n: int
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A (layer, chunk) staging region (uint8) as K `[H, D, n]` and V `[H, n, D]`."""
-    half = region.numel() // 2
-    return region[:half].view(heads, head_dim, n), region[half:].view(heads, n, head_dim)
+    """A (layer, chunk) staging region (1-D, the KV dtype) as K `[H, D, n]` and V `[H, n, D]`."""
+    off = region.storage_offset()
+    half = heads * head_dim * n
+    if region.numel() != 2 * half or not region.is_contiguous():
+        raise ValueError(f"a chunk of {n} tokens needs {2 * half} contiguous elements")
+    return (region.as_strided((heads, head_dim, n), (head_dim * n, n, 1), off),
+            region.as_strided((heads, n, head_dim), (n * head_dim, head_dim, 1), off + half))
 
 
 def block_runs(block_ids: BlockIds, block_size: int, start: int, end: int
@@ -101,21 +105,27 @@ def copy_tokens(k_paged: torch.Tensor, v_paged: torch.Tensor, block_ids: BlockId
                 to_paged: bool) -> None:
     """Copy tokens [start, end) between paged blocks and token-contiguous rows.
 
-    `k_rows [H, D, n]` / `v_rows [H, n, D]` hold tokens [base, base + n). One strided copy per run
-    of whole consecutive blocks, one per partial block.
+    `k_rows [H, D, n]` / `v_rows [H, n, D]` hold tokens [base, base + n). One strided copy each
+    for K and V per run of whole consecutive blocks, and per partial block. Views are made by
+    `as_strided` from the operands' own strides (any strided operand works): this runs per
+    layer on P's forward path and D's load, where slicing and permuting cost more than the copy.
     """
     bs = k_paged.shape[3]
+    ks0, ks1, ks2, ks3 = k_paged.stride()  # [nb, H, D, bs]
+    vs0, vs1, vs2, vs3 = v_paged.stride()  # [nb, H, bs, D]
+    kr0, kr1, kr2 = k_rows.stride()  # [H, D, n]
+    vr0, vr1, vr2 = v_rows.stride()  # [H, n, D]
+    h, d = k_paged.shape[1], k_paged.shape[2]
+    k_off, v_off = k_paged.storage_offset(), v_paged.storage_offset()
+    kr_off, vr_off = k_rows.storage_offset(), v_rows.storage_offset()
     for block, nblk, off, t, n in block_runs(block_ids, bs, start, end):
-        r = t - base
-        if nblk > 1 or (off == 0 and n == bs):
-            kp = k_paged[block:block + nblk].permute(1, 2, 0, 3)  # [H, D, nblk, bs]
-            vp = v_paged[block:block + nblk].permute(1, 0, 2, 3)  # [H, nblk, bs, D]
-            h, d = kp.shape[0], kp.shape[1]
-            kr = k_rows[:, :, r:r + n].reshape(h, d, nblk, bs)
-            vr = v_rows[:, r:r + n, :].reshape(h, nblk, bs, d)
-        else:
-            kp, vp = k_paged[block, :, :, off:off + n], v_paged[block, :, off:off + n, :]
-            kr, vr = k_rows[:, :, r:r + n], v_rows[:, r:r + n, :]
+        r, per = t - base, n // nblk  # per: tokens per block of the run (bs, or n if partial)
+        kp = k_paged.as_strided((h, d, nblk, per), (ks1, ks2, ks0, ks3),
+                                k_off + block * ks0 + off * ks3)
+        vp = v_paged.as_strided((h, nblk, per, d), (vs1, vs0, vs2, vs3),
+                                v_off + block * vs0 + off * vs2)
+        kr = k_rows.as_strided((h, d, nblk, per), (kr0, kr1, per * kr2, kr2), kr_off + r * kr2)
+        vr = v_rows.as_strided((h, nblk, per, d), (vr0, per * vr1, vr1, vr2), vr_off + r * vr1)
         if to_paged:
             kp.copy_(kr)
             vp.copy_(vr)

@@ -163,4 +163,6 @@ class KVListener:
         if xxhash.xxh3_64_hexdigest(view) != body.get("checksum"):
             staging.fail(st, "checksum_mismatch")
             return
-        staging.layer_received(st, layer, end - start)
+        written = body.get("written_s")
+        staging.layer_received(st, layer, end - start,
+                               float(written) if isinstance(written, int | float) else None)

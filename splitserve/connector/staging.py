@@ -137,10 +137,14 @@ class StagingArea:
             raise ValueError("write outside the transfer's region")
         return memoryview(self.segment.tensor[base:base + nbytes].numpy())
 
-    def layer_received(self, st: StagedTransfer, layer: int, tokens: int) -> None:
+    def layer_received(self, st: StagedTransfer, layer: int, tokens: int,
+                       written_s: float | None = None) -> None:
+        """`written_s`: when P wrote the payload into shared memory (its frame comes later)."""
         with self._lock:
-            if st.record.first_byte_s is None:
-                st.record.first_byte_s = time.time()
+            now = time.time()
+            first = min(now, written_s) if written_s is not None else now
+            if st.record.first_byte_s is None or first < st.record.first_byte_s:
+                st.record.first_byte_s = first
             st.tokens_per_layer[layer] += tokens
 
     def end(self, st: StagedTransfer) -> bool:

@@ -32,6 +32,11 @@ class TransferRecord:
     load_s: float | None = None  # D: seconds to copy staged KV into vLLM's blocks
     loaded_tokens: int | None = None  # D: tokens copied (fewer when D had a prefix-cache hit)
     load_mode: str | None = None  # D: "sync" (complete when scheduled) or "async" (waited)
+    # P: seconds spent copying this transfer's KV out of P's blocks (gather and checksum) on the
+    # forward thread (on the forward pass's path); and on its layers by the sender thread
+    # (copies before BEGIN was answered or for fault-marked transfers; tcp: their sends too)
+    copy_forward_s: float = 0.0
+    sender_layers_s: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)

@@ -1,8 +1,9 @@
 """The connector's worker side (the process that owns the KV cache).
 
-P: after each layer, queue that layer's KV for the scheduled token range on the channel to D
-(no copy on the forward path: the sender reads P's blocks, which stay held until the push is
-settled). D: a listener receives pushes into the staging area; a decode request's load is
+P: after each layer, hand that layer's KV for the scheduled token range to the channel to D,
+which copies it out of P's blocks on this thread once D has opened the transfer (the sender
+thread before then, or for fault-marked transfers); P's blocks stay held until the push is
+settled. D: a listener receives pushes into the staging area; a decode request's load is
 registered in `start_load_kv` and completed in `get_transfer_results` once its transfer is
 complete and verified — never blocking the running batch — or reported failed (late, short,
 corrupt, refused, peer gone), which vLLM's `kv_load_failure_policy` turns into a recompute or
@@ -154,6 +155,9 @@ class WorkerSide:
     def save_kv_layer(self, meta: SplitserveMeta, layer_name: str, kv_layer: torch.Tensor
                       ) -> None:
         layer = self._layers[layer_name]
+        paged = self._paged[layer]
+        if kv_layer.data_ptr() != paged[0].data_ptr():  # the views made at registration
+            raise RuntimeError(f"vLLM moved the KV cache of {layer_name} after registration")
         for spec in meta.saves:
             send = self._sends.get(spec.request_id)
             if send is None:
@@ -167,7 +171,7 @@ class WorkerSide:
             if send.ended:
                 continue
             send.channel.push_layer(LayerItem(spec.transfer_id, layer, spec.start, spec.end,
-                                              kv_layer, spec.block_ids))
+                                              paged, spec.block_ids))
 
     def wait_for_save(self, meta: SplitserveMeta) -> None:
         for spec in meta.saves:

@@ -3,6 +3,7 @@ over both transports; corruption, refusal and a vanished peer settle the transfe
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -10,12 +11,13 @@ import torch
 from channels import FP, SHAPE, assert_staged_equals, push, settle
 
 from splitserve.connector.faults import Faults
+from splitserve.connector.layout import paged_kv, region_offset
 from splitserve.connector.listener import KVListener
 from splitserve.connector.staging import StagingArea
 from splitserve.connector.stats import ConnectorStats
-from splitserve.connector.transport.base import PushChannel
+from splitserve.connector.transport.base import LayerItem, PushChannel
 from splitserve.connector.transport.shm import ShmPushChannel
-from splitserve.connector.transport.tcp import TcpPushChannel
+from splitserve.connector.transport.tcp import BufferPool, TcpPushChannel
 
 TOKEN = "channel-test-token-0123456789"
 CHANNELS = {"tcp": TcpPushChannel, "shm": ShmPushChannel}
@@ -83,4 +85,90 @@ def test_vanished_peer_fails_pending_transfers() -> None:
     push(ch, "lost", [torch.randn(2, 2, 64, 64)] * 2, (0,), [(0, 10)])
     assert settle(ch, "lost") == "failed"
     assert ch.poll("lost").record.cause == "peer_unreachable"
+    ch.close()
+
+
+def staged_region(staging: StagingArea, offset: int, start: int, end: int, layer: int
+                  ) -> torch.Tensor:
+    """D's staging bytes of an open transfer at `offset` (BEGIN_OK's), before END."""
+    base = offset + region_offset(SHAPE, start, end, layer)
+    return staging.segment.tensor[base:base + (end - start) * SHAPE.bytes_per_token_layer]
+
+
+def test_open_shm_transfer_is_copied_on_the_calling_thread(
+        listener: tuple[KVListener, StagingArea]) -> None:
+    """Once D answered BEGIN, push_layer has written the layer into D's staging before it
+    returns (no sender thread involved); END then sends every held frame and D verifies."""
+    lis, staging = listener
+    torch.manual_seed(3)
+    caches = [torch.randn(4, 2, 64, 64) for _ in range(2)]
+    ch = channel("shm", lis.port)
+    st = ch.begin("inline-shm", 120, SHAPE.transfer_bytes(120), ack_timeout_s=5.0)
+    assert st.began.wait(5.0) and st.offset >= 0
+    region = staged_region(staging, st.offset, 0, 120, 0)
+    region.zero_()
+    ch.push_layer(LayerItem("inline-shm", 0, 0, 120, paged_kv(caches[0]), (2, 0)))
+    assert bool(region.any()) and len(st.unsent) == 1  # copied now; its frame held for END
+    assert st.record.copy_forward_s > 0 and st.record.sender_layers_s == 0
+    ch.push_layer(LayerItem("inline-shm", 1, 0, 120, paged_kv(caches[1]), (2, 0)))
+    ch.end("inline-shm")
+    assert settle(ch, "inline-shm") == "acked"
+    staged = staging.claim("inline-shm")
+    assert staged is not None and staged.record.first_byte_s is not None
+    assert staged.record.first_byte_s <= staged.record.complete_s
+    assert_staged_equals(staging, staged, caches, (2, 0), ((0, 120),))
+    staging.release(staged, "loaded")
+    ch.close()
+
+
+@pytest.mark.parametrize("pool_bytes", [64 * 1024**2, 0], ids=["pooled", "pool-exhausted"])
+def test_tcp_gathers_into_pooled_buffers_or_leaves_it_to_the_sender(
+        listener: tuple[KVListener, StagingArea], pool_bytes: int) -> None:
+    lis, staging = listener
+    torch.manual_seed(4)
+    caches = [torch.randn(5, 2, 64, 64) for _ in range(2)]
+    ch = channel("tcp", lis.port)
+    ch._pool = pool = BufferPool(pool_bytes)
+    push(ch, f"tcp-{pool_bytes}", caches, (3, 1, 4), [(0, 64), (64, 150)])
+    assert settle(ch, f"tcp-{pool_bytes}") == "acked"
+    assert pool.allocated <= pool_bytes and (pool.allocated > 0) == (pool_bytes > 0)
+    rec = ch.poll(f"tcp-{pool_bytes}").record  # who copied: the caller, or the sender thread
+    assert (rec.copy_forward_s > 0, rec.sender_layers_s > 0) == (
+        (True, False) if pool_bytes else (False, True))
+    staged = staging.claim(f"tcp-{pool_bytes}")
+    assert staged is not None
+    assert_staged_equals(staging, staged, caches, (3, 1, 4), ((0, 64), (64, 150)))
+    staging.release(staged, "loaded")
+    ch.close()
+
+
+def test_buffer_pool_reuses_and_bounds() -> None:
+    pool = BufferPool(1000)
+    a = pool.take(600)
+    assert a is not None and a.numel() == 600
+    assert pool.take(500) is None  # 1,100 > 1,000 allocated
+    pool.give(a)
+    assert pool.take(400) is a  # a free buffer that fits is reused, not a new one
+    pool.give(a)
+    b = pool.take(900)  # none fits: the free 600 is dropped to make room
+    assert b is not None and b is not a and pool.allocated == 900
+
+
+def test_a_failing_copy_fails_its_transfer_not_the_caller(
+        listener: tuple[KVListener, StagingArea]) -> None:
+    """A copy that raises on the forward thread (here: block ids that do not cover the chunk)
+    settles the transfer as failed and D frees its region; push_layer itself returns."""
+    lis, staging = listener
+    ch = channel("shm", lis.port)
+    st = ch.begin("bad-blocks", 200, SHAPE.transfer_bytes(200), ack_timeout_s=5.0)
+    assert st.began.wait(5.0)
+    ch.push_layer(LayerItem("bad-blocks", 0, 0, 200, paged_kv(torch.randn(2, 2, 64, 64)), (0,)))
+    ch.end("bad-blocks")
+    assert settle(ch, "bad-blocks") == "failed"
+    assert ch.poll("bad-blocks").record.cause == "internal_error"
+    deadline = time.monotonic() + 5.0
+    while staging.state()["staged_bytes"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert staging.state()["staged_bytes"] == 0
+    assert staging.final_status("bad-blocks") == "failed"
     ch.close()

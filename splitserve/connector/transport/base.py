@@ -1,23 +1,32 @@
 """P's side of the KV channel: one authenticated connection to one D, fed by a queue.
 
 Contract (the swap point between transports):
-- `PushChannel.submit` never blocks the forward pass; a sender thread does the I/O.
-- A transport only decides how a LAYER's payload reaches D's staging region and when its frame
-  leaves (`write_payload`: sent at once, or held in `SendState.unsent`, which goes out with END
-  in one send); framing, handshake, BEGIN/END/ABORT and ACK handling are shared here.
+- `push_layer` runs on the forward thread. Once a transfer is open it copies the layer's KV out
+  of P's blocks right there (`stage_now`): the layer was just written, so it is hot in cache,
+  and no thread switch or lock hand-over is paid per layer. Before that (BEGIN not yet answered),
+  for transfers marked by test faults, or when the transport has no room, the sender thread
+  copies it instead. The forward thread never does socket I/O: a sender thread sends everything.
+- A transport decides how a LAYER's payload reaches D's staging region and when its frame
+  leaves (`stage_now` on the forward thread, `write_payload` on the sender's: frame and payload
+  sent by the sender, or a payload-less frame held in `SendState.unsent`, which goes out with
+  END in one send); framing, handshake, BEGIN/END/ABORT and ACK handling are shared here.
+  A copy that raises fails its transfer (D then recomputes), never the forward pass.
 - Every transfer ends in exactly one of: `acked` (D verified it), `failed` (refused, peer gone,
   D reported a failure, or no ACK in time), or `cancelled`. `is_settled` tells the worker when
   P's blocks may be freed: once settled, the channel never touches the transfer's blocks again.
+  Copies on the forward thread need no hand-over: `cancel` is called on that thread too.
 """
 
 from __future__ import annotations
 
+import logging
 import queue
 import socket
 import ssl
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +34,7 @@ import torch
 import xxhash
 
 from splitserve.connector.faults import Faults
-from splitserve.connector.layout import KVShape, chunk_views, copy_tokens, paged_kv
+from splitserve.connector.layout import KVShape, chunk_views, copy_tokens
 from splitserve.connector.protocol import (
     Fingerprint,
     Op,
@@ -49,10 +58,9 @@ class SendState:
     status: str = "pending"  # pending | acked | failed | cancelled
     offset: int = -1  # D's staging offset (from BEGIN_OK)
     began: threading.Event = field(default_factory=threading.Event)
-    # LAYER frames whose payload is already in D's staging, held back so that D wakes less
-    # often (sender thread only); they go out with END, or are dropped if the transfer aborts
+    # LAYER frames whose payload is already in D's staging, held back so that D wakes once per
+    # transfer; appended before END is queued, they go out with END, or are dropped on abort
     unsent: list[bytes] = field(default_factory=list)
-    first_layer_sent: bool = False  # shm: the first LAYER frame goes at once, the rest wait
 
     @property
     def settled(self) -> bool:
@@ -67,19 +75,31 @@ class LayerItem:
     layer: int
     start: int
     end: int
-    kv_layer: torch.Tensor
+    paged: tuple[torch.Tensor, torch.Tensor]  # the layer's cache as `paged_kv` views K, V
     block_ids: tuple[int, ...]
 
     def gather_into(self, shape: KVShape, region: torch.Tensor) -> None:
         """Write this chunk's staging bytes (`K [H, D, n]`, `V [H, n, D]`) into `region`."""
-        k_paged, v_paged = paged_kv(self.kv_layer)
+        k_paged, v_paged = self.paged
         k_rows, v_rows = chunk_views(region.view(shape.dtype), shape.num_kv_heads,
                                      shape.head_dim, self.end - self.start)
         copy_tokens(k_paged, v_paged, self.block_ids, k_rows, v_rows, self.start, self.end,
                     self.start, to_paged=False)
 
 
-Item = tuple[str, Any]  # ("begin", SendState) | ("layer", LayerItem) | ("end"|"abort", id)
+@dataclass(frozen=True)
+class ReadyLayer:
+    """A layer already copied out of P's blocks: `parts` (frame, payload) wait for the sender;
+    `release` returns the payload's buffer once sent or dropped."""
+
+    transfer_id: str
+    parts: list[bytes | memoryview]
+    release: Callable[[], None]
+
+
+# ("begin", SendState) | ("layer", LayerItem) | ("send", ReadyLayer) | ("end"|"abort", id)
+Item = tuple[str, Any]
+log = logging.getLogger(__name__)
 
 
 def checksum(data: memoryview) -> str:
@@ -122,7 +142,23 @@ class PushChannel(ABC):
         return st
 
     def push_layer(self, item: LayerItem) -> None:
+        """Called on the forward thread right after the layer's KV was written (see contract)."""
+        st = self._states.get(item.transfer_id)
+        if st is not None and not st.settled and not self._faults.marks(item.transfer_id):
+            t0 = time.perf_counter()
+            try:
+                if self.stage_now(st, item):
+                    st.record.copy_forward_s += time.perf_counter() - t0
+                    return
+            except Exception:
+                log.exception("KV copy of transfer %s failed", item.transfer_id)
+                self._fail(st, "internal_error")
+                self._queue.put(("abort", item.transfer_id))  # D frees its region now
+                return
         self._queue.put(("layer", item))
+
+    def queue_ready(self, ready: ReadyLayer) -> None:
+        self._queue.put(("send", ready))
 
     def end(self, transfer_id: str) -> None:
         self._queue.put(("end", transfer_id))
@@ -171,8 +207,14 @@ class PushChannel(ABC):
         """Prepare the payload path once the handshake succeeded (e.g. map D's segment)."""
 
     @abstractmethod
+    def stage_now(self, st: SendState, item: LayerItem) -> bool:
+        """On the forward thread: copy the chunk out of P's blocks and queue or hold its frame;
+        False (nothing done) if the transport cannot yet, and the sender thread will."""
+
+    @abstractmethod
     def write_payload(self, sock: Conn, st: SendState, item: LayerItem) -> None:
-        """Deliver the chunk's bytes into D's staging region and send its LAYER frame."""
+        """On the sender thread: deliver the chunk's bytes into D's staging region and send
+        (or hold) its LAYER frame."""
 
     # -- the sender thread -------------------------------------------------------------------
     def _ensure_connected(self) -> Conn:
@@ -203,10 +245,12 @@ class PushChannel(ABC):
     def _send_loop(self) -> None:
         while (item := self._queue.get()) is not None:
             kind, payload = item
-            tid = payload.transfer_id if kind in ("begin", "layer") else payload
+            tid = payload if isinstance(payload, str) else payload.transfer_id
             with self._lock:
                 st = self._states.get(tid)
                 if st is None or (st.settled and kind != "abort"):
+                    if kind == "send":
+                        payload.release()
                     continue
                 self._busy_with = tid
             try:
@@ -243,7 +287,15 @@ class PushChannel(ABC):
             self._faults.crash_if(st.transfer_id, "p-mid-push", payload.layer,
                                   self.shape.num_layers)
             sock = self._ensure_connected()
+            t0 = time.perf_counter()
             self.write_payload(sock, st, payload)
+            st.record.sender_layers_s += time.perf_counter() - t0
+        elif kind == "send":
+            try:
+                if st.offset >= 0:
+                    send_parts(self._ensure_connected(), payload.parts)
+            finally:
+                payload.release()
         elif kind == "end":
             if st.offset >= 0:
                 end = encode_frame(Op.END, {"transfer_id": st.transfer_id})

@@ -1,12 +1,14 @@
 """shm transport (same host): P gathers the chunk's rows from its blocks straight into D's
-staging segment (one copy), which it maps after the handshake (the segment is owner-only, 0600),
-then sends the LAYER frame (no inline payload). Only a transfer's first frame goes at once (D
-stamps the transfer's first byte by it); the rest go out with END in one send, so D wakes twice
-per transfer rather than once per layer, and P's core is spared a send per layer during the
-forward pass."""
+staging segment (one copy), which it maps after the handshake (the segment is owner-only, 0600).
+The copy runs on the forward thread once BEGIN_OK named the transfer's offset (the sender thread
+does it before then). LAYER frames carry no payload and are all held until END, so D wakes once
+per transfer and P's core pays no send per layer during the forward pass; each frame carries
+the wall time its payload was written (same host, same clock), which D records as the
+transfer's first byte."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from splitserve.connector.layout import region_offset
@@ -26,16 +28,22 @@ class ShmPushChannel(PushChannel):
         if self._segment is None or self._segment.path != path:
             self._segment = SharedSegment(0, path=str(path))
 
+    def stage_now(self, st: SendState, item: LayerItem) -> bool:
+        if st.offset < 0:
+            return False  # D has not answered BEGIN yet
+        self._stage(st, item)
+        return True
+
     def write_payload(self, sock: Conn, st: SendState, item: LayerItem) -> None:
-        assert self._segment is not None
+        self._stage(st, item)
+
+    def _stage(self, st: SendState, item: LayerItem) -> None:
+        segment = self._segment  # a reconnect may map a new one; this copy keeps its own
+        assert segment is not None
         nbytes = (item.end - item.start) * self.shape.bytes_per_token_layer
         base = st.offset + region_offset(self.shape, item.start, item.end, item.layer)
-        region = self._segment.tensor[base:base + nbytes]
+        region = segment.tensor[base:base + nbytes]
         item.gather_into(self.shape, region)
         header = self.layer_header(item, memoryview(region.numpy()))
-        frame = encode_frame(Op.LAYER, header | {"inline": False})
-        if st.first_layer_sent:
-            st.unsent.append(frame)
-        else:
-            sock.sendall(frame)
-            st.first_layer_sent = True
+        st.unsent.append(encode_frame(Op.LAYER, header | {"inline": False,
+                                                          "written_s": time.time()}))

@@ -1,29 +1,78 @@
-"""tcp transport: P gathers the chunk's rows from its blocks into a reusable send buffer (one
-copy) and sends them with the LAYER frame in one gathering send; D `recv_into`s its staging
-region."""
+"""tcp transport: P gathers the chunk's rows from its blocks into a send buffer (one copy) and
+the sender thread sends them with the LAYER frame in one gathering send; D `recv_into`s its
+staging region. On the forward thread the gather goes into a buffer from a bounded pool, which
+the sender returns once the bytes are on the socket; with the pool exhausted (a slow peer) the
+layer waits for the sender thread, which gathers into its own reusable buffer."""
 
 from __future__ import annotations
 
-from typing import Any
+import threading
 
 import torch
 
 from splitserve.connector.protocol import Op, encode_frame, send_parts
 from splitserve.connector.tls import Conn
-from splitserve.connector.transport.base import LayerItem, PushChannel, SendState
+from splitserve.connector.transport.base import LayerItem, PushChannel, ReadyLayer, SendState
+
+POOL_BYTES = 64 * 1024**2  # payload buffers held for the sender, per channel
+
+
+class BufferPool:
+    """Reusable uint8 buffers, at most `limit` bytes of them allocated at once (thread-safe)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._free: list[torch.Tensor] = []
+        self._allocated = 0
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> torch.Tensor | None:
+        with self._lock:
+            for i, buf in enumerate(self._free):
+                if buf.numel() >= nbytes:
+                    return self._free.pop(i)
+            while self._free and self._allocated + nbytes > self.limit:
+                self._allocated -= self._free.pop().numel()  # too small: make room
+            if self._allocated + nbytes > self.limit:
+                return None
+            self._allocated += nbytes
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def give(self, buf: torch.Tensor) -> None:
+        with self._lock:
+            self._free.append(buf)
+
+    @property
+    def allocated(self) -> int:
+        return self._allocated
 
 
 class TcpPushChannel(PushChannel):
-    _buffer: torch.Tensor | None = None
+    _buffer: torch.Tensor | None = None  # the sender thread's own
+    _pool: BufferPool | None = None
 
-    def on_connected(self, staging_info: dict[str, Any]) -> None:
+    def on_connected(self, staging_info: dict[str, object]) -> None:
         return None
+
+    def stage_now(self, st: SendState, item: LayerItem) -> bool:
+        if self._pool is None:
+            self._pool = BufferPool(POOL_BYTES)
+        pool = self._pool
+        buf = pool.take((item.end - item.start) * self.shape.bytes_per_token_layer)
+        if buf is None:
+            return False
+        parts = self._gather(buf, item)
+        self.queue_ready(ReadyLayer(item.transfer_id, parts, lambda: pool.give(buf)))
+        return True
 
     def write_payload(self, sock: Conn, st: SendState, item: LayerItem) -> None:
         nbytes = (item.end - item.start) * self.shape.bytes_per_token_layer
         if self._buffer is None or self._buffer.numel() < nbytes:
             self._buffer = torch.empty(max(nbytes, 1 << 20), dtype=torch.uint8)
-        region = self._buffer[:nbytes]
+        send_parts(sock, self._gather(self._buffer, item))
+
+    def _gather(self, buf: torch.Tensor, item: LayerItem) -> list[bytes | memoryview]:
+        region = buf[:(item.end - item.start) * self.shape.bytes_per_token_layer]
         item.gather_into(self.shape, region)
         payload = memoryview(region.numpy())
-        send_parts(sock, [encode_frame(Op.LAYER, self.layer_header(item, payload)), payload])
+        return [encode_frame(Op.LAYER, self.layer_header(item, payload)), payload]
