@@ -288,6 +288,8 @@ def create_app(cfg: RouterConfig, token: str | None, api_key: str | None = None,
                 t.first_sent = time.monotonic()
                 yield b"".join(sse(ev) for ev in (*start, first))
                 if pre.decode is not None:
+                    if joiner.text_stream is not None:  # at D's leg's first wait, not before it
+                        asyncio.get_running_loop().call_soon(joiner.text_stream.prime)
                     async for chunk in st.flow.decode(legs, rid, pre, joiner, t):
                         if t.t2_sent is None:
                             t.t2_sent = time.monotonic()

@@ -94,8 +94,10 @@ class Joiner:
         """One token chunk. The first one carries the prompt ids (completions), as vLLM's does."""
         first = not self.produced
         if self.text_stream is not None:
-            computed = self.text_stream.text(token_ids, finish_reason)
-            text = text if first else computed  # t1's text is P's own, from the same state
+            if first:  # t1's text is P's own, from the same state
+                self.text_stream.known(token_ids)
+            else:
+                text = self.text_stream.text(token_ids, finish_reason)
         self.produced += token_ids
         self.texts.append(text)
         self.finish_reason, self.stop_reason = finish_reason, stop_reason

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import tokenizers
 from transformers import AutoTokenizer
 
@@ -20,7 +21,8 @@ def colocated_texts(backend: tokenizers.Tokenizer, prompt: list[int], out: list[
     return [stream.step(backend, t) or "" for t in out]
 
 
-def test_partial_character_at_t1(llama_ckpt: Path) -> None:
+@pytest.mark.parametrize("primed_after_t1", [True, False], ids=["primed", "lazy"])
+def test_partial_character_at_t1(llama_ckpt: Path, primed_after_t1: bool) -> None:
     tok = AutoTokenizer.from_pretrained(str(llama_ckpt))
     backend = tok._tokenizer
     partial = [i for i in range(6, tok.vocab_size) if "\ufffd" in backend.decode([i])]
@@ -37,6 +39,9 @@ def test_partial_character_at_t1(llama_ckpt: Path) -> None:
     joiner.text_stream = text_stream(tok, prompt, {})
     joiner.start(prompt, None)
     got = [joiner.tokens(want[0], out[:1], None, None)["choices"][0]["text"]]
+    assert joiner.text_stream is not None and joiner.text_stream.stream is None  # t1: no prime
+    if primed_after_t1:  # as the router does once t1 is sent; else the next token primes it
+        joiner.text_stream.prime()
     got += [joiner.tokens("D's wrong text", [t], None, None)["choices"][0]["text"]
             for t in out[1:]]
     assert got == want
