@@ -6,6 +6,7 @@ import contextlib
 import ctypes
 import json
 import os
+import random
 import signal
 import statistics
 import subprocess
@@ -44,6 +45,12 @@ def timed_stream(client: httpx.Client, url: str, body: dict[str, Any]) -> Stream
             elif line.startswith(": splitserve-timings "):
                 t.server = json.loads(line.split(" ", 2)[2])
     return t
+
+
+def random_prompt(length: int, seed: int, vocab: int) -> list[int]:
+    """Token ids of a fresh prompt (a new seed never hits any prefix cache)."""
+    rng = random.Random(seed)
+    return [rng.randrange(10, vocab - 1) for _ in range(length)]
 
 
 def summary(xs: list[float]) -> dict[str, float]:

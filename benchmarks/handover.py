@@ -4,7 +4,7 @@ directly and pinned to the same cores as the P-worker, for prompts of 256-4,096 
 Target: disaggregated TTFT <= colocated TTFT x 1.05 + 2 ms. Handover = t1 at the client -> t2
 at the client. Timings are printed and written to JSON, never asserted.
 
-Three systems are up for the whole run and their requests alternate, each with a fresh prompt,
+Four systems are up for the whole run and their requests alternate, each with a fresh prompt,
 so drift of this shared machine hits all alike; per-pair differences are reported next to the
 medians:
 - `1p1d`: the deployment, through the router;
@@ -12,7 +12,10 @@ medians:
 - `p-direct`: the P-worker itself, sent a plain request (no KV push: it serves it colocated).
   Two vLLM processes on the same core can differ in speed by 10-15 % for as long as they live;
   this baseline is the same process as P, so `1p1d` against it is the cost of disaggregation
-  alone (router hop + KV push), free of that instance-to-instance spread.
+  alone (router hop + KV push), free of that instance-to-instance spread;
+- `p-push`: the P-worker sent the router's prefill leg by hand (`kv_transfer_params` naming
+  D's KV endpoint; the staged KV is discarded on D once complete). Against `p-direct` it is
+  the push's cost to P's TTFT; `1p1d` against it is the router's.
 A quiet gap follows every request: vLLM's model runner busy-polls for about a second after its
 last step, and the baselines share the P-worker's core, so back-to-back requests would charge
 one system's idle spin to the next.
@@ -25,10 +28,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import statistics
 import sys
 import time
+import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +41,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).parent))
 
 from _common import StreamTiming, summary, timed_stream, write_json  # noqa: E402
+from _common import random_prompt as prompt  # noqa: E402
 
 from splitserve.config import WorkerConfig, bearer_headers  # noqa: E402
 from splitserve.launch.config import DeploymentConfig  # noqa: E402
@@ -47,30 +52,67 @@ from splitserve.worker.launch import free_port, start_worker, wait_healthy  # no
 Runs = dict[int, list[StreamTiming]]
 
 
-def prompt(length: int, seed: int, vocab: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(10, vocab - 1) for _ in range(length)]
+@dataclass(frozen=True)
+class PushLeg:
+    """What turns a request to the P-worker into the router's prefill leg: a push to D."""
+
+    p: httpx.Client  # P's and D's HTTP APIs, with the deployment token
+    d: httpx.Client
+    endpoint: dict[str, Any]  # D's KV endpoint, as the router sends it
+
+    def params(self) -> tuple[str, dict[str, Any]]:
+        tid = f"handover-{uuid.uuid4().hex[:12]}"
+        return tid, {"do_remote_decode": True, "transfer_id": tid, **self.endpoint}
+
+    def copy_forward_s(self, tid: str) -> float | None:
+        """P's record: seconds its forward thread spent copying the transfer's KV."""
+        r = self.p.get(f"/splitserve/transfers/{tid}")
+        return r.json().get("send", {}).get("copy_forward_s") if r.status_code == 200 else None
+
+    def discard(self, tid: str, timeout_s: float = 10.0) -> str:
+        """Wait until D's record of the transfer is final, free it there; its status."""
+        deadline, status = time.monotonic() + timeout_s, "missing"
+        while time.monotonic() < deadline:
+            r = self.d.get(f"/splitserve/transfers/{tid}")
+            if r.status_code == 200:
+                rec = r.json()
+                status = str(rec.get("recv", rec).get("status"))
+                if status != "open":
+                    break
+            time.sleep(0.02)
+        self.d.delete(f"/splitserve/transfers/{tid}")
+        return status
 
 
 def run(systems: dict[str, httpx.Client], model: str, lengths: list[int], reps: int,
-        vocab: int, max_tokens: int, gap_s: float) -> dict[str, Runs]:
+        vocab: int, max_tokens: int, gap_s: float, push: PushLeg) -> dict[str, Runs]:
     """Every (length, rep) sends one request to each system in turn, quiet gap after each.
-    Each client carries its system's base URL and credentials."""
+    Each client carries its system's base URL and credentials; `p-push` requests carry `push`'s
+    transfer parameters."""
     out: dict[str, Runs] = {name: {} for name in systems}
-    for i, client in enumerate(systems.values()):
-        for w in range(2):  # warm-up
-            timed_stream(client, "", {"model": model, "prompt": prompt(64, 10 * i + w, vocab),
-                                      "max_tokens": 2, "temperature": 0})
-            time.sleep(gap_s)
+
+    def send(name: str, length: int, seed: int, tokens: int) -> StreamTiming:
+        body = {"model": model, "prompt": prompt(length, seed, vocab), "max_tokens": tokens,
+                "temperature": 0, "ignore_eos": True}
+        tid = None
+        if name == "p-push":
+            tid, body["kv_transfer_params"] = push.params()
+        timing = timed_stream(systems[name], "", body)
+        if tid is not None:
+            timing.server["kv_status"] = push.discard(tid)
+            timing.server["copy_forward_s"] = push.copy_forward_s(tid)
+        time.sleep(gap_s)
+        return timing
+
+    for i, name in enumerate(systems):
+        for w in range(2):  # warm-up (and the push channel connected)
+            send(name, 64, 10 * i + w, 2)
     for length in lengths:
         for rep in range(reps):
-            for i, (name, client) in enumerate(systems.items()):
+            for i, name in enumerate(systems):
                 # a fresh prompt every time: no prefix-cache hit anywhere
                 seed = 1000 * length + len(systems) * rep + i + 100
-                body = {"model": model, "prompt": prompt(length, seed, vocab),
-                        "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
-                out[name].setdefault(length, []).append(timed_stream(client, "", body))
-                time.sleep(gap_s)
+                out[name].setdefault(length, []).append(send(name, length, seed, max_tokens))
     return out
 
 
@@ -82,8 +124,8 @@ def paired_ms(a: list[StreamTiming], b: list[StreamTiming]) -> float:
     return statistics.median(x.ttft - y.ttft for x, y in zip(a, b, strict=True)) * 1e3
 
 
-def row_for(length: int, d: list[StreamTiming], c: list[StreamTiming], p: list[StreamTiming]
-            ) -> dict[str, Any]:
+def row_for(length: int, d: list[StreamTiming], c: list[StreamTiming], p: list[StreamTiming],
+            pp: list[StreamTiming]) -> dict[str, Any]:
     kv_ms = [t.server["kv_transfer_s"] * 1e3 for t in d
              if isinstance(t.server.get("kv_transfer_s"), int | float)]
     kv_mb = [t.server["kv_bytes"] / 1e6 for t in d
@@ -98,17 +140,32 @@ def row_for(length: int, d: list[StreamTiming], c: list[StreamTiming], p: list[S
         "target_vs_p_direct_ms": target_p, "target_vs_p_direct_met": ms(d) <= target_p,
         "paired_diff_vs_colocated_ms": paired_ms(d, c),
         "paired_diff_vs_p_direct_ms": paired_ms(d, p),
+        "ttft_p_push_ms": summary([t.ttft for t in pp]),
+        # the two parts of that difference, each paired within one run
+        "push_cost_ms": paired_ms(pp, p),  # P's TTFT with a push to D, less without
+        "router_cost_ms": paired_ms(d, pp),  # through the router, less P's leg sent by hand
+        "p_push_kv_status": sorted({str(t.server.get("kv_status")) for t in pp}),
+        # P's own record of each push: its forward thread's seconds copying the KV out
+        "p_copy_forward_ms": summary([t.server["copy_forward_s"] for t in pp
+                                      if isinstance(t.server.get("copy_forward_s"), float)]),
         "handover_1p1d_ms": summary([t.gaps[0] for t in d if t.gaps]),
         "first_itl_colocated_ms": summary([t.gaps[0] for t in c if t.gaps]),
         "p_leg_ms": summary([t.server["p_leg_s"] for t in d if t.server.get("p_leg_s")]),
-        # the router's share: the client's TTFT minus P's leg as the router timed it
+        # the router's share: the client's TTFT minus P's leg as the router timed it; of it,
+        # the router's own work (its clock: request parsed -> first chunk written, less P's
+        # leg) and the rest (the client's HTTP hop to the router and back)
         "router_ms": summary([t.ttft - t.server["p_leg_s"] for t in d
                               if t.server.get("p_leg_s")]),
+        "router_inside_ms": summary([t.server["ttft_s"] - t.server["p_leg_s"] for t in d
+                                     if t.server.get("p_leg_s") and t.server.get("ttft_s")]),
+        "router_hop_ms": summary([t.ttft - t.server["ttft_s"] for t in d
+                                  if t.server.get("ttft_s")]),
         "kv_transfer_ms_median": statistics.median(kv_ms) if kv_ms else None,
         "kv_mb_median": statistics.median(kv_mb) if kv_mb else None,
         "kv_status": sorted({str(t.server.get("kv_status")) for t in d}),
         "raw_ttft_ms": {name: [round(t.ttft * 1e3, 2) for t in ts]
-                        for name, ts in (("1p1d", d), ("colocated", c), ("p-direct", p))},
+                        for name, ts in (("1p1d", d), ("colocated", c), ("p-direct", p),
+                                         ("p-push", pp))},
     }
 
 
@@ -120,8 +177,9 @@ def print_row(r: dict[str, Any]) -> None:
           f"{r['target_ms']:>8.1f} {'yes' if r['target_met'] else 'NO':>4} "
           f"{r['paired_diff_vs_colocated_ms']:>+7.1f} {med('ttft_p_direct_ms'):>9.1f} "
           f"{'yes' if r['target_vs_p_direct_met'] else 'NO':>4} "
-          f"{r['paired_diff_vs_p_direct_ms']:>+7.1f} {med('handover_1p1d_ms'):>9.1f} "
-          f"{med('first_itl_colocated_ms'):>6.1f} {med('router_ms'):>7.1f} "
+          f"{r['paired_diff_vs_p_direct_ms']:>+7.1f} {r['push_cost_ms']:>+6.1f} "
+          f"{r['router_cost_ms']:>+7.1f} {med('handover_1p1d_ms'):>9.1f} "
+          f"{med('first_itl_colocated_ms'):>6.1f} "
           f"{r['kv_transfer_ms_median'] or float('nan'):>7.1f} "
           f"{r['kv_mb_median'] or float('nan'):>6.2f}")
 
@@ -165,8 +223,16 @@ def main() -> int:
             "colocated": httpx.Client(base_url=ccfg.url, timeout=300),
             "p-direct": httpx.Client(base_url=p_cfg.url, timeout=300,
                                      headers=bearer_headers(dep.token)),
+            "p-push": httpx.Client(base_url=p_cfg.url, timeout=300,
+                                   headers=bearer_headers(dep.token)),
         }
-        res = run(systems, model, lengths, args.reps, vocab, args.max_tokens, args.gap_s)
+        d_client = httpx.Client(base_url=dep.workers[1].url, timeout=30,
+                                headers=bearer_headers(dep.token))
+        info = d_client.get("/splitserve/info").json()
+        endpoint = {"remote_host": info["kv_host"], "remote_port": info["kv_port"],
+                    "remote_engine_id": info.get("engine_id"), "transport": args.transport}
+        push = PushLeg(systems["p-push"], d_client, endpoint)
+        res = run(systems, model, lengths, args.reps, vocab, args.max_tokens, args.gap_s, push)
     finally:
         if colocated is not None:
             colocated.terminate()
@@ -174,20 +240,20 @@ def main() -> int:
         dep.stop()
 
     print(f"{'':>7} {'--- TTFT ms ---':^28} {'':>4} {'paired':>7} {'P-direct':>9} {'met':>4} "
-          f"{'paired':>7}")
+          f"{'paired':>7} {'of which':^14}")
     print(f"{'prompt':>7} {'1P1D':>9} {'coloc':>9} {'target':>8} {'met':>4} {'vs col':>7} "
-          f"{'TTFT':>9} {'':>4} {'vs P':>7} {'handover':>9} {'ITL1c':>6} {'router':>7} "
-          f"{'KV ms':>7} {'KV MB':>6}")
+          f"{'TTFT':>9} {'':>4} {'vs P':>7} {'push':>6} {'router':>7} {'handover':>9} "
+          f"{'ITL1c':>6} {'KV ms':>7} {'KV MB':>6}")
     rows = []
     for length in lengths:
         rows.append(row_for(length, res["1p1d"][length], res["colocated"][length],
-                            res["p-direct"][length]))
+                            res["p-direct"][length], res["p-push"][length]))
         print_row(rows[-1])
     write_json(Path(args.out), {
         "benchmark": "handover", "model": args.model, "transport": args.transport,
         "reps": args.reps, "max_tokens": args.max_tokens, "gap_s": args.gap_s,
         "core_plan": dep.core_note, "client_cpus": list(args.client_cpus or ()),
-        "order": "interleaved per rep: 1p1d, colocated, p-direct",
+        "order": "interleaved per rep: " + ", ".join(systems),
         "prefill_cpus": list(p_cfg.cpus or ()), "rows": rows,
         "target": "disaggregated TTFT <= colocated TTFT x 1.05 + 2 ms (medians)"})
     return 0
