@@ -62,6 +62,13 @@ class SplitserveConnector(KVConnectorBase_V1):
         return meta
 
     # -- worker side -------------------------------------------------------------------------
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Before every forward pass (vLLM's contract): also open this step's new pushes, so D
+        has answered BEGIN by the time the first layer's KV is ready to copy."""
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None and isinstance(connector_metadata, SplitserveMeta):
+            self._worker.open_sends(connector_metadata)
+
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._worker is not None
         self._worker.register_kv_caches(kv_caches)

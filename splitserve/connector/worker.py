@@ -34,7 +34,7 @@ from splitserve.connector.layout import (
 )
 from splitserve.connector.listener import KVListener
 from splitserve.connector.protocol import Fingerprint, config_hash
-from splitserve.connector.scheduler import LoadSpec, SplitserveMeta
+from splitserve.connector.scheduler import LoadSpec, SaveSpec, SplitserveMeta
 from splitserve.connector.segment import sweep_orphans
 from splitserve.connector.staging import StagedTransfer, StagingArea
 from splitserve.connector.stats import ConnectorStats
@@ -152,6 +152,22 @@ class WorkerSide:
         return self._channels[key]
 
     # -- prefill side ------------------------------------------------------------------------
+    def open_sends(self, meta: SplitserveMeta) -> None:
+        """Before the forward pass: BEGIN the pushes whose first chunk this step computes (D's
+        answer then arrives while layer 0 computes, so every layer is copied straight into
+        D's region on this thread)."""
+        for spec in meta.saves:
+            if spec.first and spec.request_id not in self._sends:
+                self._open(spec)
+
+    def _open(self, spec: SaveSpec) -> _Send:
+        assert self.shape is not None
+        ch = self._channel(spec.host, spec.port, spec.transport)
+        nbytes = self.shape.transfer_bytes(spec.prompt_len)
+        state = ch.begin(spec.transfer_id, spec.prompt_len, nbytes, self.cfg.ack_timeout_s)
+        send = self._sends[spec.request_id] = _Send(ch, state)
+        return send
+
     def save_kv_layer(self, meta: SplitserveMeta, layer_name: str, kv_layer: torch.Tensor
                       ) -> None:
         layer = self._layers[layer_name]
@@ -163,11 +179,7 @@ class WorkerSide:
             if send is None:
                 if not spec.first:
                     continue  # its push was cancelled (preemption); nothing more to send
-                assert self.shape is not None
-                ch = self._channel(spec.host, spec.port, spec.transport)
-                nbytes = self.shape.transfer_bytes(spec.prompt_len)
-                state = ch.begin(spec.transfer_id, spec.prompt_len, nbytes, self.cfg.ack_timeout_s)
-                send = self._sends[spec.request_id] = _Send(ch, state)
+                send = self._open(spec)  # not opened before the forward pass
             if send.ended:
                 continue
             send.channel.push_layer(LayerItem(spec.transfer_id, layer, spec.start, spec.end,

@@ -66,6 +66,10 @@ def test_concurrent_mixed_lengths_match_transformers(pair: tuple[str, Path, Work
         rec = transfer_record(d, tid)["recv"]
         # the KV really came over the channel: every prompt token, loaded into D's blocks
         assert rec["status"] == "loaded" and rec["tokens"] == len(prompt), rec
+    # P copied layers out of its blocks on its forward thread (those of the 1,000-token
+    # prompt's second chunk at least: D had long answered BEGIN by then)
+    sent = transfer_record(p, ids[-1])["send"]
+    assert sent["status"] == "complete" and sent["copy_forward_s"] > 0, sent
     wait_drained(p, d)
 
 
