@@ -172,7 +172,9 @@ class WorkerSide:
                       ) -> None:
         layer = self._layers[layer_name]
         paged = self._paged[layer]
-        if kv_layer.data_ptr() != paged[0].data_ptr():  # the views made at registration
+        if kv_layer.data_ptr() != paged[0].data_ptr():
+            # on purpose not a per-transfer failure: every copy would read memory that is no
+            # longer this layer's cache, so the engine must stop rather than serve
             raise RuntimeError(f"vLLM moved the KV cache of {layer_name} after registration")
         for spec in meta.saves:
             send = self._sends.get(spec.request_id)
