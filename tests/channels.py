@@ -37,15 +37,20 @@ def settle(ch: PushChannel, tid: str, timeout_s: float = 8.0) -> str:
     raise AssertionError("transfer never settled")
 
 
+def staged_region(staging: StagingArea, offset: int, start: int, end: int, layer: int
+                  ) -> torch.Tensor:
+    """D's staging bytes (uint8) of chunk [start, end) of `layer`, for a transfer at `offset`."""
+    base = offset + region_offset(SHAPE, start, end, layer)
+    return staging.segment.tensor[base:base + (end - start) * SHAPE.bytes_per_token_layer]
+
+
 def assert_staged_equals(staging: StagingArea, st: StagedTransfer, caches: list[torch.Tensor],
                          blocks: tuple[int, ...], chunks: Sequence[tuple[int, int]]) -> None:
     """Every chunk of every layer in D's staging area equals P's paged KV, token for token."""
     for layer, cache in enumerate(caches):
         k_paged, v_paged = paged_kv(cache)
         for s, e in chunks:
-            base = st.offset + region_offset(SHAPE, s, e, layer)
-            nbytes = (e - s) * SHAPE.bytes_per_token_layer
-            k_rows, v_rows = chunk_views(staging.segment.tensor[base:base + nbytes].view(
+            k_rows, v_rows = chunk_views(staged_region(staging, st.offset, s, e, layer).view(
                 torch.float32), SHAPE.num_kv_heads, SHAPE.head_dim, e - s)
             k_ref, v_ref = torch.empty_like(k_rows), torch.empty_like(v_rows)
             copy_tokens(k_paged, v_paged, blocks, k_ref, v_ref, s, e, s, to_paged=False)

@@ -8,10 +8,10 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from channels import FP, SHAPE, assert_staged_equals, push, settle
+from channels import FP, SHAPE, assert_staged_equals, push, settle, staged_region
 
 from splitserve.connector.faults import Faults
-from splitserve.connector.layout import paged_kv, region_offset
+from splitserve.connector.layout import paged_kv
 from splitserve.connector.listener import KVListener
 from splitserve.connector.staging import StagingArea
 from splitserve.connector.stats import ConnectorStats
@@ -86,13 +86,6 @@ def test_vanished_peer_fails_pending_transfers() -> None:
     assert settle(ch, "lost") == "failed"
     assert ch.poll("lost").record.cause == "peer_unreachable"
     ch.close()
-
-
-def staged_region(staging: StagingArea, offset: int, start: int, end: int, layer: int
-                  ) -> torch.Tensor:
-    """D's staging bytes of an open transfer at `offset` (BEGIN_OK's), before END."""
-    base = offset + region_offset(SHAPE, start, end, layer)
-    return staging.segment.tensor[base:base + (end - start) * SHAPE.bytes_per_token_layer]
 
 
 def test_open_shm_transfer_is_copied_on_the_calling_thread(
