@@ -6,7 +6,8 @@ the cores): a profile calibrated at 04:44 describes the machine at 04:44, and a 
 metric +27..+50 %, calibrated decode step 9.4 ms against 8.1 ms measured minutes later).
 
 The canaries are small and fixed (never the validated workload). `sim validate` runs them around
-the calibration (the mean of the two is the reference) and before every measured repeat:
+the calibration (the mean of the two is the reference), before every measured repeat and after
+the last (a repeat stands for the mean of the canaries just before and after it):
 
 - the **speed canary** (`CanaryPlan`): lone requests of one prompt length, each decoding a few
   tokens; its median TTFT (prefill speed) and median decode gap (decode speed);
@@ -17,13 +18,13 @@ the calibration (the mean of the two is the reference) and before every measured
   stretch factor (1 + `p_busy_stretch`) of that minute (runs 9–12: 1.02–1.25×, drifting between
   minutes on this KVM guest).
 
-A repeat's `Drift` is its canaries over the reference: the TTFT ratio, the decode-gap ratio, and
-the stretch factor's ratio (1.0 where either side has no stretch reading). `scaled` applies a
-drift to a profile: prefill times by the first ratio; decode times, the gap jitter and every
-per-event second on the decode side by the second; each P-busy stretch term k (the scalar and
-every interference row's) to (1 + k) · ratio − 1, never below 0, by the third (the factor, not
-k, is scaled: k is near 0 in some sessions, and a ratio of near-zero readings is noise). The raw
-error is always reported next to the drift-adjusted one.
+A repeat's `Drift` is its canaries (that mean) over the reference: the TTFT ratio, the
+decode-gap ratio, and the stretch factor's ratio (1.0 where either side has no stretch reading).
+`scaled` applies a drift to a profile: prefill times by the first ratio; decode times, the gap
+jitter and every per-event second on the decode side by the second; each P-busy stretch term k
+(the scalar and every interference row's) to (1 + k) · ratio − 1, never below 0, by the third
+(the factor, not k, is scaled: k is near 0 in some sessions, and a ratio of near-zero readings
+is noise). The raw error is always reported next to the drift-adjusted one.
 """
 
 from __future__ import annotations
@@ -170,7 +171,7 @@ def stretch_of(recs: list[RequestRecord], decode: DecodeCost) -> float | None:
 
 def workload_stretch(recs: list[RequestRecord], decode: DecodeCost) -> float | None:
     """The same factor read off a measured 1P+1D run's own records (all its streams' clean
-    gaps, `interference.workload_rows`): what the canary before it stood for."""
+    gaps, `interference.workload_rows`): what its canaries stood for."""
     return _ratio(workload_rows(recs, decode))
 
 

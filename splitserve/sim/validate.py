@@ -13,10 +13,11 @@ marked as noise rather than a miss. The simulation replays the identical request
 spec, seed and rate).
 
 Where the profile is taken in the same command (`--reprofile`, `--calibrate`), a small canary
-probe (`sim.drift`) runs around the profiling and before every repeat — for a disaggregated
-deployment the stretch canary too — and each repeat is also simulated on the profile scaled by
-its own drift (prefill and decode speed, and D's P-busy stretch); that drift-adjusted error is
-reported next to the raw one (the machine's drift between profiling and measuring is not the
+probe (`sim.drift`) runs around the profiling, before every repeat and after the last — for a
+disaggregated deployment the stretch canary too — and each repeat is also simulated on the
+profile scaled by its own drift (prefill and decode speed, and D's P-busy stretch, read off the
+mean of the canaries just before and just after it); that drift-adjusted error is reported
+next to the raw one (the machine's drift between profiling and measuring is not the
 model's error). The stored JSON keeps the canaries (`drift_json`), so `--real-json` simulates a
 measurement again without re-measuring (`stored_real`; JSON from before the stretch canary
 reads with no stretch drift).
@@ -98,24 +99,37 @@ def simulate_point(profile: Profile, cfg: SimConfig, spec: WorkloadSpec) -> dict
 
 def measure_point(url: str, spec: WorkloadSpec, repeats: int, canary: Canary | None = None
                   ) -> list[dict[str, Any]]:
-    """`repeats` benchmark runs of `spec`; with `canary`, each run's dict carries the canary
-    taken just before it (`canary`: `Speed.to_dict()`)."""
+    """`repeats` benchmark runs of `spec`; with `canary`, one canary before every run and one
+    after the last, so each run's dict carries the canary just before it (`canary`) and the
+    one just after it (`canary_after`), as `Speed.to_dict()`s."""
     out = []
+    speed = canary.run(url) if canary is not None else None
     for i in range(repeats):
-        speed = canary.run(url) if canary is not None else None
         client = ClientConfig(url=url, run_tag=f"validate-{spec.arrival.rate:g}-r{i}")
         run = asyncio.run(run_once(client, spec, "real", {"url": url}, {}, RunOptions()))
-        if speed is not None:
-            run["canary"] = speed.to_dict()
+        if canary is not None and speed is not None:
+            after = canary.run(url)
+            run["canary"], run["canary_after"] = speed.to_dict(), after.to_dict()
+            speed = after
         out.append(run)
     return out
 
 
+def repeat_canary(run: dict[str, Any]) -> Speed:
+    """The canary a repeat stands for: the mean of the ones just before and just after it
+    (one canary, a minute's sample, was often not the minute of the repeat: runs 13–15), or
+    the one before where the JSON has no `canary_after` (older JSON)."""
+    before = Speed.from_dict(run["canary"])
+    after = run.get("canary_after")
+    return before if after is None else Speed.mean([before, Speed.from_dict(after)])
+
+
 def repeat_drifts(runs: list[dict[str, Any]], reference: Speed | None) -> list[Drift] | None:
-    """Each repeat's drift against the reference; None unless every repeat carries a canary."""
+    """Each repeat's drift against the reference (`repeat_canary`); None unless every repeat
+    carries a canary."""
     if reference is None or not runs or any(r.get("canary") is None for r in runs):
         return None
-    return [Speed.from_dict(r["canary"]).drift(reference) for r in runs]
+    return [repeat_canary(r).drift(reference) for r in runs]
 
 
 def compare(profile: Profile, cfg: SimConfig, spec: WorkloadSpec, rates: tuple[float, ...],
@@ -139,18 +153,21 @@ def compare(profile: Profile, cfg: SimConfig, spec: WorkloadSpec, rates: tuple[f
 
 def drift_json(reference: Speed | None, real: dict[float, list[dict[str, Any]]]
                ) -> dict[str, Any] | None:
-    """The validation JSON's `drift`: the reference and each repeat's canary, by rate."""
+    """The validation JSON's `drift`: the reference and each repeat's canaries before and
+    after it, by rate."""
     if reference is None:
         return None
     return {"reference": reference.to_dict(),
             "canaries": {f"{r:g}": [run.get("canary") for run in runs]
-                         for r, runs in real.items()}}
+                         for r, runs in real.items()},
+            "canaries_after": {f"{r:g}": [run.get("canary_after") for run in runs]
+                               for r, runs in real.items()}}
 
 
 def stored_real(stored: dict[str, Any]
                 ) -> tuple[WorkloadSpec, dict[float, list[dict[str, Any]]], Speed | None]:
-    """A validation JSON's measured stream, its per-repeat metrics (each run with its canary
-    where the JSON has one) and the canary reference: what `compare` needs to simulate it
+    """A validation JSON's measured stream, its per-repeat metrics (each run with its canaries
+    where the JSON has them) and the canary reference: what `compare` needs to simulate it
     again."""
     spec = WorkloadSpec.from_dict(stored["workload"])
     real: dict[float, list[dict[str, Any]]] = {}
@@ -166,6 +183,9 @@ def stored_real(stored: dict[str, Any]
         for rate, canaries in drift["canaries"].items():
             for run, c in zip(real[float(rate)], canaries, strict=True):
                 run["canary"] = c
+        for rate, canaries in drift.get("canaries_after", {}).items():
+            for run, c in zip(real[float(rate)], canaries, strict=True):
+                run["canary_after"] = c
     return spec, real, reference
 
 
@@ -234,7 +254,7 @@ def print_drifts(real: dict[float, list[dict[str, Any]]], reference: Speed | Non
         met = [workload_stretch([RequestRecord.from_dict(q) for q in r["requests"]], decode)
                for r in runs]
         print(f"P-busy stretch factor at {rate:g}/s, canary / met by the repeat: "
-              + ", ".join(f"{_f(Speed.from_dict(r['canary']).stretch)} / {_f(m)}"
+              + ", ".join(f"{_f(repeat_canary(r).stretch)} / {_f(m)}"
                           for r, m in zip(runs, met, strict=True)))
 
 

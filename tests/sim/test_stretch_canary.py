@@ -17,6 +17,7 @@ from splitserve.sim.deployment import SimConfig
 from splitserve.sim.drift import (
     Canary,
     CanaryPlan,
+    Drift,
     Speed,
     StretchPlan,
     scaled,
@@ -30,6 +31,7 @@ from splitserve.sim.validate import (
     METRICS,
     compare,
     drift_json,
+    repeat_drifts,
     simulate_point,
     stored_real,
 )
@@ -153,6 +155,31 @@ def test_the_stored_drift_round_trips_with_the_stretch() -> None:
     assert all(p.adjusted is not None and p.adjusted.error == pytest.approx(0.0, abs=1e-9)
                for p in points)
     assert p99.error < -0.01
+
+
+def test_a_repeat_stands_for_the_mean_of_its_canaries_before_and_after() -> None:
+    """The canaries just before and just after a repeat bracket its minute: its drift is
+    their mean's, through the stored JSON and back; JSON without `canary_after` drifts by
+    the canary before alone."""
+    prof = _deployment(0.1)
+    ref = Speed(0.1, 0.01, 1.1)
+    before, after = Speed(0.11, 0.012, 1.0), Speed(0.13, 0.014, 1.2)  # mean: 1.2 / 1.3 / 1.0
+    real = _measured(scaled(prof, 1.2, 1.3), [before.to_dict()] * 3)
+    for run in real[1.0]:
+        run["canary_after"] = after.to_dict()
+    stored = _stored(real, ref)
+    assert stored["drift"]["canaries_after"] == {"1": [after.to_dict()] * 3}
+    _, back, reference = stored_real(stored)
+    assert [r["canary_after"] for r in back[1.0]] == [after.to_dict()] * 3
+    want = Drift(pytest.approx(1.2), pytest.approx(1.3), pytest.approx(1.0))
+    assert repeat_drifts(back[1.0], reference) == [want] * 3
+    points = compare(prof, CFG, SPEC, (1.0,), back, reference)
+    assert all(p.adjusted is not None and p.adjusted.error == pytest.approx(0.0, abs=1e-9)
+               for p in points)
+    del stored["drift"]["canaries_after"]
+    _, old, _ = stored_real(stored)
+    assert repeat_drifts(old[1.0], reference) == [
+        Drift(pytest.approx(1.1), pytest.approx(1.2), pytest.approx(1.0 / 1.1))] * 3
 
 
 def test_an_old_stored_drift_without_the_stretch_simulates_again(tmp_path: Path) -> None:
