@@ -189,6 +189,7 @@ def run_validate(args: argparse.Namespace) -> int:
         local_worker,
         measure_point,
         print_drifts,
+        print_handovers,
         print_points,
     )
 
@@ -227,9 +228,12 @@ def run_validate(args: argparse.Namespace) -> int:
         return out
 
     if args.real_json:
-        from splitserve.sim.validate import stored_real
+        from splitserve.sim.validate import attach_records, stored_real
 
         spec, real, reference = stored_real(json.loads(Path(args.real_json).read_text()))
+        runs_json = Path(args.real_json).with_suffix(".runs.json")
+        if runs_json.exists():  # the per-request records, for the stretch and handover lines
+            attach_records(real, json.loads(runs_json.read_text()))
         rates = tuple(sorted(real))
     elif args.url:
         real = measure(args.url)
@@ -267,6 +271,7 @@ def run_validate(args: argparse.Namespace) -> int:
     points = compare(prof, cfg, spec, rates, real, reference)
     if cfg.mode == "disagg":  # P's busy windows are one P's; read against D's calibrated step
         print_drifts(real, reference, prof.split.decode if prof.split else prof.decode)
+        print_handovers(prof, cfg, spec, real)
     else:
         print_drifts(real, reference)
     print_points(points)

@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import statistics
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -189,6 +190,17 @@ def stored_real(stored: dict[str, Any]
     return spec, real, reference
 
 
+def attach_records(real: dict[float, list[dict[str, Any]]], runs: dict[str, Any]) -> None:
+    """Give `stored_real`'s repeats their per-request records from the `.runs.json` that
+    `sim validate --out` writes beside its JSON (rate → repeats, as measured), where it holds
+    the same repeats."""
+    for rate, repeats in real.items():
+        stored = runs.get(f"{rate:g}")
+        if stored is not None and len(stored) == len(repeats):
+            for run, measured in zip(repeats, stored, strict=True):
+                run["requests"] = measured.get("requests")
+
+
 @contextlib.contextmanager
 def local_worker(model: str, cpus: tuple[int, ...] | None, token_budget: int,
                  log_path: str | None = None) -> Iterator[str]:
@@ -256,6 +268,41 @@ def print_drifts(real: dict[float, list[dict[str, Any]]], reference: Speed | Non
         print(f"P-busy stretch factor at {rate:g}/s, canary / met by the repeat: "
               + ", ".join(f"{_f(repeat_canary(r).stretch)} / {_f(m)}"
                           for r, m in zip(runs, met, strict=True)))
+
+
+def handovers(times: list[list[float]]) -> tuple[list[float], list[float]]:
+    """Each request's handover gap t2 − t1 (from its chunk times), as (D idle, D busy): busy
+    where another request was decoding at its t1 (that request's t2 < t1 < its last chunk).
+    At low load ITL p99 lies in these gaps (runs 14–15: ~40 handovers among ~2,500 gaps, all
+    longer than D's steps), a busy one being the rest of D's step in progress plus the step
+    that admits the request, each carrying its event's work."""
+    idle: list[float] = []
+    busy: list[float] = []
+    for i, t in enumerate(times):
+        if len(t) < 2:
+            continue
+        others = any(j != i and len(u) >= 2 and u[1] < t[0] < u[-1] for j, u in enumerate(times))
+        (busy if others else idle).append(t[1] - t[0])
+    return idle, busy
+
+
+def print_handovers(profile: Profile, cfg: SimConfig, spec: WorkloadSpec,
+                    real: dict[float, list[dict[str, Any]]]) -> None:
+    """Per rate, the median handover (D idle / D busy) of each repeat next to the raw
+    simulation's (`handovers`); nothing for runs without per-request records."""
+    from splitserve.sim.records import request_records
+
+    def med(x: list[float]) -> str:
+        return f"{statistics.median(x) * 1e3:.1f}" if x else "–"
+
+    for rate, runs in sorted(real.items()):
+        if any(not r.get("requests") for r in runs):
+            continue
+        sim = simulate(profile, cfg, arrays_from_spec(spec.with_rate(rate)))
+        i, b = handovers([r.chunk_times for r in request_records(sim)])
+        met = [handovers([q["chunk_times"] for q in r["requests"]]) for r in runs]
+        print(f"handover ms at {rate:g}/s, D idle / D busy: sim {med(i)} / {med(b)}; measured "
+              + ", ".join(f"{med(mi)} / {med(mb)}" for mi, mb in met))
 
 
 def _f(x: float | None) -> str:

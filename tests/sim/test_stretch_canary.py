@@ -205,3 +205,28 @@ def test_an_old_stored_drift_without_the_stretch_simulates_again(tmp_path: Path)
     res = json.loads(out.read_text())
     assert res["drift"]["reference"] == {"ttft_s": 0.1, "gap_s": 0.01, "stretch": None}
     assert all(p["error_adjusted"] == pytest.approx(0.0, abs=1e-9) for p in res["points"])
+
+
+def test_real_json_reads_the_per_request_records_beside_it(tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]
+                                                           ) -> None:
+    """With the `.runs.json` that `sim validate --out` writes beside its JSON, a re-simulation
+    prints each repeat's handovers (and the stretch it met) next to the simulation's: here the
+    repeats measured exactly what the profile simulates, so the numbers agree."""
+    from splitserve.cli import main
+    from splitserve.sim.workload import arrays_from_spec
+
+    prof = _deployment(0.1)
+    ref = Speed(0.1, 0.01, 1.1)
+    stored = _stored(_measured(prof, [ref.to_dict()] * 3), ref)
+    (tmp_path / "v.json").write_text(json.dumps(stored))
+    recs = [r.to_dict() for r in request_records(simulate(prof, CFG, arrays_from_spec(SPEC)))]
+    (tmp_path / "v.runs.json").write_text(json.dumps({"1": [{"requests": recs}] * 3}))
+    save_profile(prof, tmp_path / "p.json")
+    assert main(["sim", "validate", "--profile", str(tmp_path / "p.json"), "--mode", "disagg",
+                 "--real-json", str(tmp_path / "v.json")]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines()
+                if x.startswith("handover ms at 1/s"))
+    sim, measured = line.split(": sim ")[1].split("; measured ")
+    assert measured.split(", ") == [sim] * 3
+    assert "–" not in sim  # both kinds of handover occur at 1 req/s

@@ -6,7 +6,7 @@ import pytest
 
 from splitserve.bench.workload import ArrivalSpec, LengthDist, WorkloadSpec
 from splitserve.sim.deployment import SimConfig
-from splitserve.sim.validate import METRICS, compare, simulate_point
+from splitserve.sim.validate import METRICS, compare, handovers, simulate_point
 from tests.sim.conftest import make_profile
 
 
@@ -27,3 +27,14 @@ def test_errors_are_reported_per_metric_and_rate() -> None:
             assert p.spread == pytest.approx(0.1)
         else:
             assert p.error == pytest.approx(-0.5) and not p.within_noise
+
+
+def test_handovers_split_by_whether_d_was_decoding_at_t1() -> None:
+    stream = [0.0] + [0.02 * k for k in range(1, 51)]  # decodes from t2 = 0.02 to 1.0
+    joins_busy = [0.5, 0.53, 0.55]  # t1 while the stream decodes
+    joins_idle = [2.0, 2.021, 2.04]  # t1 after every stream ended
+    before_t2 = [0.01, 0.05]  # t1 before the stream's t2: D not yet decoding it
+    one_token = [3.0]  # no handover at all
+    idle, busy = handovers([stream, joins_busy, joins_idle, before_t2, one_token])
+    assert busy == [pytest.approx(0.03)]
+    assert sorted(idle) == [pytest.approx(0.02), pytest.approx(0.021), pytest.approx(0.04)]
