@@ -57,6 +57,7 @@ from splitserve.sim.profile import (
     nnls,
     robust_fit,
 )
+from splitserve.sim.records import timeline
 from splitserve.sim.workload import SimWorkload
 
 
@@ -144,10 +145,10 @@ def measure_interference(url: str, plan: SplitPlan, decode: DecodeCost
     for bg in ip.bg_batches:
         bg_tokens = background_tokens(ip, bg, decode, plan.max_model_len)
         reqs = probe_stream(ip, bg, bg_tokens, lambda n: _prompt(rng, n))
-        kappa, cost, q = fit_interference(gap_rows(_run(url, reqs, concurrency=None), bg,
-                                                   decode))
+        recs = _run(url, reqs, concurrency=None)
+        kappa, cost, q = fit_interference(gap_rows(recs, bg, decode))
         fits.append((bg, kappa, cost))
-        quality[str(bg)] = q | {"bg_tokens": bg_tokens}
+        quality[str(bg)] = q | {"bg_tokens": bg_tokens, "records": timeline(recs)}
     return interference_rows(fits), quality
 
 
@@ -232,7 +233,8 @@ def calibrate_split(url: str, base: Profile, plan: SplitPlan, cfg: SimConfig | N
     r0, factor, ha, hb, ql = fit_lone(base, lone, decode, rows[0][4])  # lone: D's first row
     say(f"calibrate: loaded stream, {plan.load_requests} requests at {plan.load_rate:g}/s")
     reqs = load_stream(plan)
-    ttft, itl = stream_medians(_run(url, reqs, concurrency=None))
+    load_recs = _run(url, reqs, concurrency=None)
+    ttft, itl = stream_medians(load_recs)
     split = SplitCost(r0, factor, ha, hb, decode, p_busy_stretch=kappa, arrive_s=ev[0],
                       t1_s=ev[1], join_s=ev[2], finish_s=ev[3], interference=rows,
                       gap_jitter_s=noise_bins(jitter), source=f"calibrated through {url}")
@@ -246,6 +248,7 @@ def calibrate_split(url: str, base: Profile, plan: SplitPlan, cfg: SimConfig | N
            "jitter_ms": [round(j * 1e3, 3) for j in jitter],  # the samples behind gap_jitter_s
            "load": {"rate": plan.load_rate, "requests": plan.load_requests,
                     "prompt": plan.load_prompt, "output": plan.load_output,
-                    "median_ttft_s": ttft, "median_itl_s": itl},
+                    "median_ttft_s": ttft, "median_itl_s": itl,
+                    "records": timeline(load_recs)},  # the probes' records, for offline reads
            "measured": datetime.now(UTC).isoformat(timespec="seconds")}
     return replace(prof, split=replace(split, cpu_p_s=cpu_p, cpu_d_s=cpu_d, fit=fit))

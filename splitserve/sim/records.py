@@ -6,6 +6,8 @@ request's worker and join step. Meant for runs of up to some tens of thousands o
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from splitserve.bench.client import RequestRecord
@@ -57,3 +59,22 @@ def request_records(o: SimOutcome) -> list[RequestRecord]:
             rec.error_cause, rec.error = "kv_capacity", "request can never fit in KV memory"
         recs.append(rec)
     return recs
+
+
+TIMELINE_FIELDS = ("index", "kind", "input_len", "requested_output_len", "scheduled_s", "send_s",
+                   "end_s", "chunk_times")
+
+
+def timeline(recs: list[RequestRecord]) -> list[dict[str, Any]]:
+    """The fields of measured records that the probes' readers use (`interference.gap_rows`,
+    `validate.handovers`), times rounded to 1 µs: what a calibrated profile keeps of its
+    probes, so that their terms can be derived again offline (`RequestRecord.from_dict`
+    reads them back)."""
+    out = []
+    for rec in recs:
+        d = {k: getattr(rec, k) for k in TIMELINE_FIELDS}
+        for k in ("scheduled_s", "send_s", "end_s"):
+            d[k] = round(d[k], 6)
+        d["chunk_times"] = [round(t, 6) for t in rec.chunk_times]
+        out.append(d)
+    return out

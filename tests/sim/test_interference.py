@@ -8,6 +8,8 @@ from dataclasses import asdict, replace
 
 import pytest
 
+from splitserve.bench.client import RequestRecord
+from splitserve.sim.calibrate import stream_medians
 from splitserve.sim.deployment import SimConfig
 from splitserve.sim.interference import (
     InterferencePlan,
@@ -163,3 +165,12 @@ def test_calibrate_split_against_a_simulated_deployment_recovers_the_rows(
     assert (got.p_busy_stretch, got.join_s) == (got.interference[0][1], got.interference[0][4])
     assert got.decode.a == pytest.approx(DEC.a, rel=0.1) and got.gap_noise == ()
     assert all(abs(s) < 5e-4 for s, _ in got.gap_jitter_s)  # steps grow with context
+    # the profile keeps the probes' records: read back, they give the same rows and medians
+    assert got.fit is not None
+    for bg, row in zip(("1", "3"), got.interference, strict=True):
+        recs = [RequestRecord.from_dict(d) for d in got.fit["interference"][bg]["records"]]
+        kappa, cost, _ = fit_interference(gap_rows(recs, int(bg), got.decode))
+        assert (kappa, *cost.values()) == pytest.approx(row[1:], rel=1e-3, abs=1e-5)  # 1 µs
+    load = [RequestRecord.from_dict(d) for d in got.fit["load"]["records"]]
+    assert stream_medians(load) == pytest.approx(
+        (got.fit["load"]["median_ttft_s"], got.fit["load"]["median_itl_s"]), abs=2e-6)
