@@ -1,6 +1,6 @@
 """How other processes' work slows D's decode steps in a disaggregated deployment whose workers
 share a host's cores with the router and the client (`SplitCost.p_busy_stretch`, `arrive_s`,
-`t1_s`, `join_s`, `finish_s`), measured by a probe that is no validation workload:
+`t1_s`, `join_s`, `finish_s`, `t2_s`), measured by a probe that is no validation workload:
 
 For each size in `bg_batches`, that many long background streams decode on D while
 `injections` requests (prompts cycling through `inject_lens`, `inject_tokens` tokens each) arrive
@@ -11,10 +11,14 @@ shrink as D's batch grows (runs 1–3: gaps while P prefilled were 1.15–1.2× 
 B = 1–2 and 1.07–1.12× at B = 3–5), so one size cannot stand for all. Each background gap is
 compared with D's calibrated step at that moment's batch and context (`DecodeCost`); gaps with
 no request event give the pace while P idles and while P prefills (P's busy windows are the
-FIFO intervals [max(send, previous t1), t1] over all requests, P being one worker); an event's
-extra seconds are the excess of the gap holding it plus the gap after (the work lands on the
-step in progress or, if it comes at the step's end, on the next: the simulator puts it on the
-next), over events whose two gaps hold no other event.
+FIFO intervals [max(send, previous t1), t1] over all requests, P being one worker). An event's
+extra seconds are read off the gaps where its work lands (`fit_interference`), over events whose
+gaps hold no other event: an arrival's and an end's, the gap holding it plus the gap after (the
+work lands on the step in progress or, if it comes at the step's end, on the next: the simulator
+puts it on the next); t1's, the gap holding it; a join's, its join step (the gap that ends
+nearest the joiner's t2); the joiner's t2 relay, the gap after the join step. t1 and the join
+come one step apart, so the joiner's handover holds both: reading t1 as its gap plus the next
+counted the join step twice (runs 15–16: the simulated handover on a busy D 4–10 ms too long).
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ from splitserve.bench.workload import Request
 from splitserve.sim.model import DecodeCost
 
 EVENTS = ("arrive", "t1", "join", "finish")
+# the seconds `fit_interference` reads: the events' and the joiner's t2 relay (SplitCost order)
+TERMS = (*EVENTS, "t2")
 
 
 @dataclass(frozen=True)
@@ -88,18 +94,26 @@ def _events(recs: list[RequestRecord]) -> list[tuple[str, float]]:
 
 def _rows(recs: list[RequestRecord], streams: range, events: list[tuple[str, float]],
           decode: DecodeCost, start: float = -np.inf, end: float = np.inf) -> list[Row]:
-    """The rows of `recs[i]`'s gaps from t2 on, i in `streams`, inside [start, end]."""
+    """The rows of `recs[i]`'s gaps from t2 on, i in `streams`, inside [start, end]. An event
+    belongs to the gap that holds it, but a join (another request's t2) to the gap that ends
+    nearest it, within half that gap: its join step, whose token reaches the client in the
+    same relay as t2, a little before or after it."""
     busy = _p_busy(recs)
+    joins = np.array(sorted(x for n, x in events if n == "join"))
     rows = []
     for i in streams:
         t = recs[i].chunk_times
-        for a, b in zip(t[1:], t[2:], strict=False):
+        ends = np.array(t[2:])
+        nearest = np.abs(ends[:, None] - joins[None, :]).argmin(axis=0) if len(ends) else []
+        for k, (a, b) in enumerate(zip(t[1:], t[2:], strict=False)):
             if a < start or b > end or b <= a:
                 continue
             live = [q for q in recs if q.chunk_times[1] <= b <= q.chunk_times[-1]]
             ctx = sum(q.input_len + bisect.bisect_right(q.chunk_times, a) for q in live)
             pb = sum(max(0.0, min(b, e) - max(a, s)) for s, e in busy) / (b - a)
-            here = tuple(n for n, x in events if a < x <= b)
+            here = tuple(n for n, x in events if n != "join" and a < x <= b)
+            here += ("join",) * sum(1 for j, x in zip(nearest, joins, strict=True)
+                                    if j == k and abs(x - b) <= (b - a) / 2)
             rows.append((i, b - a, decode.time(len(live), ctx), pb, here))
     return rows
 
@@ -166,21 +180,30 @@ def background_tokens(plan: InterferencePlan, bg: int, decode: DecodeCost,
 
 
 def fit_interference(rows: list[Row]) -> tuple[float, dict[str, float], dict[str, Any]]:
-    """(p_busy_stretch, seconds per event, quality). The pace while P idles (gap over the
-    calibrated step, no event) is the reference, so the terms do not absorb the decode fit's
-    level; an event's seconds are the median excess of its gap and the next."""
+    """(p_busy_stretch, seconds per term (`TERMS`), quality). The pace while P idles (gap over
+    the calibrated step, no event) is the reference, so the terms do not absorb the decode
+    fit's level. Each term is the median excess, over the rows where it stands alone, of:
+    the event's gap and the next (an arrival, an end: work that may spill into the next step);
+    the gap holding t1 (the step in progress; what spills lands on the join step); the join
+    step; the gap after the join step (`t2`: the relay of the joiner's first token from D)."""
     pace = Pace.of(rows)
     s0, kappa = pace.idle, pace.stretch
-    cost, n = {}, {}
     excess = [g - p * s0 * (1.0 + kappa * pb) for _, g, p, pb, _ in rows]
-    for name in EVENTS:
-        ex = [excess[j] + excess[j + 1] for j in range(len(rows) - 1)
-              if rows[j][4] == (name,) and not rows[j + 1][4] and rows[j][0] == rows[j + 1][0]]
-        cost[name] = max(0.0, statistics.median(ex)) if len(ex) >= 3 else 0.0
-        n[name] = len(ex)
+    same = [rows[j][0] == rows[j + 1][0] for j in range(len(rows) - 1)] + [False]
+    samples: dict[str, list[float]] = {n: [] for n in TERMS}
+    for j, row in enumerate(rows):
+        clean_next = same[j] and not rows[j + 1][4]
+        if row[4] in (("arrive",), ("finish",)) and clean_next:
+            samples[row[4][0]].append(excess[j] + excess[j + 1])
+        elif row[4] in (("t1",), ("join",)):
+            samples[row[4][0]].append(excess[j])
+            if row[4] == ("join",) and clean_next:
+                samples["t2"].append(excess[j + 1])
+    cost = {n: max(0.0, statistics.median(x)) if len(x) >= 3 else 0.0
+            for n, x in samples.items()}
     quality = {"idle_pace": s0, "clean_idle_gaps": pace.idle_gaps,
                "clean_busy_gaps": pace.busy_gaps,
-               "event_gaps": n}
+               "event_gaps": {n: len(x) for n, x in samples.items()}}
     return kappa, cost, quality
 
 
@@ -190,5 +213,5 @@ def interference_rows(fits: list[tuple[int, float, dict[str, float]]]
     per probe run. Every term is measured with the background streams as D's other streams
     (P prefills while only they decode; the arrival and t1 come before the request joins, the
     join and the end are charged net of the request itself), so the row's batch is `bg`."""
-    return tuple((float(bg), kappa, *(cost[n] for n in EVENTS))
+    return tuple((float(bg), kappa, *(cost[n] for n in TERMS))
                  for bg, kappa, cost in sorted(fits, key=lambda f: f[0]))

@@ -17,14 +17,16 @@ def window_jitter(recs: list[RequestRecord]) -> list[float]:
     least-squares line through that request's gaps in the window (seconds: the jitter is
     additive — in runs 1–3 gaps carrying an event's extra milliseconds spread no wider than
     plain ones). Against a line, not the window's mean: the context grows over the window and
-    the simulated step already grows with it (`b·ctx`), so the drift is not jitter."""
+    the simulated step already grows with it (`b·ctx`), so the drift is not jitter. Each
+    request's first gap in the window is left out: through a router, the step after the last
+    join carries that joiner's t2 relay (`SplitCost.t2_s`), a cost of its own, not jitter."""
     start = max(r.chunk_times[1] for r in recs)
     end = min(r.chunk_times[-1] for r in recs)
     out: list[float] = []
     for r in recs:
         t = np.array([x for x in r.chunk_times[1:] if start <= x <= end])
-        if len(t) >= 4:
-            gaps = np.diff(t)
+        if len(t) >= 5:
+            gaps = np.diff(t)[1:]
             idx = np.arange(len(gaps), dtype=float)
             slope, icept = np.polyfit(idx, gaps, 1)
             out += (gaps - (icept + slope * idx)).tolist()

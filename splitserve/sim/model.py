@@ -124,19 +124,22 @@ class SplitCost:
     - `cpu_p_s`, `cpu_d_s`: core-seconds per request that the router, the client and the
       connectors take from P's and D's cores. At `r` requests/s per worker every step (and the
       handover) is stretched by `1 / (1 − r·cpu)` (mean field: the offered rate, not the
-      instantaneous one);
+      instantaneous one). `calibrate` fits only `cpu_p_s` (`calibrate.fit_cpu`): D's share is
+      in `decode` and the event terms; profiles calibrated before keep their `cpu_d_s`;
     - `p_busy_stretch`: D's decode steps take `1 + p_busy_stretch` times as long while its P
       (the P it shares cores with) is prefilling: P's engine then saturates its core and the
       router, client and API servers all run on D's;
     - `arrive_s`, `t1_s`, `join_s`, `finish_s`: seconds each request's events (arrival at the
       router, its first token t1, its leg joining D, its end) add to the step its D-worker is
       running then (the router's, the API servers' and the client's burst of work per event,
-      landing on D's core). `join_s` is part of D's first step for the joining request, so the
-      calibrated handover excludes it.
-    - `interference`: the five terms above measured at several batch sizes, rows
-      `(others, p_busy_stretch, arrive_s, t1_s, join_s, finish_s)` by increasing `others`, the
-      number of D's streams other than the event's request (for the stretch: D's streams). When
-      present it replaces the five scalars (which then hold the first row): `terms(others)`
+      landing on D's core). `join_s` is part of D's first step for the joining request (its
+      join step), so the calibrated handover excludes it; `t2_s` is the relay of that step's
+      token t2 (D's API server → router → client), on D's step after the join step.
+    - `interference`: the six terms above measured at several batch sizes, rows
+      `(others, p_busy_stretch, arrive_s, t1_s, join_s, finish_s, t2_s)` by increasing
+      `others`, the number of D's streams other than the event's request (for the stretch: D's
+      streams); rows of six numbers (profiles from before `t2_s`) read with `t2_s` 0. When
+      present it replaces the six scalars (which then hold the first row): `terms(others)`
       interpolates linearly between rows and holds the end rows' values outside them.
     """
 
@@ -152,6 +155,7 @@ class SplitCost:
     t1_s: float = 0.0
     join_s: float = 0.0
     finish_s: float = 0.0
+    t2_s: float = 0.0
     # the client's decode gaps over the step's mean, as (ratio, weight per mille) bins: the
     # jitter of steps and of the relay through the router at a fixed batch (empty: none)
     gap_noise: Bins = ()
@@ -169,28 +173,31 @@ class SplitCost:
                        handover_b_s=self.handover_b_s, cpu_p_s=self.cpu_p_s,
                        cpu_d_s=self.cpu_d_s, p_busy_stretch=self.p_busy_stretch,
                        arrive_s=self.arrive_s, t1_s=self.t1_s, join_s=self.join_s,
-                       finish_s=self.finish_s)
+                       finish_s=self.finish_s, t2_s=self.t2_s)
         if self.prefill_factor <= 0:
             raise ValueError("SplitCost.prefill_factor must be > 0")
         if any(r < 0 or w < 0 for r, w in self.gap_noise):
             raise ValueError("SplitCost.gap_noise ratios and weights must be >= 0")
         _check_bins("SplitCost", self.gap_jitter_s)
         for row in self.interference:
-            if len(row) != 6 or not all(math.isfinite(v) and v >= 0 for v in row):
-                raise ValueError(f"SplitCost.interference rows are 6 finite numbers >= 0: {row}")
+            if len(row) not in (6, 7) or not all(math.isfinite(v) and v >= 0 for v in row):
+                raise ValueError(f"SplitCost.interference rows are 7 finite numbers >= 0: {row}")
+        # invariant: every row has all seven (a six-number row predates t2_s: it is 0 there)
+        object.__setattr__(self, "interference",
+                           tuple(tuple(row) + (0.0,) * (7 - len(row)) for row in self.interference))
         if any(a[0] >= b[0] for a, b in zip(self.interference, self.interference[1:],
                                              strict=False)):
             raise ValueError("SplitCost.interference rows must have increasing batch sizes")
 
     @property
-    def events(self) -> tuple[float, float, float, float]:
-        """(arrive_s, t1_s, join_s, finish_s)."""
-        return self.arrive_s, self.t1_s, self.join_s, self.finish_s
+    def events(self) -> tuple[float, float, float, float, float]:
+        """(arrive_s, t1_s, join_s, finish_s, t2_s)."""
+        return self.arrive_s, self.t1_s, self.join_s, self.finish_s, self.t2_s
 
-    def terms(self, others: float) -> tuple[float, float, float, float, float]:
-        """(p_busy_stretch, arrive_s, t1_s, join_s, finish_s) with `others` other streams on D:
-        the `interference` rows interpolated linearly, held constant beyond the end rows; the
-        scalars when there are no rows."""
+    def terms(self, others: float) -> tuple[float, float, float, float, float, float]:
+        """(p_busy_stretch, arrive_s, t1_s, join_s, finish_s, t2_s) with `others` other streams
+        on D: the `interference` rows interpolated linearly, held constant beyond the end rows;
+        the scalars when there are no rows."""
         rows = self.interference
         if not rows:
             return (self.p_busy_stretch, *self.events)
@@ -201,9 +208,9 @@ class SplitCost:
                 break
         w = 0.0 if hi[0] == lo[0] else min(1.0, max(0.0, (others - lo[0]) / (hi[0] - lo[0])))
         v = [x + w * (y - x) for x, y in zip(lo[1:], hi[1:], strict=True)]
-        return v[0], v[1], v[2], v[3], v[4]
+        return v[0], v[1], v[2], v[3], v[4], v[5]
 
-    def term_table(self, n: int) -> list[tuple[float, float, float, float, float]]:
+    def term_table(self, n: int) -> list[tuple[float, float, float, float, float, float]]:
         """`terms(b)` for b = 0..n (the simulator's lookup by batch)."""
         return [self.terms(b) for b in range(n + 1)]
 

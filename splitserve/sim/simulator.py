@@ -24,7 +24,8 @@ cost measured through the router, and every step (and the handover) is stretched
 router, client and connectors take per request at the workload's offered rate per worker. D j
 shares its host's cores with P (j mod n_P): D's steps that start while that P prefills take
 `1 + stretch` times as long, and each request's events (arrival, t1, its leg joining, its end)
-put their measured seconds on its D-worker's next step (none while D runs no streams); stretch
+put their measured seconds on its D-worker's next step (none while D runs no streams), and the
+relay of a joining request's t2 on the step after its join step; stretch
 and seconds are `SplitCost.terms(b)`, b = D's streams other than the event's request. Stretching
 by P's state at a step's start rather than by the step's overlap with P's prefill gives the same
 stretched time in expectation (run 3: 12.4 vs 12.5 % and 24.8 vs 25.1 % of D's time at 1 and
@@ -53,7 +54,7 @@ from splitserve.sim.workload import SimWorkload
 
 _EV_STEP, _EV_JOIN = 0, 1
 # fields of a `SplitCost.terms` row: D's stretch while its P prefills, each event's seconds
-_STRETCH, _ARRIVE, _T1, _JOIN, _FINISH = range(5)
+_STRETCH, _ARRIVE, _T1, _JOIN, _FINISH, _T2 = range(6)
 
 
 class Simulation:
@@ -70,8 +71,8 @@ class Simulation:
         self.noise = split.gap_noise if split is not None else ()
         self.jitter = split.gap_jitter_s if split is not None else profile.gap_jitter_s
         # D's interference terms (SplitCost.terms) by D's other streams, 0..max_num_seqs:
-        # (stretch while its P prefills, arrive, t1, join, finish seconds)
-        zero = (0.0, 0.0, 0.0, 0.0, 0.0)
+        # (stretch while its P prefills, arrive, t1, join, finish, t2 seconds)
+        zero = (0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
         self.iterm = (split.term_table(self.max_seqs) if split is not None
                       else [zero] * (self.max_seqs + 1))
         self.stretches = any(x[_STRETCH] > 0.0 for x in self.iterm)
@@ -141,16 +142,40 @@ class Simulation:
             w.C += pl[r] + 1
             w.new.append(r)
             w.extra += self.iterm[w.B - 1][_JOIN]  # the join's work, on D's next step
+            w.after += self.iterm[w.B - 1][_T2]  # its t2's relay, on the step after that
 
     def _charge(self, di: int, term: int, t: float) -> None:
         """A request event at t puts its seconds (`iterm[B][term]`, B = D's streams) of other
-        work on D-worker di's core: its next step carries them (dropped while D runs no
-        streams: nobody waits on that step)."""
+        work on D-worker di's core: t1's on the step in progress (`_extend`; the router's relay
+        of t1 and the decode leg's arrival at D overlap it), the others' on its next step
+        (dropped while D runs no streams: nobody waits on that step)."""
         w = self.D[di]
         cost = self.iterm[w.B][term]
         if cost > 0.0 and w.B:
-            w.extra += cost
-            self._cut(len(self.P) + di, w, t)
+            if term == _T1 and w.busy and w.kind != _WAIT:
+                self._extend(len(self.P) + di, w, t, cost)
+            else:
+                w.extra += cost
+                self._cut(len(self.P) + di, w, t)
+
+    def _extend(self, wi: int, w: _Worker, t: float, cost: float) -> None:
+        """The step in progress on `w` at t takes `cost` seconds longer. A segment is split: its
+        steps done by t stay a segment (recorded now), the one in progress becomes a step."""
+        if w.kind == _SEG:
+            done = min(_steps_done(w.alpha, w.beta, t - w.t0), w.k - 1)
+            t0 = w.t0 + w.alpha * done + w.beta * done * (done - 1) / 2
+            dur = w.alpha + w.beta * done
+            if done:
+                self.segs.append((w.alpha, w.beta, done, w.B, w.nnew, w.t0, wi, w.S))
+                w.S += done
+                w.C += done * w.B
+                w.nnew = 0
+                w.joined.clear()  # their t2 came with the segment's first step
+            w.kind, w.t0, w.step_dur = _STEP, t0, dur
+        w.step_dur += cost
+        for r in w.joined:  # t2 comes with this step's end
+            self.t2[r] += cost
+        self._schedule(wi, w, w.t0 + w.step_dur)
 
     def _cut(self, wi: int, w: _Worker, t: float) -> None:
         """End `w`'s decode-only segment at its next step boundary (the next step differs)."""
@@ -217,7 +242,7 @@ class Simulation:
             busy = w.role == _D and self.P[w.mate].prefilling
             pace = 1.0 + self.iterm[w.B][_STRETCH] if busy else 1.0
             alpha = (dc.a + dc.b * w.C + dc.c * w.B) * pace
-            if w.extra > 0.0:  # one step carrying the events' work
+            if w.extra > 0.0 or w.after > 0.0:  # one step carrying the events' work
                 w.kind, w.step_dur, w.t0 = _STEP, alpha + w.extra, t
                 w.extra = 0.0
                 first = w.step_dur
@@ -238,12 +263,17 @@ class Simulation:
         for r in w.new:
             self.t2[r] = t + first
         w.nnew = len(w.new)
+        w.joined, w.new = w.new, w.joined  # the joiners of the step now in progress
         w.new.clear()
         self._schedule(wi, w, end)
 
     def _boundary(self, wi: int, w: _Worker, t: float) -> None:
         """The step (or segment) in progress on `w` ends at `t`."""
         pl, ol = self.pl, self.ol
+        # invariant: `after` was added at the admissions just before the step ending now (a
+        # single step: `_plan`), so it lands on the next one
+        w.extra += w.after
+        w.after = 0.0
         if w.kind == _SEG:
             k = w.k
             self.segs.append((w.alpha, w.beta, k, w.B, w.nnew, w.t0, wi, w.S))

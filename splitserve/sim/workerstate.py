@@ -15,8 +15,8 @@ STEP, SEG, WAIT = 0, 1, 2  # what a busy worker is doing
 class Worker:
     __slots__ = ("role", "queue", "head_done", "waiting", "running", "B", "C", "S", "busy",
                  "kind", "t0", "alpha", "beta", "k", "cut", "ver", "kv_used", "kv_release",
-                 "load", "chunks", "new", "nnew", "step_dur", "pf", "dc", "extra", "prefilling",
-                 "mate")
+                 "load", "chunks", "new", "nnew", "step_dur", "pf", "dc", "extra", "after",
+                 "prefilling", "mate", "joined")
 
     def __init__(self, role: int, pf: PrefillCost, dc: DecodeCost) -> None:
         self.role, self.pf, self.dc = role, pf, dc
@@ -32,8 +32,10 @@ class Worker:
         self.kv_release: list[tuple[float, int]] = []
         self.chunks: list[tuple[int, int, int]] = []
         self.new: list[int] = []
+        self.joined: list[int] = []  # D: the requests whose t2 the step in progress emits
         # D: seconds of other processes' work (request events) to add to its next step
         self.extra = 0.0
+        self.after = 0.0  # D: seconds for the step after the next (the relay of joiners' t2)
         self.prefilling = False  # P: its current step prefills
         self.mate = 0  # D: the index of the P it shares cores with
 

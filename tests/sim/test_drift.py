@@ -53,9 +53,10 @@ def test_a_drifted_profile_scales_a_lone_requests_ttft_and_tpot() -> None:
 def test_split_costs_drift_with_the_side_they_run_on() -> None:
     split = SplitCost(0.002, 1.1, 0.003, 1e-6, DecodeCost(0.008, 1e-6, 4e-4), cpu_p_s=0.02,
                       cpu_d_s=0.01, p_busy_stretch=0.2, arrive_s=0.001, t1_s=0.004,
-                      join_s=0.003, finish_s=0.002, gap_jitter_s=((-0.002, 500), (0.004, 500)),
-                      interference=((1.0, 0.1, 0.001, 0.004, 0.003, 0.002),
-                                    (4.0, 0.2, 0.002, 0.005, 0.004, 0.003)))
+                      join_s=0.003, finish_s=0.002, t2_s=0.001,
+                      gap_jitter_s=((-0.002, 500), (0.004, 500)),
+                      interference=((1.0, 0.1, 0.001, 0.004, 0.003, 0.002, 0.001),
+                                    (4.0, 0.2, 0.002, 0.005, 0.004, 0.003, 0.0015)))
     s = scaled(replace(make_profile(), split=split), 1.5, 2.0).split
     assert s is not None
     assert (s.prefill_factor, s.p_busy_stretch) == (1.1, 0.2)  # ratios stay
@@ -63,7 +64,7 @@ def test_split_costs_drift_with_the_side_they_run_on() -> None:
     assert s.decode.time(2, 1000) == pytest.approx(2.0 * split.decode.time(2, 1000))
     assert s.handover(500) == pytest.approx(2.0 * split.handover(500))
     assert s.events == pytest.approx(tuple(2.0 * e for e in split.events))
-    assert s.terms(4.0) == pytest.approx((0.2, 0.004, 0.010, 0.008, 0.006))
+    assert s.terms(4.0) == pytest.approx((0.2, 0.004, 0.010, 0.008, 0.006, 0.003))
     assert [v for v, _ in s.gap_jitter_s] == pytest.approx([-0.004, 0.008])
 
 

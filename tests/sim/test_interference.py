@@ -83,18 +83,22 @@ def test_fit_interference_recovers_the_terms_from_simulated_probe_records() -> N
         assert cost[name] == pytest.approx(want, abs=tol), name
 
 
-ROWS = ((1.0, 0.4, 0.003, 0.004, 0.002, 0.001), (3.0, 0.1, 0.001, 0.002, 0.001, 0.0))
+# (others, stretch, arrive, t1, join, finish, t2)
+ROWS = ((1.0, 0.4, 0.003, 0.004, 0.002, 0.001, 0.0025), (3.0, 0.1, 0.001, 0.002, 0.001, 0.0, 0.001))
 
 
 def test_terms_interpolate_between_rows_and_hold_beyond_them() -> None:
     s = replace(SPLIT, p_busy_stretch=9.0, interference=ROWS)  # rows replace the scalars
     assert s.terms(0) == pytest.approx(ROWS[0][1:])
     assert s.terms(1) == pytest.approx(ROWS[0][1:])
-    assert s.terms(2) == pytest.approx((0.25, 0.002, 0.003, 0.0015, 0.0005))
+    assert s.terms(2) == pytest.approx((0.25, 0.002, 0.003, 0.0015, 0.0005, 0.00175))
     assert s.terms(3) == pytest.approx(ROWS[1][1:]) and s.terms(50) == pytest.approx(ROWS[1][1:])
-    assert replace(SPLIT, p_busy_stretch=0.3, t1_s=0.01).terms(7) == (0.3, 0.0, 0.01, 0.0, 0.0)
+    assert replace(SPLIT, p_busy_stretch=0.3, t1_s=0.01).terms(7) == (0.3, 0.0, 0.01, 0.0, 0.0,
+                                                                      0.0)
     back = SplitCost.from_dict(json.loads(json.dumps(asdict(replace(SPLIT, interference=ROWS)))))
     assert back.interference == ROWS
+    old = replace(SPLIT, interference=tuple(r[:6] for r in ROWS))  # a profile from before t2_s
+    assert old.interference == tuple((*r[:6], 0.0) for r in ROWS) and old.terms(1)[5] == 0.0
     with pytest.raises(ValueError):
         replace(SPLIT, interference=(ROWS[1], ROWS[0]))
 
@@ -131,7 +135,7 @@ def test_probe_fit_per_background_batch_recovers_the_rows() -> None:
     assert [r[0] for r in rows] == [1.0, 3.0]
     for got, want in zip(rows, ROWS, strict=True):
         assert got[1] == pytest.approx(want[1], abs=0.01)
-        assert got[4:] == pytest.approx(want[4:], abs=5e-4)  # join, finish
+        assert got[4:] == pytest.approx(want[4:], abs=5e-4)  # join, finish, t2
         assert got[2:4] == pytest.approx(want[2:4], abs=3e-3)  # arrive, t1
 
 
