@@ -140,20 +140,17 @@ def measure_decode_split(url: str, plan: SplitPlan, base: Profile
 
 
 def measure_interference(url: str, plan: SplitPlan, decode: DecodeCost
-                         ) -> tuple[tuple[tuple[float, ...], ...], dict[str, Any]]:
-    """`SplitCost.interference` rows (D's slowdown while P prefills and each request event's
-    seconds, per background batch; `sim.interference`) and the fits' quality."""
+                         ) -> dict[int, list[RequestRecord]]:
+    """The interference probe's records (`sim.interference`), per background batch; `decode`
+    sizes the background streams."""
     ip = plan.interference
     rng = np.random.default_rng(plan.seed + 3)
-    fits, quality = [], {}
+    out = {}
     for bg in ip.bg_batches:
         bg_tokens = background_tokens(ip, bg, decode, plan.max_model_len)
         reqs = probe_stream(ip, bg, bg_tokens, lambda n: _prompt(rng, n))
-        recs = _run(url, reqs, concurrency=None)
-        kappa, cost, q = fit_interference(gap_rows(recs, bg, decode))
-        fits.append((bg, kappa, cost))
-        quality[str(bg)] = q | {"bg_tokens": bg_tokens, "records": timeline(recs)}
-    return interference_rows(fits), quality
+        out[bg] = _run(url, reqs, concurrency=None)
+    return out
 
 
 def fit_lone(base: Profile, points: list[tuple[int, float, float]], decode: DecodeCost,
@@ -215,42 +212,101 @@ def fit_cpu(profile: Profile, cfg: SimConfig, wl: SimWorkload, ttft: float) -> f
     return _bisect(median_ttft, ttft, 0.9 * cfg.n_prefill / wl.offered_rate)
 
 
+@dataclass(frozen=True)
+class SplitMeasurements:
+    """What `calibrate_split` measures through a router, all that `split_costs` fits; a
+    calibrated profile keeps it in `split.fit` (`from_fit` reads it back)."""
+
+    lone: list[tuple[int, float, float]]  # (prompt, TTFT, t2 − t1) per lone request
+    decode_points: list[tuple[int, float, float]]  # (batch, context, step s) per window
+    jitter_s: list[float]  # the decode windows' gaps less their stream's local pace
+    probes: dict[int, list[RequestRecord]]  # the interference probe's records by background
+    load: list[RequestRecord]  # the loaded stream's records
+    measured: str  # when (ISO 8601, UTC)
+
+    @classmethod
+    def from_fit(cls, fit: dict[str, Any]) -> SplitMeasurements:
+        """Raises ValueError for a profile calibrated before the records were kept."""
+        load, probes = fit.get("load", {}), fit.get("interference", {})
+        if "records" not in load or any("records" not in q for q in probes.values()):
+            raise ValueError("this split profile keeps no probe records; calibrate it again")
+        return cls([(int(n), float(a), float(b)) for n, a, b in fit["lone_points"]],
+                   [(int(b), float(c), float(s)) for b, c, s in fit["decode_points"]],
+                   [j / 1e3 for j in fit["jitter_ms"]],
+                   {int(bg): _records(q["records"]) for bg, q in probes.items()},
+                   _records(load["records"]), str(fit.get("measured", "")))
+
+
+def _records(dicts: list[dict[str, Any]]) -> list[RequestRecord]:
+    return [RequestRecord.from_dict(d) for d in dicts]
+
+
+def _default_config(base: Profile) -> SimConfig:
+    return SimConfig("disagg", 1, 1, transport="tcp" if "tcp" in base.transfer
+                     else sorted(base.transfer)[0])
+
+
 def calibrate_split(url: str, base: Profile, plan: SplitPlan, cfg: SimConfig | None = None,
                     say: Callable[[str], None] = print) -> Profile:
     """`base` with the `split` costs of the deployment behind `url` (a router)."""
-    cfg = cfg or SimConfig("disagg", 1, 1, transport="tcp" if "tcp" in base.transfer
-                           else sorted(base.transfer)[0])
     say("calibrate: lone requests through the router")
     lone = measure_lone(url, plan)
     say("calibrate: decode steps through the router")
     dec_points, jitter = measure_decode_split(url, plan, base)
-    decode, qd = fit_decode(dec_points)
     say("calibrate: interference on D (background streams, requests arriving one by one)")
-    rows, qi = measure_interference(url, plan, decode)
-    kappa, *ev = rows[0][1:]  # the scalars hold the first row (SplitCost.interference)
-    r0, factor, ha, hb, ql = fit_lone(base, lone, decode, rows[0][4])  # lone: D's first row
+    probes = measure_interference(url, plan, fit_decode(dec_points)[0])
     say(f"calibrate: loaded stream, {plan.load_requests} requests at {plan.load_rate:g}/s")
-    reqs = load_stream(plan)
-    load_recs = _run(url, reqs, concurrency=None)
-    ttft, itl = stream_medians(load_recs)
+    load = _run(url, load_stream(plan), concurrency=None)
+    m = SplitMeasurements(lone, dec_points, jitter, probes, load,
+                          datetime.now(UTC).isoformat(timespec="seconds"))
+    return split_costs(base, m, cfg or _default_config(base), f"calibrated through {url}")
+
+
+def refit_split(profile: Profile, cfg: SimConfig | None = None) -> Profile:
+    """A calibrated profile's split costs fitted again from the measurements it keeps (after a
+    change to a fit), on its own base part."""
+    if profile.split is None:
+        raise ValueError("the profile has no split costs to refit")
+    base = replace(profile, split=None)
+    m = SplitMeasurements.from_fit(profile.split.fit)
+    prof = split_costs(base, m, cfg or _default_config(base), profile.split.source)
+    assert prof.split is not None
+    return replace(prof, split=replace(prof.split, fit=prof.split.fit | {
+        "refitted": datetime.now(UTC).isoformat(timespec="seconds")}))
+
+
+def split_costs(base: Profile, m: SplitMeasurements, cfg: SimConfig, source: str) -> Profile:
+    """`base` with the split costs fitted from `m`: D's decode through the router, the
+    interference rows (the first in the scalars), the lone fit against D's first row, the
+    P-side CPU against the loaded stream's median TTFT, and what the profile keeps."""
+    decode, qd = fit_decode(m.decode_points)
+    fits, qi = [], {}
+    for bg, recs in sorted(m.probes.items()):
+        kappa, cost, q = fit_interference(gap_rows(recs, bg, decode))
+        fits.append((bg, kappa, cost))
+        qi[str(bg)] = q | {"bg_tokens": recs[0].requested_output_len, "records": timeline(recs)}
+    rows = interference_rows(fits)
+    kappa, *ev = rows[0][1:]  # the scalars hold the first row (SplitCost.interference)
+    r0, factor, ha, hb, ql = fit_lone(base, m.lone, decode, rows[0][4])  # lone: D's first row
+    ttft, itl = stream_medians(m.load)
     split = SplitCost(r0, factor, ha, hb, decode, p_busy_stretch=kappa, arrive_s=ev[0],
                       t1_s=ev[1], join_s=ev[2], finish_s=ev[3], t2_s=ev[4],
-                      interference=rows,
-                      gap_jitter_s=noise_bins(jitter), source=f"calibrated through {url}")
-    prof = replace(base, split=split)
-    wl = SimWorkload.of([r.arrival_s for r in reqs], [r.input_len for r in reqs],
-                        [r.output_len for r in reqs])
+                      interference=rows, gap_jitter_s=noise_bins(m.jitter_s), source=source)
+    wl = SimWorkload.of([r.scheduled_s for r in m.load], [r.input_len for r in m.load],
+                        [r.requested_output_len for r in m.load])
     cfg = replace(cfg, mode="disagg", split_costs=True)
-    cpu_p = fit_cpu(prof, cfg, wl, ttft)
-    prof = replace(prof, split=replace(split, cpu_p_s=cpu_p))
-    sim_itl = float(summarize(simulate(prof, cfg, wl), system="calibrate")["median_itl_ms"]) / 1e3
-    fit = {"lone_points": [list(p) for p in lone], "lone_fit": ql,
-           "decode_points": [list(p) for p in dec_points], "decode_fit": qd,
+    split = replace(split, cpu_p_s=fit_cpu(replace(base, split=split), cfg, wl, ttft))
+    sim_itl = float(summarize(simulate(replace(base, split=split), cfg, wl),
+                              system="calibrate")["median_itl_ms"]) / 1e3
+    first = m.load[0]
+    fit = {"lone_points": [list(p) for p in m.lone], "lone_fit": ql,
+           "decode_points": [list(p) for p in m.decode_points], "decode_fit": qd,
            "interference": qi,
-           "jitter_ms": [round(j * 1e3, 3) for j in jitter],  # the samples behind gap_jitter_s
-           "load": {"rate": plan.load_rate, "requests": plan.load_requests,
-                    "prompt": plan.load_prompt, "output": plan.load_output,
-                    "median_ttft_s": ttft, "median_itl_s": itl, "sim_median_itl_s": sim_itl,
-                    "records": timeline(load_recs)},  # the probes' records, for offline reads
-           "measured": datetime.now(UTC).isoformat(timespec="seconds")}
-    return replace(prof, split=replace(split, cpu_p_s=cpu_p, fit=fit))
+           "jitter_ms": [round(j * 1e3, 3) for j in m.jitter_s],  # behind gap_jitter_s
+           "load": {"rate": (len(m.load) - 1) / (m.load[-1].scheduled_s - first.scheduled_s),
+                    "requests": len(m.load), "prompt": first.input_len,
+                    "output": first.requested_output_len, "median_ttft_s": ttft,
+                    "median_itl_s": itl, "sim_median_itl_s": sim_itl,
+                    "records": timeline(m.load)},
+           "measured": m.measured}
+    return replace(base, split=replace(split, fit=fit))

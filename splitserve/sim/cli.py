@@ -99,10 +99,12 @@ def _label(cfg: SimConfig) -> str:
 
 
 def run_profile(args: argparse.Namespace) -> int:
-    if args.refit:
+    if args.refit:  # a split profile's split costs, else a plain profile's fits
+        from splitserve.sim.calibrate import refit_split
         from splitserve.sim.profile import refit
 
-        prof = refit(load_profile(args.refit))
+        prof = load_profile(args.refit)
+        prof = refit_split(prof) if prof.split is not None else refit(prof)
     elif args.split:
         from splitserve.sim.calibrate import SplitPlan, calibrate_split
 
@@ -320,7 +322,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     prof.add_argument("--transfer-json", help="KV transfer benchmark JSON (per-transport links)")
     prof.add_argument("--no-tcp-probe", action="store_true")
     prof.add_argument("--quick", action="store_true", help="a smaller measurement grid")
-    prof.add_argument("--refit", metavar="PROFILE", help="fit a measured profile's points again")
+    prof.add_argument("--refit", metavar="PROFILE", help="fit a measured profile's points again "
+                      "(a calibrated split profile: its split costs, from the records it keeps)")
     prof.add_argument("--split", action="store_true", help="measure a disaggregated "
                       "deployment's extra costs through its router (--url) on top of --base")
     prof.add_argument("--base", metavar="PROFILE", help="the plain workers' profile (--split)")

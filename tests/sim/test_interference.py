@@ -159,7 +159,8 @@ def test_calibrate_split_against_a_simulated_deployment_recovers_the_rows(
 
     monkeypatch.setattr(calibrate, "_run", fake_run)
     plan = calibrate.SplitPlan(interference=InterferencePlan(bg_batches=(1, 3), injections=12))
-    got = calibrate.calibrate_split("sim://", make_profile(), plan, say=lambda _: None).split
+    calibrated = calibrate.calibrate_split("sim://", make_profile(), plan, say=lambda _: None)
+    got = calibrated.split
     assert got is not None and [r[0] for r in got.interference] == [1.0, 3.0]
     # the decode fitted through this deployment is ~6 % off DEC (the probe's windows), and the
     # terms are read against it: within 0.03 stretch and 0.5 ms per event
@@ -178,3 +179,16 @@ def test_calibrate_split_against_a_simulated_deployment_recovers_the_rows(
     load = [RequestRecord.from_dict(d) for d in got.fit["load"]["records"]]
     assert stream_medians(load) == pytest.approx(
         (got.fit["load"]["median_ttft_s"], got.fit["load"]["median_itl_s"]), abs=2e-6)
+    # fitted again from what the profile keeps (`splitserve profile --refit`): the same costs
+    again = calibrate.refit_split(calibrated).split
+    assert again is not None and again.decode == got.decode
+    for a, b in zip(again.interference, got.interference, strict=True):
+        assert a == pytest.approx(b, rel=1e-3, abs=1e-5)
+    assert again.cpu_p_s == pytest.approx(got.cpu_p_s, rel=1e-3, abs=1e-6)
+    assert (again.handover_a_s, again.prefill_factor) == pytest.approx(
+        (got.handover_a_s, got.prefill_factor), rel=1e-3, abs=1e-6)
+    assert "refitted" in again.fit and again.fit["measured"] == got.fit["measured"]
+    old = replace(calibrated, split=replace(got, fit={k: v for k, v in got.fit.items()
+                                                      if k != "load"}))
+    with pytest.raises(ValueError, match="no probe records"):
+        calibrate.refit_split(old)
