@@ -121,6 +121,13 @@ def decode_tokens(base: Profile, plan: SplitPlan, batch: int, prompt: int) -> in
     return min(plan.decode_tokens + int(wait / step) + 1, plan.max_model_len - prompt - 1)
 
 
+def after_handovers(recs: list[RequestRecord]) -> float:
+    """When the window of D's plain steps begins: past every stream's third chunk (t3), that
+    is past the last joiner's t1 (on the step in progress), its join step and the step after
+    it that relays its t2 — steps the event terms price, so the decode fit does not."""
+    return max(r.chunk_times[min(2, len(r.chunk_times) - 1)] for r in recs)
+
+
 def measure_decode_split(url: str, plan: SplitPlan, base: Profile
                          ) -> tuple[list[tuple[int, float, float]], list[float]]:
     """(batch, context, step seconds) rows through the router, and the gaps' jitter (s)."""
@@ -132,7 +139,7 @@ def measure_decode_split(url: str, plan: SplitPlan, base: Profile
             for _ in range(plan.decode_repeats):
                 reqs = [Request(i, 0.0, _prompt(rng, L), n) for i in range(b)]
                 recs = _run(url, reqs, concurrency=None)
-                got = decode_window(recs, L)
+                got = decode_window(recs, L, after_handovers(recs))
                 if got is not None:
                     rows.append((b, got[1], got[0]))
                 jitter += window_jitter(recs)
@@ -303,7 +310,7 @@ def split_costs(base: Profile, m: SplitMeasurements, cfg: SimConfig, source: str
            "decode_points": [list(p) for p in m.decode_points], "decode_fit": qd,
            "interference": qi,
            "jitter_ms": [round(j * 1e3, 3) for j in m.jitter_s],  # behind gap_jitter_s
-           "load": {"rate": (len(m.load) - 1) / (m.load[-1].scheduled_s - first.scheduled_s),
+           "load": {"rate": wl.offered_rate,
                     "requests": len(m.load), "prompt": first.input_len,
                     "output": first.requested_output_len, "median_ttft_s": ttft,
                     "median_itl_s": itl, "sim_median_itl_s": sim_itl,

@@ -97,14 +97,13 @@ def _rows(recs: list[RequestRecord], streams: range, events: list[tuple[str, flo
     """The rows of `recs[i]`'s gaps from t2 on, i in `streams`, inside [start, end]. An event
     belongs to the gap that holds it, but a join (another request's t2) to the gap that ends
     nearest it, within half that gap: its join step, whose token reaches the client in the
-    same relay as t2, a little before or after it."""
+    same relay as t2, a little before or after it (else the gap that holds it)."""
     busy = _p_busy(recs)
-    joins = np.array(sorted(x for n, x in events if n == "join"))
+    joins = [x for n, x in events if n == "join"]
     rows = []
     for i in streams:
         t = recs[i].chunk_times
-        ends = np.array(t[2:])
-        nearest = np.abs(ends[:, None] - joins[None, :]).argmin(axis=0) if len(ends) else []
+        at = [_join_gap(t, x) for x in joins]
         for k, (a, b) in enumerate(zip(t[1:], t[2:], strict=False)):
             if a < start or b > end or b <= a:
                 continue
@@ -112,10 +111,21 @@ def _rows(recs: list[RequestRecord], streams: range, events: list[tuple[str, flo
             ctx = sum(q.input_len + bisect.bisect_right(q.chunk_times, a) for q in live)
             pb = sum(max(0.0, min(b, e) - max(a, s)) for s, e in busy) / (b - a)
             here = tuple(n for n, x in events if n != "join" and a < x <= b)
-            here += ("join",) * sum(1 for j, x in zip(nearest, joins, strict=True)
-                                    if j == k and abs(x - b) <= (b - a) / 2)
+            here += ("join",) * at.count(k)
             rows.append((i, b - a, decode.time(len(live), ctx), pb, here))
     return rows
+
+
+def _join_gap(t: list[float], x: float) -> int | None:
+    """The index k of the gap (t[k+1], t[k+2]] a join at x belongs to (`_rows`); None: none."""
+    ends = t[2:]
+    if not ends:
+        return None
+    k = min(range(len(ends)), key=lambda j: abs(ends[j] - x))
+    if abs(ends[k] - x) <= (ends[k] - t[k + 1]) / 2:
+        return k
+    k = bisect.bisect_left(ends, x)  # the first gap ending at or after x
+    return k if k < len(ends) and t[k + 1] < x else None
 
 
 def gap_rows(recs: list[RequestRecord], bg: int, decode: DecodeCost) -> list[Row]:

@@ -181,7 +181,7 @@ class SplitCost:
         _check_bins("SplitCost", self.gap_jitter_s)
         for row in self.interference:
             if len(row) not in (6, 7) or not all(math.isfinite(v) and v >= 0 for v in row):
-                raise ValueError(f"SplitCost.interference rows are 7 finite numbers >= 0: {row}")
+                raise ValueError(f"SplitCost.interference rows are 7 (or 6) numbers >= 0: {row}")
         # invariant: every row has all seven (a six-number row predates t2_s: it is 0 there)
         object.__setattr__(self, "interference",
                            tuple(tuple(row) + (0.0,) * (7 - len(row)) for row in self.interference))

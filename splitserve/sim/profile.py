@@ -156,13 +156,15 @@ def measure_prefill(url: str, plan: ProfilePlan, max_len: int) -> list[tuple[int
     return [(n, statistics.median(ts)) for n, ts in sorted(by_len.items())]
 
 
-def decode_window(recs: list[RequestRecord], prompt_len: int) -> tuple[float, float] | None:
+def decode_window(recs: list[RequestRecord], prompt_len: int, start: float | None = None
+                  ) -> tuple[float, float] | None:
     """(median seconds per decode step, median total context) while all B requests decode: the
-    window from the last first token to the first last token. Per request, the time between its
-    first and last chunk inside the window over the tokens in between — robust to chunks that
-    carry several tokens (a server that falls behind coalesces them). Without such a window,
-    each request's whole decode span."""
-    start = max(r.chunk_times[0] for r in recs)
+    window from `start` (default: the last first token) to the first last token. Per request,
+    the time between its first and last chunk inside the window over the tokens in between —
+    robust to chunks that carry several tokens (a server that falls behind coalesces them).
+    Without such a window, each request's whole decode span."""
+    if start is None:
+        start = max(r.chunk_times[0] for r in recs)
     end = min(r.chunk_times[-1] for r in recs)
     b = len(recs)
     steps, ctxs = [], []

@@ -24,8 +24,9 @@ cost measured through the router, and every step (and the handover) is stretched
 router, client and connectors take per request at the workload's offered rate per worker. D j
 shares its host's cores with P (j mod n_P): D's steps that start while that P prefills take
 `1 + stretch` times as long, and each request's events (arrival, t1, its leg joining, its end)
-put their measured seconds on its D-worker's next step (none while D runs no streams), and the
-relay of a joining request's t2 on the step after its join step; stretch
+put their measured seconds on its D-worker's steps (none while D runs no streams): t1's, when
+the client gets t1, on the step in progress; the arrival's and the end's on the next step; the
+join's on the joiner's first step; the relay of its t2 on the step after that; stretch
 and seconds are `SplitCost.terms(b)`, b = D's streams other than the event's request. Stretching
 by P's state at a step's start rather than by the step's overlap with P's prefill gives the same
 stretched time in expectation (run 3: 12.4 vs 12.5 % and 24.8 vs 25.1 % of D's time at 1 and
@@ -52,7 +53,7 @@ from splitserve.sim.workerstate import Worker as _Worker
 from splitserve.sim.workerstate import steps_done as _steps_done
 from splitserve.sim.workload import SimWorkload
 
-_EV_STEP, _EV_JOIN = 0, 1
+_EV_STEP, _EV_JOIN, _EV_T1 = 0, 1, 2
 # fields of a `SplitCost.terms` row: D's stretch while its P prefills, each event's seconds
 _STRETCH, _ARRIVE, _T1, _JOIN, _FINISH, _T2 = range(6)
 
@@ -76,6 +77,7 @@ class Simulation:
         self.iterm = (split.term_table(self.max_seqs) if split is not None
                       else [zero] * (self.max_seqs + 1))
         self.stretches = any(x[_STRETCH] > 0.0 for x in self.iterm)
+        self.t1_costs = any(x[_T1] > 0.0 for x in self.iterm)
         if config.mode == "disagg":
             self.link = profile.link(config.transport)
             p_pf, d_dc = pf, dc
@@ -255,6 +257,7 @@ class Simulation:
                 first = alpha
         else:
             w.busy = False
+            w.extra = w.after = 0.0  # work charged to a step that never runs: nobody waits
             if w.queue and w.kv_release:  # blocked on KV that a transfer still holds
                 w.kind = _WAIT
                 self._schedule(wi, w, w.kv_release[0][0])
@@ -337,7 +340,8 @@ class Simulation:
             self.link_free[wi] = free
         heapq.heappush(w.kv_release, (free, self.pl[r]))
         self.xfer[r] = arrive - t
-        self._charge(self.dsel[r], _T1, t)
+        if self.t1_costs:  # t1's work on D's core comes when the router relays t1
+            self._push(t1, _EV_T1, r, 0)
         ready = t1 + hop + self.hand_a + self.hand_b * self.pl[r]
         self._push(max(arrive, ready), _EV_JOIN, r, 0)
 
@@ -380,6 +384,8 @@ class Simulation:
                         self._plan(a, w, t)
                     else:
                         self._boundary(a, w, t)
+                elif kind == _EV_T1:
+                    self._charge(self.dsel[a], _T1, t)
                 else:  # decode leg reaches D
                     di = self.dsel[a]
                     w = D[di]

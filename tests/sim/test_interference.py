@@ -47,10 +47,11 @@ def test_lone_request_pays_the_join_once_and_nothing_else() -> None:
     assert g == pytest.approx([DEC.time(1, 302 + j) for j in range(8)])
 
 
-def test_d_steps_stretch_while_p_prefills_and_events_land_on_the_next_step() -> None:
+def test_d_steps_stretch_while_p_prefills_and_events_land_on_their_steps() -> None:
     """One stream decodes alone; a second request arrives, P prefills it: every D step that
-    starts while P prefills takes 1.5× the calibrated step; the arrival and t1 add their
-    seconds to D's next step, the join to the joiner's first step, the end to the step after."""
+    starts while P prefills takes 1.5× the calibrated step; the arrival adds its seconds to
+    D's next step, t1 to the step in progress at t1, the join to the joiner's first step, the
+    end to the step after."""
     terms = dict(p_busy_stretch=0.5, arrive_s=0.003, t1_s=0.004, join_s=0.002, finish_s=0.001)
     wl = SimWorkload.of([0.0, 0.5], [200, 1500], [400, 5])
     o = simulate(_prof(**terms), CFG, wl)
@@ -61,6 +62,10 @@ def test_d_steps_stretch_while_p_prefills_and_events_land_on_the_next_step() -> 
     assert len(stretched) == pytest.approx((t1 - 0.5) / (1.5 * DEC.time(1, 500)), abs=2)
     excess = {round(g - p * (1.5 if g / p > 1.5 else 1.0), 9) for _, g, p, _, _ in rows}
     assert {0.003, 0.004, 0.002, 0.001} <= excess  # each event's seconds on one step
+    # t1's on the gap that holds it, the join's on the join step (its end nearest t2)
+    by_event = {ev: round(g - p * (1.5 if g / p > 1.5 else 1.0), 9) for _, g, p, _, ev in rows
+                if ev}
+    assert by_event[("t1",)] == 0.004 and by_event[("join",)] == 0.002
 
 
 def test_fit_interference_recovers_the_terms_from_simulated_probe_records() -> None:
@@ -73,8 +78,8 @@ def test_fit_interference_recovers_the_terms_from_simulated_probe_records() -> N
     kappa, cost, q = fit_interference(gap_rows(recs, 2, DEC))
     assert q["idle_pace"] == pytest.approx(1.0, abs=1e-6)
     assert kappa == pytest.approx(0.2, abs=0.01)
-    # the simulator puts an event's seconds on the step after it: the gap holding it alone
-    # is the one the fit reads (arrival: the step P's prefill starts in, so stretched too)
+    # the fit reads each event where the simulator puts it (arrival: the step after it, the
+    # one P's prefill starts in, so stretched too)
     # t1 and the arrival fall in gaps partly inside P's prefill, which the simulator stretches
     # by P's state at the step's start and the fit by the busy fraction: a share of a step's
     # stretch (<= 0.2 × 8 ms) may move into or out of them
@@ -162,13 +167,15 @@ def test_calibrate_split_against_a_simulated_deployment_recovers_the_rows(
     calibrated = calibrate.calibrate_split("sim://", make_profile(), plan, say=lambda _: None)
     got = calibrated.split
     assert got is not None and [r[0] for r in got.interference] == [1.0, 3.0]
-    # the decode fitted through this deployment is ~6 % off DEC (the probe's windows), and the
-    # terms are read against it: within 0.03 stretch and 0.5 ms per event
+    # the terms are read against the decode fitted through this deployment: within 0.03
+    # stretch and 0.5 ms per event
     for row, want in zip(got.interference, ROWS, strict=True):
         assert row[1] == pytest.approx(want[1], abs=0.03)
         assert row[4:] == pytest.approx(want[4:], abs=5e-4)
     assert (got.p_busy_stretch, got.join_s) == (got.interference[0][1], got.interference[0][4])
-    assert got.decode.a == pytest.approx(DEC.a, rel=0.1) and got.gap_noise == ()
+    # its windows begin past the handovers' steps (`after_handovers`), so it is DEC itself
+    assert (got.decode.a, got.decode.c) == pytest.approx((DEC.a, DEC.c), rel=0.03)
+    assert got.gap_noise == ()
     assert all(abs(s) < 5e-4 for s, _ in got.gap_jitter_s)  # steps grow with context
     # the profile keeps the probes' records: read back, they give the same rows and medians
     assert got.fit is not None
@@ -192,3 +199,39 @@ def test_calibrate_split_against_a_simulated_deployment_recovers_the_rows(
                                                       if k != "load"}))
     with pytest.raises(ValueError, match="no probe records"):
         calibrate.refit_split(old)
+
+
+@pytest.mark.parametrize("router_s", [0.0, 0.008, 0.016])
+def test_t1_lands_where_the_client_sees_it_whatever_the_routers_time(router_s: float) -> None:
+    """t1's seconds extend D's step in progress when the client gets t1 (P's step end plus the
+    router's time per request), which is the gap the probe's fit reads them from."""
+    ip = InterferencePlan(injections=12)
+    reqs = probe_stream(ip, 1, 700, lambda n: (1,) * n)
+    wl = SimWorkload.of([r.arrival_s for r in reqs], [r.input_len for r in reqs],
+                        [r.output_len for r in reqs])
+    prof = replace(_prof(t1_s=0.005, join_s=0.002, t2_s=0.003),
+                   split=replace(_prof().split, t1_s=0.005, join_s=0.002, t2_s=0.003,
+                                 router_request_s=router_s))
+    _, cost, _ = fit_interference(gap_rows(request_records(simulate(prof, CFG, wl)), 1, DEC))
+    assert (cost["t1"], cost["join"], cost["t2"]) == pytest.approx((0.005, 0.002, 0.003),
+                                                                   abs=2e-4)
+
+
+def test_work_charged_while_d_drains_does_not_reach_a_later_request() -> None:
+    """A request's t2 relay (or an arrival) charged on the step that empties D is dropped with
+    that step: the next request, seconds later, pays only its own handover."""
+    wl = SimWorkload.of([0.0, 10.0], [300, 300], [2, 10])
+    lone = 0.05 + DEC.time(1, 301) + 0.002  # handover_a + D's first step + its join
+    for terms in ({"t2_s": 0.05}, {"arrive_s": 0.05}, {}):
+        o = simulate(_prof(join_s=0.002, **terms), CFG, wl)
+        assert o.second_token[1] - o.first_token[1] == pytest.approx(lone), terms
+
+
+def test_a_join_belongs_to_the_gap_ending_nearest_it_else_to_the_one_holding_it() -> None:
+    from splitserve.sim.interference import _join_gap
+
+    t = [0.0, 0.1, 0.11, 0.17, 0.18]  # gaps (0.1, 0.11], (0.11, 0.17], (0.17, 0.18]
+    assert _join_gap(t, 0.171) == 1  # just after the end of gap 1: its join step
+    assert _join_gap(t, 0.109) == 0
+    assert _join_gap(t, 0.125) == 1  # nearest end 0.11 is farther than half of gap 0: holder
+    assert _join_gap(t, 0.5) is None and _join_gap(t, 0.05) is None and _join_gap([0.0], 1) is None
