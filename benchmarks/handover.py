@@ -46,6 +46,7 @@ from _common import random_prompt as prompt  # noqa: E402
 from splitserve.config import WorkerConfig, bearer_headers  # noqa: E402
 from splitserve.launch.config import DeploymentConfig  # noqa: E402
 from splitserve.launch.local import LocalDeployment  # noqa: E402
+from splitserve.router.health import kv_endpoint  # noqa: E402
 from splitserve.worker.cli import parse_cpus  # noqa: E402
 from splitserve.worker.launch import free_port, start_worker, wait_healthy  # noqa: E402
 
@@ -228,9 +229,9 @@ def main() -> int:
         }
         d_client = httpx.Client(base_url=dep.workers[1].url, timeout=30,
                                 headers=bearer_headers(dep.token))
-        info = d_client.get("/splitserve/info").json()
-        endpoint = {"remote_host": info["kv_host"], "remote_port": info["kv_port"],
-                    "remote_engine_id": info.get("engine_id"), "transport": args.transport}
+        endpoint = kv_endpoint(d_client.get("/splitserve/info").json(), args.transport)
+        if endpoint is None:
+            raise SystemExit("the D-worker advertises no KV endpoint")
         push = PushLeg(systems["p-push"], d_client, endpoint)
         res = run(systems, model, lengths, args.reps, vocab, args.max_tokens, args.gap_s, push)
     finally:

@@ -26,6 +26,18 @@ from splitserve.worker.load import LOAD_GAUGES, LOAD_PATH, parse_metrics
 log = logging.getLogger("splitserve.router")
 
 
+def kv_endpoint(info: dict[str, Any], transport: str | None = None) -> dict[str, Any] | None:
+    """A worker's `/splitserve/info` as the target of a KV push (the P leg's
+    `kv_transfer_params`, less the transfer's own fields); None without a KV endpoint."""
+    if not info or not info.get("kv_port"):
+        return None
+    endpoint = {"remote_host": info.get("kv_host"), "remote_port": info.get("kv_port"),
+                "remote_engine_id": info.get("engine_id")}
+    chosen = transport or info.get("transport")
+    if chosen:
+        endpoint["transport"] = chosen
+    return endpoint
+
 
 @dataclass
 class Worker:
@@ -58,15 +70,7 @@ class Worker:
 
     def kv_endpoint(self, transport: str | None = None) -> dict[str, Any] | None:
         """This worker as the target of a KV push (the P leg's `kv_transfer_params`)."""
-        info = self.info
-        if not info or not info.get("kv_port"):
-            return None
-        endpoint = {"remote_host": info.get("kv_host"), "remote_port": info.get("kv_port"),
-                    "remote_engine_id": info.get("engine_id")}
-        chosen = transport or info.get("transport")
-        if chosen:
-            endpoint["transport"] = chosen
-        return endpoint
+        return kv_endpoint(self.info, transport)
 
     def acquire(self, prompt_tokens: int = 0) -> None:
         self.inflight += 1
