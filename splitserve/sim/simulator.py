@@ -154,7 +154,7 @@ class Simulation:
         w = self.D[di]
         cost = self.iterm[w.B][term]
         if cost > 0.0 and w.B:
-            if term == _T1 and w.busy and w.kind != _WAIT:
+            if term == _T1 and w.busy:  # a busy D runs a step or a segment (never waits)
                 self._extend(len(self.P) + di, w, t, cost)
             else:
                 w.extra += cost

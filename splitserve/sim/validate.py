@@ -104,14 +104,13 @@ def measure_point(url: str, spec: WorkloadSpec, repeats: int, canary: Canary | N
     after the last, so each run's dict carries the canary just before it (`canary`) and the
     one just after it (`canary_after`), as `Speed.to_dict()`s."""
     out = []
-    speed = canary.run(url) if canary is not None else None
+    speeds = [canary.run(url)] if canary is not None else []
     for i in range(repeats):
         client = ClientConfig(url=url, run_tag=f"validate-{spec.arrival.rate:g}-r{i}")
         run = asyncio.run(run_once(client, spec, "real", {"url": url}, {}, RunOptions()))
-        if canary is not None and speed is not None:
-            after = canary.run(url)
-            run["canary"], run["canary_after"] = speed.to_dict(), after.to_dict()
-            speed = after
+        if canary is not None:
+            speeds.append(canary.run(url))
+            run["canary"], run["canary_after"] = speeds[-2].to_dict(), speeds[-1].to_dict()
         out.append(run)
     return out
 
