@@ -184,7 +184,7 @@ def run_sim(args: argparse.Namespace) -> int:
 
 
 def run_validate(args: argparse.Namespace) -> int:
-    from splitserve.sim.drift import Canary, Speed, StretchPlan
+    from splitserve.sim.drift import Canary, Speed, StretchPlan, modelled_reference
     from splitserve.sim.validate import (
         compare,
         drift_json,
@@ -200,7 +200,8 @@ def run_validate(args: argparse.Namespace) -> int:
     if args.repeats < 3:
         print("note: fewer than 3 repeats per point; the spread is poorly known")
     rates = args.rates or (spec.arrival.rate,)
-    reference: Speed | None = None  # the canary around this command's own profiling
+    reference: Speed | None = None  # the canary as the profile predicts it (drift's reference)
+    around: Speed | None = None  # the canaries measured around this command's own profiling
     # a disaggregated deployment's canary reads D's P-busy stretch too, against the base
     # profile's decode shape (the same for the reference and every repeat)
     canary = (Canary(stretch=StretchPlan(), decode=prof.decode) if cfg.mode == "disagg"
@@ -217,22 +218,32 @@ def run_validate(args: argparse.Namespace) -> int:
         run = canary if reference is not None else None
         return {r: measure_point(url, spec.with_rate(r), args.repeats, run) for r in rates}
 
-    def profiled(url: str, take: Callable[[], Any]) -> Any:
-        """Run `take` (the profiling) between two canaries; their mean is the reference."""
+    def refer(profile: Profile) -> None:
+        """The reference: the canary simulated on the profile the points are simulated on."""
         nonlocal reference
+        reference = modelled_reference(profile, cfg, canary)
+        for name, sp in (("simulated on the profile", reference), ("measured around it", around)):
+            if sp is not None:
+                stretch = "" if sp.stretch is None else f", P-busy stretch {sp.stretch:.3f}"
+                print(f"canary {name}: TTFT {sp.ttft_s * 1e3:.1f} ms, decode gap "
+                      f"{sp.gap_s * 1e3:.2f} ms{stretch}")
+
+    def profiled(url: str, take: Callable[[], Profile]) -> Profile:
+        """Run `take` (the profiling) between two canaries (kept for the record: `around`)."""
+        nonlocal around
         pin_client()
         before = canary.run(url)
         out = take()
-        reference = Speed.mean([before, canary.run(url)])
-        stretch = "" if reference.stretch is None else f", P-busy stretch {reference.stretch:.3f}"
-        print(f"canary reference: TTFT {reference.ttft_s * 1e3:.1f} ms, decode gap "
-              f"{reference.gap_s * 1e3:.2f} ms{stretch}")
+        around = Speed.mean([before, canary.run(url)])
+        refer(out)
         return out
 
     if args.real_json:
         from splitserve.sim.validate import attach_records, stored_real
 
-        spec, real, reference = stored_real(json.loads(Path(args.real_json).read_text()))
+        spec, real, around = stored_real(json.loads(Path(args.real_json).read_text()))
+        if around is not None:  # the canaries ran: drift against this profile's own canary
+            refer(prof)
         runs_json = Path(args.real_json).with_suffix(".runs.json")
         if runs_json.exists():  # the per-request records, for the stretch and handover lines
             attach_records(real, json.loads(runs_json.read_text()))
@@ -284,7 +295,7 @@ def run_validate(args: argparse.Namespace) -> int:
         Path(args.out).write_text(json.dumps(
             {"profile": str(args.profile), "config": cfg.__dict__, "workload": spec.to_dict(),
              "repeats": args.repeats, "points": [p.to_dict() for p in points],
-             "drift": drift_json(reference, real)}, indent=2))
+             "drift": drift_json(reference, real, around)}, indent=2))
         print(f"wrote {args.out}")
     return 0
 

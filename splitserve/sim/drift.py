@@ -5,9 +5,9 @@ the cores): a profile calibrated at 04:44 describes the machine at 04:44, and a 
 04:48 can run 15 % faster — an error no cost model can own (`sim validate` run 6: every decode
 metric +27..+50 %, calibrated decode step 9.4 ms against 8.1 ms measured minutes later).
 
-The canaries are small and fixed (never the validated workload). `sim validate` runs them around
-the calibration (the mean of the two is the reference), before every measured repeat and after
-the last (a repeat stands for the mean of the canaries just before and after it):
+The canaries are small and fixed (never the validated workload). `sim validate` runs them before
+every measured repeat and after the last (a repeat stands for the mean of the canaries just
+before and after it), and around its own profiling (kept for the record):
 
 - the **speed canary** (`CanaryPlan`): lone requests of one prompt length, each decoding a few
   tokens; its median TTFT (prefill speed) and median decode gap (decode speed);
@@ -18,8 +18,12 @@ the last (a repeat stands for the mean of the canaries just before and after it)
   stretch factor (1 + `p_busy_stretch`) of that minute (runs 9–12: 1.02–1.25×, drifting between
   minutes on this KVM guest).
 
-A repeat's `Drift` is its canaries (that mean) over the reference: the TTFT ratio, the
-decode-gap ratio, and the stretch factor's ratio (1.0 where either side has no stretch reading).
+A repeat's `Drift` is its canaries (that mean) over the reference, the same canaries simulated on
+the profile (`modelled_reference`): the TTFT ratio, the decode-gap ratio, and the stretch factor's
+ratio (1.0 where either side has no stretch reading). So the drift-adjusted simulation is the
+profile rescaled until it reproduces the canaries measured next to each repeat. (Until run 20
+the reference was the mean of the two canaries around the profiling: two 10 s samples, off the
+profiling's own minutes by up to 11 %, which then skewed every adjusted point of the run.)
 `scaled` applies a drift to a profile: prefill times by the first ratio; decode times, the gap
 jitter and every per-event second on the decode side by the second; each P-busy stretch term k
 (the scalar and every interference row's) to (1 + k) · ratio − 1, never below 0, by the third
@@ -37,6 +41,7 @@ import numpy as np
 
 from splitserve.bench.client import RequestRecord
 from splitserve.bench.workload import Request
+from splitserve.sim.deployment import SimConfig
 from splitserve.sim.interference import (
     InterferencePlan,
     Pace,
@@ -48,6 +53,10 @@ from splitserve.sim.interference import (
 )
 from splitserve.sim.model import DecodeCost, PrefillCost, Profile, SplitCost
 from splitserve.sim.profile import _prompt, _run
+from splitserve.sim.records import request_records
+from splitserve.sim.results import weighted_percentiles
+from splitserve.sim.simulator import simulate
+from splitserve.sim.workload import from_requests
 
 
 @dataclass(frozen=True)
@@ -205,6 +214,51 @@ class Canary:
         if self.stretch is None or self.decode is None:
             return speed
         return replace(speed, stretch=run_stretch_canary(url, self.decode, self.stretch))
+
+
+LONE_SPACING_S = 30.0  # the simulated speed canary's arrivals: each request runs alone
+
+
+def modelled_reference(profile: Profile, cfg: SimConfig, canary: Canary) -> Speed:
+    """The canary as `profile` predicts it on `cfg`: its requests simulated and read like the
+    measured ones (`Speed.of`; the stretch canary's records by `stretch_of` against the same
+    `canary.decode`). The speed canary's lone requests, run one at a time for real, arrive
+    `LONE_SPACING_S` apart, as alone as the lone requests the split costs were fitted on. Its
+    decode gaps carry the profile's gap jitter (the median over each gap spread over it), as
+    the measured ones carry the machine's.
+
+    Against this reference a repeat's drift is how much slower or faster the machine ran next
+    to it than the profile describes — not than two canaries around the profiling, whose own
+    10 s samples were off the profiling's minutes by up to 11 % (run 18: a decode gap of 13.8
+    ms against the calibrated step's 15.4 ms at the canary's batch and context)."""
+    plan, rng = canary.speed, np.random.default_rng(canary.speed.seed)
+    lone = [Request(i, i * LONE_SPACING_S, _prompt(rng, plan.prompt), plan.tokens)
+            for i in range(plan.requests)]
+    recs = request_records(simulate(profile, cfg, from_requests(lone)))
+    split = profile.split if cfg.mode == "disagg" else None
+    jitter = split.gap_jitter_s if split is not None else profile.gap_jitter_s
+    gaps = np.array([b - a for r in recs
+                     for a, b in zip(r.chunk_times[1:], r.chunk_times[2:], strict=False)])
+    ttft = statistics.median(r.chunk_times[0] - r.send_s for r in recs)
+    speed = Speed(ttft, _jittered_median(gaps, jitter))
+    if canary.stretch is None or canary.decode is None:
+        return speed
+    st, top = canary.stretch.probe, canary.stretch.max_model_len
+    reqs = probe_stream(st, 1, background_tokens(st, 1, canary.decode, top),
+                        lambda n: _prompt(rng, n))
+    recs = request_records(simulate(profile, cfg, from_requests(reqs)))
+    return replace(speed, stretch=stretch_of(recs, canary.decode))
+
+
+def _jittered_median(gaps: np.ndarray, bins: tuple[tuple[float, int], ...]) -> float:
+    """The median gap once each gap is spread over the jitter bins (seconds added, never below
+    0; as `results.itl_samples` pools them)."""
+    if not bins:
+        return float(np.median(gaps))
+    shift = np.array([v for v, _ in bins])
+    weights = np.tile(np.array([w for _, w in bins], dtype=np.int64), len(gaps))
+    values = np.maximum(gaps[:, None] + shift[None, :], 0.0).ravel()
+    return float(weighted_percentiles(values, weights, (50.0,))[50.0])
 
 
 def _prefill(c: PrefillCost, k: float) -> PrefillCost:

@@ -151,13 +151,15 @@ def compare(profile: Profile, cfg: SimConfig, spec: WorkloadSpec, rates: tuple[f
     return points
 
 
-def drift_json(reference: Speed | None, real: dict[float, list[dict[str, Any]]]
-               ) -> dict[str, Any] | None:
-    """The validation JSON's `drift`: the reference and each repeat's canaries before and
-    after it, by rate."""
+def drift_json(reference: Speed | None, real: dict[float, list[dict[str, Any]]],
+               around: Speed | None = None) -> dict[str, Any] | None:
+    """The validation JSON's `drift`: the reference (the canary simulated on the profile),
+    the canaries measured around the profiling (`reference_measured`), and each repeat's
+    canaries before and after it, by rate."""
     if reference is None:
         return None
-    return {"reference": reference.to_dict(),
+    return {"reference": reference.to_dict(), "reference_source": "simulated",
+            "reference_measured": around.to_dict() if around is not None else None,
             "canaries": {f"{r:g}": [run.get("canary") for run in runs]
                          for r, runs in real.items()},
             "canaries_after": {f"{r:g}": [run.get("canary_after") for run in runs]
@@ -167,8 +169,9 @@ def drift_json(reference: Speed | None, real: dict[float, list[dict[str, Any]]]
 def stored_real(stored: dict[str, Any]
                 ) -> tuple[WorkloadSpec, dict[float, list[dict[str, Any]]], Speed | None]:
     """A validation JSON's measured stream, its per-repeat metrics (each run with its canaries
-    where the JSON has them) and the canary reference: what `compare` needs to simulate it
-    again."""
+    where the JSON has them) and the canaries measured around its profiling (None: no
+    canaries): what `compare` needs to simulate it again, with the reference simulated anew
+    (`drift.modelled_reference`)."""
     spec = WorkloadSpec.from_dict(stored["workload"])
     real: dict[float, list[dict[str, Any]]] = {}
     for p in stored["points"]:
@@ -178,8 +181,8 @@ def stored_real(stored: dict[str, Any]
                 runs.append({})
             runs[i][p["metric"]] = v
     reference = None
-    if drift := stored.get("drift"):
-        reference = Speed.from_dict(drift["reference"])
+    if drift := stored.get("drift"):  # before the simulated reference, the measured one
+        reference = Speed.from_dict(drift.get("reference_measured") or drift["reference"])
         for rate, canaries in drift["canaries"].items():
             for run, c in zip(real[float(rate)], canaries, strict=True):
                 run["canary"] = c

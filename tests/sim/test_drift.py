@@ -9,7 +9,7 @@ import pytest
 from splitserve.bench.client import RequestRecord
 from splitserve.bench.workload import ArrivalSpec, LengthDist, WorkloadSpec
 from splitserve.sim.deployment import SimConfig
-from splitserve.sim.drift import Drift, Speed, scaled
+from splitserve.sim.drift import Canary, Drift, Speed, scaled
 from splitserve.sim.model import DecodeCost, SplitCost
 from splitserve.sim.validate import METRICS, compare, simulate_point
 from splitserve.sim.workload import SimWorkload
@@ -149,3 +149,38 @@ def test_a_scaled_stretch_simulates_as_the_stretch_it_stands_for() -> None:
     plain = simulate(replace(make_profile(), split=replace(base, p_busy_stretch=0.2)), cfg, wl)
     assert token_times(got)[0] == pytest.approx(token_times(want)[0], rel=1e-12)
     assert token_times(got)[0][-1] > token_times(plain)[0][-1]
+
+
+def test_the_modelled_canary_is_the_profiles_lone_request() -> None:
+    """The speed canary simulated on a plain profile: TTFT the prompt's prefill, the gap the
+    decode step at batch 1 and the canary's median context."""
+    from splitserve.sim.drift import CanaryPlan, modelled_reference
+
+    prof, plan = make_profile(), CanaryPlan(prompt=320, tokens=24, requests=3)
+    ref = modelled_reference(prof, SimConfig("chunked", n_workers=1), Canary(speed=plan))
+    assert ref.ttft_s == pytest.approx(prof.prefill.whole(320))
+    # gaps from t2 on: the steps at contexts 320 + 2 .. 320 + 23; their median at 320 + 12.5
+    assert ref.gap_s == pytest.approx(prof.decode.time(1, 320 + 12.5))
+    assert ref.stretch is None
+    jittered = replace(prof, gap_jitter_s=((-0.001, 500), (0.003, 500)))
+    got = modelled_reference(jittered, SimConfig("chunked", n_workers=1), Canary(speed=plan))
+    assert got.gap_s == pytest.approx(ref.gap_s + 0.001)  # the median of the spread gaps
+
+
+def test_drift_against_the_modelled_canary_recovers_a_scaled_machine() -> None:
+    """A machine that runs the profile 1.3x slow at prefill, 1.2x at decode and with a P-busy
+    factor 1.1x as high reads, against the profile's own canary, those ratios (without the
+    terms that would mix them into TTFT: the router's time per request is decode-side, and the
+    mean-field CPU shares grow with the ratio's square)."""
+    from splitserve.sim.drift import StretchPlan, modelled_reference
+
+    prof = replace(make_profile(), split=replace(SPLIT, router_request_s=0.0, cpu_p_s=0.0,
+                                                cpu_d_s=0.0))
+    canary = Canary(stretch=StretchPlan(), decode=SPLIT.decode)
+    cfg = SimConfig("disagg")
+    ref = modelled_reference(prof, cfg, canary)
+    assert ref.stretch == pytest.approx(1.2, abs=0.02)  # the first row's stretch, 0.2
+    drift = modelled_reference(scaled(prof, 1.3, 1.2, 1.1), cfg, canary).drift(ref)
+    assert drift.prefill == pytest.approx(1.3, rel=1e-6)
+    assert drift.decode == pytest.approx(1.2, rel=1e-6)
+    assert drift.stretch == pytest.approx(1.1, abs=0.02)

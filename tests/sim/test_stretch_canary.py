@@ -184,7 +184,7 @@ def test_a_repeat_stands_for_the_mean_of_its_canaries_before_and_after() -> None
 
 def test_an_old_stored_drift_without_the_stretch_simulates_again(tmp_path: Path) -> None:
     """JSON from before the stretch canary: no `stretch` in the reference or the canaries.
-    `--real-json` reads it, drifts only speed, and writes the new field as null."""
+    `--real-json` reads it, drifts only speed, and keeps its reference as the measured one."""
     from splitserve.cli import main
 
     prof = _deployment(0.1)
@@ -203,8 +203,15 @@ def test_an_old_stored_drift_without_the_stretch_simulates_again(tmp_path: Path)
     assert main(["sim", "validate", "--profile", str(tmp_path / "p.json"), "--mode", "disagg",
                  "--real-json", str(tmp_path / "old.json"), "--out", str(out)]) == 0
     res = json.loads(out.read_text())
-    assert res["drift"]["reference"] == {"ttft_s": 0.1, "gap_s": 0.01, "stretch": None}
-    assert all(p["error_adjusted"] == pytest.approx(0.0, abs=1e-9) for p in res["points"])
+    # the stored reference is kept as measured; the repeats drift against the profile's canary
+    assert res["drift"]["reference_measured"] == {"ttft_s": 0.1, "gap_s": 0.01, "stretch": None}
+    modelled = drift.modelled_reference(prof, CFG, Canary(stretch=StretchPlan(),
+                                                          decode=prof.decode))
+    assert res["drift"]["reference_source"] == "simulated"
+    assert res["drift"]["reference"] == pytest.approx(modelled.to_dict())
+    want = compare(prof, CFG, SPEC, (1.0,), real, modelled)
+    assert [p["error_adjusted"] for p in res["points"]] == pytest.approx(
+        [p.adjusted.error for p in want if p.adjusted is not None])
 
 
 def test_real_json_reads_the_per_request_records_beside_it(tmp_path: Path,
