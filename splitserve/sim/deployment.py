@@ -53,6 +53,10 @@ class SimConfig:
         return self.n_prefill + self.n_decode if self.mode == "disagg" else self.n_workers
 
 
+# a run of decode steps: (alpha, beta, steps, batch, new, t0, worker, step0), as SimOutcome's seg_*
+Segment = tuple[float, float, int, int, int, float, int, int]
+
+
 @dataclass(frozen=True, eq=False)
 class SimOutcome:
     """Per-request times (s, NaN where not reached) and the pooled decode-step record for ITL:
@@ -80,3 +84,12 @@ class SimOutcome:
     events: int
     gap_noise: tuple[tuple[float, int], ...] = ()  # SplitCost.gap_noise, applied to step gaps
     gap_jitter_s: tuple[tuple[float, int], ...] = ()  # SplitCost.gap_jitter_s (replaces it)
+
+
+def segment_arrays(segs: list[Segment]) -> dict[str, np.ndarray]:
+    """`SimOutcome`'s seg_* fields from a run's segment records."""
+    a = np.asarray(segs, dtype=np.float64).reshape(-1, 8)
+    ints = ("seg_k", "seg_batch", "seg_new", "seg_worker", "seg_step0")
+    names = ("seg_alpha", "seg_beta", "seg_k", "seg_batch", "seg_new", "seg_t0", "seg_worker",
+             "seg_step0")
+    return {n: a[:, i].astype(np.int64) if n in ints else a[:, i] for i, n in enumerate(names)}

@@ -13,24 +13,17 @@ advances to the next finishing request in one event (a *segment*: step k lasts
 step boundary (solved from the quadratic). Per-step work is never a Python loop over the batch:
 finishing requests come off a heap keyed by the absolute step they finish on.
 
-Disaggregated flow: the router picks P (least queued prompt tokens, per policy) and D (fewest
-requests) on arrival; P's last prefill step emits t1 (TTFT); the KV crosses the link
-(`model.transfer_arrival`, overlap and link sharing per `SimConfig`); the decode leg joins D at
-max(t1 + router hop, KV arrival) and produces t2..tN. P holds the prompt's KV until the
-transfer ends. With the profile's `split` costs (`model.SplitCost`, unless the config turns them
-off): P's steps are scaled by the measured connector slowdown, t1 gains the router's time per
-request, the decode leg joins D no earlier than t1 + the measured handover, D steps with the
-cost measured through the router, and every step (and the handover) is stretched by the CPU the
-router, client and connectors take per request at the workload's offered rate per worker. D j
-shares its host's cores with P (j mod n_P): D's steps that start while that P prefills take
-`1 + stretch` times as long, and each request's events (arrival, t1, its leg joining, its end)
-put their measured seconds on its D-worker's steps (none while D runs no streams): t1's, when
-the client gets t1, on the step in progress; the arrival's and the end's on the next step; the
-join's on the joiner's first step; the relay of its t2 on the step after that; stretch
-and seconds are `SplitCost.terms(b)`, b = D's streams other than the event's request. Stretching
-by P's state at a step's start rather than by the step's overlap with P's prefill gives the same
-stretched time in expectation (run 3: 12.4 vs 12.5 % and 24.8 vs 25.1 % of D's time at 1 and
-2 req/s); it only makes the few steps that straddle a prefill's edge (1.5–3 %) all or nothing.
+Disaggregated flow: the router picks P and D on arrival (per policy); P's last prefill step
+emits t1 (TTFT); the KV crosses the link (`model.transfer_arrival`); the decode leg joins D at
+max(t1 + router hop, KV arrival) and produces t2..tN; P holds the prompt's KV until the transfer
+ends. The profile's `split` costs (`model.SplitCost`; the README's "Simulator semantics" says
+where each lands) scale P's steps, add the router's time to t1 and the handover to the join,
+give D its step cost through the router, stretch every step by the CPU taken per request at
+the offered rate, stretch D j's steps that start while its P (j mod n_P) prefills, and put each
+request event's seconds on its D's steps: t1's on the step in progress, the arrival's and the
+end's on the next, the join's on the joiner's first step, its t2 relay on the step after.
+Stretching by P's state at a step's start, not by overlap, gives the same stretched time in
+expectation (run 3: 12.4 vs 12.5 % and 24.8 vs 25.1 % of D's time at 1 and 2 req/s).
 """
 
 from __future__ import annotations
@@ -40,7 +33,7 @@ import math
 
 import numpy as np
 
-from splitserve.sim.deployment import SimConfig, SimOutcome
+from splitserve.sim.deployment import Segment, SimConfig, SimOutcome, segment_arrays
 from splitserve.sim.model import Profile, transfer_arrival
 from splitserve.sim.routing import pick, pick_all
 from splitserve.sim.workerstate import BOTH as _BOTH
@@ -109,7 +102,7 @@ class Simulation:
         self.dsel = [0] * n
         self.heap: list[tuple[float, int, int, int, int]] = []
         self.seq = 0
-        self.segs: list[tuple[float, float, int, int, int, float, int, int]] = []
+        self.segs: list[Segment] = []
         self.wdec, self.jstep = [-1] * n, [0] * n
         self.shared_free = 0.0
         self.rng = np.random.default_rng(config.seed)
@@ -163,17 +156,8 @@ class Simulation:
     def _extend(self, wi: int, w: _Worker, t: float, cost: float) -> None:
         """The step in progress on `w` at t takes `cost` seconds longer. A segment is split: its
         steps done by t stay a segment (recorded now), the one in progress becomes a step."""
-        if w.kind == _SEG:
-            done = min(_steps_done(w.alpha, w.beta, t - w.t0), w.k - 1)
-            t0 = w.t0 + w.alpha * done + w.beta * done * (done - 1) / 2
-            dur = w.alpha + w.beta * done
-            if done:
-                self.segs.append((w.alpha, w.beta, done, w.B, w.nnew, w.t0, wi, w.S))
-                w.S += done
-                w.C += done * w.B
-                w.nnew = 0
-                w.joined.clear()  # their t2 came with the segment's first step
-            w.kind, w.t0, w.step_dur = _STEP, t0, dur
+        if (record := w.split_segment(t, wi)) is not None:
+            self.segs.append(record)
         w.step_dur += cost
         for r in w.joined:  # t2 comes with this step's end
             self.t2[r] += cost
@@ -410,17 +394,12 @@ class Simulation:
         return self._outcome(events)
 
     def _outcome(self, events: int) -> SimOutcome:
-        segs = np.asarray(self.segs, dtype=np.float64).reshape(-1, 8)
         f = np.asarray
         return SimOutcome(
             arrivals=self.wl.arrivals, prompt_lens=self.wl.prompt_lens,
             output_lens=self.wl.output_lens, first_token=f(self.t1), second_token=f(self.t2),
-            finish=f(self.tend), failed=f(self.failed, dtype=bool), seg_alpha=segs[:, 0],
-            seg_beta=segs[:, 1], seg_k=segs[:, 2].astype(np.int64),
-            seg_batch=segs[:, 3].astype(np.int64), seg_new=segs[:, 4].astype(np.int64),
-            seg_t0=segs[:, 5], seg_worker=segs[:, 6].astype(np.int64),
-            seg_step0=segs[:, 7].astype(np.int64), decode_worker=f(self.wdec),
-            join_step=f(self.jstep),
+            finish=f(self.tend), failed=f(self.failed, dtype=bool),
+            **segment_arrays(self.segs), decode_worker=f(self.wdec), join_step=f(self.jstep),
             kv_transfer_s=f(self.xfer), events=events, gap_noise=self.noise,
             gap_jitter_s=self.jitter,
         )

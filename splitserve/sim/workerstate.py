@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from collections import deque
 
+from splitserve.sim.deployment import Segment
 from splitserve.sim.model import DecodeCost, PrefillCost
 
 P, D, BOTH = 0, 1, 2  # roles
@@ -38,6 +39,25 @@ class Worker:
         self.after = 0.0  # D: seconds for the step after the next (the relay of joiners' t2)
         self.prefilling = False  # P: its current step prefills
         self.mate = 0  # D: the index of the P it shares cores with
+
+    def split_segment(self, t: float, wi: int) -> Segment | None:
+        """Make the step in progress at t a step of its own (it is about to change): a
+        segment's steps done by t are left behind as a segment, returned as its record for the
+        run's `segs` (None: none done, or no segment in progress; `wi`: this worker's index)."""
+        if self.kind != SEG:
+            return None
+        done = min(steps_done(self.alpha, self.beta, t - self.t0), self.k - 1)
+        t0 = self.t0 + self.alpha * done + self.beta * done * (done - 1) / 2
+        record = None
+        if done:
+            record = (self.alpha, self.beta, done, self.B, self.nnew, self.t0, wi, self.S)
+            self.S += done
+            self.C += done * self.B
+            self.nnew = 0
+            self.joined.clear()  # their t2 came with the segment's first step
+        self.kind, self.step_dur = STEP, self.alpha + self.beta * done
+        self.t0 = t0
+        return record
 
 
 def steps_done(alpha: float, beta: float, elapsed: float) -> int:
