@@ -19,9 +19,14 @@ validation workload:
 4. **A loaded stream** (fixed lengths, evenly spaced at `load_rate`): the CPU that the router,
    client and connectors take from P's core per request (`cpu_p_s`), found by bisection so that
    the simulator, with every other term above, reproduces this stream's measured median TTFT
-   (`fit_cpu`; D's side is in the decode fit and the event terms). Its median ITL is kept
-   next to it, with the simulated one (`load.sim_median_itl_s`): how far the terms above miss
-   a loaded stream minutes after they were measured.
+   (`fit_cpu`; D's side is in the decode fit and the event terms). The term is a few per cent
+   of TTFT, so a minute in which the machine runs 10 % slower than during the lone requests
+   would triple it (run 21: 69 ms per request against 23 in runs 17–18, and TTFT at 2 req/s
+   +23 %): a speed canary just before and just after the stream reads that minute's drift
+   against the canary simulated on the other terms (`drift.modelled_reference`), and the term
+   is fitted on the profile scaled by it. The stream's median ITL is kept next to the
+   simulated one (`load.sim_median_itl_s`, and at the minute's drift): how far the terms above
+   miss a loaded stream minutes after they were measured.
 
 The base profile's prefill times only enter as the shape of the prefill curve: the factor
 absorbs any drift of the machine since the base was measured.
@@ -40,6 +45,15 @@ import numpy as np
 from splitserve.bench.client import RequestRecord
 from splitserve.bench.workload import Request
 from splitserve.sim.deployment import SimConfig
+from splitserve.sim.drift import (
+    Canary,
+    CanaryPlan,
+    Drift,
+    Speed,
+    canary_requests,
+    modelled_reference,
+    scaled,
+)
 from splitserve.sim.interference import (
     InterferencePlan,
     background_tokens,
@@ -80,6 +94,7 @@ class SplitPlan:
     load_requests: int = 30
     load_prompt: int = 300
     load_output: int = 48
+    load_canaries: bool = True  # a speed canary (`CanaryPlan()`) just before and after it
     interference: InterferencePlan = InterferencePlan()
     max_model_len: int = 4096
     seed: int = 11
@@ -230,6 +245,7 @@ class SplitMeasurements:
     probes: dict[int, list[RequestRecord]]  # the interference probe's records by background
     load: list[RequestRecord]  # the loaded stream's records
     measured: str  # when (ISO 8601, UTC)
+    load_canaries: tuple[Speed, ...] = ()  # the speed canaries just before and after it
 
     @classmethod
     def from_fit(cls, fit: dict[str, Any]) -> SplitMeasurements:
@@ -241,7 +257,8 @@ class SplitMeasurements:
                    [(int(b), float(c), float(s)) for b, c, s in fit["decode_points"]],
                    [j / 1e3 for j in fit["jitter_ms"]],
                    {int(bg): _records(q["records"]) for bg, q in probes.items()},
-                   _records(load["records"]), str(fit.get("measured", "")))
+                   _records(load["records"]), str(fit.get("measured", "")),
+                   tuple(Speed.from_dict(c) for c in load.get("canaries", ())))
 
 
 def _records(dicts: list[dict[str, Any]]) -> list[RequestRecord]:
@@ -263,9 +280,14 @@ def calibrate_split(url: str, base: Profile, plan: SplitPlan, cfg: SimConfig | N
     say("calibrate: interference on D (background streams, requests arriving one by one)")
     probes = measure_interference(url, plan, fit_decode(dec_points)[0])
     say(f"calibrate: loaded stream, {plan.load_requests} requests at {plan.load_rate:g}/s")
+    canaries = []
+    if plan.load_canaries:
+        canaries.append(Speed.of(_run(url, canary_requests(CanaryPlan()), concurrency=1)))
     load = _run(url, load_stream(plan), concurrency=None)
+    if plan.load_canaries:
+        canaries.append(Speed.of(_run(url, canary_requests(CanaryPlan()), concurrency=1)))
     m = SplitMeasurements(lone, dec_points, jitter, probes, load,
-                          datetime.now(UTC).isoformat(timespec="seconds"))
+                          datetime.now(UTC).isoformat(timespec="seconds"), tuple(canaries))
     return split_costs(base, m, cfg or _default_config(base), f"calibrated through {url}")
 
 
@@ -302,9 +324,17 @@ def split_costs(base: Profile, m: SplitMeasurements, cfg: SimConfig, source: str
     wl = SimWorkload.of([r.scheduled_s for r in m.load], [r.input_len for r in m.load],
                         [r.requested_output_len for r in m.load])
     cfg = replace(cfg, mode="disagg", split_costs=True)
-    split = replace(split, cpu_p_s=fit_cpu(replace(base, split=split), cfg, wl, ttft))
-    sim_itl = float(summarize(simulate(replace(base, split=split), cfg, wl),
-                              system="calibrate")["median_itl_ms"]) / 1e3
+    drift = Drift()  # the loaded stream's minute against the terms above
+    if m.load_canaries:
+        drift = Speed.mean(list(m.load_canaries)).drift(
+            modelled_reference(replace(base, split=split), cfg, Canary()))
+    at = scaled(replace(base, split=split), drift.prefill, drift.decode)
+    # fitted at the minute's speed; scaled() multiplies cpu_p_s by the prefill ratio
+    split = replace(split, cpu_p_s=fit_cpu(at, cfg, wl, ttft) / drift.prefill)
+    def sim_itl(prof: Profile) -> float:
+        return float(summarize(simulate(prof, cfg, wl), system="calibrate")["median_itl_ms"]) / 1e3
+
+    final = replace(base, split=split)
     first = m.load[0]
     fit = {"lone_points": [list(p) for p in m.lone], "lone_fit": ql,
            "decode_points": [list(p) for p in m.decode_points], "decode_fit": qd,
@@ -313,7 +343,11 @@ def split_costs(base: Profile, m: SplitMeasurements, cfg: SimConfig, source: str
            "load": {"rate": wl.offered_rate,
                     "requests": len(m.load), "prompt": first.input_len,
                     "output": first.requested_output_len, "median_ttft_s": ttft,
-                    "median_itl_s": itl, "sim_median_itl_s": sim_itl,
+                    "median_itl_s": itl, "sim_median_itl_s": sim_itl(final),
+                    "sim_median_itl_s_at_drift": sim_itl(scaled(final, drift.prefill,
+                                                                drift.decode)),
+                    "canaries": [c.to_dict() for c in m.load_canaries],
+                    "drift": {"prefill": drift.prefill, "decode": drift.decode},
                     "records": timeline(m.load)},
            "measured": m.measured}
     return replace(base, split=replace(split, fit=fit))

@@ -156,12 +156,16 @@ class Speed:
                    None if stretch is None else float(stretch))
 
 
+def canary_requests(plan: CanaryPlan, spacing_s: float = 0.0) -> list[Request]:
+    """The speed canary's requests (run one at a time; `spacing_s` apart for a simulation)."""
+    rng = np.random.default_rng(plan.seed)
+    return [Request(i, i * spacing_s, _prompt(rng, plan.prompt), plan.tokens)
+            for i in range(plan.requests)]
+
+
 def run_canary(url: str, plan: CanaryPlan = CanaryPlan()) -> Speed:
     """The speed canary (no stretch reading)."""
-    rng = np.random.default_rng(plan.seed)
-    reqs = [Request(i, 0.0, _prompt(rng, plan.prompt), plan.tokens)
-            for i in range(plan.requests)]
-    return Speed.of(_run(url, reqs, concurrency=1))
+    return Speed.of(_run(url, canary_requests(plan), concurrency=1))
 
 
 def _ratio(rows: list[Row]) -> float | None:
@@ -231,9 +235,7 @@ def modelled_reference(profile: Profile, cfg: SimConfig, canary: Canary) -> Spee
     to it than the profile describes — not than two canaries around the profiling, whose own
     10 s samples were off the profiling's minutes by up to 11 % (run 18: a decode gap of 13.8
     ms against the calibrated step's 15.4 ms at the canary's batch and context)."""
-    plan, rng = canary.speed, np.random.default_rng(canary.speed.seed)
-    lone = [Request(i, i * LONE_SPACING_S, _prompt(rng, plan.prompt), plan.tokens)
-            for i in range(plan.requests)]
+    lone = canary_requests(canary.speed, LONE_SPACING_S)
     recs = request_records(simulate(profile, cfg, from_requests(lone)))
     split = profile.split if cfg.mode == "disagg" else None
     jitter = split.gap_jitter_s if split is not None else profile.gap_jitter_s
@@ -243,6 +245,7 @@ def modelled_reference(profile: Profile, cfg: SimConfig, canary: Canary) -> Spee
     speed = Speed(ttft, _jittered_median(gaps, jitter))
     if canary.stretch is None or canary.decode is None:
         return speed
+    rng = np.random.default_rng(canary.stretch.seed)
     st, top = canary.stretch.probe, canary.stretch.max_model_len
     reqs = probe_stream(st, 1, background_tokens(st, 1, canary.decode, top),
                         lambda n: _prompt(rng, n))
