@@ -7,7 +7,10 @@ validation workload:
    request, and P's slowdown while its connector pushes KV); the gap t1 → t2 at the client,
    less D's first step, to `handover_a_s + handover_b_s · l`.
 2. **Decode through the router** (B concurrent streams, the profile's decode probe): D's step
-   cost as the client sees it, fitted like the plain profile's (`a + b·ctx + c·B`). P prefills
+   cost as the client sees it, fitted like the plain profile's (`a + b·ctx + c·B`), plus each
+   measured batch's level off that line (`DecodeCost.batch_levels`; `levels=False` leaves
+   them out): D's core is shared with the router, the client and the API servers, and its
+   step is not linear in B (runs 16–21: B = 2 above B = 3–4). P prefills
    the B prompts one after the other, so each stream asks for enough tokens that all B still
    decode together after the last prefill (`decode_tokens` + the steps D takes meanwhile):
    otherwise the window "all B decoding" is empty and the row holds steps at smaller batches.
@@ -86,7 +89,7 @@ class SplitPlan:
     lone_lens: tuple[int, ...] = (64, 256, 512, 1024)
     lone_repeats: int = 3
     lone_tokens: int = 12
-    decode_batches: tuple[int, ...] = (1, 2, 4, 8)
+    decode_batches: tuple[int, ...] = (1, 2, 3, 4, 8)  # each batch gets its level (below)
     decode_prompt_lens: tuple[int, ...] = (32, 256, 512)
     decode_tokens: int = 40
     decode_repeats: int = 2
@@ -278,7 +281,7 @@ def calibrate_split(url: str, base: Profile, plan: SplitPlan, cfg: SimConfig | N
     say("calibrate: decode steps through the router")
     dec_points, jitter = measure_decode_split(url, plan, base)
     say("calibrate: interference on D (background streams, requests arriving one by one)")
-    probes = measure_interference(url, plan, fit_decode(dec_points)[0])
+    probes = measure_interference(url, plan, fit_decode(dec_points, levels=True)[0])
     say(f"calibrate: loaded stream, {plan.load_requests} requests at {plan.load_rate:g}/s")
     canaries = []
     if plan.load_canaries:
@@ -304,11 +307,13 @@ def refit_split(profile: Profile, cfg: SimConfig | None = None) -> Profile:
         "refitted": datetime.now(UTC).isoformat(timespec="seconds")}))
 
 
-def split_costs(base: Profile, m: SplitMeasurements, cfg: SimConfig, source: str) -> Profile:
+def split_costs(base: Profile, m: SplitMeasurements, cfg: SimConfig, source: str,
+                levels: bool = True) -> Profile:
     """`base` with the split costs fitted from `m`: D's decode through the router, the
     interference rows (the first in the scalars), the lone fit against D's first row, the
-    P-side CPU against the loaded stream's median TTFT, and what the profile keeps."""
-    decode, qd = fit_decode(m.decode_points)
+    P-side CPU against the loaded stream's median TTFT, and what the profile keeps; `levels`:
+    D's decode with each measured batch's level (`fit_decode`)."""
+    decode, qd = fit_decode(m.decode_points, levels=levels)
     fits, qi = [], {}
     for bg, recs in sorted(m.probes.items()):
         kappa, cost, q = fit_interference(gap_rows(recs, bg, decode))

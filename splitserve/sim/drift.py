@@ -268,10 +268,6 @@ def _prefill(c: PrefillCost, k: float) -> PrefillCost:
     return PrefillCost(c.a * k, c.b * k, c.c * k)
 
 
-def _decode(c: DecodeCost, k: float) -> DecodeCost:
-    return DecodeCost(c.a * k, c.b * k, c.c * k)
-
-
 def _stretched(k: float, ratio: float) -> float:
     """A P-busy stretch k whose factor 1 + k runs `ratio` times as high (>= 0; k at ratio 1)."""
     return k if ratio == 1.0 else max(0.0, (1.0 + k) * ratio - 1.0)
@@ -286,7 +282,7 @@ def _split(s: SplitCost, kp: float, kd: float, ks: float) -> SplitCost:
                  for row in s.interference)
     return replace(
         s, router_request_s=s.router_request_s * kd, handover_a_s=s.handover_a_s * kd,
-        handover_b_s=s.handover_b_s * kd, decode=_decode(s.decode, kd), cpu_p_s=s.cpu_p_s * kp,
+        handover_b_s=s.handover_b_s * kd, decode=s.decode.scaled(kd), cpu_p_s=s.cpu_p_s * kp,
         cpu_d_s=s.cpu_d_s * kd, p_busy_stretch=_stretched(s.p_busy_stretch, ks),
         arrive_s=s.arrive_s * kd, t1_s=s.t1_s * kd, join_s=s.join_s * kd,
         finish_s=s.finish_s * kd, t2_s=s.t2_s * kd, interference=rows,
@@ -301,5 +297,5 @@ def scaled(profile: Profile, prefill: float, decode: float, stretch: float = 1.0
     split = (_split(profile.split, prefill, decode, stretch) if profile.split is not None
              else None)
     return replace(profile, prefill=_prefill(profile.prefill, prefill),
-                   decode=_decode(profile.decode, decode), split=split,
+                   decode=profile.decode.scaled(decode), split=split,
                    gap_jitter_s=tuple((v * decode, w) for v, w in profile.gap_jitter_s))

@@ -5,7 +5,8 @@ A `Profile` says how long one engine step takes on one worker (DistServe's form)
 - prefill step over prompt chunks q_i (each after p_i tokens already prefilled):
   `a + b·Σq + c·Σ(q² + 2·p·q)` — for unchunked prompts this is `a + b·Σl + c·Σl²`, and chunking
   a prompt keeps the quadratic (attention) part equal to `c·l²` while paying `a` per chunk;
-- decode step: `a + b·Σcontext + c·batch`;
+- decode step: `a + b·Σcontext + c·batch`, plus a measured level per batch where the linear
+  form misses (`DecodeCost.batch_levels`);
 - a mixed step (decodes plus a prefill chunk, as vLLM's chunked prefill runs them) pays the
   larger of the two fixed costs once plus both variable parts.
 
@@ -79,17 +80,53 @@ class PrefillCost:
 
 @dataclass(frozen=True)
 class DecodeCost:
-    """Seconds for one decode step: a + b·Σcontext + c·batch."""
+    """Seconds for one decode step: a + b·Σcontext + c·batch + level(batch).
+
+    `batch_levels` ((batch, seconds) in increasing batch; empty: level 0) is what the measured
+    steps at that batch take beyond the linear form; `level` interpolates linearly between the
+    measured batches and holds the end values beyond them. Through a router whose host shares
+    D's core with the router, the client and the API servers, D's step is not linear in its
+    batch (runs 16–19: B = 2 steps 1.04–1.27× the linear fit, B = 4 0.84–0.96×, in every run
+    and in the validation streams too), so the calibration keeps each batch's level."""
 
     a: float
     b: float
     c: float = 0.0
+    batch_levels: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         _finite_nonneg("DecodeCost", a=self.a, b=self.b, c=self.c)
+        levels = tuple((int(n), float(s)) for n, s in self.batch_levels)
+        object.__setattr__(self, "batch_levels", levels)
+        if any(n < 1 or not math.isfinite(s) for n, s in levels):
+            raise ValueError("DecodeCost.batch_levels needs batches >= 1 and finite seconds")
+        if any(m >= n for (m, _), (n, _) in zip(levels, levels[1:], strict=False)):
+            raise ValueError("DecodeCost.batch_levels must be in increasing batch")
+        if any(self.a + self.c * n + s <= 0 for n, s in levels):
+            raise ValueError("DecodeCost.batch_levels make a step at some batch take no time")
+
+    def level(self, batch: int) -> float:
+        lv = self.batch_levels
+        if not lv:
+            return 0.0
+        if batch <= lv[0][0]:
+            return lv[0][1]
+        for (m, x), (n, y) in zip(lv, lv[1:], strict=False):
+            if batch <= n:
+                return x + (y - x) * (batch - m) / (n - m)
+        return lv[-1][1]
+
+    def batch_term(self, batch: int) -> float:
+        """The part of a step that depends on its batch alone: c·batch + level(batch)."""
+        return self.c * batch + self.level(batch)
 
     def time(self, batch: int, context: float) -> float:
-        return self.a + self.b * context + self.c * batch
+        return self.a + self.b * context + self.batch_term(batch)
+
+    def scaled(self, k: float) -> DecodeCost:
+        """The same cost on a machine that runs `k` times as slow."""
+        return DecodeCost(self.a * k, self.b * k, self.c * k,
+                          tuple((n, s * k) for n, s in self.batch_levels))
 
 
 @dataclass(frozen=True)
@@ -229,7 +266,7 @@ class SplitCost:
 
     def d_decode(self, rate_per_d: float) -> DecodeCost:
         k = self.stretch(rate_per_d, self.cpu_d_s)
-        return DecodeCost(self.decode.a * k, self.decode.b * k, self.decode.c * k)
+        return self.decode.scaled(k)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SplitCost:

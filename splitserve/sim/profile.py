@@ -50,6 +50,7 @@ from splitserve.sim.model import (
 )
 
 _DURATION_KEYS = ("duration_s", "median_s", "seconds", "time_s")
+MIN_LEVEL_POINTS = 3  # a batch's level (`fit_decode(levels=True)`): a median of this many or more
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8": 1, "fp8": 1}
 
 
@@ -137,11 +138,28 @@ def fit_prefill(points: list[tuple[int, float]], budget: int
     return PrefillCost(*map(float, coef)), quality
 
 
-def fit_decode(points: list[tuple[int, float, float]]) -> tuple[DecodeCost, dict[str, Any]]:
-    """points: (batch, total context, step seconds)."""
+def fit_decode(points: list[tuple[int, float, float]], levels: bool = False
+               ) -> tuple[DecodeCost, dict[str, Any]]:
+    """points: (batch, total context, step seconds). With `levels`, each batch measured at
+    least `MIN_LEVEL_POINTS` times also gets its median residual off the linear fit (over the
+    points the fit kept) as its `batch_levels` entry."""
     x = np.array([[1.0, c, b] for b, c, _ in points])
-    coef, quality = robust_fit(x, np.array([t for *_, t in points]))
-    return DecodeCost(*map(float, coef)), quality
+    y = np.array([t for *_, t in points])
+    coef, quality = robust_fit(x, y)
+    linear = DecodeCost(*map(float, coef))
+    if not levels:
+        return linear, quality
+    resid: dict[int, list[float]] = {}
+    for i, (b, c, t) in enumerate(points):
+        if i not in quality["dropped"]:
+            resid.setdefault(b, []).append(t - linear.time(b, c))
+    lv = tuple((b, statistics.median(r)) for b, r in sorted(resid.items())
+               if len(r) >= MIN_LEVEL_POINTS)
+    cost = replace(linear, batch_levels=lv)
+    rel = [abs(cost.time(b, c) / t - 1) for i, (b, c, t) in enumerate(points)
+           if i not in quality["dropped"]]
+    return cost, quality | {"levels_ms": {str(b): round(s * 1e3, 3) for b, s in lv},
+                            "median_abs_rel_error_levels": float(np.median(rel))}
 
 
 def measure_prefill(url: str, plan: ProfilePlan, max_len: int) -> list[tuple[int, float]]:

@@ -220,14 +220,14 @@ class Simulation:
             quad = sum(q * q + 2 * p * q for _, q, p in chunks)
             dur = pf.time(tok, quad)
             if w.B:  # a mixed step: one fixed cost (the larger), both variable parts
-                dur += dc.b * w.C + dc.c * w.B + max(0.0, dc.a - pf.a)
+                dur += dc.b * w.C + dc.batch_term(w.B) + max(0.0, dc.a - pf.a)
             w.kind, w.step_dur, w.t0, first = _STEP, dur, t, dur
             end = t + dur
         elif w.B:
             # invariant: a segment's steps all run at one pace (P's state, no events)
             busy = w.role == _D and self.P[w.mate].prefilling
             pace = 1.0 + self.iterm[w.B][_STRETCH] if busy else 1.0
-            alpha = (dc.a + dc.b * w.C + dc.c * w.B) * pace
+            alpha = (dc.a + dc.b * w.C + dc.batch_term(w.B)) * pace
             if w.extra > 0.0 or w.after > 0.0:  # one step carrying the events' work
                 w.kind, w.step_dur, w.t0 = _STEP, alpha + w.extra, t
                 w.extra = 0.0
