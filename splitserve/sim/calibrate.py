@@ -336,6 +336,7 @@ def split_costs(base: Profile, m: SplitMeasurements, cfg: SimConfig, source: str
     at = scaled(replace(base, split=split), drift.prefill, drift.decode)
     # fitted at the minute's speed; scaled() multiplies cpu_p_s by the prefill ratio
     split = replace(split, cpu_p_s=fit_cpu(at, cfg, wl, ttft) / drift.prefill)
+
     def sim_itl(prof: Profile) -> float:
         return float(summarize(simulate(prof, cfg, wl), system="calibrate")["median_itl_ms"]) / 1e3
 
