@@ -19,17 +19,19 @@ validation workload:
 3. **Interference** (`sim.interference`): background streams on D while single requests arrive
    one by one → D's slowdown while P prefills and the extra seconds of each request event
    (arrival, t1, join, end) on D's step, one row per background batch size.
-4. **A loaded stream** (fixed lengths, evenly spaced at `load_rate`): the CPU that the router,
-   client and connectors take from P's core per request (`cpu_p_s`), found by bisection so that
-   the simulator, with every other term above, reproduces this stream's measured median TTFT
-   (`fit_cpu`; D's side is in the decode fit and the event terms). The term is a few per cent
-   of TTFT, so a minute in which the machine runs 10 % slower than during the lone requests
-   would triple it (run 21: 69 ms per request against 23 in runs 17–18, and TTFT at 2 req/s
-   +23 %): a speed canary just before and just after the stream reads that minute's drift
-   against the canary simulated on the other terms (`drift.modelled_reference`), and the term
-   is fitted on the profile scaled by it. The stream's median ITL is kept next to the
-   simulated one (`load.sim_median_itl_s`, and at the minute's drift): how far the terms above
-   miss a loaded stream minutes after they were measured.
+4. **A loaded stream** (fixed lengths, evenly spaced at `load_rate`): how long t1 waits for the
+   router's relay while D runs streams (`t1_relay_s`; the router and the client share D's
+   core), found by bisection so that the simulator, with every other term above, reproduces
+   this stream's measured median TTFT (`fit_loaded`; until run 25 the same fit gave `cpu_p_s`,
+   a stretch of every P step, which grew TTFT with the rate 1.5× where the real one grew
+   1.2–1.35×). The term is a few per cent of TTFT, so a minute in which the machine runs 10 %
+   slower than during the lone requests would triple it (run 21: `cpu_p_s` 69 ms per request
+   against 23 in runs 17–18, and TTFT at 2 req/s +23 %): a speed canary just before and just
+   after the stream reads that minute's drift against the canary simulated on the other terms
+   (`drift.modelled_reference`), and the term is fitted on the profile scaled by it. The
+   stream's median ITL is kept next to the simulated one (`load.sim_median_itl_s`, and at the
+   minute's drift): how far the terms above miss a loaded stream minutes after they were
+   measured.
 
 The base profile's prefill times only enter as the shape of the prefill curve: the factor
 absorbs any drift of the machine since the base was measured.
@@ -37,6 +39,7 @@ absorbs any drift of the machine since the base was measured.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -194,9 +197,17 @@ def fit_lone(base: Profile, points: list[tuple[int, float, float]], decode: Deco
     return float(coef[0]), float(coef[1]), float(hcoef[0]), float(hcoef[1]), quality
 
 
-def load_stream(plan: SplitPlan) -> list[Request]:
+def load_stream(plan: SplitPlan, decode: DecodeCost | None = None) -> list[Request]:
+    """The loaded stream; with `decode` (D's step through the router), each request asks for
+    at least enough tokens to decode for 1.5 arrival intervals, so that every t1 meets a busy
+    D (what `t1_relay_s` is fitted on; at the demo's ~16 ms steps: 60 tokens)."""
+    tokens = plan.load_output
+    if decode is not None:
+        step = decode.time(2, 2 * (plan.load_prompt + plan.load_output))
+        tokens = max(tokens, math.ceil(1.5 / plan.load_rate / step))
+    tokens = min(tokens, plan.max_model_len - plan.load_prompt - 1)
     rng = np.random.default_rng(plan.seed + 2)
-    return [Request(i, i / plan.load_rate, _prompt(rng, plan.load_prompt), plan.load_output)
+    return [Request(i, i / plan.load_rate, _prompt(rng, plan.load_prompt), tokens)
             for i in range(plan.load_requests)]
 
 
@@ -220,21 +231,39 @@ def _bisect(f: Callable[[float], float], target: float, hi: float, iters: int = 
     return (lo + hi) / 2
 
 
-def fit_cpu(profile: Profile, cfg: SimConfig, wl: SimWorkload, ttft: float) -> float:
-    """`cpu_p_s` that makes the simulated median TTFT of `wl` the measured one, every other
-    split term held fixed. D's side has no such term (`cpu_d_s` stays 0): the router's, the
-    client's and the API servers' work on D's core is in the decode fit (per token) and the
-    event terms (per request event), and a mean-field share fitted to this stream's median ITL
-    on top of them absorbed whatever drift the machine had in that minute and grew it with the
-    rate (run 16: 54 ms per request, the simulated ITL p50 at 2 req/s +31 %; runs 14–16 fitted
-    0.022, 0, 0.054 s)."""
-    assert profile.split is not None
+LOADED_TERMS = ("t1_relay_s", "cpu_p_s")  # what `fit_loaded` may fit; calibration: the first
 
-    def median_ttft(cpu_p: float) -> float:
-        prof = replace(profile, split=replace(profile.split, cpu_p_s=cpu_p, cpu_d_s=0.0))
+
+def fit_loaded(profile: Profile, cfg: SimConfig, wl: SimWorkload, ttft: float,
+               term: str = LOADED_TERMS[0]) -> float:
+    """The split term `term` that makes the simulated median TTFT of `wl` the measured one,
+    every other split term held fixed and the other loaded term at 0:
+
+    - `t1_relay_s` (calibration's choice since run 25): t1 waits that long for the router's
+      relay while the request's D runs streams. With the router and the client on D's core, a
+      loaded stream's TTFT sits 5–10 % above a lone request's at the same minute, and that
+      excess hardly grows with the rate (measured TTFT p50 2 req/s over 1 req/s: 1.21–1.36×
+      in runs 23–25), where `cpu_p_s`'s stretch of every P step grew it to 1.47–1.53×;
+    - `cpu_p_s`: a mean-field share of P's core per request (a stretch `1 / (1 − r·cpu_p_s)`
+      of every P step).
+
+    D's side has no such term (`cpu_d_s` stays 0): the router's, the client's and the API
+    servers' work on D's core is in the decode fit (per token) and the event terms (per
+    request event); a share fitted to the stream's median ITL on top of them absorbed that
+    minute's drift and grew with the rate (run 16: the simulated ITL p50 at 2 req/s +31 %)."""
+    assert profile.split is not None
+    if term not in LOADED_TERMS:
+        raise ValueError(f"term must be one of {LOADED_TERMS}")
+    hi = 0.25 if term == "t1_relay_s" else 0.9 * cfg.n_prefill / wl.offered_rate
+
+    def median_ttft(x: float) -> float:
+        terms = dict.fromkeys(LOADED_TERMS, 0.0) | {term: x}
+        prof = replace(profile, split=replace(profile.split, cpu_d_s=0.0, **terms))
         return float(summarize(simulate(prof, cfg, wl), system="calibrate")["median_ttft_ms"]) / 1e3
 
-    return _bisect(median_ttft, ttft, 0.9 * cfg.n_prefill / wl.offered_rate)
+    if median_ttft(hi) - median_ttft(0.0) < 1e-6:  # the stream cannot show it: no t1 meets
+        return 0.0  # a busy D (its requests end before the next one's t1)
+    return _bisect(median_ttft, ttft, hi)
 
 
 @dataclass(frozen=True)
@@ -281,12 +310,13 @@ def calibrate_split(url: str, base: Profile, plan: SplitPlan, cfg: SimConfig | N
     say("calibrate: decode steps through the router")
     dec_points, jitter = measure_decode_split(url, plan, base)
     say("calibrate: interference on D (background streams, requests arriving one by one)")
-    probes = measure_interference(url, plan, fit_decode(dec_points, levels=True)[0])
+    decode = fit_decode(dec_points, levels=True)[0]
+    probes = measure_interference(url, plan, decode)
     say(f"calibrate: loaded stream, {plan.load_requests} requests at {plan.load_rate:g}/s")
     canaries = []
     if plan.load_canaries:
         canaries.append(Speed.of(_run(url, canary_requests(CanaryPlan()), concurrency=1)))
-    load = _run(url, load_stream(plan), concurrency=None)
+    load = _run(url, load_stream(plan, decode), concurrency=None)
     if plan.load_canaries:
         canaries.append(Speed.of(_run(url, canary_requests(CanaryPlan()), concurrency=1)))
     m = SplitMeasurements(lone, dec_points, jitter, probes, load,
@@ -308,11 +338,11 @@ def refit_split(profile: Profile, cfg: SimConfig | None = None) -> Profile:
 
 
 def split_costs(base: Profile, m: SplitMeasurements, cfg: SimConfig, source: str,
-                levels: bool = True) -> Profile:
+                levels: bool = True, loaded_term: str = LOADED_TERMS[0]) -> Profile:
     """`base` with the split costs fitted from `m`: D's decode through the router, the
     interference rows (the first in the scalars), the lone fit against D's first row, the
-    P-side CPU against the loaded stream's median TTFT, and what the profile keeps; `levels`:
-    D's decode with each measured batch's level (`fit_decode`)."""
+    term fitted to the loaded stream's median TTFT (`fit_loaded`'s `loaded_term`), and what
+    the profile keeps; `levels`: D's decode with each measured batch's level (`fit_decode`)."""
     decode, qd = fit_decode(m.decode_points, levels=levels)
     fits, qi = [], {}
     for bg, recs in sorted(m.probes.items()):
@@ -334,8 +364,10 @@ def split_costs(base: Profile, m: SplitMeasurements, cfg: SimConfig, source: str
         drift = Speed.mean(list(m.load_canaries)).drift(
             modelled_reference(replace(base, split=split), cfg, Canary()))
     at = scaled(replace(base, split=split), drift.prefill, drift.decode)
-    # fitted at the minute's speed; scaled() multiplies cpu_p_s by the prefill ratio
-    split = replace(split, cpu_p_s=fit_cpu(at, cfg, wl, ttft) / drift.prefill)
+    # fitted at the minute's speed; scaled() multiplies cpu_p_s by the prefill ratio and
+    # t1_relay_s by the decode one
+    k = drift.prefill if loaded_term == "cpu_p_s" else drift.decode
+    split = replace(split, **{loaded_term: fit_loaded(at, cfg, wl, ttft, loaded_term) / k})
 
     def sim_itl(prof: Profile) -> float:
         return float(summarize(simulate(prof, cfg, wl), system="calibrate")["median_itl_ms"]) / 1e3

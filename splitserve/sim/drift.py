@@ -285,7 +285,8 @@ def _split(s: SplitCost, kp: float, kd: float, ks: float) -> SplitCost:
         handover_b_s=s.handover_b_s * kd, decode=s.decode.scaled(kd), cpu_p_s=s.cpu_p_s * kp,
         cpu_d_s=s.cpu_d_s * kd, p_busy_stretch=_stretched(s.p_busy_stretch, ks),
         arrive_s=s.arrive_s * kd, t1_s=s.t1_s * kd, join_s=s.join_s * kd,
-        finish_s=s.finish_s * kd, t2_s=s.t2_s * kd, interference=rows,
+        finish_s=s.finish_s * kd, t2_s=s.t2_s * kd, t1_relay_s=s.t1_relay_s * kd,
+        interference=rows,
         gap_jitter_s=tuple((v * kd, w) for v, w in s.gap_jitter_s))
 
 

@@ -161,8 +161,9 @@ class SplitCost:
     - `cpu_p_s`, `cpu_d_s`: core-seconds per request that the router, the client and the
       connectors take from P's and D's cores. At `r` requests/s per worker every step (and the
       handover) is stretched by `1 / (1 − r·cpu)` (mean field: the offered rate, not the
-      instantaneous one). `calibrate` fits only `cpu_p_s` (`calibrate.fit_cpu`): D's share is
-      in `decode` and the event terms; profiles calibrated before keep their `cpu_d_s`;
+      instantaneous one). `calibrate` fits neither since run 25 (`t1_relay_s` below; from run
+      17 to 24 it fitted `cpu_p_s`): D's share is in `decode` and the event terms; profiles
+      calibrated before keep theirs;
     - `p_busy_stretch`: D's decode steps take `1 + p_busy_stretch` times as long while its P
       (the P it shares cores with) is prefilling: P's engine then saturates its core and the
       router, client and API servers all run on D's;
@@ -171,7 +172,10 @@ class SplitCost:
       running then (the router's, the API servers' and the client's burst of work per event,
       landing on D's core). `join_s` is part of D's first step for the joining request (its
       join step), so the calibrated handover excludes it; `t2_s` is the relay of that step's
-      token t2 (D's API server → router → client), on D's step after the join step.
+      token t2 (D's API server → router → client), on D's step after the join step;
+    - `t1_relay_s`: seconds t1 waits for the router's relay when the request's D-worker runs
+      streams then (the router and the client share D's cores: a lone request never waits;
+      `calibrate` fits it to a loaded stream's median TTFT in place of `cpu_p_s`).
     - `interference`: the six terms above measured at several batch sizes, rows
       `(others, p_busy_stretch, arrive_s, t1_s, join_s, finish_s, t2_s)` by increasing
       `others`, the number of D's streams other than the event's request (for the stretch: D's
@@ -193,6 +197,7 @@ class SplitCost:
     join_s: float = 0.0
     finish_s: float = 0.0
     t2_s: float = 0.0
+    t1_relay_s: float = 0.0
     # the client's decode gaps over the step's mean, as (ratio, weight per mille) bins: the
     # jitter of steps and of the relay through the router at a fixed batch (empty: none)
     gap_noise: Bins = ()
@@ -210,7 +215,7 @@ class SplitCost:
                        handover_b_s=self.handover_b_s, cpu_p_s=self.cpu_p_s,
                        cpu_d_s=self.cpu_d_s, p_busy_stretch=self.p_busy_stretch,
                        arrive_s=self.arrive_s, t1_s=self.t1_s, join_s=self.join_s,
-                       finish_s=self.finish_s, t2_s=self.t2_s)
+                       finish_s=self.finish_s, t2_s=self.t2_s, t1_relay_s=self.t1_relay_s)
         if self.prefill_factor <= 0:
             raise ValueError("SplitCost.prefill_factor must be > 0")
         if any(r < 0 or w < 0 for r, w in self.gap_noise):

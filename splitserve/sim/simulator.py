@@ -62,6 +62,7 @@ class Simulation:
         pf, dc = profile.prefill, profile.decode
         split = profile.split if config.mode == "disagg" and config.split_costs else None
         self.router_s, self.hand_a, self.hand_b = 0.0, 0.0, 0.0
+        self.relay_s = split.t1_relay_s if split is not None else 0.0
         self.noise = split.gap_noise if split is not None else ()
         self.jitter = split.gap_jitter_s if split is not None else profile.gap_jitter_s
         # D's interference terms (SplitCost.terms) by D's other streams, 0..max_num_seqs:
@@ -308,6 +309,9 @@ class Simulation:
         """P finished request r's prompt at t: emit t1, start the KV transfer."""
         hop = self.cfg.router_hop_s
         t1 = t + hop + self.router_s
+        if self.relay_s:  # the relay waits while the D on the router's cores runs streams
+            d = self.dsel[r] if self.ol[r] > 1 else wi % len(self.D)
+            t1 += self.relay_s if self.D[d].B else 0.0
         self.t1[r] = t1
         w.load -= self.pl[r]
         if self.ol[r] == 1:

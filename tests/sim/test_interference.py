@@ -206,34 +206,38 @@ def test_calibrate_split_against_a_simulated_deployment_recovers_the_rows(
         calibrate.refit_split(old)
 
 
-def test_the_p_side_cpu_is_fitted_net_of_the_loaded_streams_minute(
+def test_the_loaded_term_is_fitted_net_of_the_loaded_streams_minute(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The loaded stream (and the canaries just before and after it) ran on a machine 15 %
     slower at prefill and 10 % at decode than the probes before it: against the canaries, the
-    fit finds the P-side CPU the probes' machine has; without them, it absorbs the minute."""
+    fit finds the relay wait the probes' machine has; without them, it absorbs the minute."""
+    from splitserve.bench.workload import Request
     from splitserve.sim import calibrate
     from splitserve.sim.drift import scaled
 
-    truth = _prof(interference=ROWS, p_busy_stretch=ROWS[0][1], cpu_p_s=0.05)
+    truth = _prof(interference=ROWS, p_busy_stretch=ROWS[0][1], t1_relay_s=0.01)
     monkeypatch.setattr(calibrate, "_run", _answered_by(truth))
     plan = calibrate.SplitPlan(interference=InterferencePlan(bg_batches=(1, 3), injections=12))
     base = make_profile()
     got = calibrate.calibrate_split("sim://", base, plan, say=lambda _: None).split
     assert got is not None and got.fit is not None
     assert got.fit["load"]["drift"] == pytest.approx({"prefill": 1.0, "decode": 1.0}, abs=0.01)
+    assert got.t1_relay_s == pytest.approx(0.01, rel=0.05) and got.cpu_p_s == 0.0
     m = calibrate.SplitMeasurements.from_fit(got.fit)
     assert len(m.load_canaries) == 2
     slow = _answered_by(scaled(truth, 1.15, 1.10))
+    stream = [Request(r.index, r.scheduled_s, (1,) * r.input_len, r.requested_output_len)
+              for r in m.load]
     canary = calibrate.canary_requests(calibrate.CanaryPlan())
-    minute = replace(m, load=slow("sim://", calibrate.load_stream(plan), None),
+    minute = replace(m, load=slow("sim://", stream, None),
                      load_canaries=(calibrate.Speed.of(slow("sim://", canary, 1)),) * 2)
     again = calibrate.split_costs(base, minute, SimConfig("disagg"), "test").split
     assert again is not None
     assert again.fit["load"]["drift"]["prefill"] == pytest.approx(1.15, rel=0.02)
-    assert again.cpu_p_s == pytest.approx(got.cpu_p_s, rel=0.1, abs=0.005)
+    assert again.t1_relay_s == pytest.approx(got.t1_relay_s, rel=0.1)
     blind = calibrate.split_costs(base, replace(minute, load_canaries=()), SimConfig("disagg"),
                                   "test").split
-    assert blind is not None and blind.cpu_p_s > got.cpu_p_s + 0.03
+    assert blind is not None and blind.t1_relay_s > 2 * got.t1_relay_s
 
 
 @pytest.mark.parametrize("router_s", [0.0, 0.008, 0.016])

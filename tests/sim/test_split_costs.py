@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from splitserve.sim.calibrate import SplitPlan, base_prefill, fit_cpu, fit_lone, load_stream
+from splitserve.sim.calibrate import SplitPlan, base_prefill, fit_loaded, fit_lone, load_stream
 from splitserve.sim.deployment import SimConfig
 from splitserve.sim.model import DecodeCost, Profile, SplitCost, load_profile, save_profile
 from splitserve.sim.results import summarize
@@ -112,17 +112,38 @@ def test_fit_lone_recovers_router_factor_and_handover() -> None:
     assert quality["median_abs_rel_error"] < 1e-9
 
 
-def test_fit_cpu_recovers_the_p_side_cpu_that_produced_the_median_ttft() -> None:
-    """Simulate the loaded calibration stream with a known P-side CPU term; the fit finds it
-    again (D's side is not fitted: its share is in the decode fit and the event terms)."""
-    truth = replace(SPLIT, cpu_p_s=0.12)
-    reqs = load_stream(SplitPlan(load_requests=20))
+@pytest.mark.parametrize(("term", "value"), [("t1_relay_s", 0.012), ("cpu_p_s", 0.12)])
+def test_fit_loaded_recovers_the_term_that_produced_the_median_ttft(term: str,
+                                                                     value: float) -> None:
+    """Simulate the loaded calibration stream with a known relay wait (or P-side CPU); the
+    fit finds it again (D's side is not fitted: its share is in the decode fit and the event
+    terms)."""
+    truth = replace(SPLIT, **{term: value})
+    reqs = load_stream(SplitPlan(load_requests=20, load_output=200))  # each t1 meets a busy D
     wl = SimWorkload.of([r.arrival_s for r in reqs], [r.input_len for r in reqs],
                         [r.output_len for r in reqs])
     cfg = SimConfig("disagg")
     res = summarize(simulate(_split_profile(truth), cfg, wl))
-    cpu_p = fit_cpu(_split_profile(), cfg, wl, res["median_ttft_ms"] / 1e3)
-    assert cpu_p == pytest.approx(0.12, rel=0.02)
+    got = fit_loaded(_split_profile(), cfg, wl, res["median_ttft_ms"] / 1e3, term)
+    assert got == pytest.approx(value, rel=0.02)
+    with pytest.raises(ValueError):
+        fit_loaded(_split_profile(), cfg, wl, 0.1, "cpu_d_s")
+    # a stream whose requests end before the next one's t1 cannot show a relay wait
+    short = SimWorkload.of([0.0, 2.0, 4.0], [100] * 3, [5] * 3)
+    assert fit_loaded(_split_profile(), cfg, short, 10.0, "t1_relay_s") == 0.0
+
+
+def test_t1_waits_for_the_relay_only_while_its_d_runs_streams() -> None:
+    """A lone request's TTFT is P's prefill and the router's time; one that finishes its
+    prefill while its D decodes another stream gets `t1_relay_s` on top, and so does its
+    handover's start (the leg joins after t1)."""
+    split = replace(SPLIT, t1_relay_s=0.01)
+    wl = SimWorkload.of([0.0, 0.3], [200, 200], [100, 10])
+    cfg = SimConfig("disagg", overlap=False)
+    with_relay = simulate(_split_profile(split), cfg, wl)
+    without = simulate(_split_profile(SPLIT), cfg, wl)
+    assert with_relay.first_token[0] == pytest.approx(without.first_token[0])  # D idle
+    assert with_relay.first_token[1] == pytest.approx(without.first_token[1] + 0.01)
 
 
 def test_gap_noise_spreads_step_gaps_but_not_handovers() -> None:
