@@ -51,7 +51,7 @@ from splitserve.sim.interference import (
     probe_stream,
     workload_rows,
 )
-from splitserve.sim.model import DecodeCost, PrefillCost, Profile, SplitCost
+from splitserve.sim.model import DecodeCost, Profile, SplitCost
 from splitserve.sim.profile import _prompt, _run
 from splitserve.sim.records import request_records
 from splitserve.sim.results import weighted_percentiles
@@ -236,9 +236,8 @@ def modelled_reference(profile: Profile, cfg: SimConfig, canary: Canary) -> Spee
     10 s samples were off the profiling's minutes by up to 11 % (run 18: a decode gap of 13.8
     ms against the calibrated step's 15.4 ms at the canary's batch and context)."""
     lone = canary_requests(canary.speed, LONE_SPACING_S)
-    recs = request_records(simulate(profile, cfg, from_requests(lone)))
-    split = profile.split if cfg.mode == "disagg" else None
-    jitter = split.gap_jitter_s if split is not None else profile.gap_jitter_s
+    run = simulate(profile, cfg, from_requests(lone))
+    recs, jitter = request_records(run), run.gap_jitter_s  # the jitter the simulator applies
     gaps = np.array([b - a for r in recs
                      for a, b in zip(r.chunk_times[1:], r.chunk_times[2:], strict=False)])
     ttft = statistics.median(r.chunk_times[0] - r.send_s for r in recs)
@@ -262,10 +261,6 @@ def _jittered_median(gaps: np.ndarray, bins: tuple[tuple[float, int], ...]) -> f
     weights = np.tile(np.array([w for _, w in bins], dtype=np.int64), len(gaps))
     values = np.maximum(gaps[:, None] + shift[None, :], 0.0).ravel()
     return float(weighted_percentiles(values, weights, (50.0,))[50.0])
-
-
-def _prefill(c: PrefillCost, k: float) -> PrefillCost:
-    return PrefillCost(c.a * k, c.b * k, c.c * k)
 
 
 def _stretched(k: float, ratio: float) -> float:
@@ -297,6 +292,6 @@ def scaled(profile: Profile, prefill: float, decode: float, stretch: float = 1.0
         raise ValueError(f"drift ratios must be positive, got {prefill}, {decode}, {stretch}")
     split = (_split(profile.split, prefill, decode, stretch) if profile.split is not None
              else None)
-    return replace(profile, prefill=_prefill(profile.prefill, prefill),
+    return replace(profile, prefill=profile.prefill.scaled(prefill),
                    decode=profile.decode.scaled(decode), split=split,
                    gap_jitter_s=tuple((v * decode, w) for v, w in profile.gap_jitter_s))

@@ -77,6 +77,10 @@ class PrefillCost:
         """One unchunked prompt alone in a step."""
         return self.a + self.b * prompt_len + self.c * prompt_len * prompt_len
 
+    def scaled(self, k: float) -> PrefillCost:
+        """The same cost on a machine that runs `k` times as slow."""
+        return PrefillCost(self.a * k, self.b * k, self.c * k)
+
 
 @dataclass(frozen=True)
 class DecodeCost:
@@ -267,7 +271,7 @@ class SplitCost:
 
     def p_prefill(self, base: PrefillCost, rate_per_p: float) -> PrefillCost:
         k = self.prefill_factor * self.stretch(rate_per_p, self.cpu_p_s)
-        return PrefillCost(base.a * k, base.b * k, base.c * k)
+        return base.scaled(k)
 
     def d_decode(self, rate_per_d: float) -> DecodeCost:
         k = self.stretch(rate_per_d, self.cpu_d_s)

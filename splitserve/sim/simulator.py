@@ -82,12 +82,12 @@ class Simulation:
                 k = split.stretch(rate / config.n_decode, split.cpu_d_s)
                 self.router_s = split.router_request_s
                 self.hand_a, self.hand_b = split.handover_a_s * k, split.handover_b_s * k
-            self.P = [_Worker(_P, p_pf, dc) for _ in range(config.n_prefill)]
-            self.D = [_Worker(_D, pf, d_dc) for _ in range(config.n_decode)]
+            self.P = [_Worker(_P, p_pf, dc, self.max_seqs) for _ in range(config.n_prefill)]
+            self.D = [_Worker(_D, pf, d_dc, self.max_seqs) for _ in range(config.n_decode)]
             for j, d in enumerate(self.D):  # D j shares its host's cores with P (j mod n_P)
                 d.mate = j % config.n_prefill
         else:
-            self.P = [_Worker(_BOTH, pf, dc) for _ in range(config.n_workers)]
+            self.P = [_Worker(_BOTH, pf, dc, self.max_seqs) for _ in range(config.n_workers)]
             self.D = []
         self.W = self.P + self.D
         self.link_free = [0.0] * len(self.P)
@@ -221,14 +221,14 @@ class Simulation:
             quad = sum(q * q + 2 * p * q for _, q, p in chunks)
             dur = pf.time(tok, quad)
             if w.B:  # a mixed step: one fixed cost (the larger), both variable parts
-                dur += dc.b * w.C + dc.batch_term(w.B) + max(0.0, dc.a - pf.a)
+                dur += dc.b * w.C + w.bterm[w.B] + max(0.0, dc.a - pf.a)
             w.kind, w.step_dur, w.t0, first = _STEP, dur, t, dur
             end = t + dur
         elif w.B:
             # invariant: a segment's steps all run at one pace (P's state, no events)
             busy = w.role == _D and self.P[w.mate].prefilling
             pace = 1.0 + self.iterm[w.B][_STRETCH] if busy else 1.0
-            alpha = (dc.a + dc.b * w.C + dc.batch_term(w.B)) * pace
+            alpha = (dc.a + dc.b * w.C + w.bterm[w.B]) * pace
             if w.extra > 0.0 or w.after > 0.0:  # one step carrying the events' work
                 w.kind, w.step_dur, w.t0 = _STEP, alpha + w.extra, t
                 w.extra = 0.0

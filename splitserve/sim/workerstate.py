@@ -17,10 +17,12 @@ class Worker:
     __slots__ = ("role", "queue", "head_done", "waiting", "running", "B", "C", "S", "busy",
                  "kind", "t0", "alpha", "beta", "k", "cut", "ver", "kv_used", "kv_release",
                  "load", "chunks", "new", "nnew", "step_dur", "pf", "dc", "extra", "after",
-                 "prefilling", "mate", "joined")
+                 "prefilling", "mate", "joined", "bterm")
 
-    def __init__(self, role: int, pf: PrefillCost, dc: DecodeCost) -> None:
+    def __init__(self, role: int, pf: PrefillCost, dc: DecodeCost, max_seqs: int) -> None:
         self.role, self.pf, self.dc = role, pf, dc
+        # dc.batch_term(B) for B = 0..max_seqs: looked up on every step, computed once
+        self.bterm = [dc.batch_term(b) for b in range(max_seqs + 1)]
         self.queue: deque[int] = deque()
         self.head_done = 0
         self.waiting: deque[int] = deque()
