@@ -10,7 +10,7 @@ validation workload:
    cost as the client sees it, fitted like the plain profile's (`a + b·ctx + c·B`), plus each
    measured batch's level off that line (`DecodeCost.batch_levels`; `levels=False` leaves
    them out): D's core is shared with the router, the client and the API servers, and its
-   step is not linear in B (runs 16–21: B = 2 above B = 3–4). P prefills
+   step is not linear in B (on the demo deployment B = 2 runs above B = 3–4). P prefills
    the B prompts one after the other, so each stream asks for enough tokens that all B still
    decode together after the last prefill (`decode_tokens` + the steps D takes meanwhile):
    otherwise the window "all B decoding" is empty and the row holds steps at smaller batches.
@@ -22,11 +22,9 @@ validation workload:
 4. **A loaded stream** (fixed lengths, evenly spaced at `load_rate`): how long t1 waits for the
    router's relay while D runs streams (`t1_relay_s`; the router and the client share D's
    core), found by bisection so that the simulator, with every other term above, reproduces
-   this stream's measured median TTFT (`fit_loaded`; until run 25 the same fit gave `cpu_p_s`,
-   a stretch of every P step, which grew TTFT with the rate 1.5× where the real one grew
-   1.2–1.35×). The term is a few per cent of TTFT, so a minute in which the machine runs 10 %
-   slower than during the lone requests would triple it (run 21: `cpu_p_s` 69 ms per request
-   against 23 in runs 17–18, and TTFT at 2 req/s +23 %): a speed canary just before and just
+   this stream's measured median TTFT (`fit_loaded`). The term is a few per cent of TTFT, so
+   a minute in which the machine is 10 % slower than during the lone requests would triple
+   it: a speed canary just before and just
    after the stream reads that minute's drift against the canary simulated on the other terms
    (`drift.modelled_reference`), and the term is fitted on the profile scaled by it. The
    stream's median ITL is kept next to the simulated one (`load.sim_median_itl_s`, and at the
@@ -239,18 +237,18 @@ def fit_loaded(profile: Profile, cfg: SimConfig, wl: SimWorkload, ttft: float,
     """The split term `term` that makes the simulated median TTFT of `wl` the measured one,
     every other split term held fixed and the other loaded term at 0:
 
-    - `t1_relay_s` (calibration's choice since run 25): t1 waits that long for the router's
-      relay while the request's D runs streams. With the router and the client on D's core, a
-      loaded stream's TTFT sits 5–10 % above a lone request's at the same minute, and that
-      excess hardly grows with the rate (measured TTFT p50 2 req/s over 1 req/s: 1.21–1.36×
-      in runs 23–25), where `cpu_p_s`'s stretch of every P step grew it to 1.47–1.53×;
+    - `t1_relay_s` (calibration's choice): t1 waits that long for the router's relay while
+      the request's D runs streams. With the router and the client on D's core, a loaded
+      stream's TTFT sits 5–10 % above a lone request's at the same minute, and that excess
+      hardly grows with the rate (measured TTFT p50 2 req/s over 1 req/s: 1.21–1.36×), where
+      `cpu_p_s`'s stretch of every P step grew it to 1.47–1.53×;
     - `cpu_p_s`: a mean-field share of P's core per request (a stretch `1 / (1 − r·cpu_p_s)`
       of every P step).
 
     D's side has no such term (`cpu_d_s` stays 0): the router's, the client's and the API
     servers' work on D's core is in the decode fit (per token) and the event terms (per
     request event); a share fitted to the stream's median ITL on top of them absorbed that
-    minute's drift and grew with the rate (run 16: the simulated ITL p50 at 2 req/s +31 %)."""
+    minute's drift and grew with the rate (the simulated ITL p50 at 2 req/s +31 %)."""
     assert profile.split is not None
     if term not in LOADED_TERMS:
         raise ValueError(f"term must be one of {LOADED_TERMS}")

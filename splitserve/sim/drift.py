@@ -1,9 +1,8 @@
 """The machine's drift between a profile and a measurement, read off fixed canary probes.
 
 On a shared machine the engines' speed drifts by 5–20 % within minutes (whoever else runs on
-the cores): a profile calibrated at 04:44 describes the machine at 04:44, and a measurement at
-04:48 can run 15 % faster — an error no cost model can own (`sim validate` run 6: every decode
-metric +27..+50 %, calibrated decode step 9.4 ms against 8.1 ms measured minutes later).
+the cores): a profile describes the machine at the minute it was calibrated, and a measurement
+four minutes later can be 15 % faster — an error no cost model can own.
 
 The canaries are small and fixed (never the validated workload). `sim validate` runs them before
 every measured repeat and after the last (a repeat stands for the mean of the canaries just
@@ -15,15 +14,15 @@ before and after it), and around its own profiling (kept for the record):
   stream on D, through the router, while a few long prompts prefill on P one after another;
   read like the interference probe at one background stream (`interference.gap_rows`,
   `interference.Pace`), its D-pace while P prefills over its pace while P idles is the P-busy
-  stretch factor (1 + `p_busy_stretch`) of that minute (runs 9–12: 1.02–1.25×, drifting between
-  minutes on this KVM guest).
+  stretch factor (1 + `p_busy_stretch`) of that minute (1.02–1.25× on a 2-vCPU KVM guest,
+  drifting between minutes).
 
 A repeat's `Drift` is its canaries (that mean) over the reference, the same canaries simulated on
 the profile (`modelled_reference`): the TTFT ratio, the decode-gap ratio, and the stretch factor's
 ratio (1.0 where either side has no stretch reading). So the drift-adjusted simulation is the
-profile rescaled until it reproduces the canaries measured next to each repeat. (Until run 20
-the reference was the mean of the two canaries around the profiling: two 10 s samples, off the
-profiling's own minutes by up to 11 %, which then skewed every adjusted point of the run.)
+profile rescaled until it reproduces the canaries measured next to each repeat (not two
+measured canaries around the profiling: 10 s samples, off the profiling's own minutes by up
+to 11 %).
 `scaled` applies a drift to a profile: prefill times by the first ratio; decode times, the gap
 jitter and every per-event second on the decode side by the second; each P-busy stretch term k
 (the scalar and every interference row's) to (1 + k) · ratio − 1, never below 0, by the third
@@ -233,8 +232,7 @@ def modelled_reference(profile: Profile, cfg: SimConfig, canary: Canary) -> Spee
 
     Against this reference a repeat's drift is how much slower or faster the machine ran next
     to it than the profile describes — not than two canaries around the profiling, whose own
-    10 s samples were off the profiling's minutes by up to 11 % (run 18: a decode gap of 13.8
-    ms against the calibrated step's 15.4 ms at the canary's batch and context)."""
+    10 s samples can be off the profiling's minutes by up to 11 %."""
     lone = canary_requests(canary.speed, LONE_SPACING_S)
     run = simulate(profile, cfg, from_requests(lone))
     recs, jitter = request_records(run), run.gap_jitter_s  # the jitter the simulator applies

@@ -2,23 +2,23 @@
 share a host's cores with the router and the client (`SplitCost.p_busy_stretch`, `arrive_s`,
 `t1_s`, `join_s`, `finish_s`, `t2_s`), measured by a probe that is no validation workload:
 
-For each size in `bg_batches`, that many long background streams decode on D while
-`injections` requests (prompts cycling through `inject_lens`, `inject_tokens` tokens each) arrive
-one by one, spaced so that each one's events — arrival, t1, joining D, end — fall apart from the
-others'. Each size gives one row of `SplitCost.interference` (the terms with that many other
-streams on D; the simulator interpolates between rows): the stretch and the events' seconds
-shrink as D's batch grows (runs 1–3: gaps while P prefilled were 1.15–1.2× the idle ones at
-B = 1–2 and 1.07–1.12× at B = 3–5), so one size cannot stand for all. Each background gap is
-compared with D's calibrated step at that moment's batch and context (`DecodeCost`); gaps with
-no request event give the pace while P idles and while P prefills (P's busy windows are the
-FIFO intervals [max(send, previous t1), t1] over all requests, P being one worker). An event's
-extra seconds are read off the gaps where its work lands (`fit_interference`), over events whose
-gaps hold no other event: an arrival's and an end's, the gap holding it plus the gap after (the
-work lands on the step in progress or, if it comes at the step's end, on the next: the simulator
-puts it on the next); t1's, the gap holding it; a join's, its join step (the gap that ends
-nearest the joiner's t2); the joiner's t2 relay, the gap after the join step. t1 and the join
-come one step apart, so the joiner's handover holds both: reading t1 as its gap plus the next
-counted the join step twice (runs 15–16: the simulated handover on a busy D 4–10 ms too long).
+For each size in `bg_batches`, that many long background streams decode on D while `injections`
+requests (prompts cycling through `inject_lens`, `inject_tokens` tokens each) arrive one by one,
+spaced so that each one's events — arrival, t1, joining D, end — fall apart from the others'.
+Each size gives one row of `SplitCost.interference` (the terms with that many other streams on
+D; the simulator interpolates between rows): the stretch and the events' seconds shrink as D's
+batch grows (gaps while P prefilled were 1.15–1.2× the idle ones at B = 1–2 and 1.07–1.12× at
+B = 3–5 on the demo deployment), so one size cannot stand for all. Each background gap is compared
+with D's calibrated step at that moment's batch and context (`DecodeCost`); gaps with no request
+event give the pace while P idles and while P prefills (P's busy windows are the FIFO intervals
+[max(send, previous t1), t1] over all requests, P being one worker). An event's extra seconds
+are read off the gaps where its work lands (`fit_interference`), over events whose gaps hold no
+other event: an arrival's and an end's, the gap holding it plus the gap after (the work lands on
+the step in progress or, if it comes at the step's end, on the next: the simulator puts it on
+the next); t1's, the gap holding it; a join's, its join step (the gap that ends nearest the
+joiner's t2); the joiner's t2 relay, the gap after the join step. t1 and the join come one step
+apart, so the joiner's handover holds both: t1 is read off its own gap only (its gap plus the
+next would count the join step twice).
 """
 
 from __future__ import annotations

@@ -15,11 +15,11 @@ NOISE_EDGES = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.98, 0.9
 def window_jitter(recs: list[RequestRecord]) -> list[float]:
     """Each chunk gap while all requests decode, less its request's local pace there: the
     least-squares line through that request's gaps in the window (seconds: the jitter is
-    additive — in runs 1–3 gaps carrying an event's extra milliseconds spread no wider than
-    plain ones). Against a line, not the window's mean: the context grows over the window and
-    the simulated step already grows with it (`b·ctx`), so the drift is not jitter. Each
-    request's first gap in the window is left out: through a router, the step after the last
-    join carries that joiner's t2 relay (`SplitCost.t2_s`), a cost of its own, not jitter."""
+    additive — gaps carrying an event's extra milliseconds spread no wider than plain ones).
+    Against a line, not the window's mean: the context grows over the window and the simulated
+    step already grows with it (`b·ctx`), so the drift is not jitter. Each request's first gap
+    in the window is left out: through a router, the step after the last join carries that
+    joiner's t2 relay (`SplitCost.t2_s`), a cost of its own, not jitter."""
     start = max(r.chunk_times[1] for r in recs)
     end = min(r.chunk_times[-1] for r in recs)
     out: list[float] = []

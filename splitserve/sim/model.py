@@ -90,8 +90,8 @@ class DecodeCost:
     steps at that batch take beyond the linear form; `level` interpolates linearly between the
     measured batches and holds the end values beyond them. Through a router whose host shares
     D's core with the router, the client and the API servers, D's step is not linear in its
-    batch (runs 16–19: B = 2 steps 1.04–1.27× the linear fit, B = 4 0.84–0.96×, in every run
-    and in the validation streams too), so the calibration keeps each batch's level."""
+    batch (B = 2 steps 1.04–1.27× the linear fit, B = 4 0.84–0.96×, on the demo deployment),
+    so the calibration keeps each batch's level."""
 
     a: float
     b: float
@@ -165,9 +165,8 @@ class SplitCost:
     - `cpu_p_s`, `cpu_d_s`: core-seconds per request that the router, the client and the
       connectors take from P's and D's cores. At `r` requests/s per worker every step (and the
       handover) is stretched by `1 / (1 − r·cpu)` (mean field: the offered rate, not the
-      instantaneous one). `calibrate` fits neither since run 25 (`t1_relay_s` below; from run
-      17 to 24 it fitted `cpu_p_s`): D's share is in `decode` and the event terms; profiles
-      calibrated before keep theirs;
+      instantaneous one). `calibrate` fits neither (the loaded stream's extra TTFT is
+      `t1_relay_s` below; D's share is in `decode` and the event terms);
     - `p_busy_stretch`: D's decode steps take `1 + p_busy_stretch` times as long while its P
       (the P it shares cores with) is prefilling: P's engine then saturates its core and the
       router, client and API servers all run on D's;

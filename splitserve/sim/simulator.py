@@ -23,7 +23,7 @@ the offered rate, stretch D j's steps that start while its P (j mod n_P) prefill
 request event's seconds on its D's steps: t1's on the step in progress, the arrival's and the
 end's on the next, the join's on the joiner's first step, its t2 relay on the step after.
 Stretching by P's state at a step's start, not by overlap, gives the same stretched time in
-expectation (run 3: 12.4 vs 12.5 % and 24.8 vs 25.1 % of D's time at 1 and 2 req/s).
+expectation (measured: 12.4 vs 12.5 % and 24.8 vs 25.1 % of D's time at 1 and 2 req/s).
 """
 
 from __future__ import annotations

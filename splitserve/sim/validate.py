@@ -117,7 +117,7 @@ def measure_point(url: str, spec: WorkloadSpec, repeats: int, canary: Canary | N
 
 def repeat_canary(run: dict[str, Any]) -> Speed:
     """The canary a repeat stands for: the mean of the ones just before and just after it
-    (one canary, a minute's sample, was often not the minute of the repeat: runs 13–15), or
+    (one canary, a minute's sample, is often not the minute of the repeat), or
     the one before where the JSON has no `canary_after` (older JSON)."""
     before = Speed.from_dict(run["canary"])
     after = run.get("canary_after")
@@ -275,7 +275,7 @@ def print_drifts(real: dict[float, list[dict[str, Any]]], reference: Speed | Non
 def handovers(times: list[list[float]]) -> tuple[list[float], list[float]]:
     """Each request's handover gap t2 − t1 (from its chunk times), as (D idle, D busy): busy
     where another request was decoding at its t1 (that request's t2 < t1 < its last chunk).
-    At low load ITL p99 lies in these gaps (runs 14–15: ~40 handovers among ~2,500 gaps, all
+    At low load ITL p99 lies in these gaps (~40 handovers among ~2,500 gaps, all
     longer than D's steps), a busy one being the rest of D's step in progress plus the step
     that admits the request, each carrying its event's work."""
     idle: list[float] = []
