@@ -10,6 +10,8 @@ Contract (the swap point between a CPU engine and a CUDA one):
 - `load(layer, block_ids, start, end, region, region_start)` is called on D's engine thread
   for a staged transfer whose host bytes were all checksummed; the copy into the blocks runs
   while the thread goes on. Same None rule.
+- `mark()`, on the forward thread, returns what a copy made later on another thread waits for
+  before it reads the layer (P's sender thread copies the layers the copier could not take).
 - `Completion.wait()` blocks the calling thread (P's sender, never the forward thread) until
   the copy is complete: `region` holds the bytes (save) or the blocks do and `region` may be
   reused (load). `Completion.done()` asks without blocking. Until one of them has reported
@@ -79,7 +81,15 @@ class Done(Completion):
         return None
 
 
+DONE = Done()
+
+
 class Copier(ABC):
+    def mark(self) -> Completion:
+        """On the forward thread, after a layer's KV was written: what a copy made later on
+        another thread (`layer.gather`) waits for first, so it reads the written KV."""
+        return DONE
+
     @abstractmethod
     def save(self, layer: HostCopyable, block_ids: BlockIds, start: int, end: int,
              region: torch.Tensor) -> Completion | None:
@@ -107,17 +117,15 @@ class Copier(ABC):
 class InlineCopies(Copier):
     """The CPU engine's copier: every copy runs synchronously on the calling thread."""
 
-    _DONE = Done()
-
     def save(self, layer: HostCopyable, block_ids: BlockIds, start: int, end: int,
              region: torch.Tensor) -> Completion:
         layer.gather(block_ids, start, end, region)
-        return self._DONE
+        return DONE
 
     def load(self, layer: HostCopyable, block_ids: BlockIds, start: int, end: int,
              region: torch.Tensor, region_start: int) -> Completion:
         layer.scatter(block_ids, start, end, region, region_start)
-        return self._DONE
+        return DONE
 
 
 class _Budget:
@@ -204,6 +212,11 @@ class CudaCopies(Copier):
             torch.cuda.cudart().cudaHostUnregister(ptr)
             self._ranges = [(lo, n) for lo, n in self._ranges if lo != ptr]
 
+    def mark(self) -> Completion:
+        written = torch.cuda.Event()
+        written.record(torch.cuda.current_stream(self.device))
+        return _EventCompletion(written, lambda: None)
+
     def _after_compute(self) -> None:
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(self.device))
@@ -214,14 +227,18 @@ class CudaCopies(Copier):
         nbytes = region.numel()
         if not self.budget.take(nbytes):
             return None
-        self._after_compute()
-        bounce = None if self._pinned(region) else self.host_buffer(nbytes)
-        with torch.cuda.stream(self.stream):
-            buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-            layer.gather_device(block_ids, start, end, buf)
-            (region if bounce is None else bounce).copy_(buf, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(self.stream)
+        try:
+            self._after_compute()
+            bounce = None if self._pinned(region) else self.host_buffer(nbytes)
+            with torch.cuda.stream(self.stream):
+                buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+                layer.gather_device(block_ids, start, end, buf)
+                (region if bounce is None else bounce).copy_(buf, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(self.stream)
+        except BaseException:
+            self.budget.give(nbytes)
+            raise
 
         def finish() -> None:
             if bounce is not None:
@@ -236,14 +253,18 @@ class CudaCopies(Copier):
         nbytes = region.numel()
         if not self.budget.take(nbytes):
             return None
-        src = region
-        if not self._pinned(region):
-            src = self.host_buffer(nbytes)
-            src.copy_(region)  # a host memcpy on this thread; registering the region avoids it
-        self._after_compute()
-        with torch.cuda.stream(self.stream):
-            buf = src.to(self.device, non_blocking=True)
-            layer.scatter_device(block_ids, start, end, buf, region_start)
-            done = torch.cuda.Event()
-            done.record(self.stream)
+        try:
+            src = region
+            if not self._pinned(region):
+                src = self.host_buffer(nbytes)
+                src.copy_(region)  # a host memcpy on this thread; registering avoids it
+            self._after_compute()
+            with torch.cuda.stream(self.stream):
+                buf = src.to(self.device, non_blocking=True)
+                layer.scatter_device(block_ids, start, end, buf, region_start)
+                done = torch.cuda.Event()
+                done.record(self.stream)
+        except BaseException:
+            self.budget.give(nbytes)
+            raise
         return _EventCompletion(done, lambda: self.budget.give(nbytes))

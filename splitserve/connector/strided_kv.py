@@ -126,9 +126,18 @@ class StridedKV:
     def slots(self, block_ids: BlockIds, start: int, end: int
               ) -> tuple[torch.Tensor, torch.Tensor]:
         """(block, slot) of tokens [start, end), as int64 tensors on the cache's device. The
-        block table goes over in one (pinned, asynchronous on CUDA) host-to-device copy."""
+        block table goes over in one (pinned, asynchronous on CUDA) host-to-device copy;
+        ValueError if it does not cover the range or names blocks the cache has not."""
         first, last = start // self.block_size, -(-end // self.block_size)
-        table = torch.tensor(list(block_ids[first:last]), dtype=torch.int64)
+        ids = list(block_ids[first:last])
+        # checked here, on the host: an out-of-range index on a GPU is a device-side assert
+        # that poisons the whole CUDA context, not an exception for one transfer
+        if not 0 <= start < end or len(ids) != last - first:
+            raise ValueError(f"a block table of {len(block_ids)} blocks of {self.block_size} "
+                             f"does not cover tokens [{start}, {end})")
+        if min(ids) < 0 or max(ids) >= self.num_blocks:
+            raise ValueError(f"block ids outside [0, {self.num_blocks})")
+        table = torch.tensor(ids, dtype=torch.int64)
         if self.device.type != "cpu":
             table = table.pin_memory().to(self.device, non_blocking=True)
         pos = torch.arange(start - first * self.block_size, end - first * self.block_size,

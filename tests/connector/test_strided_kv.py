@@ -190,3 +190,12 @@ def test_inline_copies_are_the_synchronous_copies() -> None:
     assert copies.load(StridedKV(back), ids, 1, 11, region, 1).done()
     for t in range(1, 11):
         assert torch.equal(back[ids[t // 4], :, t % 4], cache[ids[t // 4], :, t % 4])
+
+
+def test_a_block_table_that_does_not_cover_the_range_is_refused_on_the_host() -> None:
+    layer = StridedKV(allocate_views("LBNHC", 1, 4, H, 4, D, torch.float32)[0])
+    region = torch.empty(8 * layer.bytes_per_token, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="does not cover"):
+        layer.gather([1], 0, 8, region)
+    with pytest.raises(ValueError, match="outside"):
+        layer.gather([1, 4], 0, 8, region)
