@@ -136,6 +136,9 @@ class KVListener:
                 st = open_transfers.pop(tid, None)
                 if st is None or staging is None:
                     continue
+                for key in ("last_layer_s", "wire_s"):  # P's, for D's record
+                    if isinstance(v := body.get(key), int | float):
+                        setattr(st.record, key, float(v))
                 ok = staging.end(st)
                 staging.writer_done(st)
                 send_frame(conn, Op.ACK, {"transfer_id": tid, "ok": ok, "cause": st.failed})

@@ -37,13 +37,23 @@ class TransferRecord:
     # (copies before BEGIN was answered or for fault-marked transfers; tcp: their sends too)
     copy_forward_s: float = 0.0
     sender_layers_s: float = 0.0
+    sender_sends_s: float = 0.0  # P, tcp: the sender putting forward-copied layers on the socket
+    # Wall time (epoch s) P's last layer of the last chunk was handed to the channel: the end of
+    # P's last layer. P stamps it; D takes it from END (same clock on one host).
+    last_layer_s: float | None = None
+    # Seconds the bytes were actually moving: P's copies (forward thread and sender) plus the
+    # sender's sends, summed when END goes out; D takes it from END.
+    wire_s: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
+        """The record plus `duration_s` (BEGIN to verified END: includes P's prefill, since
+        layers move while P computes), `tail_s` (end of P's last layer to D's ACK: what the
+        overlap leaves exposed) and `gbps` (bytes / `wire_s`: the rate while bytes move)."""
         d = asdict(self)
         end = self.complete_s
         d["duration_s"] = (end - self.started_s) if end else None
-        d["gbps"] = (self.bytes / (end - self.started_s) / 1e9
-                     if end and end > self.started_s else None)
+        d["tail_s"] = (end - self.last_layer_s) if end and self.last_layer_s else None
+        d["gbps"] = self.bytes / self.wire_s / 1e9 if self.wire_s else None
         return d
 
 

@@ -69,6 +69,34 @@ def test_corruption_is_detected(listener: tuple[KVListener, StagingArea], kind: 
     ch.close()
 
 
+@pytest.mark.parametrize("kind", ["tcp", "shm"])
+def test_records_time_the_exposed_tail_and_the_wire(listener: tuple[KVListener, StagingArea],
+                                                    kind: str) -> None:
+    """P stamps the end of its last layer and the seconds its bytes moved, D gets both with END:
+    `tail_s` runs from the last layer to D's verified END, `gbps` is bytes over the wire time,
+    and `duration_s` stays BEGIN to END."""
+    lis, staging = listener
+    caches = [torch.randn(5, 2, 64, 64) for _ in range(2)]
+    ch = channel(kind, lis.port)
+    before = time.time()
+    push(ch, f"tail-{kind}", caches, (3, 1, 4), [(0, 64), (64, 150)])
+    assert settle(ch, f"tail-{kind}") == "acked"
+    sent = ch.poll(f"tail-{kind}").record
+    assert sent.last_layer_s is not None and before <= sent.last_layer_s <= time.time()
+    assert sent.wire_s == pytest.approx(
+        sent.copy_forward_s + sent.sender_layers_s + sent.sender_sends_s) and sent.wire_s > 0
+    recv = staging.stats.record(f"tail-{kind}")["recv"]
+    assert (recv["last_layer_s"], recv["wire_s"]) == (sent.last_layer_s, sent.wire_s)
+    assert recv["tail_s"] == pytest.approx(recv["complete_s"] - sent.last_layer_s)
+    assert recv["tail_s"] >= 0
+    assert recv["duration_s"] == pytest.approx(recv["complete_s"] - recv["started_s"])
+    assert recv["gbps"] == pytest.approx(recv["bytes"] / sent.wire_s / 1e9)
+    staged = staging.claim(f"tail-{kind}")
+    assert staged is not None
+    staging.release(staged, "loaded")
+    ch.close()
+
+
 def test_wrong_token_never_stages(listener: tuple[KVListener, StagingArea]) -> None:
     lis, staging = listener
     ch = TcpPushChannel("127.0.0.1", lis.port, "not-the-token", FP, ConnectorStats(),

@@ -275,7 +275,8 @@ async def test_transfer_record_is_fetched_while_d_streams() -> None:
     async def handler(name: str, req: web.Request) -> web.StreamResponse:
         if req.method == "GET":  # D's record of the transfer, asked for once
             gets.append(name)
-            return web.json_response({"recv": {"status": "loaded", "bytes": 5}})
+            return web.json_response({"recv": {"status": "loaded", "bytes": 5, "duration_s": 0.5,
+                                               "tail_s": 0.002, "wire_s": 0.001, "gbps": 5e-6}})
         if name == "p1":
             return web.json_response(PREFILL_OK)
         return await sse_reply(req, [chunk("b", 11), chunk("c", 12, "length")])
@@ -289,8 +290,10 @@ async def test_transfer_record_is_fetched_while_d_streams() -> None:
         assert pre.kv is not None
         _ = [c async for c in flow.decode(legs, "rid", pre, started(legs, pre), t)]
         await flow.transfer_record(t)
-    assert gets == ["d1"] and t.kv == {"status": "loaded", "bytes": 5}
-    assert t.as_dict()["kv_bytes"] == 5
+    assert gets == ["d1"] and t.kv is not None and t.kv["status"] == "loaded"
+    d = t.as_dict()
+    assert (d["kv_bytes"], d["kv_transfer_s"], d["kv_tail_s"], d["kv_wire_s"], d["kv_gbps"]) == (
+        5, 0.5, 0.002, 0.001, 5e-6)
 
 
 async def test_backpressure_is_429_and_only_connection_failures_trip_the_breaker() -> None:

@@ -144,6 +144,9 @@ class PushChannel(ABC):
     def push_layer(self, item: LayerItem) -> None:
         """Called on the forward thread right after the layer's KV was written (see contract)."""
         st = self._states.get(item.transfer_id)
+        if (st is not None and item.layer == self.shape.num_layers - 1
+                and item.end == st.num_tokens):
+            st.record.last_layer_s = time.time()  # the end of P's last layer
         if st is not None and not st.settled and not self._faults.marks(item.transfer_id):
             t0 = time.perf_counter()
             try:
@@ -293,12 +296,18 @@ class PushChannel(ABC):
         elif kind == "send":
             try:
                 if st.offset >= 0:
+                    t0 = time.perf_counter()
                     send_parts(self._ensure_connected(), payload.parts)
+                    st.record.sender_sends_s += time.perf_counter() - t0
             finally:
                 payload.release()
         elif kind == "end":
             if st.offset >= 0:
-                end = encode_frame(Op.END, {"transfer_id": st.transfer_id})
+                rec = st.record
+                rec.wire_s = rec.copy_forward_s + rec.sender_layers_s + rec.sender_sends_s
+                end = encode_frame(Op.END, {"transfer_id": st.transfer_id,
+                                            "last_layer_s": rec.last_layer_s,
+                                            "wire_s": rec.wire_s})
                 send_parts(self._ensure_connected(), [*st.unsent, end])
             st.unsent.clear()
         elif kind == "abort":
