@@ -100,13 +100,13 @@ def _label(cfg: SimConfig) -> str:
 
 def run_profile(args: argparse.Namespace) -> int:
     if args.refit:  # a split profile's split costs, else a plain profile's fits
-        from splitserve.sim.calibrate import refit_split
+        from splitserve.sim.calibration.calibrate import refit_split
         from splitserve.sim.profile import refit
 
         prof = load_profile(args.refit)
         prof = refit_split(prof) if prof.split is not None else refit(prof)
     elif args.split:
-        from splitserve.sim.calibrate import SplitPlan, calibrate_split
+        from splitserve.sim.calibration.calibrate import SplitPlan, calibrate_split
 
         if not (args.url and args.base):
             raise SystemExit("splitserve profile --split needs --url (a router) and --base")
@@ -184,7 +184,7 @@ def run_sim(args: argparse.Namespace) -> int:
 
 
 def run_validate(args: argparse.Namespace) -> int:
-    from splitserve.sim.drift import Canary, Speed, StretchPlan, modelled_reference
+    from splitserve.sim.calibration.drift import Canary, Speed, StretchPlan, modelled_reference
     from splitserve.sim.validate import (
         compare,
         drift_json,
@@ -259,7 +259,7 @@ def run_validate(args: argparse.Namespace) -> int:
         with launched(cfg, args.cpus, cfg.token_budget or prof.token_budget,
                       router_cpus=args.router_cpus) as url:
             if args.calibrate and cfg.mode == "disagg":  # this deployment's split costs
-                from splitserve.sim.calibrate import SplitPlan, calibrate_split
+                from splitserve.sim.calibration.calibrate import SplitPlan, calibrate_split
 
                 prof = profiled(url, lambda: calibrate_split(url, prof, SplitPlan(), cfg))
                 print(f"split costs: {prof.split.__dict__ | {'fit': '...'}}")

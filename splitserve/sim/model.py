@@ -13,12 +13,10 @@ A `Profile` says how long one engine step takes on one worker (DistServe's form)
 KV transfer: bytes per token = `2 × layers × kv_heads × head_dim × dtype_bytes`; time =
 `bytes / bandwidth + latency` per transport (`TransferLink`).
 
-Disaggregated deployments add costs a plain worker's profile does not contain (`SplitCost`,
-the optional `split` section, measured through a running deployment by `sim.calibrate`): the
-router's time per request, P's slowdown while its connector pushes KV, the handover from t1 to
-D's leg (router, KV load, D's admission), D's step cost as the client sees it through the
-router, and the CPU that the router, client and connectors take from the engines' cores per
-request (a mean-field stretch of every step, growing with the offered rate).
+A deployment whose router, client and workers share a few CPU cores costs more than its
+workers' plain step times; the optional `split` section holds those costs
+(`splitserve.sim.calibration.costs.SplitCost`, measured through a running deployment by
+`splitserve.sim.calibration.calibrate`).
 
 Every profile is stamped with the engine (name, version), the model, the hardware, and whether
 it was measured or derived analytically. `load_profile` refuses a profile from another engine
@@ -31,16 +29,18 @@ import json
 import math
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from splitserve.sim.calibration.costs import SplitCost
 
 SCHEMA = "splitserve.profile/2"  # /2 added the optional `split` section
 SCHEMAS: tuple[str, ...] = ("splitserve.profile/1", SCHEMA)  # /1 reads as "no split costs"
-MAX_STRETCH = 10.0  # a stretch beyond this means the calibrated host is saturated
 ProfileKind = Literal["measured", "analytic"]
 PROFILE_KINDS: tuple[str, ...] = ("measured", "analytic")
 
 
-def _finite_nonneg(owner: str, **values: float) -> None:
+def check_finite_nonneg(owner: str, **values: float) -> None:
     for name, v in values.items():
         if not math.isfinite(v) or v < 0:
             raise ValueError(f"{owner}.{name} must be a finite number >= 0, got {v}")
@@ -49,11 +49,11 @@ def _finite_nonneg(owner: str, **values: float) -> None:
 Bins = tuple[tuple[float, int], ...]  # (seconds | ratio, weight per mille)
 
 
-def _bins(raw: Any) -> Bins:
+def parse_bins(raw: Any) -> Bins:
     return tuple((float(v), int(w)) for v, w in raw)
 
 
-def _check_bins(owner: str, bins: Bins) -> None:
+def check_bins(owner: str, bins: Bins) -> None:
     if any(not math.isfinite(v) or w < 0 for v, w in bins):
         raise ValueError(f"{owner}.gap_jitter_s needs finite seconds and weights >= 0")
 
@@ -67,7 +67,7 @@ class PrefillCost:
     c: float = 0.0
 
     def __post_init__(self) -> None:
-        _finite_nonneg("PrefillCost", a=self.a, b=self.b, c=self.c)
+        check_finite_nonneg("PrefillCost", a=self.a, b=self.b, c=self.c)
 
     def time(self, tokens: float, quad: float) -> float:
         """`tokens` = Σq, `quad` = Σ(q² + 2pq)."""
@@ -99,7 +99,7 @@ class DecodeCost:
     batch_levels: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
-        _finite_nonneg("DecodeCost", a=self.a, b=self.b, c=self.c)
+        check_finite_nonneg("DecodeCost", a=self.a, b=self.b, c=self.c)
         levels = tuple((int(n), float(s)) for n, s in self.batch_levels)
         object.__setattr__(self, "batch_levels", levels)
         if any(n < 1 or not math.isfinite(s) for n, s in levels):
@@ -144,147 +144,10 @@ class TransferLink:
     def __post_init__(self) -> None:
         if not (self.bandwidth_Bps > 0 and math.isfinite(self.bandwidth_Bps)):
             raise ValueError(f"bandwidth_Bps must be positive, got {self.bandwidth_Bps}")
-        _finite_nonneg("TransferLink", latency_s=self.latency_s)
+        check_finite_nonneg("TransferLink", latency_s=self.latency_s)
 
     def time(self, nbytes: float) -> float:
         return nbytes / self.bandwidth_Bps + self.latency_s
-
-
-@dataclass(frozen=True)
-class SplitCost:
-    """What a disaggregated deployment costs beyond its workers' plain step times.
-
-    - `router_request_s`: added to TTFT (client → router → P → router → client, beyond P's
-      prefill);
-    - `prefill_factor`: P's prefill steps relative to the profile's (the connector's sender
-      thread gathers and pushes KV on P's core);
-    - `handover_a_s + handover_b_s·prompt_len`: from t1 at the client to D's leg joining D's
-      batch (router work, KV load, D's admission); D's first step comes on top;
-    - `decode`: D's step cost as the client sees it through the router (replaces the profile's
-      decode cost on D-workers);
-    - `cpu_p_s`, `cpu_d_s`: core-seconds per request that the router, the client and the
-      connectors take from P's and D's cores. At `r` requests/s per worker every step (and the
-      handover) is stretched by `1 / (1 − r·cpu)` (mean field: the offered rate, not the
-      instantaneous one). `calibrate` fits neither (the loaded stream's extra TTFT is
-      `t1_relay_s` below; D's share is in `decode` and the event terms);
-    - `p_busy_stretch`: D's decode steps take `1 + p_busy_stretch` times as long while its P
-      (the P it shares cores with) is prefilling: P's engine then saturates its core and the
-      router, client and API servers all run on D's;
-    - `arrive_s`, `t1_s`, `join_s`, `finish_s`: seconds each request's events (arrival at the
-      router, its first token t1, its leg joining D, its end) add to the step its D-worker is
-      running then (the router's, the API servers' and the client's burst of work per event,
-      landing on D's core). `join_s` is part of D's first step for the joining request (its
-      join step), so the calibrated handover excludes it; `t2_s` is the relay of that step's
-      token t2 (D's API server → router → client), on D's step after the join step;
-    - `t1_relay_s`: seconds t1 waits for the router's relay when the request's D-worker runs
-      streams then (the router and the client share D's cores: a lone request never waits;
-      `calibrate` fits it to a loaded stream's median TTFT in place of `cpu_p_s`).
-    - `interference`: the six terms above measured at several batch sizes, rows
-      `(others, p_busy_stretch, arrive_s, t1_s, join_s, finish_s, t2_s)` by increasing
-      `others`, the number of D's streams other than the event's request (for the stretch: D's
-      streams); rows of six numbers (profiles from before `t2_s`) read with `t2_s` 0. When
-      present it replaces the six scalars (which then hold the first row): `terms(others)`
-      interpolates linearly between rows and holds the end rows' values outside them.
-    """
-
-    router_request_s: float
-    prefill_factor: float
-    handover_a_s: float
-    handover_b_s: float
-    decode: DecodeCost
-    cpu_p_s: float = 0.0
-    cpu_d_s: float = 0.0
-    p_busy_stretch: float = 0.0
-    arrive_s: float = 0.0
-    t1_s: float = 0.0
-    join_s: float = 0.0
-    finish_s: float = 0.0
-    t2_s: float = 0.0
-    t1_relay_s: float = 0.0
-    # the client's decode gaps over the step's mean, as (ratio, weight per mille) bins: the
-    # jitter of steps and of the relay through the router at a fixed batch (empty: none)
-    gap_noise: Bins = ()
-    # the same jitter in seconds added to a gap, as (seconds, weight per mille) bins: it does not
-    # grow with the gap (a gap carrying an event's work spreads no wider than a plain one);
-    # replaces `gap_noise` when present
-    gap_jitter_s: Bins = ()
-    interference: tuple[tuple[float, ...], ...] = ()
-    source: str = ""
-    fit: dict[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        _finite_nonneg("SplitCost", router_request_s=self.router_request_s,
-                       prefill_factor=self.prefill_factor, handover_a_s=self.handover_a_s,
-                       handover_b_s=self.handover_b_s, cpu_p_s=self.cpu_p_s,
-                       cpu_d_s=self.cpu_d_s, p_busy_stretch=self.p_busy_stretch,
-                       arrive_s=self.arrive_s, t1_s=self.t1_s, join_s=self.join_s,
-                       finish_s=self.finish_s, t2_s=self.t2_s, t1_relay_s=self.t1_relay_s)
-        if self.prefill_factor <= 0:
-            raise ValueError("SplitCost.prefill_factor must be > 0")
-        if any(r < 0 or w < 0 for r, w in self.gap_noise):
-            raise ValueError("SplitCost.gap_noise ratios and weights must be >= 0")
-        _check_bins("SplitCost", self.gap_jitter_s)
-        for row in self.interference:
-            if len(row) not in (6, 7) or not all(math.isfinite(v) and v >= 0 for v in row):
-                raise ValueError(f"SplitCost.interference rows are 7 (or 6) numbers >= 0: {row}")
-        # invariant: every row has all seven (a six-number row predates t2_s: it is 0 there)
-        object.__setattr__(self, "interference",
-                           tuple(tuple(row) + (0.0,) * (7 - len(row)) for row in self.interference))
-        if any(a[0] >= b[0] for a, b in zip(self.interference, self.interference[1:],
-                                             strict=False)):
-            raise ValueError("SplitCost.interference rows must have increasing batch sizes")
-
-    @property
-    def events(self) -> tuple[float, float, float, float, float]:
-        """(arrive_s, t1_s, join_s, finish_s, t2_s)."""
-        return self.arrive_s, self.t1_s, self.join_s, self.finish_s, self.t2_s
-
-    def terms(self, others: float) -> tuple[float, float, float, float, float, float]:
-        """(p_busy_stretch, arrive_s, t1_s, join_s, finish_s, t2_s) with `others` other streams
-        on D: the `interference` rows interpolated linearly, held constant beyond the end rows;
-        the scalars when there are no rows."""
-        rows = self.interference
-        if not rows:
-            return (self.p_busy_stretch, *self.events)
-        lo, hi = rows[0], rows[-1]
-        for a, b in zip(rows, rows[1:], strict=False):
-            if others <= b[0]:
-                lo, hi = a, b
-                break
-        w = 0.0 if hi[0] == lo[0] else min(1.0, max(0.0, (others - lo[0]) / (hi[0] - lo[0])))
-        v = [x + w * (y - x) for x, y in zip(lo[1:], hi[1:], strict=True)]
-        return v[0], v[1], v[2], v[3], v[4], v[5]
-
-    def term_table(self, n: int) -> list[tuple[float, float, float, float, float, float]]:
-        """`terms(b)` for b = 0..n (the simulator's lookup by batch)."""
-        return [self.terms(b) for b in range(n + 1)]
-
-    def handover(self, prompt_len: int) -> float:
-        return self.handover_a_s + self.handover_b_s * prompt_len
-
-    @staticmethod
-    def stretch(rate: float, cpu_s: float) -> float:
-        """1 / (1 − rate·cpu), capped at MAX_STRETCH."""
-        busy = rate * cpu_s
-        return MAX_STRETCH if busy >= 1 - 1 / MAX_STRETCH else 1.0 / (1.0 - busy)
-
-    def p_prefill(self, base: PrefillCost, rate_per_p: float) -> PrefillCost:
-        k = self.prefill_factor * self.stretch(rate_per_p, self.cpu_p_s)
-        return base.scaled(k)
-
-    def d_decode(self, rate_per_d: float) -> DecodeCost:
-        k = self.stretch(rate_per_d, self.cpu_d_s)
-        return self.decode.scaled(k)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> SplitCost:
-        return cls(**{k: v for k, v in d.items()
-                      if k not in ("decode", "gap_noise", "gap_jitter_s", "interference")},
-                   decode=DecodeCost(**d["decode"]),
-                   gap_noise=_bins(d.get("gap_noise", ())),
-                   gap_jitter_s=_bins(d.get("gap_jitter_s", ())),
-                   interference=tuple(tuple(float(v) for v in row)
-                                      for row in d.get("interference", ())))
 
 
 @dataclass(frozen=True)
@@ -329,10 +192,10 @@ class Profile:
     max_num_seqs: int = 128  # vLLM's cap on running requests per engine (CPU default)
     fit: dict[str, Any] = field(default_factory=dict)  # measured points and fit quality
     created: str = ""
-    split: SplitCost | None = None  # a disaggregated deployment's extra costs (sim.calibrate)
+    split: SplitCost | None = None  # shared-core costs of a deployment (sim.calibration)
     # the client's decode gaps less their local pace at a fixed batch, as (seconds, weight per
-    # mille) bins (`sim.jitter`), added to each simulated gap; a deployment's `split` costs
-    # carry their own (through its router), which replace these on its workers
+    # mille) bins (`sim.calibration.jitter`), added to each simulated gap; a deployment's
+    # `split` costs carry their own (through its router), which replace these on its workers
     gap_jitter_s: Bins = ()
     mismatch: str | None = None  # set by load_profile when accepted despite a version mismatch
 
@@ -341,7 +204,7 @@ class Profile:
             raise ValueError(f"kind must be one of {PROFILE_KINDS}, got {self.kind!r}")
         if self.token_budget < 1 or self.kv_capacity_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("token_budget, kv_capacity_tokens and max_num_seqs must be >= 1")
-        _check_bins("Profile", self.gap_jitter_s)
+        check_bins("Profile", self.gap_jitter_s)
 
     def link(self, transport: str) -> TransferLink:
         if transport not in self.transfer:
@@ -373,9 +236,16 @@ class Profile:
             max_num_seqs=int(d.get("max_num_seqs", 128)),
             transfer={k: TransferLink(**v) for k, v in d.get("transfer", {}).items()},
             fit=dict(d.get("fit", {})), created=d.get("created", ""),
-            split=SplitCost.from_dict(d["split"]) if d.get("split") else None,
-            gap_jitter_s=_bins(d.get("gap_jitter_s", ())),
+            split=_split_from_dict(d["split"]) if d.get("split") else None,
+            gap_jitter_s=parse_bins(d.get("gap_jitter_s", ())),
         )
+
+
+def _split_from_dict(d: dict[str, Any]) -> SplitCost:
+    # the split section is the calibration's (imported here: it builds on this module's costs)
+    from splitserve.sim.calibration.costs import SplitCost
+
+    return SplitCost.from_dict(d)
 
 
 class ProfileMismatch(ValueError):

@@ -39,7 +39,7 @@ from splitserve.bench.client import ClientConfig, RequestRecord, run_stream
 from splitserve.bench.runsheet import hardware
 from splitserve.bench.workload import Request
 from splitserve.config import bearer_headers, load_token
-from splitserve.sim.jitter import noise_bins, window_jitter
+from splitserve.sim.calibration.jitter import noise_bins, window_jitter
 from splitserve.sim.model import (
     DecodeCost,
     Engine,

@@ -16,25 +16,23 @@ finishing requests come off a heap keyed by the absolute step they finish on.
 Disaggregated flow: the router picks P and D on arrival (per policy); P's last prefill step
 emits t1 (TTFT); the KV crosses the link (`model.transfer_arrival`); the decode leg joins D at
 max(t1 + router hop, KV arrival) and produces t2..tN; P holds the prompt's KV until the transfer
-ends. The profile's `split` costs (`model.SplitCost`; the README's "Simulator semantics" says
-where each lands) scale P's steps, add the router's time to t1 and the handover to the join,
-give D its step cost through the router, stretch every step by the CPU taken per request at
-the offered rate, stretch D j's steps that start while its P (j mod n_P) prefills, and put each
-request event's seconds on its D's steps: t1's on the step in progress, the arrival's and the
-end's on the next, the join's on the joiner's first step, its t2 relay on the step after.
-Stretching by P's state at a step's start, not by overlap, gives the same stretched time in
-expectation (measured: 12.4 vs 12.5 % and 24.8 vs 25.1 % of D's time at 1 and 2 req/s).
+ends.
+
+Effects beyond the workers' own step costs (e.g. router, client and workers sharing CPU cores:
+`splitserve.sim.calibration`) enter only through the run's `Overlay` (`sim.overlay`), whose
+hooks this loop calls at fixed points; with the null overlay this is the plain cluster model.
 """
 
 from __future__ import annotations
 
 import heapq
-import math
 
 import numpy as np
 
+from splitserve.sim.calibration.overlay import overlay_for
 from splitserve.sim.deployment import Segment, SimConfig, SimOutcome, segment_arrays
 from splitserve.sim.model import Profile, transfer_arrival
+from splitserve.sim.overlay import Overlay
 from splitserve.sim.routing import pick, pick_all
 from splitserve.sim.workerstate import BOTH as _BOTH
 from splitserve.sim.workerstate import SEG as _SEG
@@ -46,46 +44,28 @@ from splitserve.sim.workerstate import Worker as _Worker
 from splitserve.sim.workerstate import steps_done as _steps_done
 from splitserve.sim.workload import SimWorkload
 
-_EV_STEP, _EV_JOIN, _EV_T1 = 0, 1, 2
-# fields of a `SplitCost.terms` row: D's stretch while its P prefills, each event's seconds
-_STRETCH, _ARRIVE, _T1, _JOIN, _FINISH, _T2 = range(6)
+_EV_STEP, _EV_JOIN, _EV_OVERLAY = 0, 1, 2
 
 
 class Simulation:
-    """One run of one workload on one deployment. `run()` returns a `SimOutcome`."""
+    """One run of one workload on one deployment. `run()` returns a `SimOutcome`. The
+    overlay (default: the null one) adds effects beyond the workers' own step costs."""
 
-    def __init__(self, profile: Profile, config: SimConfig, workload: SimWorkload) -> None:
+    def __init__(self, profile: Profile, config: SimConfig, workload: SimWorkload,
+                 overlay: Overlay | None = None) -> None:
         self.profile, self.cfg, self.wl = profile, config, workload
+        self.ov = overlay if overlay is not None else Overlay()
         self.budget = config.token_budget or profile.token_budget
         self.cap = profile.kv_capacity_tokens
         self.max_seqs = profile.max_num_seqs
         pf, dc = profile.prefill, profile.decode
-        split = profile.split if config.mode == "disagg" and config.split_costs else None
-        self.router_s, self.hand_a, self.hand_b = 0.0, 0.0, 0.0
-        self.relay_s = split.t1_relay_s if split is not None else 0.0
-        self.noise = split.gap_noise if split is not None else ()
-        self.jitter = split.gap_jitter_s if split is not None else profile.gap_jitter_s
-        # D's interference terms (SplitCost.terms) by D's other streams, 0..max_num_seqs:
-        # (stretch while its P prefills, arrive, t1, join, finish, t2 seconds)
-        zero = (0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
-        self.iterm = (split.term_table(self.max_seqs) if split is not None
-                      else [zero] * (self.max_seqs + 1))
-        self.stretches = any(x[_STRETCH] > 0.0 for x in self.iterm)
-        self.t1_costs = any(x[_T1] > 0.0 for x in self.iterm)
+        jitter = self.ov.gap_jitter_s
+        self.jitter = profile.gap_jitter_s if jitter is None else jitter
         if config.mode == "disagg":
             self.link = profile.link(config.transport)
-            p_pf, d_dc = pf, dc
-            if split is not None:
-                rate = workload.offered_rate if math.isfinite(workload.offered_rate) else 0.0
-                p_pf = split.p_prefill(pf, rate / config.n_prefill)
-                d_dc = split.d_decode(rate / config.n_decode)
-                k = split.stretch(rate / config.n_decode, split.cpu_d_s)
-                self.router_s = split.router_request_s
-                self.hand_a, self.hand_b = split.handover_a_s * k, split.handover_b_s * k
+            p_pf, d_dc = self.ov.prefill_cost(pf), self.ov.decode_cost(dc)
             self.P = [_Worker(_P, p_pf, dc, self.max_seqs) for _ in range(config.n_prefill)]
             self.D = [_Worker(_D, pf, d_dc, self.max_seqs) for _ in range(config.n_decode)]
-            for j, d in enumerate(self.D):  # D j shares its host's cores with P (j mod n_P)
-                d.mate = j % config.n_prefill
         else:
             self.P = [_Worker(_BOTH, pf, dc, self.max_seqs) for _ in range(config.n_workers)]
             self.D = []
@@ -107,6 +87,7 @@ class Simulation:
         self.wdec, self.jstep = [-1] * n, [0] * n
         self.shared_free = 0.0
         self.rng = np.random.default_rng(config.seed)
+        self.ov.bind(self)
 
     # worker mechanics ------------------------------------------------------------------
     def _push(self, t: float, kind: int, a: int, b: int) -> None:
@@ -137,26 +118,18 @@ class Simulation:
             w.B += 1
             w.C += pl[r] + 1
             w.new.append(r)
-            w.extra += self.iterm[w.B - 1][_JOIN]  # the join's work, on D's next step
-            w.after += self.iterm[w.B - 1][_T2]  # its t2's relay, on the step after that
+            if self.ov.active:
+                self.ov.admitted(wi - len(self.P), w.B - 1)
 
-    def _charge(self, di: int, term: int, t: float) -> None:
-        """A request event at t puts its seconds (`iterm[B][term]`, B = D's streams) of other
-        work on D-worker di's core: t1's on the step in progress (`_extend`; the router's relay
-        of t1 and the decode leg's arrival at D overlap it), the others' on its next step
-        (dropped while D runs no streams: nobody waits on that step)."""
-        w = self.D[di]
-        cost = self.iterm[w.B][term]
-        if cost > 0.0 and w.B:
-            if term == _T1 and w.busy:  # a busy D runs a step or a segment (never waits)
-                self._extend(len(self.P) + di, w, t, cost)
-            else:
-                w.extra += cost
-                self._cut(len(self.P) + di, w, t)
+    # what an overlay may do to the run ------------------------------------------------
+    def push_overlay_event(self, t: float, r: int) -> None:
+        """Have the overlay's `overlay_event(r, t)` called at t."""
+        self._push(t, _EV_OVERLAY, r, 0)
 
-    def _extend(self, wi: int, w: _Worker, t: float, cost: float) -> None:
-        """The step in progress on `w` at t takes `cost` seconds longer. A segment is split: its
-        steps done by t stay a segment (recorded now), the one in progress becomes a step."""
+    def extend_step(self, wi: int, w: _Worker, t: float, cost: float) -> None:
+        """The step in progress on busy worker `w` at t takes `cost` seconds longer. A segment
+        is split: its steps done by t stay a segment (recorded now), the one in progress
+        becomes a step."""
         if (record := w.split_segment(t, wi)) is not None:
             self.segs.append(record)
         w.step_dur += cost
@@ -164,7 +137,7 @@ class Simulation:
             self.t2[r] += cost
         self._schedule(wi, w, w.t0 + w.step_dur)
 
-    def _cut(self, wi: int, w: _Worker, t: float) -> None:
+    def cut_segment(self, wi: int, w: _Worker, t: float) -> None:
         """End `w`'s decode-only segment at its next step boundary (the next step differs)."""
         if w.busy and w.kind == _SEG and not w.cut:
             w.cut = True
@@ -211,11 +184,8 @@ class Simulation:
                     w.head_done = 0
                 else:
                     w.head_done = done + q
-        if w.role == _P and self.stretches and w.prefilling != bool(chunks):
-            w.prefilling = bool(chunks)  # D-workers on this P's cores step at another pace
-            npw = len(self.P)
-            for j in range(wi, len(self.D), npw):
-                self._cut(npw + j, self.D[j], t)
+        if w.role == _P and self.ov.active:
+            self.ov.prefilling(wi, bool(chunks), t)
         if chunks:
             tok = sum(c[1] for c in chunks)
             quad = sum(q * q + 2 * p * q for _, q, p in chunks)
@@ -225,24 +195,27 @@ class Simulation:
             w.kind, w.step_dur, w.t0, first = _STEP, dur, t, dur
             end = t + dur
         elif w.B:
-            # invariant: a segment's steps all run at one pace (P's state, no events)
-            busy = w.role == _D and self.P[w.mate].prefilling
-            pace = 1.0 + self.iterm[w.B][_STRETCH] if busy else 1.0
-            alpha = (dc.a + dc.b * w.C + w.bterm[w.B]) * pace
-            if w.extra > 0.0 or w.after > 0.0:  # one step carrying the events' work
-                w.kind, w.step_dur, w.t0 = _STEP, alpha + w.extra, t
-                w.extra = 0.0
+            # a decode-only segment until the next request finishes: step k lasts α + β·k
+            alpha = dc.a + dc.b * w.C + w.bterm[w.B]
+            beta = dc.b * w.B
+            carry = None
+            if w.role == _D and self.ov.active:
+                # invariant: a segment's steps all run at one pace (no overlay event in it)
+                pace, carry = self.ov.decode_step(wi - len(self.P), w.B)
+                alpha, beta = alpha * pace, beta * pace
+            if carry is not None:  # one step carrying the overlay's work
+                w.kind, w.step_dur, w.t0 = _STEP, alpha + carry, t
                 first = w.step_dur
                 end = t + first
             else:
                 k = w.running[0][0] - w.S
-                beta = dc.b * w.B * pace
                 w.kind, w.t0, w.alpha, w.beta, w.k, w.cut = _SEG, t, alpha, beta, k, False
                 end = t + alpha * k + beta * k * (k - 1) / 2
                 first = alpha
         else:
             w.busy = False
-            w.extra = w.after = 0.0  # work charged to a step that never runs: nobody waits
+            if w.role == _D and self.ov.active:
+                self.ov.idle(wi - len(self.P))
             if w.queue and w.kv_release:  # blocked on KV that a transfer still holds
                 w.kind = _WAIT
                 self._schedule(wi, w, w.kv_release[0][0])
@@ -258,10 +231,8 @@ class Simulation:
     def _boundary(self, wi: int, w: _Worker, t: float) -> None:
         """The step (or segment) in progress on `w` ends at `t`."""
         pl, ol = self.pl, self.ol
-        # invariant: `after` was added at the admissions just before the step ending now (a
-        # single step: `_plan`), so it lands on the next one
-        w.extra += w.after
-        w.after = 0.0
+        if w.role == _D and self.ov.active:
+            self.ov.step_ended(wi - len(self.P))
         if w.kind == _SEG:
             k = w.k
             self.segs.append((w.alpha, w.beta, k, w.B, w.nnew, w.t0, wi, w.S))
@@ -298,8 +269,8 @@ class Simulation:
             w.C -= pl[r] + ol[r]
             w.kv_used -= pl[r] + ol[r]
             w.load -= 1
-            if w.role == _D and w.B:
-                w.extra += self.iterm[w.B][_FINISH]
+            if w.role == _D and w.B and self.ov.active:
+                self.ov.finished(wi - len(self.P), w.B)
         w.busy = False
         if w.waiting:
             self._admit(wi, w)
@@ -308,10 +279,7 @@ class Simulation:
     def _prefilled(self, wi: int, w: _Worker, r: int, t: float) -> None:
         """P finished request r's prompt at t: emit t1, start the KV transfer."""
         hop = self.cfg.router_hop_s
-        t1 = t + hop + self.router_s
-        if self.relay_s:  # the relay waits while the D on the router's cores runs streams
-            d = self.dsel[r] if self.ol[r] > 1 else wi % len(self.D)
-            t1 += self.relay_s if self.D[d].B else 0.0
+        t1 = self.ov.t1(t + hop, wi, r)
         self.t1[r] = t1
         w.load -= self.pl[r]
         if self.ol[r] == 1:
@@ -328,9 +296,9 @@ class Simulation:
             self.link_free[wi] = free
         heapq.heappush(w.kv_release, (free, self.pl[r]))
         self.xfer[r] = arrive - t
-        if self.t1_costs:  # t1's work on D's core comes when the router relays t1
-            self._push(t1, _EV_T1, r, 0)
-        ready = t1 + hop + self.hand_a + self.hand_b * self.pl[r]
+        if self.ov.active:
+            self.ov.t1_emitted(r, t1)
+        ready = self.ov.join_ready(t1 + hop, r)
         self._push(max(arrive, ready), _EV_JOIN, r, 0)
 
     def _poke(self, wi: int, w: _Worker, t: float) -> None:
@@ -340,7 +308,7 @@ class Simulation:
                 self._admit(wi, w)
             self._plan(wi, w, t)
         else:
-            self._cut(wi, w, t)
+            self.cut_segment(wi, w, t)
 
     def run(self) -> SimOutcome:
         cfg, n = self.cfg, len(self.arr)
@@ -372,8 +340,8 @@ class Simulation:
                         self._plan(a, w, t)
                     else:
                         self._boundary(a, w, t)
-                elif kind == _EV_T1:
-                    self._charge(self.dsel[a], _T1, t)
+                elif kind == _EV_OVERLAY:
+                    self.ov.overlay_event(a, t)
                 else:  # decode leg reaches D
                     di = self.dsel[a]
                     w = D[di]
@@ -391,7 +359,8 @@ class Simulation:
                     d = pick(D, cfg.d_policy, pre_d, r, two_d)
                     self.dsel[r] = d
                     D[d].load += 1
-                    self._charge(d, _ARRIVE, ta)
+                    if self.ov.active:
+                        self.ov.arrived(d, ta)
             else:
                 w.load += 1
             self._poke(p, w, ta)
@@ -404,10 +373,12 @@ class Simulation:
             output_lens=self.wl.output_lens, first_token=f(self.t1), second_token=f(self.t2),
             finish=f(self.tend), failed=f(self.failed, dtype=bool),
             **segment_arrays(self.segs), decode_worker=f(self.wdec), join_step=f(self.jstep),
-            kv_transfer_s=f(self.xfer), events=events, gap_noise=self.noise,
+            kv_transfer_s=f(self.xfer), events=events, gap_noise=self.ov.gap_noise,
             gap_jitter_s=self.jitter,
         )
 
 
 def simulate(profile: Profile, config: SimConfig, workload: SimWorkload) -> SimOutcome:
-    return Simulation(profile, config, workload).run()
+    """Run `workload` on the deployment `config` describes, with the profile's overlay (its
+    shared-core costs, where it carries them and the config applies them)."""
+    return Simulation(profile, config, workload, overlay_for(profile, config, workload)).run()

@@ -12,15 +12,14 @@ next to the error, and an error whose simulated value lies inside the measured m
 marked as noise rather than a miss. The simulation replays the identical request stream (same
 spec, seed and rate).
 
-Where the profile is taken in the same command (`--reprofile`, `--calibrate`), a small canary
-probe (`sim.drift`) runs around the profiling, before every repeat and after the last — for a
-disaggregated deployment the stretch canary too — and each repeat is also simulated on the
-profile scaled by its own drift (prefill and decode speed, and D's P-busy stretch, read off the
-mean of the canaries just before and just after it); that drift-adjusted error is reported
-next to the raw one (the machine's drift between profiling and measuring is not the
-model's error). The stored JSON keeps the canaries (`drift_json`), so `--real-json` simulates a
-measurement again without re-measuring (`stored_real`; JSON from before the stretch canary
-reads with no stretch drift).
+Where the profile is taken in the same command (`--reprofile`, `--calibrate`), a small canary probe
+(`sim.calibration.drift`) runs around the profiling, before every repeat and after the last — for a
+disaggregated deployment the stretch canary too — and each repeat is also simulated on the profile
+scaled by its own drift (prefill and decode speed, and D's P-busy stretch, read off the mean of the
+canaries just before and just after it); that drift-adjusted error is reported next to the raw one
+(the machine's drift between profiling and measuring is not the model's error). The stored JSON
+keeps the canaries (`drift_json`), so `--real-json` simulates a measurement again without
+re-measuring (`stored_real`; JSON from before the stretch canary reads with no stretch drift).
 """
 
 from __future__ import annotations
@@ -37,8 +36,8 @@ from typing import Any
 from splitserve.bench.client import ClientConfig, RequestRecord
 from splitserve.bench.runner import RunOptions, run_once
 from splitserve.bench.workload import WorkloadSpec
+from splitserve.sim.calibration.drift import Canary, Drift, Speed, scaled, workload_stretch
 from splitserve.sim.deployment import SimConfig
-from splitserve.sim.drift import Canary, Drift, Speed, scaled, workload_stretch
 from splitserve.sim.model import DecodeCost, Profile
 from splitserve.sim.results import summarize
 from splitserve.sim.simulator import simulate

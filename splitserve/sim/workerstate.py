@@ -16,8 +16,7 @@ STEP, SEG, WAIT = 0, 1, 2  # what a busy worker is doing
 class Worker:
     __slots__ = ("role", "queue", "head_done", "waiting", "running", "B", "C", "S", "busy",
                  "kind", "t0", "alpha", "beta", "k", "cut", "ver", "kv_used", "kv_release",
-                 "load", "chunks", "new", "nnew", "step_dur", "pf", "dc", "extra", "after",
-                 "prefilling", "mate", "joined", "bterm")
+                 "load", "chunks", "new", "nnew", "step_dur", "pf", "dc", "joined", "bterm")
 
     def __init__(self, role: int, pf: PrefillCost, dc: DecodeCost, max_seqs: int) -> None:
         self.role, self.pf, self.dc = role, pf, dc
@@ -35,12 +34,7 @@ class Worker:
         self.kv_release: list[tuple[float, int]] = []
         self.chunks: list[tuple[int, int, int]] = []
         self.new: list[int] = []
-        self.joined: list[int] = []  # D: the requests whose t2 the step in progress emits
-        # D: seconds of other processes' work (request events) to add to its next step
-        self.extra = 0.0
-        self.after = 0.0  # D: seconds for the step after the next (the relay of joiners' t2)
-        self.prefilling = False  # P: its current step prefills
-        self.mate = 0  # D: the index of the P it shares cores with
+        self.joined: list[int] = []  # the requests whose t2 the step in progress emits
 
     def split_segment(self, t: float, wi: int) -> Segment | None:
         """Make the step in progress at t a step of its own (it is about to change): a

@@ -1,4 +1,5 @@
-"""`sim.drift`: the canary's speed, a drifted profile, and drift-adjusted validation points."""
+"""`sim.calibration.drift`: the canary's speed, a drifted profile, and drift-adjusted
+validation points."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ import pytest
 
 from splitserve.bench.client import RequestRecord
 from splitserve.bench.workload import ArrivalSpec, LengthDist, WorkloadSpec
+from splitserve.sim.calibration.costs import SplitCost
+from splitserve.sim.calibration.drift import Canary, Drift, Speed, scaled
 from splitserve.sim.deployment import SimConfig
-from splitserve.sim.drift import Canary, Drift, Speed, scaled
-from splitserve.sim.model import DecodeCost, SplitCost
+from splitserve.sim.model import DecodeCost
 from splitserve.sim.validate import METRICS, compare, simulate_point
 from splitserve.sim.workload import SimWorkload
 from tests.sim.conftest import make_profile
@@ -154,7 +156,7 @@ def test_a_scaled_stretch_simulates_as_the_stretch_it_stands_for() -> None:
 def test_the_modelled_canary_is_the_profiles_lone_request() -> None:
     """The speed canary simulated on a plain profile: TTFT the prompt's prefill, the gap the
     decode step at batch 1 and the canary's median context."""
-    from splitserve.sim.drift import CanaryPlan, modelled_reference
+    from splitserve.sim.calibration.drift import CanaryPlan, modelled_reference
 
     prof, plan = make_profile(), CanaryPlan(prompt=320, tokens=24, requests=3)
     ref = modelled_reference(prof, SimConfig("chunked", n_workers=1), Canary(speed=plan))
@@ -172,7 +174,7 @@ def test_drift_against_the_modelled_canary_recovers_a_scaled_machine() -> None:
     factor 1.1x as high reads, against the profile's own canary, those ratios (without the
     terms that would mix them into TTFT: the router's time per request is decode-side, and the
     mean-field CPU shares grow with the ratio's square)."""
-    from splitserve.sim.drift import StretchPlan, modelled_reference
+    from splitserve.sim.calibration.drift import StretchPlan, modelled_reference
 
     prof = replace(make_profile(), split=replace(SPLIT, router_request_s=0.0, cpu_p_s=0.0,
                                                 cpu_d_s=0.0))

@@ -10,16 +10,17 @@ from dataclasses import asdict, replace
 import pytest
 
 from splitserve.bench.client import RequestRecord
-from splitserve.sim.calibrate import stream_medians
-from splitserve.sim.deployment import SimConfig
-from splitserve.sim.interference import (
+from splitserve.sim.calibration.calibrate import stream_medians
+from splitserve.sim.calibration.costs import SplitCost
+from splitserve.sim.calibration.interference import (
     InterferencePlan,
     fit_interference,
     gap_rows,
     interference_rows,
     probe_stream,
 )
-from splitserve.sim.model import DecodeCost, Profile, SplitCost
+from splitserve.sim.deployment import SimConfig
+from splitserve.sim.model import DecodeCost, Profile
 from splitserve.sim.records import request_records, token_times
 from splitserve.sim.simulator import simulate
 from splitserve.sim.workload import SimWorkload
@@ -164,7 +165,7 @@ def test_calibrate_split_against_a_simulated_deployment_recovers_the_rows(
     """`calibrate_split` end to end, its requests answered by the simulator running a known
     split profile: the interference rows (one per background batch), the first row in the
     scalars, and additive jitter bins (none here: the simulated gaps do not jitter)."""
-    from splitserve.sim import calibrate
+    from splitserve.sim.calibration import calibrate
 
     truth = _prof(interference=ROWS, p_busy_stretch=ROWS[0][1])
     monkeypatch.setattr(calibrate, "_run", _answered_by(truth))
@@ -212,8 +213,8 @@ def test_the_loaded_term_is_fitted_net_of_the_loaded_streams_minute(
     slower at prefill and 10 % at decode than the probes before it: against the canaries, the
     fit finds the relay wait the probes' machine has; without them, it absorbs the minute."""
     from splitserve.bench.workload import Request
-    from splitserve.sim import calibrate
-    from splitserve.sim.drift import scaled
+    from splitserve.sim.calibration import calibrate
+    from splitserve.sim.calibration.drift import scaled
 
     truth = _prof(interference=ROWS, p_busy_stretch=ROWS[0][1], t1_relay_s=0.01)
     monkeypatch.setattr(calibrate, "_run", _answered_by(truth))
@@ -267,7 +268,7 @@ def test_work_charged_while_d_drains_does_not_reach_a_later_request() -> None:
 
 
 def test_a_join_belongs_to_the_gap_ending_nearest_it_else_to_the_one_holding_it() -> None:
-    from splitserve.sim.interference import _join_gap
+    from splitserve.sim.calibration.interference import _join_gap
 
     t = [0.0, 0.1, 0.11, 0.17, 0.18]  # gaps (0.1, 0.11], (0.11, 0.17], (0.17, 0.18]
     assert _join_gap(t, 0.171) == 1  # just after the end of gap 1: its join step

@@ -11,7 +11,7 @@ import pytest
 
 from splitserve.config import WorkerConfig
 from splitserve.demo_model import ModelSpec, build_checkpoint
-from splitserve.sim.drift import CanaryPlan, Drift, run_canary
+from splitserve.sim.calibration.drift import CanaryPlan, Drift, run_canary
 from splitserve.sim.model import load_profile, save_profile
 from splitserve.sim.profile import ProfilePlan, profile_worker
 from splitserve.worker.launch import free_port, installed_vllm_version, start_worker, wait_healthy

@@ -9,9 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from splitserve.sim.calibrate import SplitPlan, base_prefill, fit_loaded, fit_lone, load_stream
+from splitserve.sim.calibration.calibrate import (
+    SplitPlan,
+    base_prefill,
+    fit_loaded,
+    fit_lone,
+    load_stream,
+)
+from splitserve.sim.calibration.costs import SplitCost
 from splitserve.sim.deployment import SimConfig
-from splitserve.sim.model import DecodeCost, Profile, SplitCost, load_profile, save_profile
+from splitserve.sim.model import DecodeCost, Profile, load_profile, save_profile
 from splitserve.sim.results import summarize
 from splitserve.sim.simulator import simulate
 from splitserve.sim.workload import SimWorkload
@@ -147,7 +154,7 @@ def test_t1_waits_for_the_relay_only_while_its_d_runs_streams() -> None:
 
 
 def test_gap_noise_spreads_step_gaps_but_not_handovers() -> None:
-    from splitserve.sim.calibrate import noise_bins
+    from splitserve.sim.calibration.calibrate import noise_bins
     from splitserve.sim.results import itl_samples
 
     wl = SimWorkload.of([0.0, 0.5, 1.0], [L, L, L], [20, 20, 20])
@@ -185,7 +192,7 @@ def test_gap_jitter_adds_seconds_to_step_gaps_whatever_their_length() -> None:
 
 def test_window_jitter_is_each_gap_less_its_streams_local_pace() -> None:
     from splitserve.bench.client import RequestRecord
-    from splitserve.sim.jitter import window_jitter
+    from splitserve.sim.calibration.jitter import window_jitter
 
     def rec(gaps: list[float]) -> RequestRecord:
         times = [0.0, 0.1]  # TTFT, then t2 at 0.1: the window starts at the last t2

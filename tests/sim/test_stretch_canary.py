@@ -12,9 +12,9 @@ import pytest
 
 from splitserve.bench.client import RequestRecord
 from splitserve.bench.workload import ArrivalSpec, LengthDist, WorkloadSpec
-from splitserve.sim import drift
-from splitserve.sim.deployment import SimConfig
-from splitserve.sim.drift import (
+from splitserve.sim.calibration import drift
+from splitserve.sim.calibration.costs import SplitCost
+from splitserve.sim.calibration.drift import (
     Canary,
     CanaryPlan,
     Drift,
@@ -24,7 +24,8 @@ from splitserve.sim.drift import (
     stretch_of,
     workload_stretch,
 )
-from splitserve.sim.model import DecodeCost, Profile, SplitCost, save_profile
+from splitserve.sim.deployment import SimConfig
+from splitserve.sim.model import DecodeCost, Profile, save_profile
 from splitserve.sim.records import request_records
 from splitserve.sim.simulator import simulate
 from splitserve.sim.validate import (

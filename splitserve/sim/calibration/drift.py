@@ -40,8 +40,8 @@ import numpy as np
 
 from splitserve.bench.client import RequestRecord
 from splitserve.bench.workload import Request
-from splitserve.sim.deployment import SimConfig
-from splitserve.sim.interference import (
+from splitserve.sim.calibration.costs import SplitCost
+from splitserve.sim.calibration.interference import (
     InterferencePlan,
     Pace,
     Row,
@@ -50,7 +50,8 @@ from splitserve.sim.interference import (
     probe_stream,
     workload_rows,
 )
-from splitserve.sim.model import DecodeCost, Profile, SplitCost
+from splitserve.sim.deployment import SimConfig
+from splitserve.sim.model import DecodeCost, Profile
 from splitserve.sim.profile import _prompt, _run
 from splitserve.sim.records import request_records
 from splitserve.sim.results import weighted_percentiles

@@ -48,8 +48,8 @@ import numpy as np
 
 from splitserve.bench.client import RequestRecord
 from splitserve.bench.workload import Request
-from splitserve.sim.deployment import SimConfig
-from splitserve.sim.drift import (
+from splitserve.sim.calibration.costs import SplitCost
+from splitserve.sim.calibration.drift import (
     Canary,
     CanaryPlan,
     Drift,
@@ -58,7 +58,7 @@ from splitserve.sim.drift import (
     modelled_reference,
     scaled,
 )
-from splitserve.sim.interference import (
+from splitserve.sim.calibration.interference import (
     InterferencePlan,
     background_tokens,
     fit_interference,
@@ -66,8 +66,9 @@ from splitserve.sim.interference import (
     interference_rows,
     probe_stream,
 )
-from splitserve.sim.jitter import noise_bins, window_jitter
-from splitserve.sim.model import DecodeCost, Profile, SplitCost
+from splitserve.sim.calibration.jitter import noise_bins, window_jitter
+from splitserve.sim.deployment import SimConfig
+from splitserve.sim.model import DecodeCost, Profile
 from splitserve.sim.profile import (
     _prompt,
     _run,
