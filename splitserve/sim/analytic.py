@@ -45,6 +45,10 @@ class Hardware:
     mbu: float = 0.7  # achieved share of peak memory bandwidth
     step_overhead_s: float = 0.003  # scheduler, launches, sampling per step
     mem_util: float = 0.9
+    # vLLM's OpenAI-server defaults on this GPU (vllm/engine/arg_utils.py): 8192 / 1024 on
+    # H100/H200-class GPUs (>= 70 GiB, not A100), 2048 / 256 on the others
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
 
     def __post_init__(self) -> None:
         for k in ("flops", "mem_bw", "memory_bytes", "link_bw"):
@@ -54,14 +58,18 @@ class Hardware:
             raise ValueError("mfu, mbu and mem_util must be in (0, 1]")
         if self.link_latency_s < 0 or self.step_overhead_s < 0:
             raise ValueError("latencies must be >= 0")
+        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
+            raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
 
 
 GB = 1e9
 # Public datasheet peaks (dense BF16), one GPU; links are per-GPU network bandwidth.
 PRESETS: dict[str, Hardware] = {
     "a100-80g": Hardware("A100-SXM 80GB", 312e12, 2.039e12, 80 * 2**30, 25 * GB),
-    "h100-sxm": Hardware("H100-SXM 80GB", 989e12, 3.35e12, 80 * 2**30, 50 * GB),
-    "h200": Hardware("H200 141GB", 989e12, 4.8e12, 141 * GB, 50 * GB),
+    "h100-sxm": Hardware("H100-SXM 80GB", 989e12, 3.35e12, 80 * 2**30, 50 * GB,
+                         max_num_batched_tokens=8192, max_num_seqs=1024),
+    "h200": Hardware("H200 141GB", 989e12, 4.8e12, 141 * GB, 50 * GB,
+                     max_num_batched_tokens=8192, max_num_seqs=1024),
     "l40s": Hardware("L40S 48GB", 362e12, 0.864e12, 48 * 2**30, 12.5 * GB),
 }
 
@@ -110,8 +118,10 @@ class ModelConfig:
         return ModelShape(self.name, self.layers, self.kv_heads, self.head_dim, self.dtype_bytes)
 
 
-def analytic_profile(model: ModelConfig, hw: Hardware, token_budget: int = 8192,
+def analytic_profile(model: ModelConfig, hw: Hardware, token_budget: int | None = None,
                      transport: str = "rdma") -> Profile:
+    """The roofline profile of `model` on `hw`, with vLLM's scheduler defaults for that GPU
+    (`token_budget` overrides its max_num_batched_tokens)."""
     flops, bw = hw.flops * hw.mfu, hw.mem_bw * hw.mbu
     shape = model.shape()
     weights = hw.step_overhead_s + model.weight_bytes / bw
@@ -129,8 +139,8 @@ def analytic_profile(model: ModelConfig, hw: Hardware, token_budget: int = 8192,
                   "memory_bytes": hw.memory_bytes, "link_bw": hw.link_bw, "mfu": hw.mfu,
                   "mbu": hw.mbu, "step_overhead_s": hw.step_overhead_s,
                   "note": "analytic roofline estimate, not a measurement"},
-        prefill=prefill, decode=decode, token_budget=token_budget,
-        kv_capacity_tokens=int(free // shape.kv_bytes_per_token), max_num_seqs=1024,
+        prefill=prefill, decode=decode, token_budget=token_budget or hw.max_num_batched_tokens,
+        kv_capacity_tokens=int(free // shape.kv_bytes_per_token), max_num_seqs=hw.max_num_seqs,
         transfer={transport: TransferLink(hw.link_bw, hw.link_latency_s, "analytic")},
         created=datetime.now(UTC).isoformat(timespec="seconds"),
     )

@@ -26,7 +26,7 @@ from splitserve.bench.cli import add_workload_arguments, spec_from_args
 from splitserve.bench.metrics import SLO, distserve_goodput
 from splitserve.bench.report import print_summary, save_result
 from splitserve.sim.deployment import MODES, POLICIES, SimConfig
-from splitserve.sim.model import Profile, load_profile, save_profile
+from splitserve.sim.model import VLLM_CPU_TOKEN_BUDGET, Profile, load_profile, save_profile
 from splitserve.worker.cli import parse_cpus
 
 
@@ -121,13 +121,13 @@ def run_profile(args: argparse.Namespace) -> int:
             ("flops", args.flops), ("mem_bw", args.mem_bw), ("link_bw", args.link_bw),
             ("memory_bytes", args.memory_bytes)) if v is not None}
         prof = analytic_profile(ModelConfig.from_hf(args.model_config, args.dtype_bytes),
-                                replace(hw, **overrides), args.token_budget or 8192)
+                                replace(hw, **overrides), args.token_budget)
     else:
         from splitserve.sim.profile import ProfilePlan, profile_worker
 
         if not args.url:
             raise SystemExit("splitserve profile: give --url of a running worker, or --analytic")
-        plan = ProfilePlan(token_budget=args.token_budget or 2048)
+        plan = ProfilePlan(token_budget=args.token_budget or VLLM_CPU_TOKEN_BUDGET)
         if args.quick:
             plan = replace(plan, prefill_lens=(16, 256, 1024, 2048), prefill_repeats=2,
                            decode_batches=(1, 4, 8), decode_prompt_lens=(32, 1024))
@@ -329,7 +329,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     prof.add_argument("--out", default="profile.json")
     prof.add_argument("--model-dir", help="model directory (default: the worker's model root)")
     prof.add_argument("--token-budget", type=int, default=None,
-                      help="the worker's max_num_batched_tokens (vLLM CPU default 2048)")
+                      help="the worker's max_num_batched_tokens (default: vLLM's, 2048 on "
+                      "CPU; with --analytic, vLLM's default on that GPU)")
     prof.add_argument("--transfer-json", help="KV transfer benchmark JSON (per-transport links)")
     prof.add_argument("--no-tcp-probe", action="store_true")
     prof.add_argument("--quick", action="store_true", help="a smaller measurement grid")

@@ -82,8 +82,9 @@ class SimOutcome:
     join_step: np.ndarray  # per request: that worker's step count when it joined
     kv_transfer_s: np.ndarray
     events: int
-    gap_noise: tuple[tuple[float, int], ...] = ()  # SplitCost.gap_noise, applied to step gaps
-    gap_jitter_s: tuple[tuple[float, int], ...] = ()  # SplitCost.gap_jitter_s (replaces it)
+    # the step-gap jitter (seconds added, weight per mille) ITL carries (the profile's, or its
+    # split costs' through the overlay)
+    gap_jitter_s: tuple[tuple[float, int], ...] = ()
 
 
 def segment_arrays(segs: list[Segment]) -> dict[str, np.ndarray]:

@@ -36,6 +36,10 @@ if TYPE_CHECKING:
 
 SCHEMA = "splitserve.profile/2"  # /2 added the optional `split` section
 SCHEMAS: tuple[str, ...] = ("splitserve.profile/1", SCHEMA)  # /1 reads as "no split costs"
+# vLLM's OpenAI-server defaults on CPU (vllm/engine/arg_utils.py): what a measured CPU worker
+# runs with unless told otherwise; GPU profiles carry their hardware's (`sim.analytic`)
+VLLM_CPU_MAX_NUM_SEQS = 128
+VLLM_CPU_TOKEN_BUDGET = 2048
 ProfileKind = Literal["measured", "analytic"]
 PROFILE_KINDS: tuple[str, ...] = ("measured", "analytic")
 
@@ -189,7 +193,7 @@ class Profile:
     token_budget: int  # max_num_batched_tokens of the measured engine
     kv_capacity_tokens: int
     transfer: dict[str, TransferLink] = field(default_factory=dict)
-    max_num_seqs: int = 128  # vLLM's cap on running requests per engine (CPU default)
+    max_num_seqs: int = VLLM_CPU_MAX_NUM_SEQS  # vLLM's cap on running requests per engine
     fit: dict[str, Any] = field(default_factory=dict)  # measured points and fit quality
     created: str = ""
     split: SplitCost | None = None  # shared-core costs of a deployment (sim.calibration)
@@ -212,9 +216,6 @@ class Profile:
                              f"(has {sorted(self.transfer)})")
         return self.transfer[transport]
 
-    def with_transfer(self, transport: str, link: TransferLink) -> Profile:
-        return replace(self, transfer={**self.transfer, transport: link})
-
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d.pop("mismatch")
@@ -233,7 +234,7 @@ class Profile:
             hardware=dict(d.get("hardware", {})), prefill=PrefillCost(**d["prefill"]),
             decode=DecodeCost(**d["decode"]), token_budget=int(d["token_budget"]),
             kv_capacity_tokens=int(d["kv_capacity_tokens"]),
-            max_num_seqs=int(d.get("max_num_seqs", 128)),
+            max_num_seqs=int(d["max_num_seqs"]),
             transfer={k: TransferLink(**v) for k, v in d.get("transfer", {}).items()},
             fit=dict(d.get("fit", {})), created=d.get("created", ""),
             split=_split_from_dict(d["split"]) if d.get("split") else None,

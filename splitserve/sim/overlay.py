@@ -37,8 +37,6 @@ class Overlay:
     active: bool = False
     #: the step-gap jitter the run's ITL carries instead of the profile's (None: the profile's)
     gap_jitter_s: Bins | None = None
-    #: the step-gap ratio bins the run's ITL carries (`SplitCost.gap_noise`; empty: none)
-    gap_noise: Bins = ()
 
     def bind(self, sim: Simulation) -> None:
         """Called once before the run, with the simulation the hooks act on."""

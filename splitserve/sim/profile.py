@@ -41,6 +41,7 @@ from splitserve.bench.workload import Request
 from splitserve.config import bearer_headers, load_token
 from splitserve.sim.calibration.jitter import noise_bins, window_jitter
 from splitserve.sim.model import (
+    VLLM_CPU_TOKEN_BUDGET,
     DecodeCost,
     Engine,
     ModelShape,
@@ -63,7 +64,7 @@ class ProfilePlan:
     decode_batches: tuple[int, ...] = (1, 2, 4, 8, 16)
     decode_prompt_lens: tuple[int, ...] = (32, 512, 1536)
     decode_tokens: int = 32
-    token_budget: int = 2048
+    token_budget: int = VLLM_CPU_TOKEN_BUDGET  # the worker's max_num_batched_tokens
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -334,6 +335,20 @@ def probe_loopback_tcp(sizes: tuple[int, ...] = (1 << 16, 1 << 20, 1 << 23, 1 <<
         return TransferLink(big / best[big], best[small], source + ", unfitted")
 
 
+def measured_links(transfer_json: str | None = None, probe_tcp: bool = True
+                   ) -> dict[str, TransferLink]:
+    """A measured profile's KV links by transport: with `probe_tcp`, `tcp` from a loopback
+    TCP probe of this host (`probe_loopback_tcp`: the CPU default when nothing better is
+    measured, labelled as such), then every transport a KV-transfer benchmark JSON measured
+    (`links_from_benchmark`), which replaces the probe's `tcp`."""
+    links: dict[str, TransferLink] = {}
+    if probe_tcp:
+        links["tcp"] = probe_loopback_tcp()
+    if transfer_json:
+        links |= links_from_benchmark(transfer_json)
+    return links
+
+
 def profile_worker(url: str, plan: ProfilePlan, model_dir: str | None = None,
                    transfer_json: str | None = None, probe_tcp: bool = True) -> Profile:
     facts = worker_facts(url)
@@ -346,11 +361,7 @@ def profile_worker(url: str, plan: ProfilePlan, model_dir: str | None = None,
     dec, jitter = measure_decode(url, plan, max_len)
     prefill, qp = fit_prefill(pre, plan.token_budget)
     decode, qd = fit_decode(dec)
-    links: dict[str, TransferLink] = {}
-    if probe_tcp:
-        links["tcp"] = probe_loopback_tcp()
-    if transfer_json:
-        links |= links_from_benchmark(transfer_json)
+    links = measured_links(transfer_json, probe_tcp)
     return Profile(
         kind="measured", engine=Engine("vllm", str(facts["version"])), model=shape,
         hardware=hardware() | {"measured_url": url}, prefill=prefill, decode=decode,
@@ -376,6 +387,5 @@ def refit(profile: Profile) -> Profile:
     dec = [(int(b), float(c), float(t)) for b, c, t in profile.fit["decode_points"]]
     prefill, qp = fit_prefill(pre, profile.token_budget)
     decode, qd = fit_decode(dec)
-    fit = {k: v for k, v in profile.fit.items() if not k.endswith("_r2")}
     return replace(profile, prefill=prefill, decode=decode,
-                   fit=fit | {"prefill_fit": qp, "decode_fit": qd})
+                   fit=profile.fit | {"prefill_fit": qp, "decode_fit": qd})

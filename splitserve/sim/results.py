@@ -87,12 +87,10 @@ def itl_samples(o: SimOutcome) -> tuple[np.ndarray, np.ndarray]:
     steps, w = _segment_steps(o)
     multi = (o.output_lens > 1) & ~o.failed
     hand = (o.second_token - o.first_token)[multi]
-    if o.gap_jitter_s or o.gap_noise:  # each step gap spread over the measured jitter
-        bins = o.gap_jitter_s or o.gap_noise  # (seconds added | ratio, weight per mille)
-        shift = np.array([r for r, _ in bins])
-        permille = np.array([w for _, w in bins], dtype=np.int64)
-        steps = (np.maximum(steps[:, None] + shift[None, :], 0.0) if o.gap_jitter_s
-                 else np.outer(steps, shift)).ravel()
+    if o.gap_jitter_s:  # each step gap spread over the measured jitter (seconds added)
+        shift = np.array([s for s, _ in o.gap_jitter_s])
+        permille = np.array([w for _, w in o.gap_jitter_s], dtype=np.int64)
+        steps = np.maximum(steps[:, None] + shift[None, :], 0.0).ravel()
         w = np.outer(w, permille).ravel()
         return (np.concatenate([steps, hand]),
                 np.concatenate([w, np.full(len(hand), int(permille.sum()), dtype=np.int64)]))

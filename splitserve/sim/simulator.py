@@ -373,7 +373,7 @@ class Simulation:
             output_lens=self.wl.output_lens, first_token=f(self.t1), second_token=f(self.t2),
             finish=f(self.tend), failed=f(self.failed, dtype=bool),
             **segment_arrays(self.segs), decode_worker=f(self.wdec), join_step=f(self.jstep),
-            kv_transfer_s=f(self.xfer), events=events, gap_noise=self.ov.gap_noise,
+            kv_transfer_s=f(self.xfer), events=events,
             gap_jitter_s=self.jitter,
         )
 
@@ -381,4 +381,4 @@ class Simulation:
 def simulate(profile: Profile, config: SimConfig, workload: SimWorkload) -> SimOutcome:
     """Run `workload` on the deployment `config` describes, with the profile's overlay (its
     shared-core costs, where it carries them and the config applies them)."""
-    return Simulation(profile, config, workload, overlay_for(profile, config, workload)).run()
+    return Simulation(profile, config, workload, overlay_for(profile, config)).run()

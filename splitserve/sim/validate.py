@@ -19,7 +19,7 @@ scaled by its own drift (prefill and decode speed, and D's P-busy stretch, read 
 canaries just before and just after it); that drift-adjusted error is reported next to the raw one
 (the machine's drift between profiling and measuring is not the model's error). The stored JSON
 keeps the canaries (`drift_json`), so `--real-json` simulates a measurement again without
-re-measuring (`stored_real`; JSON from before the stretch canary reads with no stretch drift).
+re-measuring (`stored_real`).
 """
 
 from __future__ import annotations
@@ -116,11 +116,8 @@ def measure_point(url: str, spec: WorkloadSpec, repeats: int, canary: Canary | N
 
 def repeat_canary(run: dict[str, Any]) -> Speed:
     """The canary a repeat stands for: the mean of the ones just before and just after it
-    (one canary, a minute's sample, is often not the minute of the repeat), or
-    the one before where the JSON has no `canary_after` (older JSON)."""
-    before = Speed.from_dict(run["canary"])
-    after = run.get("canary_after")
-    return before if after is None else Speed.mean([before, Speed.from_dict(after)])
+    (one canary, a minute's sample, is often not the minute of the repeat)."""
+    return Speed.mean([Speed.from_dict(run["canary"]), Speed.from_dict(run["canary_after"])])
 
 
 def repeat_drifts(runs: list[dict[str, Any]], reference: Speed | None) -> list[Drift] | None:
@@ -180,12 +177,12 @@ def stored_real(stored: dict[str, Any]
                 runs.append({})
             runs[i][p["metric"]] = v
     reference = None
-    if drift := stored.get("drift"):  # before the simulated reference, the measured one
-        reference = Speed.from_dict(drift.get("reference_measured") or drift["reference"])
+    if drift := stored.get("drift"):
+        reference = Speed.from_dict(drift["reference_measured"])
         for rate, canaries in drift["canaries"].items():
             for run, c in zip(real[float(rate)], canaries, strict=True):
                 run["canary"] = c
-        for rate, canaries in drift.get("canaries_after", {}).items():
+        for rate, canaries in drift["canaries_after"].items():
             for run, c in zip(real[float(rate)], canaries, strict=True):
                 run["canary_after"] = c
     return spec, real, reference

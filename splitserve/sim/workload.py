@@ -10,11 +10,9 @@ For sources with files (ShareGPT, traces) and for the interference mix it goes t
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 
@@ -88,16 +86,3 @@ def arrays_from_spec(spec: WorkloadSpec) -> SimWorkload:
     return SimWorkload(times.astype(np.float64), np.asarray(ins, dtype=np.int64),
                        np.asarray(outs, dtype=np.int64))
 
-
-def spec_from_dict(d: dict[str, Any]) -> WorkloadSpec:
-    return WorkloadSpec.from_dict(d)
-
-
-def load_spec(path: str | Path) -> WorkloadSpec:
-    """A workload spec JSON file, as the benchmark writes it (`WorkloadSpec.to_dict`)."""
-    d = json.loads(Path(path).read_text())
-    return WorkloadSpec.from_dict(d.get("workload", d))
-
-
-def with_rate(spec: WorkloadSpec, rate: float) -> WorkloadSpec:
-    return spec.with_rate(rate)

@@ -53,8 +53,8 @@ def test_a_drifted_profile_scales_a_lone_requests_ttft_and_tpot() -> None:
 
 
 def test_split_costs_drift_with_the_side_they_run_on() -> None:
-    split = SplitCost(0.002, 1.1, 0.003, 1e-6, DecodeCost(0.008, 1e-6, 4e-4), cpu_p_s=0.02,
-                      cpu_d_s=0.01, p_busy_stretch=0.2, arrive_s=0.001, t1_s=0.004,
+    split = SplitCost(0.002, 1.1, 0.003, 1e-6, DecodeCost(0.008, 1e-6, 4e-4),
+                      p_busy_stretch=0.2, arrive_s=0.001, t1_s=0.004,
                       join_s=0.003, finish_s=0.002, t2_s=0.001,
                       gap_jitter_s=((-0.002, 500), (0.004, 500)),
                       interference=((1.0, 0.1, 0.001, 0.004, 0.003, 0.002, 0.001),
@@ -62,7 +62,6 @@ def test_split_costs_drift_with_the_side_they_run_on() -> None:
     s = scaled(replace(make_profile(), split=split), 1.5, 2.0).split
     assert s is not None
     assert (s.prefill_factor, s.p_busy_stretch) == (1.1, 0.2)  # ratios stay
-    assert s.cpu_p_s == pytest.approx(0.03) and s.cpu_d_s == pytest.approx(0.02)
     assert s.decode.time(2, 1000) == pytest.approx(2.0 * split.decode.time(2, 1000))
     assert s.handover(500) == pytest.approx(2.0 * split.handover(500))
     assert s.events == pytest.approx(tuple(2.0 * e for e in split.events))
@@ -78,7 +77,8 @@ def test_validation_points_carry_the_drift_adjusted_simulation() -> None:
     slow = simulate_point(scaled(prof, 1.2, 1.3), cfg, spec)
     # three repeats, all measured 20 % / 30 % slower than the reference canary, and exactly as
     # the drifted profile says
-    real = {1.0: [{**{m: slow[m] for m in METRICS}, "canary": {"ttft_s": 0.12, "gap_s": 0.013}}
+    canary = {"ttft_s": 0.12, "gap_s": 0.013, "stretch": None}
+    real = {1.0: [{**{m: slow[m] for m in METRICS}, "canary": canary, "canary_after": canary}
                   for _ in range(3)]}
     (p, *_) = points = compare(prof, cfg, spec, (1.0,), real, ref)
     for p in points:
@@ -92,11 +92,11 @@ def test_validation_points_carry_the_drift_adjusted_simulation() -> None:
     assert all(p.sim_adjusted is None for p in compare(prof, cfg, spec, (1.0,), real, ref))
 
 
-SPLIT = SplitCost(0.002, 1.1, 0.003, 1e-6, DecodeCost(0.008, 1e-6, 4e-4), cpu_p_s=0.02,
-                  cpu_d_s=0.01, p_busy_stretch=0.2, arrive_s=0.001, t1_s=0.004, join_s=0.003,
+SPLIT = SplitCost(0.002, 1.1, 0.003, 1e-6, DecodeCost(0.008, 1e-6, 4e-4),
+                  p_busy_stretch=0.2, arrive_s=0.001, t1_s=0.004, join_s=0.003,
                   finish_s=0.002, gap_jitter_s=((-0.002, 500), (0.004, 500)),
-                  interference=((1.0, 0.2, 0.001, 0.004, 0.003, 0.002),
-                                (4.0, 0.05, 0.002, 0.005, 0.004, 0.003)))
+                  interference=((1.0, 0.2, 0.001, 0.004, 0.003, 0.002, 0.0),
+                                (4.0, 0.05, 0.002, 0.005, 0.004, 0.003, 0.0)))
 
 
 def test_drift_carries_the_stretch_factor_ratio() -> None:
@@ -131,7 +131,7 @@ def test_a_stretch_ratio_scales_exactly_the_p_busy_stretch_terms() -> None:
     # with the other ratios: each on its own terms
     both = scaled(prof, 1.5, 2.0, 1.1).split
     assert both is not None and both.p_busy_stretch == pytest.approx(0.32)
-    assert both.decode.a == pytest.approx(0.016) and both.cpu_p_s == pytest.approx(0.03)
+    assert both.decode.a == pytest.approx(0.016)
     with pytest.raises(ValueError):
         scaled(prof, 1.0, 1.0, 0.0)
 
@@ -172,12 +172,10 @@ def test_the_modelled_canary_is_the_profiles_lone_request() -> None:
 def test_drift_against_the_modelled_canary_recovers_a_scaled_machine() -> None:
     """A machine that runs the profile 1.3x slow at prefill, 1.2x at decode and with a P-busy
     factor 1.1x as high reads, against the profile's own canary, those ratios (without the
-    terms that would mix them into TTFT: the router's time per request is decode-side, and the
-    mean-field CPU shares grow with the ratio's square)."""
+    term that would mix them into TTFT: the router's time per request is decode-side)."""
     from splitserve.sim.calibration.drift import StretchPlan, modelled_reference
 
-    prof = replace(make_profile(), split=replace(SPLIT, router_request_s=0.0, cpu_p_s=0.0,
-                                                cpu_d_s=0.0))
+    prof = replace(make_profile(), split=replace(SPLIT, router_request_s=0.0))
     canary = Canary(stretch=StretchPlan(), decode=SPLIT.decode)
     cfg = SimConfig("disagg")
     ref = modelled_reference(prof, cfg, canary)

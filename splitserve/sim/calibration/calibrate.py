@@ -230,39 +230,30 @@ def _bisect(f: Callable[[float], float], target: float, hi: float, iters: int = 
     return (lo + hi) / 2
 
 
-LOADED_TERMS = ("t1_relay_s", "cpu_p_s")  # what `fit_loaded` may fit; calibration: the first
+T1_RELAY_MAX_S = 0.25  # the bisection's upper end for `t1_relay_s`
 
 
-def fit_loaded(profile: Profile, cfg: SimConfig, wl: SimWorkload, ttft: float,
-               term: str = LOADED_TERMS[0]) -> float:
-    """The split term `term` that makes the simulated median TTFT of `wl` the measured one,
-    every other split term held fixed and the other loaded term at 0:
+def fit_loaded(profile: Profile, cfg: SimConfig, wl: SimWorkload, ttft: float) -> float:
+    """The `t1_relay_s` that makes the simulated median TTFT of `wl` the measured one, every
+    other split term held fixed: t1 waits that long for the router's relay while the request's
+    D runs streams. With the router and the client on D's core, a loaded stream's TTFT sits
+    5–10 % above a lone request's at the same minute, and that excess hardly grows with the
+    rate (measured TTFT p50 2 req/s over 1 req/s: 1.21–1.36×), where a mean-field stretch of
+    every P step grew it to 1.47–1.53×.
 
-    - `t1_relay_s` (calibration's choice): t1 waits that long for the router's relay while
-      the request's D runs streams. With the router and the client on D's core, a loaded
-      stream's TTFT sits 5–10 % above a lone request's at the same minute, and that excess
-      hardly grows with the rate (measured TTFT p50 2 req/s over 1 req/s: 1.21–1.36×), where
-      `cpu_p_s`'s stretch of every P step grew it to 1.47–1.53×;
-    - `cpu_p_s`: a mean-field share of P's core per request (a stretch `1 / (1 − r·cpu_p_s)`
-      of every P step).
-
-    D's side has no such term (`cpu_d_s` stays 0): the router's, the client's and the API
-    servers' work on D's core is in the decode fit (per token) and the event terms (per
-    request event); a share fitted to the stream's median ITL on top of them absorbed that
-    minute's drift and grew with the rate (the simulated ITL p50 at 2 req/s +31 %)."""
+    D's side has no such term: the router's, the client's and the API servers' work on D's core
+    is in the decode fit (per token) and the event terms (per request event); a share fitted to
+    the stream's median ITL on top of them absorbed that minute's drift and grew with the rate
+    (the simulated ITL p50 at 2 req/s +31 %)."""
     assert profile.split is not None
-    if term not in LOADED_TERMS:
-        raise ValueError(f"term must be one of {LOADED_TERMS}")
-    hi = 0.25 if term == "t1_relay_s" else 0.9 * cfg.n_prefill / wl.offered_rate
 
     def median_ttft(x: float) -> float:
-        terms = dict.fromkeys(LOADED_TERMS, 0.0) | {term: x}
-        prof = replace(profile, split=replace(profile.split, cpu_d_s=0.0, **terms))
+        prof = replace(profile, split=replace(profile.split, t1_relay_s=x))
         return float(summarize(simulate(prof, cfg, wl), system="calibrate")["median_ttft_ms"]) / 1e3
 
-    if median_ttft(hi) - median_ttft(0.0) < 1e-6:  # the stream cannot show it: no t1 meets
-        return 0.0  # a busy D (its requests end before the next one's t1)
-    return _bisect(median_ttft, ttft, hi)
+    if median_ttft(T1_RELAY_MAX_S) - median_ttft(0.0) < 1e-6:  # the stream cannot show it:
+        return 0.0  # no t1 meets a busy D (its requests end before the next one's t1)
+    return _bisect(median_ttft, ttft, T1_RELAY_MAX_S)
 
 
 @dataclass(frozen=True)
@@ -280,7 +271,7 @@ class SplitMeasurements:
 
     @classmethod
     def from_fit(cls, fit: dict[str, Any]) -> SplitMeasurements:
-        """Raises ValueError for a profile calibrated before the records were kept."""
+        """Raises ValueError when `fit` keeps no probe records (not written by `split_costs`)."""
         load, probes = fit.get("load", {}), fit.get("interference", {})
         if "records" not in load or any("records" not in q for q in probes.values()):
             raise ValueError("this split profile keeps no probe records; calibrate it again")
@@ -337,10 +328,10 @@ def refit_split(profile: Profile, cfg: SimConfig | None = None) -> Profile:
 
 
 def split_costs(base: Profile, m: SplitMeasurements, cfg: SimConfig, source: str,
-                levels: bool = True, loaded_term: str = LOADED_TERMS[0]) -> Profile:
+                levels: bool = True) -> Profile:
     """`base` with the split costs fitted from `m`: D's decode through the router, the
     interference rows (the first in the scalars), the lone fit against D's first row, the
-    term fitted to the loaded stream's median TTFT (`fit_loaded`'s `loaded_term`), and what
+    `t1_relay_s` fitted to the loaded stream's median TTFT (`fit_loaded`), and what
     the profile keeps; `levels`: D's decode with each measured batch's level (`fit_decode`)."""
     decode, qd = fit_decode(m.decode_points, levels=levels)
     fits, qi = [], {}
@@ -363,10 +354,8 @@ def split_costs(base: Profile, m: SplitMeasurements, cfg: SimConfig, source: str
         drift = Speed.mean(list(m.load_canaries)).drift(
             modelled_reference(replace(base, split=split), cfg, Canary()))
     at = scaled(replace(base, split=split), drift.prefill, drift.decode)
-    # fitted at the minute's speed; scaled() multiplies cpu_p_s by the prefill ratio and
-    # t1_relay_s by the decode one
-    k = drift.prefill if loaded_term == "cpu_p_s" else drift.decode
-    split = replace(split, **{loaded_term: fit_loaded(at, cfg, wl, ttft, loaded_term) / k})
+    # fitted at the minute's speed, which scaled() applied to t1_relay_s by the decode ratio
+    split = replace(split, t1_relay_s=fit_loaded(at, cfg, wl, ttft) / drift.decode)
 
     def sim_itl(prof: Profile) -> float:
         return float(summarize(simulate(prof, cfg, wl), system="calibrate")["median_itl_ms"]) / 1e3

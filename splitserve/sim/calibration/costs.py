@@ -17,8 +17,6 @@ from splitserve.sim.model import (
     parse_bins,
 )
 
-MAX_STRETCH = 10.0  # a stretch beyond this means the calibrated host is saturated
-
 
 @dataclass(frozen=True)
 class SplitCost:
@@ -32,11 +30,6 @@ class SplitCost:
       batch (router work, KV load, D's admission); D's first step comes on top;
     - `decode`: D's step cost as the client sees it through the router (replaces the profile's
       decode cost on D-workers);
-    - `cpu_p_s`, `cpu_d_s`: core-seconds per request that the router, the client and the
-      connectors take from P's and D's cores. At `r` requests/s per worker every step (and the
-      handover) is stretched by `1 / (1 − r·cpu)` (mean field: the offered rate, not the
-      instantaneous one). `calibrate` fits neither (the loaded stream's extra TTFT is
-      `t1_relay_s` below; D's share is in `decode` and the event terms);
     - `p_busy_stretch`: D's decode steps take `1 + p_busy_stretch` times as long while its P
       (the P it shares cores with) is prefilling: P's engine then saturates its core and the
       router, client and API servers all run on D's;
@@ -48,13 +41,15 @@ class SplitCost:
       token t2 (D's API server → router → client), on D's step after the join step;
     - `t1_relay_s`: seconds t1 waits for the router's relay when the request's D-worker runs
       streams then (the router and the client share D's cores: a lone request never waits;
-      `calibrate` fits it to a loaded stream's median TTFT in place of `cpu_p_s`).
+      `calibrate` fits it to a loaded stream's median TTFT);
     - `interference`: the six terms above measured at several batch sizes, rows
       `(others, p_busy_stretch, arrive_s, t1_s, join_s, finish_s, t2_s)` by increasing
       `others`, the number of D's streams other than the event's request (for the stretch: D's
-      streams); rows of six numbers (profiles from before `t2_s`) read with `t2_s` 0. When
-      present it replaces the six scalars (which then hold the first row): `terms(others)`
-      interpolates linearly between rows and holds the end rows' values outside them.
+      streams). When present it replaces the six scalars (which then hold the first row):
+      `terms(others)` interpolates linearly between rows and holds the end rows' values
+      outside them;
+    - `gap_jitter_s`: the client's decode gaps around D's pace through the router, as (seconds
+      added, weight per mille) bins (`calibration.jitter`); replaces the profile's own.
     """
 
     router_request_s: float
@@ -62,8 +57,6 @@ class SplitCost:
     handover_a_s: float
     handover_b_s: float
     decode: DecodeCost
-    cpu_p_s: float = 0.0
-    cpu_d_s: float = 0.0
     p_busy_stretch: float = 0.0
     arrive_s: float = 0.0
     t1_s: float = 0.0
@@ -71,12 +64,6 @@ class SplitCost:
     finish_s: float = 0.0
     t2_s: float = 0.0
     t1_relay_s: float = 0.0
-    # the client's decode gaps over the step's mean, as (ratio, weight per mille) bins: the
-    # jitter of steps and of the relay through the router at a fixed batch (empty: none)
-    gap_noise: Bins = ()
-    # the same jitter in seconds added to a gap, as (seconds, weight per mille) bins: it does not
-    # grow with the gap (a gap carrying an event's work spreads no wider than a plain one);
-    # replaces `gap_noise` when present
     gap_jitter_s: Bins = ()
     interference: tuple[tuple[float, ...], ...] = ()
     source: str = ""
@@ -85,21 +72,16 @@ class SplitCost:
     def __post_init__(self) -> None:
         check_finite_nonneg("SplitCost", router_request_s=self.router_request_s,
                        prefill_factor=self.prefill_factor, handover_a_s=self.handover_a_s,
-                       handover_b_s=self.handover_b_s, cpu_p_s=self.cpu_p_s,
-                       cpu_d_s=self.cpu_d_s, p_busy_stretch=self.p_busy_stretch,
+                       handover_b_s=self.handover_b_s, p_busy_stretch=self.p_busy_stretch,
                        arrive_s=self.arrive_s, t1_s=self.t1_s, join_s=self.join_s,
                        finish_s=self.finish_s, t2_s=self.t2_s, t1_relay_s=self.t1_relay_s)
         if self.prefill_factor <= 0:
             raise ValueError("SplitCost.prefill_factor must be > 0")
-        if any(r < 0 or w < 0 for r, w in self.gap_noise):
-            raise ValueError("SplitCost.gap_noise ratios and weights must be >= 0")
         check_bins("SplitCost", self.gap_jitter_s)
         for row in self.interference:
-            if len(row) not in (6, 7) or not all(math.isfinite(v) and v >= 0 for v in row):
-                raise ValueError(f"SplitCost.interference rows are 7 (or 6) numbers >= 0: {row}")
-        # invariant: every row has all seven (a six-number row predates t2_s: it is 0 there)
-        object.__setattr__(self, "interference",
-                           tuple(tuple(row) + (0.0,) * (7 - len(row)) for row in self.interference))
+            if len(row) != 7 or not all(math.isfinite(v) and v >= 0 for v in row):
+                raise ValueError(f"SplitCost.interference rows are 7 numbers >= 0: {row}")
+        object.__setattr__(self, "interference", tuple(tuple(row) for row in self.interference))
         if any(a[0] >= b[0] for a, b in zip(self.interference, self.interference[1:],
                                              strict=False)):
             raise ValueError("SplitCost.interference rows must have increasing batch sizes")
@@ -132,26 +114,15 @@ class SplitCost:
     def handover(self, prompt_len: int) -> float:
         return self.handover_a_s + self.handover_b_s * prompt_len
 
-    @staticmethod
-    def stretch(rate: float, cpu_s: float) -> float:
-        """1 / (1 − rate·cpu), capped at MAX_STRETCH."""
-        busy = rate * cpu_s
-        return MAX_STRETCH if busy >= 1 - 1 / MAX_STRETCH else 1.0 / (1.0 - busy)
-
-    def p_prefill(self, base: PrefillCost, rate_per_p: float) -> PrefillCost:
-        k = self.prefill_factor * self.stretch(rate_per_p, self.cpu_p_s)
-        return base.scaled(k)
-
-    def d_decode(self, rate_per_d: float) -> DecodeCost:
-        k = self.stretch(rate_per_d, self.cpu_d_s)
-        return self.decode.scaled(k)
+    def p_prefill(self, base: PrefillCost) -> PrefillCost:
+        """P's prefill step cost, given the plain worker's."""
+        return base.scaled(self.prefill_factor)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SplitCost:
         return cls(**{k: v for k, v in d.items()
-                      if k not in ("decode", "gap_noise", "gap_jitter_s", "interference")},
+                      if k not in ("decode", "gap_jitter_s", "interference")},
                    decode=DecodeCost(**d["decode"]),
-                   gap_noise=parse_bins(d.get("gap_noise", ())),
                    gap_jitter_s=parse_bins(d.get("gap_jitter_s", ())),
                    interference=tuple(tuple(float(v) for v in row)
                                       for row in d.get("interference", ())))

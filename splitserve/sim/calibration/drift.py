@@ -150,8 +150,8 @@ class Speed:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Speed:
-        """Reads what `to_dict` wrote, and older canaries without `stretch` (None)."""
-        stretch = d.get("stretch")
+        """Reads what `to_dict` wrote."""
+        stretch = d["stretch"]
         return cls(float(d["ttft_s"]), float(d["gap_s"]),
                    None if stretch is None else float(stretch))
 
@@ -267,17 +267,17 @@ def _stretched(k: float, ratio: float) -> float:
     return k if ratio == 1.0 else max(0.0, (1.0 + k) * ratio - 1.0)
 
 
-def _split(s: SplitCost, kp: float, kd: float, ks: float) -> SplitCost:
-    """Seconds on P's side (its CPU per request) by `kp`; D's steps, the router's and API
-    servers' seconds per request and event (they run on D's core while P prefills), the
-    handover and the gap jitter by `kd`; the P-busy stretch terms (the scalar, each row's) by
-    `ks` (`_stretched`). `prefill_factor` (a ratio to the base profile) stays."""
+def _split(s: SplitCost, kd: float, ks: float) -> SplitCost:
+    """D's steps, the router's and API servers' seconds per request and event (they run on D's core
+    while P prefills), the handover and the gap jitter by `kd`; the P-busy stretch terms (the
+    scalar, each row's) by `ks` (`_stretched`). `prefill_factor` (a ratio to the base profile)
+    stays."""
     rows = tuple((row[0], _stretched(row[1], ks), *(v * kd for v in row[2:]))
                  for row in s.interference)
     return replace(
         s, router_request_s=s.router_request_s * kd, handover_a_s=s.handover_a_s * kd,
-        handover_b_s=s.handover_b_s * kd, decode=s.decode.scaled(kd), cpu_p_s=s.cpu_p_s * kp,
-        cpu_d_s=s.cpu_d_s * kd, p_busy_stretch=_stretched(s.p_busy_stretch, ks),
+        handover_b_s=s.handover_b_s * kd, decode=s.decode.scaled(kd),
+        p_busy_stretch=_stretched(s.p_busy_stretch, ks),
         arrive_s=s.arrive_s * kd, t1_s=s.t1_s * kd, join_s=s.join_s * kd,
         finish_s=s.finish_s * kd, t2_s=s.t2_s * kd, t1_relay_s=s.t1_relay_s * kd,
         interference=rows,
@@ -289,7 +289,7 @@ def scaled(profile: Profile, prefill: float, decode: float, stretch: float = 1.0
     and where D's steps while P prefills stretch by a factor `stretch` times the profile's."""
     if not (prefill > 0 and decode > 0 and stretch > 0):
         raise ValueError(f"drift ratios must be positive, got {prefill}, {decode}, {stretch}")
-    split = (_split(profile.split, prefill, decode, stretch) if profile.split is not None
+    split = (_split(profile.split, decode, stretch) if profile.split is not None
              else None)
     return replace(profile, prefill=profile.prefill.scaled(prefill),
                    decode=profile.decode.scaled(decode), split=split,

@@ -1,9 +1,7 @@
 """The simulator's overlay for a disaggregated deployment whose router, client and workers share
 a few CPU cores: a profile's `split` costs (`SplitCost`) applied through `sim.overlay`'s hooks.
 
-- P's steps × `prefill_factor` (and the mean-field CPU stretch `1 / (1 − r·cpu_p_s)` at the
-  offered rate r per P); D steps with the decode cost measured through the router (stretched
-  by `cpu_d_s` likewise, as is the handover);
+- P's steps × `prefill_factor`; D steps with the decode cost measured through the router;
 - t1 += `router_request_s`, and += `t1_relay_s` when the request's D runs streams then;
 - the leg joins D no earlier than t1 + hop + `handover_a_s + handover_b_s·prompt`;
 - D j shares its host's cores with P (j mod n_P): D's steps that start while that P prefills
@@ -17,14 +15,12 @@ a few CPU cores: a profile's `split` costs (`SplitCost`) applied through `sim.ov
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING
 
 from splitserve.sim.calibration.costs import SplitCost
 from splitserve.sim.deployment import SimConfig
 from splitserve.sim.model import DecodeCost, PrefillCost, Profile
 from splitserve.sim.overlay import Overlay
-from splitserve.sim.workload import SimWorkload
 
 if TYPE_CHECKING:
     from splitserve.sim.simulator import Simulation
@@ -34,20 +30,16 @@ _STRETCH, _ARRIVE, _T1, _JOIN, _FINISH, _T2 = range(6)
 
 
 class SharedCoreOverlay(Overlay):
-    """`split` on a deployment of `n_prefill` P and `n_decode` D workers offered `rate`
-    requests/s (0: no mean-field stretch), with at most `max_seqs` streams per D."""
+    """`split` on a deployment of `n_prefill` P and `n_decode` D workers, with at most
+    `max_seqs` streams per D."""
 
     active = True
 
-    def __init__(self, split: SplitCost, n_prefill: int, n_decode: int, rate: float,
-                 max_seqs: int) -> None:
+    def __init__(self, split: SplitCost, n_prefill: int, n_decode: int, max_seqs: int) -> None:
         self.split, self.n_prefill, self.n_decode = split, n_prefill, n_decode
-        self.rate = rate
-        self.gap_noise = split.gap_noise
         self.gap_jitter_s = split.gap_jitter_s
-        k = split.stretch(rate / n_decode, split.cpu_d_s)
         self.router_s, self.relay_s = split.router_request_s, split.t1_relay_s
-        self.hand_a, self.hand_b = split.handover_a_s * k, split.handover_b_s * k
+        self.hand_a, self.hand_b = split.handover_a_s, split.handover_b_s
         # D's terms (SplitCost.terms) by D's other streams, 0..max_seqs
         self.terms = split.term_table(max_seqs)
         self.stretches = any(x[_STRETCH] > 0.0 for x in self.terms)
@@ -63,10 +55,10 @@ class SharedCoreOverlay(Overlay):
         self.sim = sim
 
     def prefill_cost(self, base: PrefillCost) -> PrefillCost:
-        return self.split.p_prefill(base, self.rate / self.n_prefill)
+        return self.split.p_prefill(base)
 
     def decode_cost(self, base: DecodeCost) -> DecodeCost:
-        return self.split.d_decode(self.rate / self.n_decode)
+        return self.split.decode  # measured through the router: replaces the plain worker's
 
     def t1(self, at: float, p: int, r: int) -> float:
         t1 = at + self.router_s
@@ -141,11 +133,10 @@ class SharedCoreOverlay(Overlay):
         self.extra[d] = self.after[d] = 0.0
 
 
-def overlay_for(profile: Profile, config: SimConfig, workload: SimWorkload) -> Overlay:
-    """The overlay a run of `workload` on `config` gets: the profile's split costs on a
+def overlay_for(profile: Profile, config: SimConfig) -> Overlay:
+    """The overlay a run on `config` gets: the profile's split costs on a
     disaggregated deployment that applies them, else the null overlay."""
     if config.mode != "disagg" or not config.split_costs or profile.split is None:
         return Overlay()
-    rate = workload.offered_rate if math.isfinite(workload.offered_rate) else 0.0
-    return SharedCoreOverlay(profile.split, config.n_prefill, config.n_decode, rate,
+    return SharedCoreOverlay(profile.split, config.n_prefill, config.n_decode,
                              profile.max_num_seqs)
