@@ -1,12 +1,13 @@
 """The two legs, and the unsplit path.
 
-Split: P gets the prompt with `max_tokens: 1` and `kv_transfer_params` naming the transfer and
-the chosen D; t1 goes to the client the moment P answers; D gets prompt + [t1] and streams the
-rest. A request that finishes at t1 never touches D. Retries: P on another P with a fresh
-transfer id before t1; D, if it fails before finishing, is resumed on another D with prompt +
-every token already produced (recomputed there, so nothing stale is read), and the client sees
-one unbroken stream. Closing a leg's HTTP stream aborts that request in vLLM, so cancelling the
-client's task aborts whichever leg is open.
+Split: P gets the prompt with `max_tokens: 1` and the `kv_transfer_params` of the pair's
+connector (`legs.LegProtocol`: what P is sent, what D needs of P's answer, what D is sent, how
+an abandoned transfer is released); t1 goes to the client the moment P answers; D continues
+from prompt + [t1] and streams the rest. A request that finishes at t1 never touches D.
+Retries: P on another P with a fresh transfer id before t1; D, if it fails before finishing, is
+resumed on another D with prompt + every token already produced (recomputed there, so nothing
+stale is read), and the client sees one unbroken stream. Closing a leg's HTTP stream aborts
+that request in vLLM, so cancelling the client's task aborts whichever leg is open.
 
 Both legs go over the app's one aiohttp session (`whole.new_session`), whose default headers
 carry the deployment token: every request to a worker is authenticated. The unsplit path (one
@@ -39,13 +40,19 @@ from splitserve.router.failures import (
 )
 from splitserve.router.formats import Joiner
 from splitserve.router.health import Registry, Worker
+from splitserve.router.legs import (
+    DecodeStart,
+    LegProtocols,
+    Transfer,
+    drop_replayed,
+    leg_protocols,
+)
 from splitserve.router.metrics import RouterMetrics
 from splitserve.router.params import Legs, decode_body, prefill_body
 from splitserve.router.policy import NoWorker, Picker
 
 log = logging.getLogger("splitserve.router")
 JSON_HEADERS = {"Content-Type": "application/json"}
-FINAL_STATUS = frozenset({"loaded", "failed", "expired", "discarded", "aborted"})  # D's record
 
 
 def encode(body: dict[str, Any]) -> bytes:
@@ -70,8 +77,9 @@ class Timings:
     t2_sent: float | None = None
     end: float | None = None
     retries: int = 0
-    kv: dict[str, Any] | None = None
-    # D's transfer record, fetched while D streams (started at its first token: by then the KV
+    kv: dict[str, Any] | None = None  # the connector's record of the transfer
+    transfer: Transfer | None = field(default=None, repr=False)  # the last P attempt's
+    # the transfer's record, fetched while D streams (started at its first token: by then the KV
     # is loaded), so the record costs the end of the request no round trip
     record_fetch: asyncio.Task[None] | None = field(default=None, repr=False)
 
@@ -112,14 +120,15 @@ class Prefilled:
     stop_reason: int | str | None
     fingerprint: str | None
     decode: Worker | None  # the D the KV went to (None when the request ended at t1)
-    kv: dict[str, Any] | None  # D's leg of kv_transfer_params, None when no KV moved
+    transfer: Transfer | None  # the KV handoff D's first leg claims; None: D recomputes
     reserved: bool = True
 
 
 class Flow:
     def __init__(self, cfg: RouterConfig, registry: Registry, picker: Picker,
                  metrics: RouterMetrics, session: aiohttp.ClientSession, model: str,
-                 kv_bytes_per_token: int, max_model_len: int | None) -> None:
+                 kv_bytes_per_token: int, max_model_len: int | None,
+                 protocols: LegProtocols | None = None) -> None:
         self.cfg = cfg
         self.registry = registry
         self.picker = picker
@@ -128,7 +137,8 @@ class Flow:
         self.model = model
         self.kv_bytes_per_token = kv_bytes_per_token
         self.max_model_len = max_model_len
-        self._discards: set[asyncio.Task[None]] = set()  # in-flight DELETEs (kept referenced)
+        # each connector's side of the legs (default: every connector the router drives)
+        self.protocols = protocols or leg_protocols(session, registry.token, cfg.kv_transport)
 
     # --- P ----------------------------------------------------------------------------------
     async def prefill(self, legs: Legs, rid: str, t: Timings) -> Prefilled:
@@ -145,17 +155,15 @@ class Flow:
             p = self.picker.prefill(pool or self.registry.routable("prefill"), prompt_len)
             d = self.picker.decode(self.registry.routable("decode"),
                                    prompt_len * self.kv_bytes_per_token)
-            # A request that is known to end at t1 moves no KV: D is never involved.
-            endpoint = (d.kv_endpoint(self.cfg.kv_transport)
-                        if p.info and legs.max_tokens != 1 else None)
             # Named after the request (logs join up; test faults are chosen per request id),
             # fresh per attempt.
             tid = f"{rid}-{uuid.uuid4().hex[:16]}"
-            kv = None if endpoint is None else {"do_remote_decode": True, "transfer_id": tid,
-                                                **endpoint}
-            body = prefill_body(legs, self.model, kv)
+            # A request that is known to end at t1 moves no KV: D is never involved.
+            proto = self.protocols.for_pair(p, d) if legs.max_tokens != 1 else None
+            tr = proto.open(p, d, tid) if proto is not None else None
+            body = prefill_body(legs, self.model, None if tr is None else tr.prefill_params)
             t.prefill_url, t.decode_url = p.url, d.url
-            t.transfer_id = tid if kv else None
+            t.transfer_id, t.transfer = (tid, tr) if tr else (None, None)
             t.p_sent, t.p_sent_wall = time.monotonic(), time.time()
             p.acquire(prompt_len)
             d.acquire()  # reserved now, so a burst spreads over D before any decode leg starts
@@ -176,8 +184,8 @@ class Flow:
             except (*TRANSPORT_ERRORS, LegFailed) as exc:
                 tried.add(p.url)
                 leg_failed(self.metrics, self.registry, p, "prefill", exc, rid)
-                if kv is not None:  # whatever P pushed for this attempt will never be claimed
-                    self.discard(d.url, tid)
+                if tr is not None:  # whatever P sent for this attempt will never be claimed
+                    tr.via.release(tr)
                 last = exc
                 continue
             finally:
@@ -194,18 +202,19 @@ class Flow:
             done = reason == "stop" or (reason == "length" and (
                 legs.max_tokens == 1 or (self.max_model_len is not None
                                          and len(prompt_ids) + 1 >= self.max_model_len)))
+            if tr is not None:
+                tr.via.received(tr, out)
             if done:
                 d.release()
-                if kv is not None:  # KV was pushed for a decode leg that will never come
-                    self.discard(d.url, tid)
+                if tr is not None:  # KV was sent for a decode leg that will never come
+                    tr.via.release(tr)
             return Prefilled(
                 prompt_ids=prompt_ids,
                 t1_text=choice.get("text") or "", t1_ids=list(choice.get("token_ids") or []),
                 finish_reason=reason if done else None,
                 stop_reason=choice.get("stop_reason") if done else None,
                 fingerprint=out.get("system_fingerprint"), decode=None if done else d,
-                kv=None if done or kv is None else {"do_remote_prefill": True,
-                                                    "transfer_id": tid}, reserved=not done)
+                transfer=None if done else tr, reserved=not done)
         raise exhausted(last, "prefill", "prefill")
 
     # --- D ----------------------------------------------------------------------------------
@@ -235,7 +244,7 @@ class Flow:
         the open leg's connection is closed, not returned to the pool, and closing it aborts the
         request in vLLM; the leg's hold on its worker is released exactly once."""
         assert pre.decode is not None and pre.reserved
-        d, kv = pre.decode, pre.kv
+        d, tr = pre.decode, pre.transfer
         pre.reserved = False  # the first attempt's leg is the reservation taken at prefill
         tried: set[str] = set()
         for attempt in range(self.cfg.decode_retries + 1):
@@ -244,10 +253,12 @@ class Flow:
                 self.metrics.retries.labels("decode").inc()
                 await backoff(self.cfg, attempt - 1)
                 d = self._resume_on(tried)
-                kv = None  # resumption recomputes: never read KV staged for another worker
+                tr = None  # resumption recomputes: never read KV staged for another worker
                 d.acquire()
             t.decode_url = d.url
-            body = decode_body(legs, self.model, pre.prompt_ids, joiner.produced, kv)
+            start = DecodeStart(None) if tr is None else tr.via.decode_start(tr, joiner.produced)
+            body = decode_body(legs, self.model, pre.prompt_ids, joiner.produced,
+                               start.kv_transfer_params, start.replayed)
             t.d_sent = time.monotonic()
             r: aiohttp.ClientResponse | None = None
             complete = False  # read to the end: the connection may be reused
@@ -260,7 +271,7 @@ class Flow:
                                     (await r.read())[:200].decode(errors="replace"), r.status)
                 if r.status != 200:
                     raise UpstreamError(r.status, upstream_body(r.status, await r.read()))
-                async for chunk in self._relay(r, joiner, t, d.url if kv else None):
+                async for chunk in self._relay(r, joiner, t, tr, start.replayed):
                     yield chunk
                 complete = True
                 if joiner.finish_reason is None:
@@ -284,35 +295,19 @@ class Flow:
 
     def release(self, pre: Prefilled | None) -> None:
         """Drop an unused D reservation (the request ended or the client left before D), and
-        free the KV staged for it there."""
+        release the transfer made for it."""
         if pre is not None and pre.reserved and pre.decode is not None:
             pre.reserved = False
             pre.decode.release()
-            if pre.kv is not None:
-                self.discard(pre.decode.url, str(pre.kv["transfer_id"]))
-
-    def discard(self, d_url: str, transfer_id: str) -> None:
-        """In the background: tell D that no decode leg will claim this transfer."""
-        if not self.registry.token:
-            return
-
-        async def send() -> None:
-            try:
-                async with self.session.delete(f"{d_url}/splitserve/transfers/{transfer_id}",
-                                               timeout=aiohttp.ClientTimeout(total=2.0)) as r:
-                    await r.read()
-            except TRANSPORT_ERRORS as exc:  # the lease frees it anyway
-                log.info("could not discard transfer %s on %s: %s", transfer_id, d_url, exc)
-
-        task = asyncio.get_running_loop().create_task(send())
-        self._discards.add(task)
-        task.add_done_callback(self._discards.discard)
+            if pre.transfer is not None:
+                pre.transfer.via.release(pre.transfer)
 
     async def _relay(self, r: aiohttp.ClientResponse, joiner: Joiner, t: Timings,
-                     kv_on: str | None) -> AsyncIterator[dict[str, Any]]:
+                     tr: Transfer | None, replayed: int) -> AsyncIterator[dict[str, Any]]:
         """D's SSE events as the client's chunks. Reads the body to its end (past `[DONE]`), so
-        a finished leg's connection is reused rather than closed. `kv_on`: the D this leg's
-        KV went to (None when it recomputes)."""
+        a finished leg's connection is reused rather than closed. `tr`: the transfer this leg
+        loads (None when it recomputes); `replayed`: tokens D generates again first, dropped
+        here once checked against what the client has."""
         rest = b""
         async for piece in r.content.iter_any():
             lines = (rest + piece if rest else piece).split(b"\n")
@@ -330,32 +325,44 @@ class Flow:
                 c = choices[0]
                 if t.d_first is None:
                     t.d_first = time.monotonic()
-                    if kv_on and self.registry.token and t.record_fetch is None:
+                    if tr is not None and t.record_fetch is None:
                         t.record_fetch = asyncio.get_running_loop().create_task(
-                            self._fetch_record(t, kv_on))
-                yield joiner.tokens(c.get("text") or "", list(c.get("token_ids") or []),
-                                    c.get("finish_reason"), c.get("stop_reason"))
+                            self._fetch_record(t, tr, tr.decode.url))
+                ids = list(c.get("token_ids") or [])
+                text = c.get("text") or ""
+                if replayed:
+                    ids, text, replayed = self._drop_replayed(joiner, ids, text, replayed)
+                    if not ids and c.get("finish_reason") is None:
+                        continue
+                yield joiner.tokens(text, ids, c.get("finish_reason"), c.get("stop_reason"))
+
+    @staticmethod
+    def _drop_replayed(joiner: Joiner, ids: list[int], text: str, pending: int
+                       ) -> tuple[list[int], str, int]:
+        """One chunk of D's stream less the tokens it replays: (ids, text, still pending)."""
+        try:
+            rest = drop_replayed(ids, joiner.produced, pending)
+        except ValueError as exc:
+            raise LegFailed("replay_mismatch", str(exc)) from exc
+        if rest and joiner.text_stream is None:
+            # the worker's text of the new tokens cannot be told apart from the replayed ones
+            raise LegFailed("replay_mismatch", "a chunk mixes replayed and new tokens")
+        return rest, text if rest else "", pending - (len(ids) - len(rest))
 
     async def transfer_record(self, t: Timings, timeout_s: float = 0.5) -> None:
-        """D's record of the transfer into `t.kv` (best effort: timings only). Uses the one
-        fetched while D streamed when that one is final, else asks D now."""
-        if not t.transfer_id or not t.decode_url or not self.registry.token:
+        """The connector's record of the transfer into `t.kv` (best effort: timings only). Uses
+        the one fetched while D streamed when that one is final, else asks D now."""
+        tr = t.transfer
+        if tr is None or not t.transfer_id or not t.decode_url:
             return
         if t.record_fetch is not None:
-            await t.record_fetch  # never raises: `_fetch_record` logs and swallows
-            if (t.kv or {}).get("status") in FINAL_STATUS:
+            await t.record_fetch  # never raises: `record` logs and swallows
+            if t.kv and tr.via.record_final(t.kv):
                 return
-        await self._fetch_record(t, t.decode_url, timeout_s)
+        await self._fetch_record(t, tr, t.decode_url, timeout_s)
 
-    async def _fetch_record(self, t: Timings, d_url: str, timeout_s: float = 0.5) -> None:
-        try:
-            async with self.session.get(
-                    f"{d_url}/splitserve/transfers/{t.transfer_id}",
-                    timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
-                raw = await r.read()
-            if r.status == 200:
-                body = json.loads(raw)
-                # D's side of the transfer; the record is either flat or keyed by side
-                t.kv = body.get("recv") if isinstance(body.get("recv"), dict) else body
-        except (*TRANSPORT_ERRORS, ValueError) as exc:
-            log.info("no transfer record for %s: %s", t.transfer_id, exc)
+    async def _fetch_record(self, t: Timings, tr: Transfer, at_url: str,
+                            timeout_s: float = 0.5) -> None:
+        record = await tr.via.record(tr, at_url, timeout_s)
+        if record is not None:
+            t.kv = record

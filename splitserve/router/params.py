@@ -221,14 +221,19 @@ def prefill_body(legs: Legs, model: str, kv: dict[str, Any] | None) -> dict[str,
 
 
 def decode_body(legs: Legs, model: str, prompt_ids: list[int], produced: list[int],
-                kv: dict[str, Any] | None) -> dict[str, Any]:
+                kv: dict[str, Any] | None, replayed: int = 0) -> dict[str, Any]:
     """D: prompt + the tokens produced so far, the rest of the budget. Always streams and always
-    returns token ids, so the router can count tokens and resume elsewhere without loss."""
+    returns token ids, so the router can count tokens and resume elsewhere without loss.
+    `replayed`: the last tokens of `produced` left out of the prompt, for D to generate again
+    (they count toward D's budget)."""
     body = dict(legs.tokenwise)
     body.pop("truncate_prompt_tokens", None)  # P already truncated; D's prompt is P's ids
-    remaining = None if legs.max_tokens is None else legs.max_tokens - len(produced)
-    body.update(model=model, prompt=prompt_ids + produced, max_tokens=remaining, stream=True,
-                return_token_ids=True, min_tokens=max(legs.min_tokens - len(produced), 0),
+    if not 0 <= replayed <= len(produced):
+        raise ValueError(f"replayed must be within the {len(produced)} tokens produced")
+    kept = len(produced) - replayed
+    remaining = None if legs.max_tokens is None else legs.max_tokens - kept
+    body.update(model=model, prompt=prompt_ids + produced[:kept], max_tokens=remaining,
+                stream=True, return_token_ids=True, min_tokens=max(legs.min_tokens - kept, 0),
                 stream_options={"include_usage": True})
     if remaining is None:
         body.pop("max_tokens")

@@ -7,108 +7,16 @@ failure paths down exactly."""
 from __future__ import annotations
 
 import asyncio
-import json
-import socket
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
 from typing import Any
 
-import httpx
 import pytest
 from aiohttp import web
-from aiohttp.test_utils import TestServer
+from scripted import PREFILL_OK, chunk, closed_port, make_flow, sse_reply, started, workers
 
-from splitserve.router.config import RouterConfig
 from splitserve.router.failures import UpstreamError
-from splitserve.router.flow import Flow, Timings
-from splitserve.router.formats import Joiner
-from splitserve.router.health import Registry
-from splitserve.router.metrics import RouterMetrics
-from splitserve.router.params import Legs, plan_legs
-from splitserve.router.policy import Overloaded, Picker
-from splitserve.router.whole import new_session
-
-Handler = Callable[[str, web.Request], Awaitable[web.StreamResponse]]
-PREFILL_OK = {"choices": [{"text": "a", "token_ids": [10], "prompt_token_ids": [1, 2, 3],
-                           "finish_reason": "length", "stop_reason": None}],
-              "system_fingerprint": "fp"}
-
-
-def chunk(text: str, tok: int, finish: str | None = None) -> bytes:
-    c = {"choices": [{"index": 0, "text": text, "token_ids": [tok], "finish_reason": finish,
-                      "stop_reason": None}]}
-    return f"data: {json.dumps(c)}\n\n".encode()
-
-
-async def sse_reply(request: web.Request, parts: list[bytes], cut: bool = False
-                    ) -> web.StreamResponse:
-    """Stream `parts`; then end like vLLM (`[DONE]`), or die mid-body like a crashed worker."""
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-    await resp.prepare(request)
-    for p in parts:
-        await resp.write(p)
-    if cut:
-        assert request.transport is not None
-        request.transport.close()  # the chunked body never ends: the client sees it cut
-        return resp
-    await resp.write(b"data: [DONE]\n\n")
-    await resp.write_eof()
-    return resp
-
-
-def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@asynccontextmanager
-async def workers(handler: Handler, names: tuple[str, ...]) -> AsyncIterator[dict[str, str]]:
-    """One scripted worker per name; `handler(name, request)` answers for each of them."""
-    servers: list[TestServer] = []
-    urls: dict[str, str] = {}
-    try:
-        for name in names:
-            app = web.Application()
-
-            async def route(request: web.Request, name: str = name) -> web.StreamResponse:
-                return await handler(name, request)
-
-            app.router.add_route("*", "/{tail:.*}", route)
-            server = TestServer(app, host="127.0.0.1")
-            await server.start_server()
-            servers.append(server)
-            urls[name] = f"http://127.0.0.1:{server.port}"
-        yield urls
-    finally:
-        for server in servers:
-            await server.close()
-
-
-@asynccontextmanager
-async def make_flow(urls: dict[str, str], token: str | None = None
-                    ) -> AsyncIterator[tuple[Flow, RouterMetrics]]:
-    role = {"p": "prefill", "d": "decode", "c": "colocated"}
-    by_role = {r: tuple(u for n, u in urls.items() if role[n[0]] == r) for r in role.values()}
-    cfg = RouterConfig(prefill=by_role["prefill"], decode=by_role["decode"],
-                       colocated=by_role["colocated"], retry_backoff_s=0.0)
-    async with httpx.AsyncClient() as client:  # the registry's (health checks: not run here)
-        reg = Registry(cfg, client, token=token)
-        for w in reg.workers.values():
-            w.healthy = True
-        metrics = RouterMetrics()
-        session = new_session(cfg, token)
-        try:
-            yield Flow(cfg, reg, Picker("load", "load"), metrics, session, "m", 0, 2048), metrics
-        finally:
-            await session.close()
-
-
-def started(legs: Legs, pre: Any) -> Joiner:
-    joiner = Joiner(legs, "rid", "m")
-    joiner.start(pre.prompt_ids, pre.fingerprint)
-    joiner.tokens(pre.t1_text, pre.t1_ids, None, None)
-    return joiner
+from splitserve.router.flow import Timings
+from splitserve.router.params import plan_legs
+from splitserve.router.policy import Overloaded
 
 
 async def test_prefill_retries_elsewhere_and_decode_resumes_without_loss() -> None:
@@ -241,7 +149,9 @@ async def test_request_ending_at_t1_needs_no_decode_and_moves_no_kv() -> None:
         pre = await flow.prefill(more, "rid", Timings())
         kv = bodies[-1]["kv_transfer_params"]
         assert kv["do_remote_decode"] and kv["remote_port"] == 5 and kv["transport"] == "tcp"
-        assert pre.kv == {"do_remote_prefill": True, "transfer_id": kv["transfer_id"]}
+        assert pre.transfer is not None
+        assert pre.transfer.decode_params == {"do_remote_prefill": True,
+                                              "transfer_id": kv["transfer_id"]}
         # the chosen D is held from the moment it is picked, so a burst spreads over both Ds
         assert pre.reserved and pre.decode is not None and pre.decode.inflight == 1
         second = await flow.prefill(more, "rid2", Timings())
@@ -254,9 +164,8 @@ async def test_request_ending_at_t1_needs_no_decode_and_moves_no_kv() -> None:
             if len(discarded) == 2:
                 break
             await asyncio.sleep(0.01)
-    assert pre.kv is not None and second.kv is not None
-    assert sorted(discarded) == sorted([str(pre.kv["transfer_id"]),
-                                        str(second.kv["transfer_id"])])
+    assert pre.transfer is not None and second.transfer is not None
+    assert sorted(discarded) == sorted([pre.transfer.transfer_id, second.transfer.transfer_id])
     assert auth == {"Bearer tok"}  # every request to a worker carries the deployment token
 
 
@@ -287,7 +196,7 @@ async def test_transfer_record_is_fetched_while_d_streams() -> None:
         legs = plan_legs({"model": "m", "prompt": "x", "max_tokens": 3, "stream": True},
                          "completion", "x")
         pre = await flow.prefill(legs, "rid", t := Timings())
-        assert pre.kv is not None
+        assert pre.transfer is not None
         _ = [c async for c in flow.decode(legs, "rid", pre, started(legs, pre), t)]
         await flow.transfer_record(t)
     assert gets == ["d1"] and t.kv is not None and t.kv["status"] == "loaded"

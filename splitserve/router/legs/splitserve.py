@@ -1,0 +1,91 @@
+"""The leg protocol of splitserve's own connector: P pushes the KV to D as it computes it.
+
+- P's leg names the transfer and D's KV endpoint (from D's `/splitserve/info`):
+  `{"do_remote_decode": true, "transfer_id", "remote_host", "remote_port", "remote_engine_id",
+  "transport"}`.
+- D's leg claims the transfer: `{"do_remote_prefill": true, "transfer_id"}`; D is sent
+  prompt + [t1]. Nothing of P's answer is needed beyond its tokens.
+- Release: `DELETE /splitserve/transfers/{id}` on D frees the staged KV (or refuses a push not
+  begun); D's lease frees it anyway if that request is lost.
+- Record: `GET /splitserve/transfers/{id}` on D.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Any
+
+import aiohttp
+
+from splitserve.router.failures import TRANSPORT_ERRORS
+from splitserve.router.health import Worker
+from splitserve.router.legs.base import LegProtocol, Transfer
+
+log = logging.getLogger("splitserve.router")
+FINAL_STATUS = frozenset({"loaded", "failed", "expired", "discarded", "aborted"})  # D's record
+
+
+class SplitserveLegs(LegProtocol):
+    connector = "splitserve"
+
+    def __init__(self, session: aiohttp.ClientSession, token: str | None,
+                 transport: str | None = None) -> None:
+        self.session = session  # its default headers carry the deployment token
+        self.token = token  # the transfer routes need it: without one, no release or record
+        self.transport = transport  # per-transfer transport; None: what D advertises
+        self._releases: set[asyncio.Task[None]] = set()  # in-flight DELETEs (kept referenced)
+
+    def open(self, p: Worker, d: Worker, transfer_id: str) -> Transfer | None:
+        endpoint = d.kv_endpoint(self.transport)
+        if endpoint is None:
+            return None
+        return Transfer(self, transfer_id, p, d, {"do_remote_decode": True,
+                                                  "transfer_id": transfer_id, **endpoint})
+
+    def received(self, transfer: Transfer, answer: dict[str, Any]) -> None:
+        transfer.decode_params = {"do_remote_prefill": True,
+                                  "transfer_id": transfer.transfer_id}
+
+    def release(self, transfer: Transfer) -> None:
+        if transfer.released:
+            return
+        transfer.released = True
+        if not self.token:
+            return
+        url = f"{transfer.decode.url}/splitserve/transfers/{transfer.transfer_id}"
+
+        async def send() -> None:
+            try:
+                async with self.session.delete(url, timeout=aiohttp.ClientTimeout(total=2.0)
+                                               ) as r:
+                    await r.read()
+            except TRANSPORT_ERRORS as exc:  # the lease frees it anyway
+                log.info("could not discard transfer %s on %s: %s", transfer.transfer_id,
+                         transfer.decode.url, exc)
+
+        task = asyncio.get_running_loop().create_task(send())
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
+
+    async def record(self, transfer: Transfer, at_url: str,
+                     timeout_s: float = 0.5) -> dict[str, Any] | None:
+        if not self.token:
+            return None
+        try:
+            async with self.session.get(
+                    f"{at_url}/splitserve/transfers/{transfer.transfer_id}",
+                    timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+                raw = await r.read()
+            if r.status != 200:
+                return None
+            body = json.loads(raw)
+        except (*TRANSPORT_ERRORS, ValueError) as exc:
+            log.info("no transfer record for %s: %s", transfer.transfer_id, exc)
+            return None
+        # D's side of the transfer; the record is either flat or keyed by side
+        return body.get("recv") if isinstance(body.get("recv"), dict) else body
+
+    def record_final(self, record: dict[str, Any]) -> bool:
+        return record.get("status") in FINAL_STATUS
