@@ -38,8 +38,9 @@ class TransferRecord:
     copy_forward_s: float = 0.0
     sender_layers_s: float = 0.0
     sender_sends_s: float = 0.0  # P, tcp: the sender putting forward-copied layers on the socket
-    # Wall time (epoch s) P's last layer of the last chunk was handed to the channel: the end of
-    # P's last layer. P stamps it; D takes it from END (same clock on one host).
+    # Wall time (epoch s) the forward pass of the last chunk ended (vLLM's wait_for_save, before
+    # the logits): the end of P's last layer. P stamps it; D takes it from END (same clock on
+    # one host).
     last_layer_s: float | None = None
     # Seconds the bytes were actually moving: P's copies (forward thread and sender) plus the
     # sender's sends, summed when END goes out; D takes it from END.

@@ -144,9 +144,6 @@ class PushChannel(ABC):
     def push_layer(self, item: LayerItem) -> None:
         """Called on the forward thread right after the layer's KV was written (see contract)."""
         st = self._states.get(item.transfer_id)
-        if (st is not None and item.layer == self.shape.num_layers - 1
-                and item.end == st.num_tokens):
-            st.record.last_layer_s = time.time()  # the end of P's last layer
         if st is not None and not st.settled and not self._faults.marks(item.transfer_id):
             t0 = time.perf_counter()
             try:
@@ -164,6 +161,10 @@ class PushChannel(ABC):
         self._queue.put(("send", ready))
 
     def end(self, transfer_id: str) -> None:
+        """After the forward pass that computed the transfer's last chunk (every layer done)."""
+        st = self._states.get(transfer_id)
+        if st is not None:
+            st.record.last_layer_s = time.time()  # the end of P's last layer
         self._queue.put(("end", transfer_id))
 
     def cancel(self, transfer_id: str) -> None:
