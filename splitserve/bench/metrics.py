@@ -8,6 +8,15 @@ Per request (client clock; a request's clock starts when it is sent):
 - handover = the first of those gaps (t1 → t2 at the client: the P→D handover when split);
   `*_itl_after_first_ms` are the ITL statistics without it (a diagnostic, not vLLM's ITL).
 
+Interference (ours): a long prompt's prefill window is [send, first chunk] of a request of kind
+`long` (the interference workload's long-document class; other workloads have none, and then
+the ratios are null); one that failed before its first token keeps [send, end of its response].
+Every ITL gap (a, b) of a successful request is "during" when it overlaps any window
+(a < window end and b > window start), else "outside"; a request's own gaps all follow its own
+window, so only other requests' prefills count. `itl_interference_p{50,99}_ratio` is the ratio
+during / outside of the gaps' p50 and p99: 1.0 means decode runs as fast during a long prefill
+as outside one.
+
 Failed requests (any error) are counted in `failed` and `errors`, and count as SLO misses; they
 never vanish from the denominators of attainment. Percentiles use numpy's linear interpolation
 (as vLLM does). Keys follow vLLM's result JSON where the meaning is the same; ours add p90,
@@ -16,6 +25,7 @@ p99.9 (`p999_*`) and max. Statistics of an empty set are `null`.
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections import Counter
 from collections.abc import Iterable, Sequence
@@ -27,6 +37,7 @@ import numpy as np
 from splitserve.bench.client import RequestRecord
 
 STATS = ("mean", "median", "std", "p90", "p99", "p999", "max")
+LONG_KIND = "long"  # the request kind whose prefill windows the interference ratio uses
 GOODPUT_TARGET = 0.9
 
 
@@ -156,6 +167,57 @@ def server_timing_stats(records: Sequence[RequestRecord]) -> dict[str, dict[str,
             for k, v in sorted(values.items())}
 
 
+def prefill_windows(records: Sequence[RequestRecord]) -> list[tuple[float, float]]:
+    """[send, first chunk] of every long prompt, merged where they overlap, in time order (a
+    long prompt that failed before its first token: [send, end of its response])."""
+    spans = sorted((r.send_s, r.chunk_times[0] if r.chunk_times else max(r.end_s, r.send_s))
+                   for r in records if r.kind == LONG_KIND)
+    merged: list[tuple[float, float]] = []
+    for start, end in spans:
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def split_gaps(records: Sequence[RequestRecord], windows: Sequence[tuple[float, float]]
+               ) -> tuple[list[float], list[float]]:
+    """(gaps overlapping a window, gaps overlapping none), per chunk, of successful requests."""
+    starts = [s for s, _ in windows]
+    during: list[float] = []
+    outside: list[float] = []
+    for r in records:
+        t = r.chunk_times if r.ok else []
+        for a, b in zip(t, t[1:], strict=False):
+            i = bisect.bisect_left(starts, b) - 1  # the last window starting before b
+            (during if i >= 0 and a < windows[i][1] else outside).append(b - a)
+    return during, outside
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def interference(records: Sequence[RequestRecord]) -> dict[str, Any]:
+    """The ITL interference keys: p50 and p99 of the gaps during and outside long prefills
+    (ms), their ratios, and the counts on each side (see the module docstring)."""
+    windows = prefill_windows(records)
+    during, outside = split_gaps(records, windows)
+    out: dict[str, Any] = {"itl_interference_long_prompts": sum(
+        r.kind == LONG_KIND for r in records)}
+    for side, gaps in (("during", during), ("outside", outside)):
+        arr = np.asarray(gaps, dtype=float) * 1000.0
+        out[f"itl_interference_{side}_count"] = len(gaps)
+        out[f"median_itl_{side}_prefill_ms"] = float(np.median(arr)) if gaps else None
+        out[f"p99_itl_{side}_prefill_ms"] = float(np.percentile(arr, 99)) if gaps else None
+    out["itl_interference_p50_ratio"] = _ratio(out["median_itl_during_prefill_ms"],
+                                               out["median_itl_outside_prefill_ms"])
+    out["itl_interference_p99_ratio"] = _ratio(out["p99_itl_during_prefill_ms"],
+                                               out["p99_itl_outside_prefill_ms"])
+    return out
+
+
 def _kind_stats(records: Sequence[RequestRecord]) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for kind in sorted({r.kind for r in records}):
@@ -204,15 +266,19 @@ def compute_metrics(records: Sequence[RequestRecord], duration_s: float,
     result |= stats_ms([x for x in map(handover_s, ok) if x is not None], "handover")
     # Diagnostic: the pooled ITL without each request's first gap (the handover when split).
     result |= stats_ms([g for r in ok for g in itls_s(r)[1:]], "itl_after_first")
+    result |= interference(records)
     result["by_kind"] = _kind_stats(records)
     result["server_timings"] = server_timing_stats(records)
-    for key in ("kv_transfer_ms", "kv_transfer_s"):
-        if key in result["server_timings"]:
-            scale = 1000.0 if key.endswith("_s") else 1.0
-            st = result["server_timings"][key]
-            result["mean_kv_transfer_ms"] = st["mean"] * scale
-            result["median_kv_transfer_ms"] = st["median"] * scale
-            result["p99_kv_transfer_ms"] = st["p99"] * scale
+    # splitserve's router: kv_transfer_s is BEGIN -> END, kv_tail_s the exposed tail
+    for name, keys in (("kv_transfer", ("kv_transfer_ms", "kv_transfer_s")),
+                       ("kv_tail", ("kv_tail_s",))):
+        for key in keys:
+            if key in result["server_timings"]:
+                scale = 1000.0 if key.endswith("_s") else 1.0
+                st = result["server_timings"][key]
+                result[f"mean_{name}_ms"] = st["mean"] * scale
+                result[f"median_{name}_ms"] = st["median"] * scale
+                result[f"p99_{name}_ms"] = st["p99"] * scale
     # Per-request arrays, as in vLLM's result JSON (failed requests: ttft 0, errors set).
     result["input_lens"] = [r.input_len for r in records]
     result["output_lens"] = [output_tokens(r) if r.ok else 0 for r in records]

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from splitserve.bench.client import RequestRecord
-from splitserve.bench.metrics import itls_s, ttft_s
+from splitserve.bench.metrics import itls_s, prefill_windows, ttft_s
 from splitserve.bench.runner import records_of
 
 TABLE_ROWS: tuple[tuple[str, str], ...] = (
@@ -27,7 +27,11 @@ TABLE_ROWS: tuple[tuple[str, str], ...] = (
     ("median_itl_ms", "ITL p50 ms"), ("p90_itl_ms", "ITL p90 ms"),
     ("p99_itl_ms", "ITL p99 ms"), ("p999_itl_ms", "ITL p99.9 ms"), ("max_itl_ms", "ITL max ms"),
     ("p99_itl_after_first_ms", "ITL p99 w/o 1st gap ms"),
-    ("median_handover_ms", "handover p50 ms"), ("median_kv_transfer_ms", "KV transfer p50 ms"),
+    ("itl_interference_p50_ratio", "ITL interference p50 (during / outside long prefill)"),
+    ("itl_interference_p99_ratio", "ITL interference p99 (during / outside long prefill)"),
+    ("median_handover_ms", "handover p50 ms"),
+    ("median_kv_transfer_ms", "KV transfer BEGIN->END p50 ms"),
+    ("median_kv_tail_ms", "KV exposed tail p50 ms"),
     ("slo_attainment", "SLO attainment"), ("request_goodput", "goodput req/s"),
     ("distserve_goodput", "DistServe goodput req/s"),
 )
@@ -44,6 +48,10 @@ def fmt(v: Any) -> str:
 def table_rows(results: Mapping[str, dict[str, Any]]) -> list[list[str]]:
     rows = [[label] + [fmt(r.get(key)) for r in results.values()]
             for key, label in TABLE_ROWS if any(r.get(key) is not None for r in results.values())]
+    if any(r.get("itl_interference_long_prompts") for r in results.values()):
+        rows.append(["ITL gaps during / outside long prefill"] + [
+            f"{r.get('itl_interference_during_count', '–')} / "
+            f"{r.get('itl_interference_outside_count', '–')}" for r in results.values()])
     rows.append(["long-prompt TTFT p50 ms"] + [
         fmt(r.get("by_kind", {}).get("long", {}).get("median_ttft_ms"))
         for r in results.values()])
@@ -120,7 +128,8 @@ def _plt() -> Any:
 
 
 def plot_itl_over_time(results: Mapping[str, dict[str, Any]], path: Path) -> Path:
-    """One panel per system: each chunk gap at its arrival time; long-prompt sends marked."""
+    """One panel per system: each chunk gap at its arrival time; the long prompts' prefill
+    windows ([send, first token], as the interference ratio counts them) shaded."""
     plt = _plt()
     fig, axes = plt.subplots(len(results), 1, figsize=(10, 2.6 * len(results)), sharex=True,
                              sharey=True,
@@ -130,9 +139,9 @@ def plot_itl_over_time(results: Mapping[str, dict[str, Any]], path: Path) -> Pat
         xs = [t for r in recs for t in r.chunk_times[1:] if r.ok]
         ys = [g * 1000 for r in recs for g in itls_s(r)]
         ax.scatter(xs, ys, s=3, alpha=0.5, label="chunk gap")
-        for i, r in enumerate(x for x in recs if x.kind == "long"):
-            ax.axvline(r.send_s, color="red", alpha=0.4, lw=1,
-                       label="long prompt sent" if i == 0 else None)
+        for i, (start, end) in enumerate(prefill_windows(recs)):
+            ax.axvspan(start, end, color="red", alpha=0.15, lw=0,
+                       label="long prompt's prefill (send to first token)" if i == 0 else None)
         ax.set_yscale("log")
         ax.set_ylabel("ITL (ms)")
         ax.set_title(name, fontsize=10)
@@ -223,7 +232,8 @@ def render_html(results: Mapping[str, dict[str, Any]], plots: Mapping[str, Path]
         f"<details><summary>run sheet: {esc(n)}</summary><pre>"
         f"{esc(json.dumps(_clean(r.get('run_sheet', {})), indent=1))}</pre></details>"
         for n, r in results.items())
-    verdict = f"<p><b>{esc(verdict_line)}</b></p>" if verdict_line else ""
+    verdict = ("<p><b>" + "<br/>".join(esc(x) for x in verdict_line.splitlines()) + "</b></p>"
+               if verdict_line else "")
     return (
         "<!doctype html><html><head><meta charset='utf-8'><title>splitserve bench</title>"
         "<style>body{font-family:sans-serif;max-width:1100px;margin:auto}"
