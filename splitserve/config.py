@@ -107,7 +107,7 @@ class WorkerConfig:
     on_transfer_failure: FailurePolicy = "recompute"
     dtype: str = "float32"
     kv_cache_gib: int = 1
-    max_model_len: int = 8192
+    max_model_len: int | None = None  # None: the model's own length, as vLLM derives it
     max_num_batched_tokens: int | None = None
     served_model_name: str | None = None
     staging_bytes: int = 512 * 1024**2
@@ -134,6 +134,8 @@ class WorkerConfig:
             raise ValueError(f"cpus must be a non-empty list of core ids, got {self.cpus}")
         if self.kv_cache_gib < 1:
             raise ValueError("kv_cache_gib must be a whole number of GiB, at least 1")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError("max_model_len must be positive (omit it for the model's own)")
         if self.shutdown_timeout_s < 0:
             raise ValueError("shutdown_timeout_s must not be negative (0: abort in-flight)")
         if self.role is not None and self.kv_port == 0:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -27,21 +28,44 @@ LOG_DIR = Path(os.environ.get("SPLITSERVE_TEST_LOGS", "/tmp/splitserve-test-logs
 
 # Small shapes keep start-up and prefill fast; a wide initializer keeps greedy decoding free of
 # near-tied logits (no position is skipped in the comparisons).
+# Workers start with each model's own length (2,048 positions here), as vLLM does.
 TEST_SPECS = {
     "llama": ModelSpec(arch="llama", vocab_size=1024, hidden_size=128, intermediate_size=256,
-                       num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, seed=1),
+                       num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
+                       max_position_embeddings=2048, seed=1),
     "qwen2": ModelSpec(arch="qwen2", vocab_size=1024, hidden_size=128, intermediate_size=256,
-                       num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, seed=2),
+                       num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
+                       max_position_embeddings=2048, seed=2),
     "qwen3": ModelSpec(arch="qwen3", vocab_size=1024, hidden_size=128, intermediate_size=256,
-                       num_layers=2, num_heads=4, num_kv_heads=1, head_dim=64, seed=3),
+                       num_layers=2, num_heads=4, num_kv_heads=1, head_dim=64,
+                       max_position_embeddings=2048, seed=3),
 }
+# The llama test model's weights with 32,768 positions (a long-context model's config).
+TEST_SPECS["llama-32k"] = replace(TEST_SPECS["llama"], max_position_embeddings=32768)
+# One sequence of its 131,072 positions needs 2 GiB of KV (16 KiB a token): more than 1 GiB.
+TEST_SPECS["llama-128k-wide-kv"] = ModelSpec(
+    arch="llama", vocab_size=1024, hidden_size=128, intermediate_size=256, num_layers=8,
+    num_heads=4, num_kv_heads=4, head_dim=64, max_position_embeddings=131072, seed=4)
 
 
-def make_checkpoint(root: Path, arch: str) -> Path:
-    out = root / arch
+def make_checkpoint(root: Path, name: str) -> Path:
+    """The checkpoint of `TEST_SPECS[name]` under `root` (built once)."""
+    out = root / name
     if not (out / "model.safetensors").exists():
-        build_checkpoint(out, TEST_SPECS[arch])
+        build_checkpoint(out, TEST_SPECS[name])
     return out
+
+
+def hub_cache(hf_home: Path, repo_id: str, checkpoint: Path, commit: str) -> Path:
+    """A Hugging Face hub cache under `hf_home` holding `checkpoint` as `repo_id` at `commit`,
+    laid out as the hub's downloads are (`hub/models--org--name/snapshots/<commit>/`, with
+    `refs/main` naming the commit). Returns the snapshot directory."""
+    repo = hf_home / "hub" / ("models--" + repo_id.replace("/", "--"))
+    snapshot = repo / "snapshots" / commit
+    shutil.copytree(checkpoint, snapshot)
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    return snapshot
 
 
 @dataclass
@@ -102,8 +126,7 @@ def launch(model: Path, name: str, role: str | None, env: dict[str, str] | None 
            **overrides: object) -> Worker:
     """Start one worker and wait until it is healthy."""
     cfg = WorkerConfig(model=str(model), port=free_port(), role=role,  # type: ignore[arg-type]
-                       kv_port=free_port() if role else 0, max_model_len=2048,
-                       staging_bytes=64 * 1024**2)
+                       kv_port=free_port() if role else 0, staging_bytes=64 * 1024**2)
     cfg = replace(cfg, **overrides)  # type: ignore[arg-type]
     LOG_DIR.mkdir(parents=True, exist_ok=True)
     log = LOG_DIR / f"{name}-{cfg.port}.log"
@@ -119,7 +142,7 @@ def launch(model: Path, name: str, role: str | None, env: dict[str, str] | None 
                 os.environ[k] = v
     worker = Worker(cfg, proc, log)
     try:
-        wait_healthy(cfg.url, proc, timeout_s=600, token=TOKEN)
+        wait_healthy(cfg.url, proc, timeout_s=600, token=TOKEN, log=log)
     except BaseException:
         worker.stop()
         raise

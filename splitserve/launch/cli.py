@@ -13,6 +13,7 @@ from splitserve.config import ConnectorConfig
 from splitserve.connector.tls import client_context, server_context
 from splitserve.launch.config import DeploymentConfig, from_mapping, load_yaml
 from splitserve.launch.local import LocalDeployment
+from splitserve.secretflags import add_secret_guards
 from splitserve.worker.cli import add_tls_arguments, parse_cpus
 
 
@@ -20,7 +21,8 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, object]:
     model = "embedded" if args.embedded else args.model
     return {
         "prefill": args.prefill, "decode": args.decode, "colocated": args.colocated,
-        "model": model, "dtype": args.dtype, "transport": args.transport, "host": args.host,
+        "model": model, "revision": args.revision, "dtype": args.dtype,
+        "transport": args.transport, "host": args.host,
         "port": args.port, "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_model_len": args.max_model_len, "kv_cache_gib": args.kv_cache_gib,
         "cpus": args.cpus, "router_cpus": args.router_cpus, "log_dir": args.log_dir,
@@ -69,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
                 return 1
     except KeyboardInterrupt:
         return 0
-    except (RuntimeError, TimeoutError) as exc:
+    except (RuntimeError, TimeoutError, ValueError) as exc:
         print(f"splitserve serve: {exc}", file=sys.stderr)
         return 1
     finally:
@@ -92,16 +94,21 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--colocated", type=int, default=None, metavar="K",
                    help="colocated (plain vLLM) workers: the baseline")
     model = p.add_mutually_exclusive_group()
-    model.add_argument("--model", default=None, help="model directory")
+    model.add_argument("--model", default=None,
+                       help="model directory, or Hugging Face model id (org/name)")
     model.add_argument("--embedded", action="store_true",
                        help="the embedded demo model (the default)")
+    p.add_argument("--revision", default=None,
+                   help="branch, tag or commit of a Hugging Face model id (default: main)")
     p.add_argument("--transport", choices=("tcp", "shm"), default=None)
     p.add_argument("--dtype", choices=("float32", "bfloat16", "auto"), default=None)
     p.add_argument("--host", default=None)
     p.add_argument("--port", type=int, default=None, help="router port (default 8000)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--kv-cache-gib", type=int, default=None)
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="longest sequence, prompt and output (default: the model's own length)")
+    p.add_argument("--kv-cache-gib", type=int, default=None,
+                   help="each worker's KV cache in GiB (VLLM_CPU_KVCACHE_SPACE; default 1)")
     p.add_argument("--cpus", type=parse_cpus, default=None, help="cores to use, e.g. 0-7")
     p.add_argument("--router-cpus", type=parse_cpus, default=None,
                    help="the router's cores (default: one of its own when there are more "
@@ -109,4 +116,5 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--log-dir", default=None)
     p.add_argument("--unsplittable", choices=("whole", "refuse"), default=None)
     add_tls_arguments(p)
+    add_secret_guards(p)
     p.set_defaults(func=run, vllm_args=[])

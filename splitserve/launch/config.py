@@ -2,7 +2,8 @@
 
 YAML keys are the field names below; `router:` holds the router's policy fields. Example:
 
-    model: embedded          # or a model directory
+    model: embedded          # or a model directory, or a Hugging Face model id (org/name)
+    revision: main           # optional: branch, tag or commit of a hub id
     prefill: 1
     decode: 1
     transport: tcp
@@ -20,7 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from splitserve.config import TRANSPORTS, check_tls_files
+from splitserve.hub import check_model_name
 from splitserve.router.config import DECODE_POLICIES, PREFILL_POLICIES, UNSPLITTABLE_MODES
+from splitserve.secretflags import check_passthrough
 
 ROUTER_KEYS = ("prefill_policy", "decode_policy", "unsplittable", "max_inflight")
 
@@ -30,13 +33,15 @@ class DeploymentConfig:
     prefill: int = 0
     decode: int = 0
     colocated: int = 0
-    model: str = "embedded"  # a model directory, or "embedded" for the generated demo model
+    # a model directory, a Hugging Face model id, or "embedded" for the generated demo model
+    model: str = "embedded"
+    revision: str | None = None  # of a hub id (default: main)
     dtype: str = "float32"
     transport: str = "tcp"
     host: str = "127.0.0.1"
     port: int = 8000  # the router's port; workers get free loopback ports
     max_num_batched_tokens: int | None = None
-    max_model_len: int = 8192
+    max_model_len: int | None = None  # None: the model's own length
     kv_cache_gib: int = 1
     staging_mib: int = 512
     cpus: tuple[int, ...] | None = None  # cores to use (default: this process's affinity)
@@ -80,8 +85,15 @@ class DeploymentConfig:
             raise ValueError(f"decode_policy must be one of {DECODE_POLICIES}")
         if self.unsplittable not in UNSPLITTABLE_MODES:
             raise ValueError(f"unsplittable must be one of {UNSPLITTABLE_MODES}")
-        if self.model != "embedded" and not Path(self.model).is_dir():
-            raise ValueError(f"model directory {self.model!r} does not exist")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError("max_model_len must be positive (omit it for the model's own)")
+        if self.model == "embedded":
+            if self.revision is not None:
+                raise ValueError("revision applies to a Hugging Face model id, not the embedded "
+                                 "model")
+        else:
+            check_model_name(self.model, self.revision)
+        check_passthrough(self.worker_args)
         check_tls_files(self.kv_tls_cert, self.kv_tls_key, self.kv_tls_ca, prefix="kv_tls_")
         if self.kv_tls_cert is not None and not self.prefill:
             raise ValueError("kv TLS encrypts the channel between prefill and decode workers; "

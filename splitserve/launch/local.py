@@ -12,7 +12,6 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import signal
 import subprocess
@@ -24,10 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from splitserve.config import TOKEN_ENV, WorkerConfig, new_token
+from splitserve.hub import resolve_model
 from splitserve.launch.config import DeploymentConfig
-from splitserve.worker.launch import free_port, wait_healthy, worker_command
-
-PR_SET_PDEATHSIG = 1
+from splitserve.worker.launch import child_preexec, free_port, wait_healthy, worker_command
 
 
 @dataclass(frozen=True)
@@ -57,15 +55,6 @@ def plan_cores(cores: list[int], n_workers: int) -> CorePlan:
                     "so they slow each other down")
 
 
-def _child_setup(cpus: tuple[int, ...] | None) -> Callable[[], None]:
-    def setup() -> None:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        if cpus:
-            os.sched_setaffinity(0, cpus)
-    return setup
-
-
 @dataclass
 class Child:
     name: str
@@ -83,7 +72,8 @@ class LocalDeployment:
         self.token = new_token()
         self.children: list[Child] = []
         self.workers: list[WorkerConfig] = []
-        self.model_dir = cfg.model
+        self.model_dir = cfg.model  # the directory every worker and the router load
+        self.served_name: str | None = None
         self.core_note = ""
         stamp = time.strftime("%Y%m%d-%H%M%S")
         self.log_dir = Path(cfg.log_dir or Path(".splitserve") / "logs" / f"{stamp}-{os.getpid()}")
@@ -97,7 +87,7 @@ class LocalDeployment:
         log = self.log_dir / f"{name}.log"
         with open(log, "ab") as out:
             proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                    preexec_fn=_child_setup(cpus), start_new_session=True)
+                                    preexec_fn=child_preexec(cpus), start_new_session=True)
         child = Child(name, url, proc, log)
         self.children.append(child)
         return child
@@ -114,7 +104,6 @@ class LocalDeployment:
         roles: list[tuple[str, str | None]] = (
             [("prefill", "prefill")] * cfg.prefill + [("decode", "decode")] * cfg.decode
             + [("colocated", None)] * cfg.colocated)
-        served = "splitserve-demo" if cfg.model == "embedded" else None
         out = []
         for i, ((kind, role), cpus) in enumerate(zip(roles, plan.workers, strict=True)):
             out.append((f"{kind}{i}", WorkerConfig(
@@ -122,7 +111,8 @@ class LocalDeployment:
                 host=cfg.host, cpus=cpus, kv_port=free_port(cfg.host) if role else 0,
                 transport=cfg.transport, dtype=cfg.dtype,  # type: ignore[arg-type]
                 kv_cache_gib=cfg.kv_cache_gib, max_model_len=cfg.max_model_len,
-                max_num_batched_tokens=cfg.max_num_batched_tokens, served_model_name=served,
+                max_num_batched_tokens=cfg.max_num_batched_tokens,
+                served_model_name=self.served_name,
                 staging_bytes=cfg.staging_mib * 1024**2, extra_args=cfg.worker_args,
                 # one certificate for every connector worker (plain workers have no KV channel)
                 kv_tls_cert=cfg.kv_tls_cert if role else None,
@@ -138,7 +128,10 @@ class LocalDeployment:
         if cfg.model == "embedded":
             from splitserve.demo_model import embedded_model_dir
 
-            self.model_dir = str(embedded_model_dir())
+            self.model_dir, self.served_name = str(embedded_model_dir()), "splitserve-demo"
+        else:  # one resolution: every worker and the router load the same snapshot
+            source = resolve_model(cfg.model, cfg.revision)
+            self.model_dir, self.served_name = source.path, source.name
         planned = self.plan_workers()
         self.say(f"splitserve: cores: {self.core_note}")
         try:
@@ -152,17 +145,18 @@ class LocalDeployment:
                          + f" (log {child.log})")
             with ThreadPoolExecutor(len(self.children)) as pool:
                 list(pool.map(lambda c: wait_healthy(c.url, c.proc, cfg.startup_timeout_s,
-                                                      self.token),
+                                                      self.token, c.log),
                               list(self.children)))
             self._start_router(planned)
-            wait_healthy(self.url, self.children[-1].proc, cfg.startup_timeout_s)
+            wait_healthy(self.url, self.children[-1].proc, cfg.startup_timeout_s,
+                         log=self.children[-1].log)
         except BaseException:
             self.stop()
             raise
         shape = "+".join(f"{n}{k}" for n, k in ((cfg.prefill, "P"), (cfg.decode, "D"),
                                                  (cfg.colocated, " colocated")) if n)
         self.say(f"splitserve: ready — OpenAI endpoint {self.url}/v1 ({shape}, "
-                 f"model {self.model_dir})")
+                 f"model {self.served_name or self.model_dir})")
         return self.url
 
     def _start_router(self, planned: list[tuple[str, WorkerConfig]]) -> None:

@@ -18,8 +18,7 @@ from splitserve.router.config import (
     UNSPLITTABLE_MODES,
     RouterConfig,
 )
-
-API_KEY_ENV = "SPLITSERVE_API_KEY"
+from splitserve.secretflags import API_KEY_ENV, add_secret_guards
 
 
 def add_router_arguments(p: argparse.ArgumentParser) -> None:
@@ -30,7 +29,10 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--model", default=None,
-                   help="model directory for the chat template (default: the workers' model)")
+                   help="model directory or Hugging Face model id, for the tokenizer and chat "
+                        "template (default: the workers' model directory)")
+    p.add_argument("--revision", default=None,
+                   help="branch, tag or commit of a Hugging Face --model (default: main)")
     p.add_argument("--prefill-policy", choices=PREFILL_POLICIES, default="load")
     p.add_argument("--decode-policy", choices=DECODE_POLICIES, default="load")
     p.add_argument("--unsplittable", choices=UNSPLITTABLE_MODES, default="whole",
@@ -57,12 +59,16 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM: stop accepting, give in-flight requests this long, exit")
     p.add_argument("--log-level", default="info")
+    add_secret_guards(p)
 
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
+    from splitserve.hub import resolve_model
+
+    model_dir = resolve_model(args.model, args.revision).path if args.model else None
     return RouterConfig(
         prefill=tuple(args.prefill), decode=tuple(args.decode), colocated=tuple(args.colocated),
-        host=args.host, port=args.port, model_dir=args.model,
+        host=args.host, port=args.port, model_dir=model_dir,
         prefill_policy=args.prefill_policy, decode_policy=args.decode_policy,
         unsplittable=args.unsplittable, kv_transport=args.kv_transport,
         health_interval_s=args.health_interval, health_timeout_s=args.health_timeout,

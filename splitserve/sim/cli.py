@@ -92,6 +92,19 @@ def _sim_config(args: argparse.Namespace, prof: Profile) -> SimConfig:
                      split_costs=not args.no_split_costs)
 
 
+def _model_path(name: str | None) -> str | None:
+    """A model directory or config file as given; a Hugging Face model id resolved to its
+    snapshot directory (splitserve.hub, as the workers resolve it)."""
+    if name is None or Path(name).exists():
+        return name
+    from splitserve.hub import resolve_model
+
+    try:
+        return resolve_model(name).path
+    except ValueError as exc:
+        raise SystemExit(f"splitserve: {exc}") from None
+
+
 def _label(cfg: SimConfig) -> str:
     if cfg.mode == "disagg":
         return f"sim:{cfg.n_prefill}P{cfg.n_decode}D"
@@ -120,8 +133,10 @@ def run_profile(args: argparse.Namespace) -> int:
         overrides: dict[str, Any] = {k: v for k, v in (
             ("flops", args.flops), ("mem_bw", args.mem_bw), ("link_bw", args.link_bw),
             ("memory_bytes", args.memory_bytes)) if v is not None}
-        prof = analytic_profile(ModelConfig.from_hf(args.model_config, args.dtype_bytes),
-                                replace(hw, **overrides), args.token_budget)
+        model = ModelConfig.from_hf(_model_path(args.model_config) or "", args.dtype_bytes)
+        if not Path(args.model_config).exists():  # a hub id: named by it, not its snapshot
+            model = replace(model, name=args.model_config)
+        prof = analytic_profile(model, replace(hw, **overrides), args.token_budget)
     else:
         from splitserve.sim.profile import ProfilePlan, profile_worker
 
@@ -131,7 +146,7 @@ def run_profile(args: argparse.Namespace) -> int:
         if args.quick:
             plan = replace(plan, prefill_lens=(16, 256, 1024, 2048), prefill_repeats=2,
                            decode_batches=(1, 4, 8), decode_prompt_lens=(32, 1024))
-        prof = profile_worker(args.url, plan, args.model_dir, args.transfer_json,
+        prof = profile_worker(args.url, plan, _model_path(args.model_dir), args.transfer_json,
                               probe_tcp=not args.no_tcp_probe)
     save_profile(prof, args.out)
     print(f"{prof.kind} profile of {prof.model.name} on {prof.engine.name} "
@@ -269,7 +284,7 @@ def run_validate(args: argparse.Namespace) -> int:
     else:
         from splitserve.demo_model import embedded_model_dir
 
-        model = args.model_dir or str(embedded_model_dir())
+        model = _model_path(args.model_dir) or str(embedded_model_dir())
         with local_worker(model, args.cpus, cfg.token_budget or prof.token_budget) as url:
             if args.reprofile:  # calibrate on this very worker, under today's conditions
                 from splitserve.sim.profile import ProfilePlan, profile_worker
@@ -327,7 +342,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     prof = sub.add_parser("profile", help="measure a worker's step costs (or derive them)")
     prof.add_argument("--url", help="a running vLLM worker's base URL")
     prof.add_argument("--out", default="profile.json")
-    prof.add_argument("--model-dir", help="model directory (default: the worker's model root)")
+    prof.add_argument("--model-dir", help="model directory or Hugging Face model id (default: "
+                      "the worker's model root)")
     prof.add_argument("--token-budget", type=int, default=None,
                       help="the worker's max_num_batched_tokens (default: vLLM's, 2048 on "
                       "CPU; with --analytic, vLLM's default on that GPU)")
@@ -341,7 +357,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     prof.add_argument("--base", metavar="PROFILE", help="the plain workers' profile (--split)")
     g = prof.add_argument_group("analytic (GPU) profile")
     g.add_argument("--analytic", action="store_true")
-    g.add_argument("--model-config", help="HF config.json (or its directory)")
+    g.add_argument("--model-config", help="HF config.json, its directory, or a Hugging Face "
+                   "model id")
     g.add_argument("--hardware", default="h100-sxm",
                    choices=("a100-80g", "h100-sxm", "h200", "l40s"))
     g.add_argument("--dtype-bytes", type=int, default=2)
@@ -365,7 +382,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     val.add_argument("--rates", type=_rates, default=(), help="load levels, e.g. 0.5,1,2")
     val.add_argument("--url", help="a running deployment (default: start one: a plain worker "
                      "for --mode chunked --workers 1, else splitserve's launcher)")
-    val.add_argument("--model-dir", help="model for the local worker (default: embedded)")
+    val.add_argument("--model-dir", help="model directory or Hugging Face model id for the "
+                     "local worker (default: embedded)")
     val.add_argument("--cpus", type=parse_cpus,
                      help="cores for the local worker or deployment, e.g. 0,1")
     val.add_argument("--router-cpus", type=parse_cpus,

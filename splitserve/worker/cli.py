@@ -1,14 +1,35 @@
-"""`splitserve worker`: one vLLM server in a role, with splitserve's connector configured."""
+"""`splitserve worker`: one vLLM server in a role, with splitserve's connector configured.
+
+vLLM runs as this process's child, in a session of its own: SIGINT and SIGTERM are passed on to
+it (once), its output passes through unchanged, it is killed if this process dies, and its exit
+status is ours. When it fails to start for a reason one of our flags fixes (a KV cache too small
+for the model's length), a last line says which (`splitserve.worker.diagnose`).
+"""
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
+import subprocess
 import sys
+import threading
+from collections import deque
+from types import FrameType
+from typing import IO
 
 from splitserve.config import FAILURE_POLICIES, ROLES, TRANSPORTS, WorkerConfig, load_token
 from splitserve.connector.tls import client_context, server_context
-from splitserve.worker.launch import check_vllm_version, free_port, worker_command
+from splitserve.secretflags import add_secret_guards, check_passthrough
+from splitserve.worker.diagnose import explain_start_failure
+from splitserve.worker.launch import (
+    check_vllm_version,
+    child_preexec,
+    free_port,
+    worker_command,
+)
+
+TAIL_LINES = 400  # of vLLM's output, kept to explain a failed start
 
 
 def parse_cpus(text: str) -> tuple[int, ...]:
@@ -34,9 +55,11 @@ def add_tls_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     model = p.add_mutually_exclusive_group(required=True)
-    model.add_argument("--model", help="Hugging Face model directory")
+    model.add_argument("--model", help="model directory, or Hugging Face model id (org/name)")
     model.add_argument("--embedded", action="store_true",
                        help="serve the embedded demo model (generated on first use)")
+    p.add_argument("--revision", default=None,
+                   help="branch, tag or commit of a Hugging Face model id (default: main)")
     p.add_argument("--role", choices=ROLES, default=None,
                    help="prefill, decode or both; omit for plain vLLM (no connector)")
     p.add_argument("--host", default="127.0.0.1")
@@ -46,8 +69,10 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--transport", choices=TRANSPORTS, default="tcp")
     p.add_argument("--on-transfer-failure", choices=FAILURE_POLICIES, default="recompute")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "auto"), default="float32")
-    p.add_argument("--kv-cache-gib", type=int, default=1)
-    p.add_argument("--max-model-len", type=int, default=8192)
+    p.add_argument("--kv-cache-gib", type=int, default=1,
+                   help="KV cache memory in GiB (sets VLLM_CPU_KVCACHE_SPACE)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="longest sequence, prompt and output (default: the model's own length)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--staging-mib", type=int, default=512, help="decode-side KV staging area")
     p.add_argument("--kv-load-timeout", type=float, default=30.0,
@@ -55,19 +80,23 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-lease", type=float, default=60.0,
                    help="seconds staged KV waits for its decode request before it is freed")
     add_tls_arguments(p)
+    add_secret_guards(p)
 
 
 def config_from_args(args: argparse.Namespace, extra: list[str]) -> WorkerConfig:
     from splitserve.demo_model import embedded_model_dir
+    from splitserve.hub import ModelSource, resolve_model
 
-    model = str(embedded_model_dir()) if args.embedded else args.model
+    check_passthrough(extra)
+    source = (ModelSource(str(embedded_model_dir()), "splitserve-demo") if args.embedded
+              else resolve_model(args.model, args.revision))
     kv_port = args.kv_port or (free_port(args.host) if args.role else 0)
     return WorkerConfig(
-        model=model, port=args.port, role=args.role, host=args.host, cpus=args.cpus,
+        model=source.path, port=args.port, role=args.role, host=args.host, cpus=args.cpus,
         kv_port=kv_port, transport=args.transport, on_transfer_failure=args.on_transfer_failure,
         dtype=args.dtype, kv_cache_gib=args.kv_cache_gib, max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens,
-        served_model_name="splitserve-demo" if args.embedded else None,
+        served_model_name=source.name,
         staging_bytes=args.staging_mib * 1024**2, load_timeout_s=args.kv_load_timeout,
         lease_s=args.kv_lease, kv_tls_cert=args.kv_tls_cert, kv_tls_key=args.kv_tls_key,
         kv_tls_ca=args.kv_tls_ca, extra_args=tuple(extra),
@@ -94,10 +123,38 @@ def run(args: argparse.Namespace) -> int:
           + (f", kv {cfg.transport}://{cfg.host}:{cfg.kv_port}" if cfg.role else "")
           + (" (TLS)" if cfg.kv_tls_cert else "")
           + (f", cpus {','.join(map(str, cfg.cpus))}" if cfg.cpus else ""), flush=True)
-    if cfg.cpus:
-        os.sched_setaffinity(0, cfg.cpus)
-    os.execvpe(argv[0], argv, env)
-    return 0  # not reached
+    return supervise(argv, env, cfg.cpus)
+
+
+def _pump(src: IO[bytes], tail: deque[bytes]) -> None:
+    for line in iter(src.readline, b""):
+        sys.stdout.buffer.write(line)
+        sys.stdout.buffer.flush()
+        tail.append(line)
+
+
+def supervise(argv: list[str], env: dict[str, str], cpus: tuple[int, ...] | None) -> int:
+    """Run vLLM to its end; return its exit status (128 + signal when a signal ended it)."""
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            preexec_fn=child_preexec(cpus), start_new_session=True)
+
+    def forward(signum: int, frame: FrameType | None) -> None:
+        if proc.poll() is None:
+            proc.send_signal(signum)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, forward)
+    tail: deque[bytes] = deque(maxlen=TAIL_LINES)
+    assert proc.stdout is not None
+    pump = threading.Thread(target=_pump, args=(proc.stdout, tail), daemon=True)
+    pump.start()
+    code = proc.wait()
+    pump.join()
+    if code != 0:
+        why = explain_start_failure(b"".join(tail).decode(errors="replace"))
+        if why:
+            print(f"splitserve worker: {why}", file=sys.stderr, flush=True)
+    return 128 - code if code < 0 else code
 
 
 def register(sub: argparse._SubParsersAction) -> None:

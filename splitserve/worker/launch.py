@@ -2,20 +2,24 @@
 
 `worker_command(cfg)` gives the argv and environment; `start_worker` runs it as a child process;
 `wait_healthy` waits for `/health`. The launcher and the tests use these; `splitserve worker`
-execs the same command in place.
+runs the same command as its child.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import random
+import signal
 import socket
 import subprocess
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
 from importlib import metadata
+from pathlib import Path
 
 import httpx
 
@@ -26,7 +30,9 @@ from splitserve.config import (
     WorkerConfig,
     bearer_headers,
 )
+from splitserve.worker.diagnose import explain_log
 
+PR_SET_PDEATHSIG = 1
 CONNECTOR_CLASS = "SplitserveConnector"
 CONNECTOR_MODULE = "splitserve.connector.vllm"
 
@@ -109,12 +115,13 @@ def worker_command(cfg: WorkerConfig, token: str | None) -> tuple[list[str], dic
         "--host", cfg.host,
         "--port", str(cfg.port),
         "--dtype", cfg.dtype,
-        "--max-model-len", str(cfg.max_model_len),
         "--enforce-eager",
         "--disable-uvicorn-access-log",
         # SIGTERM drains: vLLM stops taking requests and finishes in-flight ones (0: abort them)
         "--shutdown-timeout", str(cfg.shutdown_timeout_s),
     ]
+    if cfg.max_model_len is not None:  # else vLLM derives the model's own length
+        argv += ["--max-model-len", str(cfg.max_model_len)]
     if cfg.served_model_name:
         argv += ["--served-model-name", cfg.served_model_name]
     if cfg.max_num_batched_tokens is not None:
@@ -145,6 +152,17 @@ def worker_command(cfg: WorkerConfig, token: str | None) -> tuple[list[str], dic
     return argv, env
 
 
+def child_preexec(cpus: tuple[int, ...] | None) -> Callable[[], None]:
+    """Run in a child before it execs: it gets SIGKILL when its parent dies
+    (PR_SET_PDEATHSIG), and runs on `cpus` when given."""
+    def setup() -> None:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+    return setup
+
+
 def start_worker(cfg: WorkerConfig, token: str | None, log_path: str | None = None
                  ) -> subprocess.Popen[bytes]:
     argv, env = worker_command(cfg, token)
@@ -157,14 +175,19 @@ def start_worker(cfg: WorkerConfig, token: str | None, log_path: str | None = No
 
 
 def wait_healthy(url: str, proc: subprocess.Popen[bytes] | None = None,
-                 timeout_s: float = 300.0, token: str | None = None) -> None:
-    """Block until `url/health` answers 200; raise if the process exits, the worker wants a
-    token we do not hold, or time runs out."""
+                 timeout_s: float = 300.0, token: str | None = None,
+                 log: str | Path | None = None) -> None:
+    """Block until `url/health` answers 200; raise if the process exits (with what its `log`
+    says went wrong, when recognised), the worker wants a token we do not hold, or time runs
+    out."""
     deadline = time.monotonic() + timeout_s
     headers = bearer_headers(token)
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"worker {url} exited with code {proc.returncode} while starting")
+            why = explain_log(log) if log is not None else None
+            raise RuntimeError(f"worker {url} exited with code {proc.returncode} while starting"
+                               + (f": {why}" if why else "")
+                               + (f" (log {log})" if log is not None else ""))
         try:
             status = httpx.get(f"{url}/health", headers=headers, timeout=2.0).status_code
         except httpx.HTTPError:

@@ -1,0 +1,118 @@
+"""Where a worker's model comes from, and flags a vLLM user tries that splitserve refuses: a hub
+id resolved through an offline hub cache (in a fresh process, as every worker resolves it),
+model names checked without resolving them, the model's own length when no --max-model-len is
+given, and secret-taking flags refused with the variable to set instead (no vLLM process)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from workers import hub_cache
+
+from splitserve.cli import main
+from splitserve.config import WorkerConfig
+from splitserve.hub import check_model_name, download_ignore_patterns
+from splitserve.launch.config import DeploymentConfig
+from splitserve.worker.launch import worker_command
+
+SECRET = "s3cr3t-value"
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+RESOLVE = """
+import json, sys
+from splitserve.hub import resolve_model
+out = []
+for model, rev in json.loads(sys.argv[1]):
+    try:
+        src = resolve_model(model, rev)
+        out.append({"path": src.path, "name": src.name})
+    except ValueError as exc:
+        out.append({"error": str(exc)})
+print(json.dumps(out))
+"""
+
+
+def resolve_offline(hf_home: Path, *cases: tuple[str, str | None]) -> list[dict]:
+    """`resolve_model` on each (model, revision) in a process whose environment is a user's:
+    HF_HOME names the cache, HF_HUB_OFFLINE=1 forbids the network."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE"))}
+    env |= {"HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1"}
+    out = subprocess.run([sys.executable, "-c", RESOLVE, json.dumps(cases)], env=env,
+                         capture_output=True, text=True, timeout=120, check=True)
+    return json.loads(out.stdout)
+
+
+def test_a_hub_id_resolves_to_its_cached_snapshot_offline(llama_ckpt: Path, tmp_path: Path
+                                                          ) -> None:
+    snapshot = hub_cache(tmp_path / "hf", "org/name", llama_ckpt, COMMIT)
+    by_main, by_commit, other_rev, other_repo, local = resolve_offline(
+        tmp_path / "hf", ("org/name", None), ("org/name", COMMIT), ("org/name", "v2"),
+        ("org/other", None), (str(llama_ckpt), None))
+    assert by_main == by_commit == {"path": str(snapshot), "name": "org/name"}
+    assert (Path(by_main["path"]) / "model.safetensors").is_file()
+    for missing in (other_rev, other_repo):
+        assert "not in the Hugging Face cache" in missing["error"]
+        assert "HF_HUB_OFFLINE" in missing["error"]
+    assert "v2" in other_rev["error"]
+    assert local == {"path": str(llama_ckpt), "name": None}  # a directory is served as itself
+
+
+def test_model_names_are_checked_without_resolving(tmp_path: Path) -> None:
+    check_model_name(str(tmp_path))
+    check_model_name("Qwen/Qwen2.5-0.5B-Instruct", "main")
+    for bad, message in (("/no/such/dir", "does not exist"), ("./rel/dir", "does not exist"),
+                         ("org/na me", "neither a directory nor")):
+        with pytest.raises(ValueError, match=message):
+            check_model_name(bad)
+    with pytest.raises(ValueError, match="revision"):
+        check_model_name(str(tmp_path), "main")
+    assert DeploymentConfig(colocated=1, model="org/name", revision="v1").model == "org/name"
+    with pytest.raises(ValueError, match="revision"):
+        DeploymentConfig(colocated=1, revision="v1")
+
+
+def test_a_download_takes_one_weight_format() -> None:
+    both = ["config.json", "model.safetensors", "pytorch_model.bin", "original/consolidated.pth"]
+    skip = download_ignore_patterns(both)
+    assert "*.bin" in skip and "*.safetensors" not in skip and "original/*" in skip
+    assert "*.bin" not in download_ignore_patterns(["config.json", "pytorch_model.bin"])
+
+
+def test_the_models_own_length_unless_a_flag_gives_one() -> None:
+    argv, _ = worker_command(WorkerConfig(model="m", port=8000), None)
+    assert "--max-model-len" not in argv  # vLLM derives the model's own length
+    argv, _ = worker_command(WorkerConfig(model="m", port=8000, max_model_len=4096), None)
+    assert argv[argv.index("--max-model-len") + 1] == "4096"
+    with pytest.raises(ValueError, match="max_model_len"):
+        WorkerConfig(model="m", port=8000, max_model_len=0)
+    assert DeploymentConfig(colocated=1).max_model_len is None
+
+
+@pytest.mark.parametrize("argv, names", [
+    (["worker", "--embedded", "--port", "8000", "--api-key", SECRET], "SPLITSERVE_API_KEY"),
+    (["worker", "--embedded", "--port", "8000", "--api-key=" + SECRET], "SPLITSERVE_API_KEY"),
+    (["serve", "--colocated", "1", "--api-key", SECRET], "SPLITSERVE_API_KEY"),
+    (["router", "--colocated", "http://127.0.0.1:1", "--api-key", SECRET], "SPLITSERVE_API_KEY"),
+    (["worker", "--embedded", "--port", "8000", "--token", SECRET], "SPLITSERVE_TOKEN"),
+    (["serve", "--colocated", "1", "--hf-token", SECRET], "HF_TOKEN"),
+])
+def test_secret_flags_name_the_variable(argv: list[str], names: str,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and names in err
+    assert "unrecognized arguments" not in err and SECRET not in err
+
+
+@pytest.mark.parametrize("command", [["worker", "--port", "8000"], ["serve", "--colocated", "1"]])
+def test_secret_flags_passed_through_to_vllm_are_refused(
+        command: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([*command, "--model", str(tmp_path), "--", "--api-key", SECRET]) == 2
+    err = capsys.readouterr().err
+    assert "SPLITSERVE_API_KEY" in err and "after `--`" in err and SECRET not in err
