@@ -29,7 +29,8 @@ from pathlib import Path
 import torch
 
 from splitserve.connector.faults import Faults
-from splitserve.connector.layout import KVShape, chunk_views, copy_tokens, paged_kv, region_offset
+from splitserve.connector.layout.cpu import VllmCpuLayout
+from splitserve.connector.layout.staging_format import KVShape, region_offset
 from splitserve.connector.listener import KVListener
 from splitserve.connector.protocol import Fingerprint
 from splitserve.connector.segment import SharedSegment
@@ -58,7 +59,7 @@ def ours(ch: PushChannel, tokens: int, staging: StagingArea, src: list[torch.Ten
     t0 = time.perf_counter()
     ch.begin(tid, tokens, SHAPE.transfer_bytes(tokens), 30.0)
     for layer, cache in enumerate(src):
-        ch.push_layer(LayerItem(tid, layer, 0, tokens, paged_kv(cache), blocks))
+        ch.push_layer(LayerItem(tid, layer, 0, tokens, VllmCpuLayout(cache), blocks))
     ch.end(tid)
     while not (st := ch.poll(tid)).settled:
         time.sleep(0.0002)
@@ -68,10 +69,8 @@ def ours(ch: PushChannel, tokens: int, staging: StagingArea, src: list[torch.Ten
     nbytes = tokens * SHAPE.bytes_per_token_layer
     for layer, cache in enumerate(dst):  # the loader's copy into D's blocks
         base = staged.offset + region_offset(SHAPE, 0, tokens, layer)
-        k_rows, v_rows = chunk_views(staging.segment.tensor[base:base + nbytes].view(SHAPE.dtype),
-                                     SHAPE.num_kv_heads, SHAPE.head_dim, tokens)
-        k_paged, v_paged = paged_kv(cache)
-        copy_tokens(k_paged, v_paged, blocks, k_rows, v_rows, 0, tokens, 0, to_paged=True)
+        VllmCpuLayout(cache).scatter(blocks, 0, tokens, staging.segment.tensor[base:base + nbytes],
+                                     0)
     elapsed = time.perf_counter() - t0
     staging.release(staged, "loaded")
     return elapsed

@@ -8,7 +8,8 @@ from collections.abc import Sequence
 
 import torch
 
-from splitserve.connector.layout import KVShape, chunk_views, copy_tokens, paged_kv, region_offset
+from splitserve.connector.layout.cpu import VllmCpuLayout
+from splitserve.connector.layout.staging_format import KVShape, region_offset
 from splitserve.connector.protocol import Fingerprint
 from splitserve.connector.staging import StagedTransfer, StagingArea
 from splitserve.connector.transport.base import LayerItem, PushChannel
@@ -23,7 +24,7 @@ def push(ch: PushChannel, tid: str, caches: list[torch.Tensor], blocks: tuple[in
     ch.begin(tid, n, SHAPE.transfer_bytes(n), ack_timeout_s=5.0)
     for s, e in chunks:
         for layer, cache in enumerate(caches):
-            ch.push_layer(LayerItem(tid, layer, s, e, paged_kv(cache), blocks))
+            ch.push_layer(LayerItem(tid, layer, s, e, VllmCpuLayout(cache), blocks))
     ch.end(tid)
 
 
@@ -48,10 +49,9 @@ def assert_staged_equals(staging: StagingArea, st: StagedTransfer, caches: list[
                          blocks: tuple[int, ...], chunks: Sequence[tuple[int, int]]) -> None:
     """Every chunk of every layer in D's staging area equals P's paged KV, token for token."""
     for layer, cache in enumerate(caches):
-        k_paged, v_paged = paged_kv(cache)
+        layout = VllmCpuLayout(cache)
         for s, e in chunks:
-            k_rows, v_rows = chunk_views(staged_region(staging, st.offset, s, e, layer).view(
-                torch.float32), SHAPE.num_kv_heads, SHAPE.head_dim, e - s)
-            k_ref, v_ref = torch.empty_like(k_rows), torch.empty_like(v_rows)
-            copy_tokens(k_paged, v_paged, blocks, k_ref, v_ref, s, e, s, to_paged=False)
-            assert torch.equal(k_rows, k_ref) and torch.equal(v_rows, v_ref)
+            staged = staged_region(staging, st.offset, s, e, layer)
+            ref = torch.empty_like(staged)
+            layout.gather(blocks, s, e, ref)
+            assert torch.equal(staged, ref)

@@ -19,7 +19,7 @@ from typing import Any
 import xxhash
 
 from splitserve.connector.faults import Faults
-from splitserve.connector.layout import region_offset
+from splitserve.connector.layout.staging_format import region_offset
 from splitserve.connector.protocol import (
     Fingerprint,
     Op,

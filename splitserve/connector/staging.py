@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 
 from splitserve.connector.donetable import DoneTable
-from splitserve.connector.layout import KVShape
+from splitserve.connector.layout.staging_format import KVShape
 from splitserve.connector.segment import SharedSegment
 from splitserve.connector.stats import ConnectorStats, TransferRecord
 

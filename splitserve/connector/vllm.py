@@ -23,6 +23,7 @@ from vllm.v1.core.sched.output import SchedulerOutput
 
 from splitserve.config import ConnectorConfig
 from splitserve.connector.donetable import table_path
+from splitserve.connector.layout.paged import EngineKV
 from splitserve.connector.scheduler import SchedulerSide, SplitserveMeta
 
 if TYPE_CHECKING:
@@ -71,7 +72,23 @@ class SplitserveConnector(KVConnectorBase_V1):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self._worker is not None
-        self._worker.register_kv_caches(kv_caches)
+        self._worker.register_kv_caches(kv_caches, self._engine_kv(kv_caches))
+
+    def _engine_kv(self, kv_caches: dict[str, torch.Tensor]) -> EngineKV:
+        """The engine's facts about its KV cache, from which the paged layout is chosen."""
+        from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
+
+        cfg = self._vllm_config
+        kcc = self._kv_cache_config
+        layout = cfg.cache_config.kv_cache_layout or (kcc.kv_cache_layout if kcc else None)
+        first = next(iter(kv_caches.values()), None)
+        return EngineKV(
+            device=first.device.type if first is not None else "cpu",
+            backends=tuple(b.get_name() for b in get_current_attn_backends(cfg)),
+            cache_layout=layout, use_mla=bool(cfg.model_config.use_mla),
+            spec_kinds=tuple(sorted({type(g.kv_cache_spec).__name__
+                                     for g in (kcc.kv_cache_groups if kcc else [])})),
+        )
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         if self._worker is not None and isinstance(kv_connector_metadata, SplitserveMeta):

@@ -24,14 +24,9 @@ from vllm.logger import init_logger  # noqa: E402
 from splitserve.config import ConnectorConfig, load_token
 from splitserve.connector.donetable import DoneTable, table_path
 from splitserve.connector.faults import Faults
-from splitserve.connector.layout import (
-    KVShape,
-    chunk_views,
-    copy_tokens,
-    paged_kv,
-    region_offset,
-    verify_paged_layout,
-)
+from splitserve.connector.layout.paged import EngineKV, PagedLayout, kv_shape
+from splitserve.connector.layout.select import select_layouts
+from splitserve.connector.layout.staging_format import KVShape, region_offset
 from splitserve.connector.listener import KVListener
 from splitserve.connector.protocol import Fingerprint, config_hash
 from splitserve.connector.scheduler import LoadSpec, SaveSpec, SplitserveMeta
@@ -82,7 +77,7 @@ class WorkerSide:
         self._vllm_version = vllm_version
         self.stats = ConnectorStats()
         self._layers: dict[str, int] = {}
-        self._paged: list[torch.Tensor] = []
+        self._layouts: list[PagedLayout] = []
         self.shape: KVShape | None = None
         self.fingerprint: Fingerprint | None = None
         self.staging: StagingArea | None = None
@@ -93,19 +88,20 @@ class WorkerSide:
         self._load_errors: set[int] = set()  # blocks of failed synchronous loads
 
     # -- setup -------------------------------------------------------------------------------
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor], engine: EngineKV) -> None:
+        """Choose and verify the paged layout (refusing a cache no layout reads), then open
+        the listener (and, on D, the staging area)."""
         names = sorted(kv_caches, key=_layer_index)
         self._layers = {n: i for i, n in enumerate(names)}
-        first = kv_caches[names[0]]
-        verify_paged_layout(first)
-        self._paged = [paged_kv(kv_caches[n]) for n in names]
-        _, heads, _, head_dim = self._paged[0][1].shape
-        self.shape = KVShape(len(names), heads, head_dim, first.dtype)
-        logger.info("splitserve connector: role=%s transport=%s kv=%s:%d tls=%s layers=%d "
-                    "kv_heads=%d head_dim=%d block_size=%d dtype=%s", self.cfg.role,
+        self._layouts = select_layouts([(n, kv_caches[n]) for n in names], engine)
+        first = self._layouts[0]
+        self.shape = kv_shape(self._layouts)
+        heads, head_dim = self.shape.num_kv_heads, self.shape.head_dim
+        logger.info("splitserve connector: role=%s transport=%s kv=%s:%d tls=%s layout=%s "
+                    "layers=%d kv_heads=%d head_dim=%d block_size=%d dtype=%s", self.cfg.role,
                     self.cfg.transport, self.cfg.kv_host, self.cfg.kv_port,
                     ("mutual" if self.cfg.tls_ca else "on") if self.cfg.tls_enabled else "off",
-                    len(names), heads, head_dim, first.shape[2], first.dtype)
+                    first.name, len(names), heads, head_dim, first.block_size, first.dtype)
         self.fingerprint = Fingerprint(
             config_hash=config_hash(self._hf_config), dtype=str(self._dtype).replace("torch.", ""),
             num_layers=len(names), num_kv_heads=heads, head_dim=head_dim,
@@ -171,8 +167,8 @@ class WorkerSide:
     def save_kv_layer(self, meta: SplitserveMeta, layer_name: str, kv_layer: torch.Tensor
                       ) -> None:
         layer = self._layers[layer_name]
-        paged = self._paged[layer]
-        if kv_layer.data_ptr() != paged[0].data_ptr():
+        layout = self._layouts[layer]
+        if not layout.holds(kv_layer):
             # on purpose not a per-transfer failure: every copy would read memory that is no
             # longer this layer's cache, so the engine must stop rather than serve
             raise RuntimeError(f"vLLM moved the KV cache of {layer_name} after registration")
@@ -185,7 +181,7 @@ class WorkerSide:
             if send.ended:
                 continue
             send.channel.push_layer(LayerItem(spec.transfer_id, layer, spec.start, spec.end,
-                                              paged, spec.block_ids))
+                                              layout, spec.block_ids))
 
     def wait_for_save(self, meta: SplitserveMeta) -> None:
         for spec in meta.saves:
@@ -221,7 +217,7 @@ class WorkerSide:
             result = "internal_error"
         if result != "ok":
             spec = load.spec
-            bs = self._paged[0][0].shape[3]
+            bs = self._layouts[0].block_size
             self._load_errors |= set(spec.block_ids[spec.start // bs:-(-spec.end // bs)])
 
     def take_load_errors(self) -> set[int]:
@@ -238,12 +234,9 @@ class WorkerSide:
             if lo >= end:
                 continue  # D already had these tokens in its prefix cache
             nbytes = (end - start) * shape.bytes_per_token_layer
-            for layer, (k_paged, v_paged) in enumerate(self._paged):
+            for layer, layout in enumerate(self._layouts):
                 base = st.offset + region_offset(shape, start, end, layer)
-                k_rows, v_rows = chunk_views(seg[base:base + nbytes].view(shape.dtype),
-                                             shape.num_kv_heads, shape.head_dim, end - start)
-                copy_tokens(k_paged, v_paged, spec.block_ids, k_rows, v_rows, lo, end, start,
-                            to_paged=True)
+                layout.scatter(spec.block_ids, lo, end, seg[base:base + nbytes], start)
 
     def _poll_load(self, load: _Load, now: float) -> str | None:
         """None while waiting; "ok"; or a failure cause."""

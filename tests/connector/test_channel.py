@@ -11,7 +11,7 @@ import torch
 from channels import FP, SHAPE, assert_staged_equals, push, settle, staged_region
 
 from splitserve.connector.faults import Faults
-from splitserve.connector.layout import paged_kv
+from splitserve.connector.layout.cpu import VllmCpuLayout
 from splitserve.connector.listener import KVListener
 from splitserve.connector.staging import StagingArea
 from splitserve.connector.stats import ConnectorStats
@@ -128,10 +128,10 @@ def test_open_shm_transfer_is_copied_on_the_calling_thread(
     assert st.began.wait(5.0) and st.offset >= 0
     region = staged_region(staging, st.offset, 0, 120, 0)
     region.zero_()
-    ch.push_layer(LayerItem("inline-shm", 0, 0, 120, paged_kv(caches[0]), (2, 0)))
+    ch.push_layer(LayerItem("inline-shm", 0, 0, 120, VllmCpuLayout(caches[0]), (2, 0)))
     assert bool(region.any()) and len(st.unsent) == 1  # copied now; its frame held for END
     assert st.record.copy_forward_s > 0 and st.record.sender_layers_s == 0
-    ch.push_layer(LayerItem("inline-shm", 1, 0, 120, paged_kv(caches[1]), (2, 0)))
+    ch.push_layer(LayerItem("inline-shm", 1, 0, 120, VllmCpuLayout(caches[1]), (2, 0)))
     ch.end("inline-shm")
     assert settle(ch, "inline-shm") == "acked"
     staged = staging.claim("inline-shm")
@@ -183,7 +183,8 @@ def test_a_failing_copy_fails_its_transfer_not_the_caller(
     ch = channel("shm", lis.port)
     st = ch.begin("bad-blocks", 200, SHAPE.transfer_bytes(200), ack_timeout_s=5.0)
     assert st.began.wait(5.0)
-    ch.push_layer(LayerItem("bad-blocks", 0, 0, 200, paged_kv(torch.randn(2, 2, 64, 64)), (0,)))
+    layout = VllmCpuLayout(torch.randn(2, 2, 64, 64))
+    ch.push_layer(LayerItem("bad-blocks", 0, 0, 200, layout, (0,)))
     ch.end("bad-blocks")
     assert settle(ch, "bad-blocks") == "failed"
     assert ch.poll("bad-blocks").record.cause == "internal_error"

@@ -1,23 +1,27 @@
-"""Paged <-> staging copies, checked against vLLM's own CPU cache-write kernel."""
+"""Paged <-> staging copies, checked against vLLM's own CPU cache-write kernel; the layout
+factory's choice, and its refusal of caches it cannot read (vLLM 0.32's CUDA caches)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from vllm.v1.kv_cache_layout import KVCacheLayout
 
-from splitserve.connector.layout import (
-    KVShape,
+from splitserve.connector.layout.cpu import (
+    VllmCpuLayout,
     block_runs,
-    chunk_views,
     copy_tokens,
     paged_kv,
-    region_offset,
-    verify_paged_layout,
 )
+from splitserve.connector.layout.paged import EngineKV, UnsupportedKVCache
+from splitserve.connector.layout.select import select_layouts
+from splitserve.connector.layout.staging_format import KVShape, chunk_views, region_offset
+
+CPU = EngineKV("cpu", ("CPU_ATTN",), "LBHNC", spec_kinds=("FullAttentionSpec",))
 
 
 def test_layout_matches_vllm_kernel() -> None:
-    verify_paged_layout(torch.zeros(4, 2, 128, 128))  # raises if vLLM wrote elsewhere
+    VllmCpuLayout.verify(torch.zeros(4, 2, 128, 128), CPU)  # raises if vLLM wrote elsewhere
 
 
 def test_block_runs_merge_whole_consecutive_blocks() -> None:
@@ -46,6 +50,35 @@ def test_roundtrip_between_block_sizes(start: int, end: int) -> None:
         assert torch.equal(vd[dst_ids[bd], :, od], vs[src_ids[bs], :, os_])
 
 
+def test_layout_gather_is_the_staging_format_and_scatter_skips_known_tokens() -> None:
+    """`gather` writes K [H, D, n] then V [H, n, D] element by element as the staging format
+    says; `scatter` with region_start < start writes only [start, end) into the blocks."""
+    torch.manual_seed(2)
+    src, dst = torch.randn(6, 2, 16, 8), torch.zeros(9, 2, 32, 8)
+    p, d = VllmCpuLayout(src), VllmCpuLayout(dst)
+    src_ids, dst_ids = [5, 0, 3, 2], [8, 1, 4]
+    start, end, skip = 7, 60, 20
+    region = torch.empty((end - start) * p.bytes_per_token, dtype=torch.uint8)
+    p.gather(src_ids, start, end, region)
+    k_rows, v_rows = chunk_views(region.view(torch.float32), 2, 4, end - start)
+    for t in range(start, end):
+        block, slot = src_ids[t // 16], t % 16
+        for h in range(2):
+            k_block, v_block = src[block, h].view(-1).split(64)
+            assert torch.equal(k_rows[h, :, t - start], k_block.view(4, 16)[:, slot])
+            assert torch.equal(v_rows[h, t - start], v_block.view(16, 4)[slot])
+    d.scatter(dst_ids, skip, end, region, start)
+    kd, vd = paged_kv(dst)
+    for t in range(0, 96):
+        block, slot = dst_ids[t // 32], t % 32
+        if skip <= t < end:
+            assert torch.equal(kd[block, :, :, slot], k_rows[:, :, t - start])
+            assert torch.equal(vd[block, :, slot], v_rows[:, t - start])
+        else:
+            assert not kd[block, :, :, slot].any() and not vd[block, :, slot].any()
+    assert d.holds(dst) and not d.holds(src) and (p.block_size, d.block_size) == (16, 32)
+
+
 def test_region_offsets_tile_the_transfer() -> None:
     shape = KVShape(num_layers=3, num_kv_heads=2, head_dim=32, dtype=torch.float32)
     chunks = [(0, 100), (100, 256), (256, 300)]
@@ -63,3 +96,57 @@ def test_chunk_views_split_k_and_v() -> None:
     k, v = chunk_views(region, heads=2, head_dim=4, n=5)
     assert k.shape == (2, 4, 5) and v.shape == (2, 5, 4)
     assert k.flatten()[0] == 0 and v.flatten()[0] == 40
+
+
+def test_factory_chooses_the_cpu_layout_for_every_layer() -> None:
+    caches = [(f"model.layers.{i}.self_attn.attn", torch.zeros(4, 2, 32, 128)) for i in range(3)]
+    layouts = select_layouts(caches, CPU)
+    assert [type(lay) for lay in layouts] == [VllmCpuLayout] * 3
+    assert all(lay.holds(c) for lay, (_, c) in zip(layouts, caches, strict=True))
+    assert (layouts[0].num_kv_heads, layouts[0].head_dim, layouts[0].block_size) == (2, 64, 32)
+
+
+def cuda_layer_view(layout: KVCacheLayout, nb: int = 8, heads: int = 4, bs: int = 16,
+                    head_dim: int = 64) -> torch.Tensor:
+    """A layer's cache as vLLM 0.32 hands it to a CUDA attention backend: the logical view
+    [B, H, N, 2*D] of memory allocated in `layout`'s physical order (`create_kv_cache_views`)."""
+    logical = (nb, heads, bs, 2 * head_dim)
+    order = layout.layer_view_order
+    physical = torch.zeros(tuple(logical[i] for i in order))
+    return physical.permute(*[order.index(i) for i in range(4)])
+
+
+def refusal(caches: list[tuple[str, torch.Tensor]], engine: EngineKV) -> str:
+    with pytest.raises(UnsupportedKVCache) as err:
+        select_layouts(caches, engine)
+    msg = str(err.value)
+    assert "unpack" not in msg and "NixlConnector" in msg and "vLLM-CPU" in msg
+    return msg
+
+
+def test_generic_cuda_cache_is_refused_naming_its_shape() -> None:
+    """vLLM's generic CUDA allocation (num_blocks, 2, block_size, kv_heads, head_size)."""
+    msg = refusal([("layers.0.attn", torch.zeros(8, 2, 16, 4, 64))],
+                  EngineKV("cuda", ("FLASH_ATTN",), "LBNHC"))
+    assert "(8, 2, 16, 4, 64)" in msg and "FLASH_ATTN" in msg and "cuda" in msg
+
+
+@pytest.mark.parametrize("layout", [KVCacheLayout.LBNHC, KVCacheLayout.LBHNC])
+@pytest.mark.parametrize("backend", ["FLASH_ATTN", "FLASHINFER"])
+def test_cuda_layer_views_are_refused(layout: KVCacheLayout, backend: str) -> None:
+    """A CUDA layer view, in either block interior, even one whose shape and strides equal the
+    CPU cache's (LBHNC): the backend's K/V order differs, so shape alone never decides."""
+    cache = cuda_layer_view(layout)
+    msg = refusal([("layers.0.attn", cache)], EngineKV("cuda", (backend,), layout.name))
+    assert "(8, 4, 16, 128)" in msg and str(tuple(cache.stride())) in msg and backend in msg
+    refusal([("layers.0.attn", cache)], EngineKV("cpu", (backend,), layout.name))
+
+
+def test_latent_and_hybrid_caches_are_refused() -> None:
+    msg = refusal([("layers.0.attn", torch.zeros(8, 16, 576))],
+                  EngineKV("cpu", ("CPU_ATTN",), "LBHNC", use_mla=True))
+    assert "(8, 16, 576)" in msg and "MLA" in msg
+    mixed = [("layers.0.attn", torch.zeros(4, 2, 32, 128)), ("layers.1.mixer", torch.zeros(4, 64))]
+    msg = refusal(mixed, EngineKV("cpu", ("CPU_ATTN",), "LBHNC",
+                                  spec_kinds=("FullAttentionSpec", "MambaSpec")))
+    assert "MambaSpec" in msg

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from splitserve.connector.layout import KVShape
+from splitserve.connector.layout.staging_format import KVShape
 from splitserve.connector.segment import SharedSegment, sweep_orphans
 from splitserve.connector.staging import RegionAllocator, StagingArea, StagingRefused
 from splitserve.connector.stats import ConnectorStats

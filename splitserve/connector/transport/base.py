@@ -34,7 +34,8 @@ import torch
 import xxhash
 
 from splitserve.connector.faults import Faults
-from splitserve.connector.layout import KVShape, chunk_views, copy_tokens
+from splitserve.connector.layout.paged import PagedLayout
+from splitserve.connector.layout.staging_format import KVShape
 from splitserve.connector.protocol import (
     Fingerprint,
     Op,
@@ -75,16 +76,12 @@ class LayerItem:
     layer: int
     start: int
     end: int
-    paged: tuple[torch.Tensor, torch.Tensor]  # the layer's cache as `paged_kv` views K, V
+    layout: PagedLayout  # the layer's cache
     block_ids: tuple[int, ...]
 
-    def gather_into(self, shape: KVShape, region: torch.Tensor) -> None:
-        """Write this chunk's staging bytes (`K [H, D, n]`, `V [H, n, D]`) into `region`."""
-        k_paged, v_paged = self.paged
-        k_rows, v_rows = chunk_views(region.view(shape.dtype), shape.num_kv_heads,
-                                     shape.head_dim, self.end - self.start)
-        copy_tokens(k_paged, v_paged, self.block_ids, k_rows, v_rows, self.start, self.end,
-                    self.start, to_paged=False)
+    def gather_into(self, region: torch.Tensor) -> None:
+        """Write this chunk's staging bytes (uint8, exactly its tokens) into `region`."""
+        self.layout.gather(self.block_ids, self.start, self.end, region)
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from splitserve.connector.layout import region_offset
+from splitserve.connector.layout.staging_format import region_offset
 from splitserve.connector.protocol import Op, ProtocolError, encode_frame
 from splitserve.connector.segment import SharedSegment
 from splitserve.connector.tls import Conn
@@ -43,7 +43,7 @@ class ShmPushChannel(PushChannel):
         nbytes = (item.end - item.start) * self.shape.bytes_per_token_layer
         base = st.offset + region_offset(self.shape, item.start, item.end, item.layer)
         region = segment.tensor[base:base + nbytes]
-        item.gather_into(self.shape, region)
+        item.gather_into(region)
         header = self.layer_header(item, memoryview(region.numpy()))
         st.unsent.append(encode_frame(Op.LAYER, header | {"inline": False,
                                                           "written_s": time.time()}))

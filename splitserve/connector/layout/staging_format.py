@@ -1,0 +1,68 @@
+"""The staging format: how one transfer's KV bytes are laid out in flight and in D's staging.
+
+A transfer of `num_tokens` tokens is chunk-major, then layer-major. A chunk is the token range
+one prefill step computed; chunks partition [0, num_tokens) in order and every layer sees the
+same chunks. The region of (layer, chunk [s, e)), n = e - s tokens, holds 2 * H * D * n
+elements of the KV dtype, contiguous:
+
+- K as `[H, D, n]` (dimension-major: element (h, d, t) at `(h * D + d) * n + t`), then
+- V as `[H, n, D]` (token-major: element (h, t, d) at `H * D * n + (h * n + t) * D + d`),
+
+where t counts from s. Rows are token-contiguous, so P and D need not share a block size,
+a paged layout or a device. `region_offset` gives where (layer, chunk) starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class KVShape:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def elem_bytes(self) -> int:
+        return torch.tensor([], dtype=self.dtype).element_size()
+
+    @property
+    def bytes_per_token_layer(self) -> int:
+        return 2 * self.num_kv_heads * self.head_dim * self.elem_bytes
+
+    def layer_bytes(self, num_tokens: int) -> int:
+        return num_tokens * self.bytes_per_token_layer
+
+    def transfer_bytes(self, num_tokens: int) -> int:
+        return self.num_layers * self.layer_bytes(num_tokens)
+
+    def row_offset(self, num_tokens: int, layer: int, kv: int, head: int, token: int) -> int:
+        """Byte offset of (layer, kv, head, token) inside a transfer's staging region."""
+        row = (kv * self.num_kv_heads + head) * num_tokens + token
+        return layer * self.layer_bytes(num_tokens) + row * self.head_dim * self.elem_bytes
+
+
+BlockIds = list[int] | tuple[int, ...]
+
+
+def region_offset(shape: KVShape, start: int, end: int, layer: int) -> int:
+    """Byte offset of (layer, chunk [start, end)) in a transfer's staging region.
+
+    Valid because chunks partition [0, num_tokens) in order and every layer sees the same chunks.
+    """
+    return (start * shape.num_layers + layer * (end - start)) * shape.bytes_per_token_layer
+
+
+def chunk_views(region: torch.Tensor, heads: int, head_dim: int, n: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A (layer, chunk) staging region (1-D, the KV dtype) as K `[H, D, n]` and V `[H, n, D]`."""
+    off = region.storage_offset()
+    half = heads * head_dim * n
+    if region.numel() != 2 * half or not region.is_contiguous():
+        raise ValueError(f"a chunk of {n} tokens needs {2 * half} contiguous elements")
+    return (region.as_strided((heads, head_dim, n), (head_dim * n, n, 1), off),
+            region.as_strided((heads, n, head_dim), (n * head_dim, head_dim, 1), off + half))
