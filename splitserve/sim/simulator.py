@@ -34,16 +34,25 @@ from splitserve.sim.deployment import Segment, SimConfig, SimOutcome, segment_ar
 from splitserve.sim.model import Profile, transfer_arrival
 from splitserve.sim.overlay import Overlay
 from splitserve.sim.routing import pick, pick_all
-from splitserve.sim.workerstate import BOTH as _BOTH
-from splitserve.sim.workerstate import SEG as _SEG
-from splitserve.sim.workerstate import STEP as _STEP
-from splitserve.sim.workerstate import WAIT as _WAIT
-from splitserve.sim.workerstate import D as _D
-from splitserve.sim.workerstate import P as _P
-from splitserve.sim.workerstate import Worker as _Worker
-from splitserve.sim.workerstate import steps_done as _steps_done
+from splitserve.sim.workerstate import (
+    COLOCATED,
+    DECODE,
+    KV_WAIT,
+    PREFILL,
+    SEGMENT,
+    STEP,
+    Worker,
+    steps_done,
+)
 from splitserve.sim.workload import SimWorkload
 
+# An event on the run's heap is a bare tuple, not a NamedTuple (which made heap pushes and
+# pops ~50 % slower, several per cent of a million-request run):
+#   (time, seq: the push order, breaking ties; kind; subject; version)
+# kind _EV_STEP: subject = the worker whose step (or segment) ends, version = its `version`
+# then (a superseded step is skipped); _EV_JOIN: subject = the request whose decode leg
+# reaches its D; _EV_OVERLAY: subject = the request the overlay scheduled it for.
+Event = tuple[float, int, int, int, int]
 _EV_STEP, _EV_JOIN, _EV_OVERLAY = 0, 1, 2
 
 
@@ -54,56 +63,56 @@ class Simulation:
     def __init__(self, profile: Profile, config: SimConfig, workload: SimWorkload,
                  overlay: Overlay | None = None) -> None:
         self.profile, self.cfg, self.wl = profile, config, workload
-        self.ov = overlay if overlay is not None else Overlay()
+        self.overlay = overlay if overlay is not None else Overlay()
         self.budget = config.token_budget or profile.token_budget
         self.cap = profile.kv_capacity_tokens
         self.max_seqs = profile.max_num_seqs
         pf, dc = profile.prefill, profile.decode
-        jitter = self.ov.gap_jitter_s
+        jitter = self.overlay.gap_jitter_s
         self.jitter = profile.gap_jitter_s if jitter is None else jitter
         if config.mode == "disagg":
             self.link = profile.link(config.transport)
-            p_pf, d_dc = self.ov.prefill_cost(pf), self.ov.decode_cost(dc)
-            self.P = [_Worker(_P, p_pf, dc, self.max_seqs) for _ in range(config.n_prefill)]
-            self.D = [_Worker(_D, pf, d_dc, self.max_seqs) for _ in range(config.n_decode)]
+            p_pf, d_dc = self.overlay.prefill_cost(pf), self.overlay.decode_cost(dc)
+            self.P = [Worker(PREFILL, p_pf, dc, self.max_seqs) for _ in range(config.n_prefill)]
+            self.D = [Worker(DECODE, pf, d_dc, self.max_seqs) for _ in range(config.n_decode)]
         else:
-            self.P = [_Worker(_BOTH, pf, dc, self.max_seqs) for _ in range(config.n_workers)]
+            self.P = [Worker(COLOCATED, pf, dc, self.max_seqs) for _ in range(config.n_workers)]
             self.D = []
         self.W = self.P + self.D
         self.link_free = [0.0] * len(self.P)
         self.chunked = config.mode != "colocated"
         n = len(workload)
-        self.arr = workload.arrivals.tolist()
-        self.pl = workload.prompt_lens.tolist()
-        self.ol = workload.output_lens.tolist()
+        self.arrivals = workload.arrivals.tolist()
+        self.prompt_lens = workload.prompt_lens.tolist()
+        self.output_lens = workload.output_lens.tolist()
         nan = float("nan")
-        self.t1, self.t2, self.tend = [nan] * n, [nan] * n, [nan] * n
-        self.pstart, self.xfer = [nan] * n, [nan] * n
+        self.t1, self.t2, self.finish = [nan] * n, [nan] * n, [nan] * n
+        self.prefill_start, self.kv_transfer = [nan] * n, [nan] * n
         self.failed = [False] * n
-        self.dsel = [0] * n
-        self.heap: list[tuple[float, int, int, int, int]] = []
+        self.decode_of = [0] * n
+        self.heap: list[Event] = []
         self.seq = 0
         self.segs: list[Segment] = []
-        self.wdec, self.jstep = [-1] * n, [0] * n
+        self.decode_worker, self.join_step = [-1] * n, [0] * n
         self.shared_free = 0.0
         self.rng = np.random.default_rng(config.seed)
-        self.ov.bind(self)
+        self.overlay.bind(self)
 
     # worker mechanics ------------------------------------------------------------------
-    def _push(self, t: float, kind: int, a: int, b: int) -> None:
+    def _push(self, t: float, kind: int, subject: int, version: int) -> None:
         self.seq += 1
-        heapq.heappush(self.heap, (t, self.seq, kind, a, b))
+        heapq.heappush(self.heap, (t, self.seq, kind, subject, version))
 
-    def _schedule(self, wi: int, w: _Worker, end: float) -> None:
-        w.ver += 1
+    def _schedule(self, wi: int, w: Worker, end: float) -> None:
+        w.version += 1
         w.busy = True
-        self._push(end, _EV_STEP, wi, w.ver)
+        self._push(end, _EV_STEP, wi, w.version)
 
-    def _admit(self, wi: int, w: _Worker) -> None:
-        pl, ol, cap = self.pl, self.ol, self.cap
-        while w.waiting and w.B < self.max_seqs:
+    def _admit(self, wi: int, w: Worker) -> None:
+        prompt_lens, output_lens, cap = self.prompt_lens, self.output_lens, self.cap
+        while w.waiting and w.batch < self.max_seqs:
             r = w.waiting[0]
-            need = pl[r] + ol[r]
+            need = prompt_lens[r] + output_lens[r]
             if w.kv_used + need > cap:
                 if need > cap:  # can never fit
                     w.waiting.popleft()
@@ -113,20 +122,20 @@ class Simulation:
                 break
             w.waiting.popleft()
             w.kv_used += need
-            heapq.heappush(w.running, (w.S + ol[r] - 1, r))
-            self.wdec[r], self.jstep[r] = wi, w.S
-            w.B += 1
-            w.C += pl[r] + 1
+            heapq.heappush(w.running, (w.steps + output_lens[r] - 1, r))
+            self.decode_worker[r], self.join_step[r] = wi, w.steps
+            w.batch += 1
+            w.context += prompt_lens[r] + 1
             w.new.append(r)
-            if self.ov.active:
-                self.ov.admitted(wi - len(self.P), w.B - 1)
+            if self.overlay.active:
+                self.overlay.admitted(wi - len(self.P), w.batch - 1)
 
     # what an overlay may do to the run ------------------------------------------------
     def push_overlay_event(self, t: float, r: int) -> None:
         """Have the overlay's `overlay_event(r, t)` called at t."""
         self._push(t, _EV_OVERLAY, r, 0)
 
-    def extend_step(self, wi: int, w: _Worker, t: float, cost: float) -> None:
+    def extend_step(self, wi: int, w: Worker, t: float, cost: float) -> None:
         """The step in progress on busy worker `w` at t takes `cost` seconds longer. A segment
         is split: its steps done by t stay a segment (recorded now), the one in progress
         becomes a step."""
@@ -135,48 +144,48 @@ class Simulation:
         w.step_dur += cost
         for r in w.joined:  # t2 comes with this step's end
             self.t2[r] += cost
-        self._schedule(wi, w, w.t0 + w.step_dur)
+        self._schedule(wi, w, w.started + w.step_dur)
 
-    def cut_segment(self, wi: int, w: _Worker, t: float) -> None:
+    def cut_segment(self, wi: int, w: Worker, t: float) -> None:
         """End `w`'s decode-only segment at its next step boundary (the next step differs)."""
-        if w.busy and w.kind == _SEG and not w.cut:
+        if w.busy and w.kind == SEGMENT and not w.cut:
             w.cut = True
-            k = _steps_done(w.alpha, w.beta, t - w.t0) + 1
-            if k < w.k:
-                w.k = k
-                self._schedule(wi, w, w.t0 + w.alpha * k + w.beta * k * (k - 1) / 2)
+            k = steps_done(w.alpha, w.beta, t - w.started) + 1
+            if k < w.seg_steps:
+                w.seg_steps = k
+                self._schedule(wi, w, w.started + w.alpha * k + w.beta * k * (k - 1) / 2)
 
-    def _plan(self, wi: int, w: _Worker, t: float) -> None:
-        pf, dc = w.pf, w.dc
+    def _plan(self, wi: int, w: Worker, t: float) -> None:
+        pf, dc = w.prefill_cost, w.decode_cost
         chunks = w.chunks
         chunks.clear()
         if w.queue:
             rel = w.kv_release
             while rel and rel[0][0] <= t:
                 w.kv_used -= heapq.heappop(rel)[1]
-            budget = self.budget - w.B
-            pl, ol, cap = self.pl, self.ol, self.cap
+            budget = self.budget - w.batch
+            prompt_lens, output_lens, cap = self.prompt_lens, self.output_lens, self.cap
             while w.queue and budget > 0:
                 r = w.queue[0]
                 done = w.head_done
                 if done == 0:
-                    if w.B + len(chunks) >= self.max_seqs:
+                    if w.batch + len(chunks) >= self.max_seqs:
                         break
-                    need = pl[r] + (ol[r] if w.role == _BOTH else 0)
+                    need = prompt_lens[r] + (output_lens[r] if w.role == COLOCATED else 0)
                     if need > cap:
                         w.queue.popleft()
                         self.failed[r] = True
-                        w.load -= pl[r] if w.role == _P else 1
+                        w.load -= prompt_lens[r] if w.role == PREFILL else 1
                         continue
                     if w.kv_used + need > cap:
                         break
-                rest = pl[r] - done
+                rest = prompt_lens[r] - done
                 if not self.chunked and rest > budget and chunks:
                     break
                 q = rest if not self.chunked else min(rest, budget)
                 if done == 0:
                     w.kv_used += need
-                    self.pstart[r] = t
+                    self.prefill_start[r] = t
                 chunks.append((r, q, done))
                 budget -= q
                 if q == rest:
@@ -184,124 +193,125 @@ class Simulation:
                     w.head_done = 0
                 else:
                     w.head_done = done + q
-        if w.role == _P and self.ov.active:
-            self.ov.prefilling(wi, bool(chunks), t)
+        if w.role == PREFILL and self.overlay.active:
+            self.overlay.prefilling(wi, bool(chunks), t)
         if chunks:
             tok = sum(c[1] for c in chunks)
             quad = sum(q * q + 2 * p * q for _, q, p in chunks)
             dur = pf.time(tok, quad)
-            if w.B:  # a mixed step: one fixed cost (the larger), both variable parts
-                dur += dc.b * w.C + w.bterm[w.B] + max(0.0, dc.a - pf.a)
-            w.kind, w.step_dur, w.t0, first = _STEP, dur, t, dur
+            if w.batch:  # a mixed step: one fixed cost (the larger), both variable parts
+                dur += dc.b * w.context + w.batch_term[w.batch] + max(0.0, dc.a - pf.a)
+            w.kind, w.step_dur, w.started, first = STEP, dur, t, dur
             end = t + dur
-        elif w.B:
+        elif w.batch:
             # a decode-only segment until the next request finishes: step k lasts α + β·k
-            alpha = dc.a + dc.b * w.C + w.bterm[w.B]
-            beta = dc.b * w.B
+            alpha = dc.a + dc.b * w.context + w.batch_term[w.batch]
+            beta = dc.b * w.batch
             carry = None
-            if w.role == _D and self.ov.active:
+            if w.role == DECODE and self.overlay.active:
                 # invariant: a segment's steps all run at one pace (no overlay event in it)
-                pace, carry = self.ov.decode_step(wi - len(self.P), w.B)
+                pace, carry = self.overlay.decode_step(wi - len(self.P), w.batch)
                 alpha, beta = alpha * pace, beta * pace
             if carry is not None:  # one step carrying the overlay's work
-                w.kind, w.step_dur, w.t0 = _STEP, alpha + carry, t
+                w.kind, w.step_dur, w.started = STEP, alpha + carry, t
                 first = w.step_dur
                 end = t + first
             else:
-                k = w.running[0][0] - w.S
-                w.kind, w.t0, w.alpha, w.beta, w.k, w.cut = _SEG, t, alpha, beta, k, False
+                k = w.running[0][0] - w.steps
+                w.kind, w.started, w.alpha, w.beta = SEGMENT, t, alpha, beta
+                w.seg_steps, w.cut = k, False
                 end = t + alpha * k + beta * k * (k - 1) / 2
                 first = alpha
         else:
             w.busy = False
-            if w.role == _D and self.ov.active:
-                self.ov.idle(wi - len(self.P))
+            if w.role == DECODE and self.overlay.active:
+                self.overlay.idle(wi - len(self.P))
             if w.queue and w.kv_release:  # blocked on KV that a transfer still holds
-                w.kind = _WAIT
+                w.kind = KV_WAIT
                 self._schedule(wi, w, w.kv_release[0][0])
             w.new.clear()
             return
         for r in w.new:
             self.t2[r] = t + first
-        w.nnew = len(w.new)
+        w.n_joined = len(w.new)
         w.joined, w.new = w.new, w.joined  # the joiners of the step now in progress
         w.new.clear()
         self._schedule(wi, w, end)
 
-    def _boundary(self, wi: int, w: _Worker, t: float) -> None:
+    def _boundary(self, wi: int, w: Worker, t: float) -> None:
         """The step (or segment) in progress on `w` ends at `t`."""
-        pl, ol = self.pl, self.ol
-        if w.role == _D and self.ov.active:
-            self.ov.step_ended(wi - len(self.P))
-        if w.kind == _SEG:
-            k = w.k
-            self.segs.append((w.alpha, w.beta, k, w.B, w.nnew, w.t0, wi, w.S))
-            w.S += k
-            w.C += k * w.B
-        elif w.kind == _STEP:
-            if w.B:
-                self.segs.append((w.step_dur, 0.0, 1, w.B, w.nnew, w.t0, wi, w.S))
-            w.S += 1
-            w.C += w.B
+        prompt_lens, output_lens = self.prompt_lens, self.output_lens
+        if w.role == DECODE and self.overlay.active:
+            self.overlay.step_ended(wi - len(self.P))
+        if w.kind == SEGMENT:
+            k = w.seg_steps
+            self.segs.append((w.alpha, w.beta, k, w.batch, w.n_joined, w.started, wi, w.steps))
+            w.steps += k
+            w.context += k * w.batch
+        elif w.kind == STEP:
+            if w.batch:
+                self.segs.append((w.step_dur, 0.0, 1, w.batch, w.n_joined, w.started, wi, w.steps))
+            w.steps += 1
+            w.context += w.batch
             for r, q, p in w.chunks:
-                if p + q < pl[r]:
+                if p + q < prompt_lens[r]:
                     continue
-                if w.role == _P:
+                if w.role == PREFILL:
                     self._prefilled(wi, w, r, t)
                     continue
                 self.t1[r] = t
-                if ol[r] == 1:
-                    self.tend[r] = t
-                    w.kv_used -= pl[r] + 1
+                if output_lens[r] == 1:
+                    self.finish[r] = t
+                    w.kv_used -= prompt_lens[r] + 1
                     w.load -= 1
                 else:
-                    heapq.heappush(w.running, (w.S + ol[r] - 1, r))
-                    self.wdec[r], self.jstep[r] = wi, w.S
-                    w.B += 1
-                    w.C += pl[r] + 1
+                    heapq.heappush(w.running, (w.steps + output_lens[r] - 1, r))
+                    self.decode_worker[r], self.join_step[r] = wi, w.steps
+                    w.batch += 1
+                    w.context += prompt_lens[r] + 1
                     w.new.append(r)
             w.chunks.clear()
         run = w.running
-        while run and run[0][0] <= w.S:
+        while run and run[0][0] <= w.steps:
             r = heapq.heappop(run)[1]
-            self.tend[r] = t
-            w.B -= 1
-            w.C -= pl[r] + ol[r]
-            w.kv_used -= pl[r] + ol[r]
+            self.finish[r] = t
+            w.batch -= 1
+            w.context -= prompt_lens[r] + output_lens[r]
+            w.kv_used -= prompt_lens[r] + output_lens[r]
             w.load -= 1
-            if w.role == _D and w.B and self.ov.active:
-                self.ov.finished(wi - len(self.P), w.B)
+            if w.role == DECODE and w.batch and self.overlay.active:
+                self.overlay.finished(wi - len(self.P), w.batch)
         w.busy = False
         if w.waiting:
             self._admit(wi, w)
         self._plan(wi, w, t)
 
-    def _prefilled(self, wi: int, w: _Worker, r: int, t: float) -> None:
+    def _prefilled(self, wi: int, w: Worker, r: int, t: float) -> None:
         """P finished request r's prompt at t: emit t1, start the KV transfer."""
         hop = self.cfg.router_hop_s
-        t1 = self.ov.t1(t + hop, wi, r)
+        t1 = self.overlay.t1(t + hop, wi, r)
         self.t1[r] = t1
-        w.load -= self.pl[r]
-        if self.ol[r] == 1:
-            self.tend[r] = t1
-            w.kv_used -= self.pl[r]
+        w.load -= self.prompt_lens[r]
+        if self.output_lens[r] == 1:
+            self.finish[r] = t1
+            w.kv_used -= self.prompt_lens[r]
             return
-        nbytes = self.kvbpt * self.pl[r]
+        nbytes = self.kvbpt * self.prompt_lens[r]
         free = self.shared_free if self.cfg.shared_link else self.link_free[wi]
-        arrive, free = transfer_arrival(self.link, nbytes, self.layers, self.pstart[r], t,
+        arrive, free = transfer_arrival(self.link, nbytes, self.layers, self.prefill_start[r], t,
                                         self.cfg.overlap, free)
         if self.cfg.shared_link:
             self.shared_free = free
         else:
             self.link_free[wi] = free
-        heapq.heappush(w.kv_release, (free, self.pl[r]))
-        self.xfer[r] = arrive - t
-        if self.ov.active:
-            self.ov.t1_emitted(r, t1)
-        ready = self.ov.join_ready(t1 + hop, r)
+        heapq.heappush(w.kv_release, (free, self.prompt_lens[r]))
+        self.kv_transfer[r] = arrive - t
+        if self.overlay.active:
+            self.overlay.t1_emitted(r, t1)
+        ready = self.overlay.join_ready(t1 + hop, r)
         self._push(max(arrive, ready), _EV_JOIN, r, 0)
 
-    def _poke(self, wi: int, w: _Worker, t: float) -> None:
+    def _poke(self, wi: int, w: Worker, t: float) -> None:
         """New work reached `w` at t: start it now if idle, else at the next step boundary."""
         if not w.busy:
             if w.waiting:
@@ -311,7 +321,7 @@ class Simulation:
             self.cut_segment(wi, w, t)
 
     def run(self) -> SimOutcome:
-        cfg, n = self.cfg, len(self.arr)
+        cfg, n = self.cfg, len(self.arrivals)
         shape = self.profile.model
         self.kvbpt, self.layers = shape.kv_bytes_per_token, shape.layers
         P, D, W = self.P, self.D, self.W
@@ -321,31 +331,32 @@ class Simulation:
         if D:
             two_d = [self.rng.integers(0, len(D), size=n).tolist() for _ in range(2)]
             pre_d = pick_all(self.rng, D, cfg.d_policy, n)
-        heap, arr, pl, ol = self.heap, self.arr, self.pl, self.ol
+        heap, arrivals = self.heap, self.arrivals
+        prompt_lens, output_lens = self.prompt_lens, self.output_lens
         pop = heapq.heappop
         i, events = 0, 0
         inf = float("inf")
         while i < n or heap:
-            ta = arr[i] if i < n else inf
+            ta = arrivals[i] if i < n else inf
             if heap and heap[0][0] < ta:
-                t, _, kind, a, b = pop(heap)
+                t, _, kind, subject, version = pop(heap)
                 events += 1
                 if kind == _EV_STEP:
-                    w = W[a]
-                    if b != w.ver:
+                    w = W[subject]
+                    if version != w.version:
                         continue
-                    if w.kind == _WAIT:
+                    if w.kind == KV_WAIT:
                         w.busy = False
-                        w.kind = _STEP
-                        self._plan(a, w, t)
+                        w.kind = STEP
+                        self._plan(subject, w, t)
                     else:
-                        self._boundary(a, w, t)
+                        self._boundary(subject, w, t)
                 elif kind == _EV_OVERLAY:
-                    self.ov.overlay_event(a, t)
+                    self.overlay.overlay_event(subject, t)
                 else:  # decode leg reaches D
-                    di = self.dsel[a]
+                    di = self.decode_of[subject]
                     w = D[di]
-                    w.waiting.append(a)
+                    w.waiting.append(subject)
                     self._poke(npw + di, w, t)
                 continue
             r, i = i, i + 1
@@ -354,13 +365,13 @@ class Simulation:
             w = P[p]
             w.queue.append(r)
             if D:
-                w.load += pl[r]
-                if ol[r] > 1:
+                w.load += prompt_lens[r]
+                if output_lens[r] > 1:
                     d = pick(D, cfg.d_policy, pre_d, r, two_d)
-                    self.dsel[r] = d
+                    self.decode_of[r] = d
                     D[d].load += 1
-                    if self.ov.active:
-                        self.ov.arrived(d, ta)
+                    if self.overlay.active:
+                        self.overlay.arrived(d, ta)
             else:
                 w.load += 1
             self._poke(p, w, ta)
@@ -371,9 +382,9 @@ class Simulation:
         return SimOutcome(
             arrivals=self.wl.arrivals, prompt_lens=self.wl.prompt_lens,
             output_lens=self.wl.output_lens, first_token=f(self.t1), second_token=f(self.t2),
-            finish=f(self.tend), failed=f(self.failed, dtype=bool),
-            **segment_arrays(self.segs), decode_worker=f(self.wdec), join_step=f(self.jstep),
-            kv_transfer_s=f(self.xfer), events=events,
+            finish=f(self.finish), failed=f(self.failed, dtype=bool),
+            **segment_arrays(self.segs), decode_worker=f(self.decode_worker),
+            join_step=f(self.join_step), kv_transfer_s=f(self.kv_transfer), events=events,
             gap_jitter_s=self.jitter,
         )
 

@@ -5,32 +5,60 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from enum import IntEnum
 
 from splitserve.sim.deployment import Segment
 from splitserve.sim.model import DecodeCost, PrefillCost
 
-P, D, BOTH = 0, 1, 2  # roles
-STEP, SEG, WAIT = 0, 1, 2  # what a busy worker is doing
+
+class Role(IntEnum):
+    PREFILL = 0  # a P-worker: prefills, hands the KV on
+    DECODE = 1  # a D-worker: admits decode legs, decodes
+    COLOCATED = 2  # one engine doing both (the colocated and chunked baselines)
+
+
+class StepKind(IntEnum):
+    """What a busy worker is doing."""
+
+    STEP = 0  # one engine step (`step_dur` long)
+    SEGMENT = 1  # a run of decode-only steps in closed form (`alpha`, `beta`, `seg_steps`)
+    KV_WAIT = 2  # nothing runnable until a transfer frees KV
+
+
+PREFILL, DECODE, COLOCATED = Role.PREFILL, Role.DECODE, Role.COLOCATED
+STEP, SEGMENT, KV_WAIT = StepKind.STEP, StepKind.SEGMENT, StepKind.KV_WAIT
 
 
 class Worker:
-    __slots__ = ("role", "queue", "head_done", "waiting", "running", "B", "C", "S", "busy",
-                 "kind", "t0", "alpha", "beta", "k", "cut", "ver", "kv_used", "kv_release",
-                 "load", "chunks", "new", "nnew", "step_dur", "pf", "dc", "joined", "bterm")
+    """One engine's scheduler state. Requests are indices into the run's arrays.
 
-    def __init__(self, role: int, pf: PrefillCost, dc: DecodeCost, max_seqs: int) -> None:
-        self.role, self.pf, self.dc = role, pf, dc
+    `queue`: prompts to prefill, FIFO (`head_done` tokens of the head already prefilled);
+    `waiting`: decode legs waiting for admission (D); `running`: the decoding requests as a heap
+    of (the step count at which each finishes, request); `batch`, `context`: how many run and
+    their total context tokens; `steps`: steps done so far; `kv_used` / `kv_release`: KV tokens
+    held and (time, tokens) that transfers still hold; `load`: what the router balances on;
+    `new`: requests admitted since the last step (their t2 comes with the next); `joined`: the
+    requests whose t2 the step in progress emits, `n_joined` of them; `version`: bumped at every
+    reschedule, so a superseded step event is skipped."""
+
+    __slots__ = ("role", "queue", "head_done", "waiting", "running", "batch", "context",
+                 "steps", "busy", "kind", "started", "alpha", "beta", "seg_steps", "cut",
+                 "version", "kv_used", "kv_release", "load", "chunks", "new", "n_joined",
+                 "step_dur", "prefill_cost", "decode_cost", "joined", "batch_term")
+
+    def __init__(self, role: Role, pf: PrefillCost, dc: DecodeCost, max_seqs: int) -> None:
+        self.role, self.prefill_cost, self.decode_cost = role, pf, dc
         # dc.batch_term(B) for B = 0..max_seqs: looked up on every step, computed once
-        self.bterm = [dc.batch_term(b) for b in range(max_seqs + 1)]
+        self.batch_term = [dc.batch_term(b) for b in range(max_seqs + 1)]
         self.queue: deque[int] = deque()
         self.head_done = 0
         self.waiting: deque[int] = deque()
         self.running: list[tuple[int, int]] = []
-        self.B = self.S = self.k = self.ver = self.kv_used = self.load = self.nnew = 0
-        self.C = 0
+        self.batch = self.context = self.steps = self.seg_steps = self.version = 0
+        self.kv_used = self.load = self.n_joined = 0
         self.busy = self.cut = False
-        self.kind = STEP
-        self.t0 = self.alpha = self.beta = self.step_dur = 0.0
+        self.kind: StepKind = STEP
+        self.started = self.alpha = self.beta = self.step_dur = 0.0
         self.kv_release: list[tuple[float, int]] = []
         self.chunks: list[tuple[int, int, int]] = []
         self.new: list[int] = []
@@ -40,19 +68,20 @@ class Worker:
         """Make the step in progress at t a step of its own (it is about to change): a
         segment's steps done by t are left behind as a segment, returned as its record for the
         run's `segs` (None: none done, or no segment in progress; `wi`: this worker's index)."""
-        if self.kind != SEG:
+        if self.kind != SEGMENT:
             return None
-        done = min(steps_done(self.alpha, self.beta, t - self.t0), self.k - 1)
-        t0 = self.t0 + self.alpha * done + self.beta * done * (done - 1) / 2
+        done = min(steps_done(self.alpha, self.beta, t - self.started), self.seg_steps - 1)
+        t0 = self.started + self.alpha * done + self.beta * done * (done - 1) / 2
         record = None
         if done:
-            record = (self.alpha, self.beta, done, self.B, self.nnew, self.t0, wi, self.S)
-            self.S += done
-            self.C += done * self.B
-            self.nnew = 0
+            record = (self.alpha, self.beta, done, self.batch, self.n_joined, self.started, wi,
+                      self.steps)
+            self.steps += done
+            self.context += done * self.batch
+            self.n_joined = 0
             self.joined.clear()  # their t2 came with the segment's first step
         self.kind, self.step_dur = STEP, self.alpha + self.beta * done
-        self.t0 = t0
+        self.started = t0
         return record
 
 

@@ -64,12 +64,12 @@ class SharedCoreOverlay(Overlay):
         t1 = at + self.router_s
         if self.relay_s:  # the relay waits while the D on the router's cores runs streams
             sim = self._sim
-            d = sim.dsel[r] if sim.ol[r] > 1 else p % self.n_decode
-            t1 += self.relay_s if sim.D[d].B else 0.0
+            d = sim.decode_of[r] if sim.output_lens[r] > 1 else p % self.n_decode
+            t1 += self.relay_s if sim.D[d].batch else 0.0
         return t1
 
     def join_ready(self, at: float, r: int) -> float:
-        return at + self.hand_a + self.hand_b * self._sim.pl[r]
+        return at + self.hand_a + self.hand_b * self._sim.prompt_lens[r]
 
     @property
     def _sim(self) -> Simulation:
@@ -83,8 +83,8 @@ class SharedCoreOverlay(Overlay):
         D runs no streams: nobody waits on that step)."""
         sim = self._sim
         w = sim.D[d]
-        cost = self.terms[w.B][term]
-        if cost > 0.0 and w.B:
+        cost = self.terms[w.batch][term]
+        if cost > 0.0 and w.batch:
             if term == _T1 and w.busy:  # a busy D runs a step or a segment (never waits)
                 sim.extend_step(self.n_prefill + d, w, t, cost)
             else:
@@ -99,7 +99,7 @@ class SharedCoreOverlay(Overlay):
             self._sim.push_overlay_event(t1, r)
 
     def overlay_event(self, r: int, t: float) -> None:
-        self._charge(self._sim.dsel[r], _T1, t)
+        self._charge(self._sim.decode_of[r], _T1, t)
 
     def admitted(self, d: int, others: int) -> None:
         self.extra[d] += self.terms[others][_JOIN]  # the join's work, on D's next step
