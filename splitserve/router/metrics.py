@@ -36,9 +36,10 @@ class RouterMetrics:
         self.kv_bytes = Histogram("splitserve_router_kv_bytes", "KV bytes moved per request",
                                   buckets=BYTES_BUCKETS, registry=r)
         self.kv_seconds = Histogram(
-            "splitserve_router_kv_transfer_seconds", "First to last KV byte per request",
+            "splitserve_router_kv_transfer_seconds", "KV transfer BEGIN -> verified END",
             buckets=LATENCY_BUCKETS, registry=r)
-        self.kv_gbps = Histogram("splitserve_router_kv_gbps", "KV transfer rate per request",
+        self.kv_gbps = Histogram("splitserve_router_kv_gbps",
+                                 "KV wire rate per request (bytes / seconds in flight)",
                                  buckets=GBPS_BUCKETS, registry=r)
         self.handover = Histogram(
             "splitserve_router_handover_seconds", "t1 sent to the client -> t2 sent",
