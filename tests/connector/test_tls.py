@@ -115,9 +115,9 @@ def test_worker_and_serve_flags(pkis: Pkis, tmp_path: Path,
     monkeypatch.chdir(Path(g.cert).parent)
     p = argparse.ArgumentParser()
     worker_cli.add_worker_arguments(p)
-    args = p.parse_args(["--model", "m", "--port", "8000", "--role", "prefill", "--kv-port",
-                         "9000", "--kv-tls-cert", Path(g.cert).name, "--kv-tls-key", g.key,
-                         "--kv-tls-ca", g.ca])
+    args = p.parse_args(["--model", str(tmp_path), "--port", "8000", "--role", "prefill",
+                         "--kv-port", "9000", "--kv-tls-cert", Path(g.cert).name,
+                         "--kv-tls-key", g.key, "--kv-tls-ca", g.ca])
     cfg = worker_cli.config_from_args(args, [])
     assert (cfg.kv_tls_cert, cfg.kv_tls_key, cfg.kv_tls_ca) == (g.cert, g.key, g.ca)  # absolute
 
