@@ -13,7 +13,6 @@ from __future__ import annotations
 import fnmatch
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 # Weight formats, most preferred first (vLLM's own order): a download takes the first the
 # repository has and skips the others.
@@ -65,13 +64,18 @@ def download_ignore_patterns(repo_files: list[str]) -> list[str]:
     return list(ALWAYS_IGNORED)
 
 
-def _repo_files(api: Any, model: str, revision: str | None) -> list[str]:
-    """The repository's file names, or none when the hub cannot list them (snapshot_download
-    then reports the cause, or serves the cached snapshot when the hub is unreachable)."""
+def _repo_files(model: str, revision: str | None) -> list[str] | None:
+    """The repository's file names, or None when the hub cannot be reached (the hub's own
+    answers, e.g. no such repository, are raised)."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import HfHubHTTPError
+
     try:
-        return list(api.list_repo_files(model, revision=revision))
-    except Exception:  # noqa: BLE001 - any failure here is snapshot_download's to report
-        return []
+        return list(HfApi().list_repo_files(model, revision=revision))
+    except HfHubHTTPError:
+        raise
+    except Exception:  # noqa: BLE001 - no answer from the hub: the cache may still serve
+        return None
 
 
 def resolve_model(model: str, revision: str | None = None, cache_dir: str | None = None
@@ -82,7 +86,7 @@ def resolve_model(model: str, revision: str | None = None, cache_dir: str | None
     check_model_name(model, revision)
     if Path(model).is_dir():
         return ModelSource(model)
-    from huggingface_hub import HfApi, constants, is_offline_mode, snapshot_download
+    from huggingface_hub import constants, is_offline_mode, snapshot_download
     from huggingface_hub.errors import (
         GatedRepoError,
         HfHubHTTPError,
@@ -99,11 +103,13 @@ def resolve_model(model: str, revision: str | None = None, cache_dir: str | None
             path = snapshot_download(model, revision=revision, cache_dir=cache_dir,
                                      local_files_only=True)
         else:
+            files = _repo_files(model, revision)
+            offline = files is None  # unreachable: the cached snapshot, as vLLM falls back
             path = snapshot_download(model, revision=revision, cache_dir=cache_dir,
-                                     ignore_patterns=download_ignore_patterns(
-                                         _repo_files(HfApi(), model, revision)))
+                                     local_files_only=offline,
+                                     ignore_patterns=download_ignore_patterns(files or []))
     except LocalEntryNotFoundError:
-        how = "HF_HUB_OFFLINE is set" if offline else "the hub could not be reached"
+        how = "HF_HUB_OFFLINE is set" if is_offline_mode() else "the hub could not be reached"
         raise ValueError(f"model {model!r} is no directory, and revision {rev} of it is not in "
                          f"the Hugging Face cache {where} while {how}; download it first "
                          "(`hf download`), or pass its directory") from None
