@@ -31,17 +31,17 @@ def _check_port(name: str, port: int, allow_zero: bool = False) -> None:
         raise ValueError(f"{name} must be a TCP port, got {port}")
 
 
-def check_tls_files(cert: str | None, key: str | None, ca: str | None, prefix: str = "tls_"
-                    ) -> None:
+def check_tls_files(cert: str | None, key: str | None, ca: str | None, prefix: str = "tls_",
+                    must_exist: bool = True) -> None:
     """TLS for the KV channel: certificate and key together (the listener presents them), the CA
-    only with them, and every named file exists."""
+    only with them, and (`must_exist`) every named file exists here."""
     if (cert is None) != (key is None):
         raise ValueError(f"{prefix}cert and {prefix}key go together")
     if ca is not None and cert is None:
         raise ValueError(f"{prefix}ca needs {prefix}cert and {prefix}key (every worker's "
                          "listener presents a certificate)")
     for name, path in (("cert", cert), ("key", key), ("ca", ca)):
-        if path is not None and not Path(path).is_file():
+        if must_exist and path is not None and not Path(path).is_file():
             raise ValueError(f"{prefix}{name}: no such file {path!r}")
 
 

@@ -11,6 +11,7 @@ from types import FrameType
 
 from splitserve.config import ConnectorConfig
 from splitserve.connector.tls import client_context, server_context
+from splitserve.launch.backend import LauncherBackend
 from splitserve.launch.config import DeploymentConfig, from_mapping, load_yaml
 from splitserve.launch.local import LocalDeployment
 from splitserve.secretflags import add_secret_guards
@@ -29,6 +30,8 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, object]:
         "unsplittable": args.unsplittable,
         "worker_args": tuple(args.vllm_args) or None, "kv_tls_cert": args.kv_tls_cert,
         "kv_tls_key": args.kv_tls_key, "kv_tls_ca": args.kv_tls_ca,
+        "backend": "ray" if args.ray is not None else None,
+        "ray_address": args.ray or None,
     }
 
 
@@ -39,17 +42,29 @@ def config_from_args(args: argparse.Namespace) -> DeploymentConfig:
     return from_mapping({}, overrides)
 
 
+def make_backend(cfg: DeploymentConfig) -> LauncherBackend:
+    def say(line: str) -> None:
+        print(line, flush=True)
+
+    if cfg.backend == "ray":
+        from splitserve.launch.raybackend.deployment import RayDeployment
+
+        return RayDeployment(cfg, say=say)
+    return LocalDeployment(cfg, say=say)
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         cfg = config_from_args(args)
         tls = ConnectorConfig(tls_cert=cfg.kv_tls_cert, tls_key=cfg.kv_tls_key,
                               tls_ca=cfg.kv_tls_ca)
-        server_context(tls)  # unreadable or mismatched TLS files fail here, not in every worker
-        client_context(tls)
+        if cfg.files_here:  # unreadable or mismatched TLS files fail here, not in every worker
+            server_context(tls)
+            client_context(tls)
     except (ValueError, OSError) as exc:
         print(f"splitserve serve: {exc}", file=sys.stderr)
         return 2
-    deployment = LocalDeployment(cfg, say=lambda line: print(line, flush=True))
+    deployment = make_backend(cfg)
     stop = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -62,10 +77,9 @@ def run(args: argparse.Namespace) -> int:
         deployment.start()
         print("splitserve: Ctrl-C to stop", flush=True)
         while not stop.wait(1.0):
-            dead = deployment.dead()
+            dead = deployment.failures()
             if dead:
-                names = ", ".join(f"{c.name} (exit {c.proc.returncode}, log {c.log})"
-                                  for c in dead)
+                names = ", ".join(dead)
                 print(f"splitserve: {names} stopped; shutting the deployment down",
                       file=sys.stderr, flush=True)
                 return 1
@@ -85,7 +99,8 @@ def run(args: argparse.Namespace) -> int:
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "serve", help="start a deployment: workers and the router as local processes",
+        "serve", help="start a deployment: workers and the router as local processes, or on "
+                      "a Ray cluster (--ray)",
         description="Arguments after `--` go to every vLLM worker unchanged. Flags override "
                     "the values of --config.")
     p.add_argument("--config", help="deployment YAML file")
@@ -115,6 +130,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "cores than workers, else it shares all of them)")
     p.add_argument("--log-dir", default=None)
     p.add_argument("--unsplittable", choices=("whole", "refuse"), default=None)
+    p.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
+                   help="run on Ray: the cluster at ADDRESS (host:port of its GCS), or a local "
+                        "one started for the deployment when ADDRESS is omitted")
     add_tls_arguments(p)
     add_secret_guards(p)
     p.set_defaults(func=run, vllm_args=[])

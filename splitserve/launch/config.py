@@ -12,6 +12,9 @@ YAML keys are the field names below; `router:` holds the router's policy fields.
     kv_tls_cert: certs/kv.pem  # optional: TLS on the KV channel; one cert for every worker,
     kv_tls_key: certs/kv.key   # valid for `host`; kv_tls_ca verifies it (and makes TLS mutual)
     kv_tls_ca: certs/ca.pem
+    backend: ray             # optional: run on a Ray cluster (default: local processes)
+    ray_address: 10.0.0.1:6379  # the cluster to join; omitted: a local one is started
+    ray: {prefill_resources: {prefill: 1}, decode_resources: {decode: 1}}  # see rayconfig
 """
 
 from __future__ import annotations
@@ -22,10 +25,12 @@ from typing import Any
 
 from splitserve.config import TRANSPORTS, check_tls_files
 from splitserve.hub import check_model_name
+from splitserve.launch.rayconfig import RayOptions, ray_options
 from splitserve.router.config import DECODE_POLICIES, PREFILL_POLICIES, UNSPLITTABLE_MODES
 from splitserve.secretflags import check_passthrough
 
 ROUTER_KEYS = ("prefill_policy", "decode_policy", "unsplittable", "max_inflight")
+BACKENDS = ("local", "ray")
 
 
 @dataclass(frozen=True)
@@ -58,6 +63,9 @@ class DeploymentConfig:
     kv_tls_key: str | None = None
     kv_tls_ca: str | None = None
     worker_args: tuple[str, ...] = field(default_factory=tuple)  # passed to vLLM unchanged
+    backend: str = "local"  # local processes, or a Ray cluster
+    ray_address: str | None = None  # backend ray: the cluster's address; None starts one
+    ray: RayOptions = field(default_factory=RayOptions)
 
     def __post_init__(self) -> None:
         for name in ("prefill", "decode", "colocated"):
@@ -91,13 +99,27 @@ class DeploymentConfig:
             if self.revision is not None:
                 raise ValueError("revision applies to a Hugging Face model id, not the embedded "
                                  "model")
-        else:
+        elif self.files_here:  # on a remote Ray cluster the model lives on its nodes
             check_model_name(self.model, self.revision)
         check_passthrough(self.worker_args)
-        check_tls_files(self.kv_tls_cert, self.kv_tls_key, self.kv_tls_ca, prefix="kv_tls_")
+        check_tls_files(self.kv_tls_cert, self.kv_tls_key, self.kv_tls_ca, prefix="kv_tls_",
+                        must_exist=self.files_here)
         if self.kv_tls_cert is not None and not self.prefill:
             raise ValueError("kv TLS encrypts the channel between prefill and decode workers; "
                              "this deployment has none")
+
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}")
+        if self.ray_address is not None and self.backend != "ray":
+            raise ValueError("ray_address needs backend: ray")
+        object.__setattr__(self, "ray", ray_options(self.ray))
+        for kind in ("prefill", "decode"):
+            self.ray.bounds(kind, getattr(self, kind))
+
+    @property
+    def files_here(self) -> bool:
+        """Whether the workers read their files (model, TLS) on this machine."""
+        return self.backend == "local" or self.ray_address is None
 
     @property
     def n_workers(self) -> int:

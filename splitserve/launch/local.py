@@ -24,6 +24,7 @@ from pathlib import Path
 
 from splitserve.config import TOKEN_ENV, WorkerConfig, new_token
 from splitserve.hub import resolve_model
+from splitserve.launch.backend import LauncherBackend
 from splitserve.launch.config import DeploymentConfig
 from splitserve.worker.launch import child_preexec, free_port, wait_healthy, worker_command
 
@@ -55,6 +56,24 @@ def plan_cores(cores: list[int], n_workers: int) -> CorePlan:
                     "so they slow each other down")
 
 
+def pool_worker_config(cfg: DeploymentConfig, role: str | None, model_dir: str,
+                       served_name: str | None, host: str, cpus: tuple[int, ...] | None
+                       ) -> WorkerConfig:
+    """One pool member's worker, on free ports of `host`: the same for every backend."""
+    return WorkerConfig(
+        model=model_dir, port=free_port(host), role=role,  # type: ignore[arg-type]
+        host=host, cpus=cpus, kv_port=free_port(host) if role else 0,
+        transport=cfg.transport, dtype=cfg.dtype,  # type: ignore[arg-type]
+        kv_cache_gib=cfg.kv_cache_gib, max_model_len=cfg.max_model_len,
+        max_num_batched_tokens=cfg.max_num_batched_tokens,
+        served_model_name=served_name,
+        staging_bytes=cfg.staging_mib * 1024**2, extra_args=cfg.worker_args,
+        # one certificate for every connector worker (plain workers have no KV channel)
+        kv_tls_cert=cfg.kv_tls_cert if role else None,
+        kv_tls_key=cfg.kv_tls_key if role else None,
+        kv_tls_ca=cfg.kv_tls_ca if role else None)
+
+
 @dataclass
 class Child:
     name: str
@@ -63,7 +82,7 @@ class Child:
     log: Path
 
 
-class LocalDeployment:
+class LocalDeployment(LauncherBackend):
     """`start()` brings every part up healthy and returns the router's URL; `stop()` ends all."""
 
     def __init__(self, cfg: DeploymentConfig, say: Callable[[str], None] = print) -> None:
@@ -106,18 +125,8 @@ class LocalDeployment:
             + [("colocated", None)] * cfg.colocated)
         out = []
         for i, ((kind, role), cpus) in enumerate(zip(roles, plan.workers, strict=True)):
-            out.append((f"{kind}{i}", WorkerConfig(
-                model=self.model_dir, port=free_port(cfg.host), role=role,  # type: ignore[arg-type]
-                host=cfg.host, cpus=cpus, kv_port=free_port(cfg.host) if role else 0,
-                transport=cfg.transport, dtype=cfg.dtype,  # type: ignore[arg-type]
-                kv_cache_gib=cfg.kv_cache_gib, max_model_len=cfg.max_model_len,
-                max_num_batched_tokens=cfg.max_num_batched_tokens,
-                served_model_name=self.served_name,
-                staging_bytes=cfg.staging_mib * 1024**2, extra_args=cfg.worker_args,
-                # one certificate for every connector worker (plain workers have no KV channel)
-                kv_tls_cert=cfg.kv_tls_cert if role else None,
-                kv_tls_key=cfg.kv_tls_key if role else None,
-                kv_tls_ca=cfg.kv_tls_ca if role else None)))
+            out.append((f"{kind}{i}", pool_worker_config(cfg, role, self.model_dir,
+                                                         self.served_name, cfg.host, cpus)))
         return out
 
     def start(self) -> str:
@@ -179,6 +188,9 @@ class LocalDeployment:
     def dead(self) -> list[Child]:
         return [c for c in self.children if c.proc.poll() is not None]
 
+    def failures(self) -> list[str]:
+        return [f"{c.name} (exit {c.proc.returncode}, log {c.log})" for c in self.dead()]
+
     def stop(self) -> None:
         """Graceful drain, front to back: SIGTERM the router and wait while it finishes its
         in-flight requests (it takes no new ones), then SIGTERM the workers, which drain what
@@ -199,10 +211,3 @@ class LocalDeployment:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 child.proc.wait(5)
         self.children.clear()
-
-    def __enter__(self) -> LocalDeployment:
-        self.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()

@@ -1,6 +1,8 @@
 """The admin endpoint: add, drain and remove workers at runtime (deployment token required).
 
-Removal drains first and waits for the worker's open legs, so no request is lost.
+Removal drains first and waits for the worker's open legs, so no request is lost. Adding a worker
+may name its `node`; adding one already registered in that role with a `node` only sets the
+node (200), so a launcher can label the workers the router started with.
 """
 
 from __future__ import annotations
@@ -47,8 +49,15 @@ def add_admin_routes(app: FastAPI, state: Callable[[Request], Any],
         if isinstance(body, JSONResponse):
             return body
         reg = state(request).registry
+        node = body.get("node")
+        if node is not None and not isinstance(node, str):
+            return JSONResponse(error_body("node must be a string", param="node"), 400)
+        known = reg.find(body["url"], str(body.get("role", "")))
+        if known and node is not None:
+            known[0].node = node
+            return JSONResponse(known[0].describe(), 200)
         try:
-            worker = reg.add(body["url"], str(body.get("role", "")))
+            worker = reg.add(body["url"], str(body.get("role", "")), node)
         except ValueError as exc:
             return JSONResponse(error_body(str(exc), param="url"), 400)
         await reg.check(worker)

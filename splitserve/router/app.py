@@ -155,6 +155,7 @@ def create_app(cfg: RouterConfig, token: str | None, api_key: str | None = None,
         model_dir = cfg.model_dir or model.get("root")
         tokenizer = await asyncio.to_thread(load_tokenizer, model_dir)
         metrics = RouterMetrics()
+        metrics.watch_workers(lambda: registry.workers.values())
         picker = Picker(cfg.prefill_policy, cfg.decode_policy, cfg.max_inflight_per_worker)
         session = new_session(cfg, token)  # both paths' legs; sends the token on every request
         flow = Flow(cfg, registry, picker, metrics, session, model["id"],

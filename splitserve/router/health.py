@@ -45,6 +45,7 @@ class Worker:
 
     url: str
     role: str
+    node: str | None = None  # where it runs, when the launcher knows (Ray: the node id)
     healthy: bool = False
     draining: bool = False
     successes: int = 0
@@ -84,7 +85,7 @@ class Worker:
             self.drained.set()
 
     def describe(self) -> dict[str, Any]:
-        return {"url": self.url, "role": self.role, "healthy": self.healthy,
+        return {"url": self.url, "role": self.role, "node": self.node, "healthy": self.healthy,
                 "draining": self.draining, "inflight": self.inflight,
                 "inflight_prefill_tokens": self.inflight_prefill_tokens,
                 "kv_usage": self.kv_usage, "running": self.running, "waiting": self.waiting,
@@ -116,7 +117,7 @@ class Registry:
     def routable(self, role: str) -> list[Worker]:
         return [w for w in self.workers.values() if w.role == role and w.routable]
 
-    def add(self, url: str, role: str) -> Worker:
+    def add(self, url: str, role: str, node: str | None = None) -> Worker:
         if role not in WORKER_ROLES:
             raise ValueError(f"role must be one of {WORKER_ROLES}")
         if not url.startswith(("http://", "https://")):
@@ -124,7 +125,7 @@ class Registry:
         url = url.rstrip("/")
         if (role, url) in self.workers:
             raise ValueError(f"worker {url} is already registered as {role}")
-        worker = Worker(url, role)
+        worker = Worker(url, role, node)
         self.workers[(role, url)] = worker
         return worker
 

@@ -2,14 +2,39 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                    10.0, 30.0, 60.0)
 BYTES_BUCKETS = tuple(float(4**i * 1024) for i in range(12))
 GBPS_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0)
+
+
+class WorkerCollector:
+    """Per-worker families read from the registry at scrape time, labelled `role`, `url` and
+    `node` (where the launcher named one, e.g. the Ray node id; empty otherwise):
+    `splitserve_router_worker_routable` (1 while it takes new requests) and
+    `splitserve_router_worker_inflight` (the router's open legs on it)."""
+
+    def __init__(self, workers: Callable[[], Iterable[Any]]) -> None:
+        self.workers = workers
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["role", "url", "node"]
+        routable = GaugeMetricFamily("splitserve_router_worker_routable",
+                                     "1 while the worker takes new requests", labels=labels)
+        inflight = GaugeMetricFamily("splitserve_router_worker_inflight",
+                                     "The router's open legs on the worker", labels=labels)
+        for w in list(self.workers()):
+            values = [w.role, w.url, w.node or ""]
+            routable.add_metric(values, 1.0 if w.routable else 0.0)
+            inflight.add_metric(values, float(w.inflight))
+        yield routable
+        yield inflight
 
 
 class RouterMetrics:
@@ -53,6 +78,10 @@ class RouterMetrics:
                               registry=r)
         self.e2e = Histogram("splitserve_router_e2e_seconds", "Request received -> last byte",
                              buckets=LATENCY_BUCKETS, registry=r)
+
+    def watch_workers(self, workers: Callable[[], Iterable[Any]]) -> None:
+        """Export the per-worker families of `WorkerCollector` over `workers()`."""
+        self.registry.register(WorkerCollector(workers))
 
     def observe_timings(self, t: dict[str, Any]) -> None:
         """Record one request's per-leg timings (keys as in `flow.Timings.as_dict`)."""

@@ -83,3 +83,21 @@ async def test_remove_waits_for_open_legs() -> None:
         assert not removal.done() and w.draining and not w.routable
         w.release()
         assert await removal is w and reg.find(P) == []
+
+
+def test_a_workers_node_is_shown_and_labels_its_metrics() -> None:
+    from prometheus_client import generate_latest
+
+    from splitserve.router.metrics import RouterMetrics
+
+    reg = Registry(RouterConfig(prefill=(P,), decode=(D,)), httpx.AsyncClient(), None)
+    added = reg.add("http://d2:1", "decode", node="node-b")
+    added.healthy = True
+    assert added.describe()["node"] == "node-b"
+    assert reg.find(P)[0].describe()["node"] is None
+    metrics = RouterMetrics()
+    metrics.watch_workers(lambda: reg.workers.values())
+    text = generate_latest(metrics.registry).decode()
+    assert ('splitserve_router_worker_routable{node="node-b",role="decode",url="http://d2:1"} 1.0'
+            in text)
+    assert 'splitserve_router_worker_inflight{node="",role="prefill",url="http://p:1"} 0.0' in text

@@ -1,0 +1,226 @@
+"""`RayDeployment`: a deployment on a Ray cluster. Each pool (P, D, colocated) is one Ray Serve
+application whose replicas are `WorkerReplica`s, placed by the pool's custom resources and
+autoscaled by its own policy; the router is a `RouterHost` actor; a `WorkerDirectory` actor
+joins them.
+
+Invariants:
+- Without an address, a single-node Ray cluster is started for the deployment, on 127.0.0.1,
+  with the custom resources the pools ask for, and shut down by `stop()`.
+- Serve's own HTTP proxy stays off: the router is the only front door.
+- The driver hands the token and API key to the directory by an actor call; nothing secret is
+  in a deployment's init arguments, `runtime_env`, or argv.
+- `stop()` drains front to back: the router first, then each pool's replicas (each drains
+  itself), then the directory; whatever it started, it ends.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+from splitserve.config import new_token
+from splitserve.launch.backend import LauncherBackend
+from splitserve.launch.config import DeploymentConfig
+from splitserve.launch.raybackend.autoscale import autoscaling_config
+
+KINDS = ("prefill", "decode", "colocated")
+LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": a local Ray stays on 127.0.0.1
+PUSH_ENV = "RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S"
+
+
+def pool_sizes(cfg: DeploymentConfig) -> dict[str, int]:
+    return {k: n for k, n in zip(KINDS, (cfg.prefill, cfg.decode, cfg.colocated), strict=True)
+            if n}
+
+
+def local_cluster_resources(cfg: DeploymentConfig) -> dict[str, float]:
+    """Enough of every custom resource the pools name for each pool's maximum, on one node."""
+    out: dict[str, float] = {}
+    for kind, n in pool_sizes(cfg).items():
+        top = cfg.ray.bounds(kind, n)[1] if kind != "colocated" else n
+        for name, amount in cfg.ray.resources(kind).items():
+            out[name] = out.get(name, 0.0) + amount * top
+    for name, amount in cfg.ray.router_resources:
+        out[name] = out.get(name, 0.0) + amount
+    return out
+
+
+def pool_app(cfg: DeploymentConfig, kind: str, n: int, directory: str) -> Any:
+    """The Serve application of one pool: `n` replicas (or autoscaling from `n`)."""
+    from ray import serve
+
+    from splitserve.launch.raybackend.replica import WorkerReplica
+
+    opts = cfg.ray
+    auto = autoscaling_config(kind, opts.bounds(kind, n) if kind != "colocated" else (n, n),
+                              opts)
+    options: dict[str, Any] = {
+        "name": kind,
+        "ray_actor_options": {
+            "num_cpus": opts.worker_cpus, "resources": opts.resources(kind),
+            # not a secret: how often replicas report their autoscaling signals
+            "runtime_env": {"env_vars": {PUSH_ENV: str(opts.metrics_push_interval_s)}}},
+        "health_check_period_s": opts.health_check_period_s,
+        "health_check_timeout_s": 10.0,
+        "graceful_shutdown_wait_loop_s": 0.2,
+        # the replica's own drain, then the worker's
+        "graceful_shutdown_timeout_s": opts.drain_timeout_s + cfg.stop_timeout_s + 40,
+        "max_ongoing_requests": 1000,
+    }
+    if opts.max_replicas_per_node is not None:
+        options["max_replicas_per_node"] = opts.max_replicas_per_node
+    if auto is None:
+        options["num_replicas"] = n
+    else:
+        options["autoscaling_config"] = auto
+    deployment = serve.deployment(WorkerReplica).options(**options)
+    return deployment.bind(cfg, kind, directory)
+
+
+class RayDeployment(LauncherBackend):
+    """`start()` deploys the pools and the router and returns the router's URL."""
+
+    def __init__(self, cfg: DeploymentConfig, say: Callable[[str], None] = print) -> None:
+        self.cfg = cfg
+        self.say = say
+        self.token = new_token()
+        self.api_key = os.environ.get("SPLITSERVE_API_KEY") or None
+        self.names = {"directory": f"{cfg.ray.name}-directory",
+                      "router": f"{cfg.ray.name}-router"}
+        self.apps = [f"{cfg.ray.name}-{kind}" for kind in pool_sizes(cfg)]
+        self.started_cluster = False
+        self.directory: Any = None
+        self.router: Any = None
+        self._url = f"http://{cfg.host}:{cfg.port}"
+        self.startup_s: dict[str, float] = {}
+
+    @property
+    def url(self) -> str:
+        return self._url
+
+    def _connect(self) -> None:
+        cfg = self.cfg
+        if cfg.ray_address is None:
+            os.environ.setdefault(LOOPBACK_ENV, "0")
+        import ray
+
+        if ray.is_initialized():
+            return
+        if cfg.ray_address is None:
+            ray.init(namespace=cfg.ray.namespace, include_dashboard=False,
+                     resources=local_cluster_resources(cfg), log_to_driver=False)
+            self.started_cluster = True
+        else:
+            ray.init(address=cfg.ray_address, namespace=cfg.ray.namespace,
+                     log_to_driver=False)
+
+    def start(self) -> str:
+        if self.directory is not None:
+            raise RuntimeError("this deployment is already started")
+        t0 = time.monotonic()
+        try:
+            self._connect()
+            self.startup_s["cluster"] = time.monotonic() - t0
+            self._deploy(t0)
+        except BaseException:
+            self.stop()
+            raise
+        self.say(f"splitserve: ready — OpenAI endpoint {self.url}/v1 on Ray "
+                 f"({', '.join(f'{n} {k}' for k, n in pool_sizes(self.cfg).items())}; "
+                 f"{self.startup_s['ready']:.1f} s)")
+        return self.url
+
+    def _deploy(self, t0: float) -> None:
+        import ray
+        from ray import serve
+        from ray.serve.api import RunTarget
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        from splitserve.launch.raybackend.directory import WorkerDirectory
+        from splitserve.launch.raybackend.routerhost import RouterHost
+
+        cfg = self.cfg
+        here = ray.get_runtime_context().get_node_id()
+        pinned = {"scheduling_strategy": NodeAffinitySchedulingStrategy(here, soft=False)}
+        self.directory = ray.remote(WorkerDirectory).options(
+            name=self.names["directory"], num_cpus=0, **pinned).remote()
+        ray.get(self.directory.set_secrets.remote(self.token, self.api_key))
+        serve.start(proxy_location="Disabled")
+        self.say(f"splitserve: Ray {ray.get_runtime_context().gcs_address}; deploying "
+                 + ", ".join(f"{n} {k}" for k, n in pool_sizes(cfg).items()))
+        targets = [RunTarget(pool_app(cfg, kind, n, self.names["directory"]),
+                             name=f"{cfg.ray.name}-{kind}", route_prefix=None)
+                   for kind, n in pool_sizes(cfg).items()]
+        serve.run_many(targets)
+        self.startup_s["workers"] = time.monotonic() - t0
+        router_opts: dict[str, Any] = {"name": self.names["router"], "num_cpus": 0}
+        if cfg.ray.router_resources:
+            router_opts["resources"] = cfg.ray.resources("router")
+        else:
+            router_opts.update(pinned)
+        self.router = ray.remote(RouterHost).options(**router_opts).remote(
+            cfg, self.names["directory"])
+        self._url = ray.get(self.router.start.remote(cfg.startup_timeout_s))
+        self.startup_s["ready"] = time.monotonic() - t0
+
+    def workers(self) -> list[dict[str, Any]]:
+        """The directory's live workers (kind, url, node, cores, draining)."""
+        import ray
+
+        return list(ray.get(self.directory.snapshot.remote()))
+
+    def history(self) -> list[dict[str, Any]]:
+        import ray
+
+        return list(ray.get(self.directory.history.remote()))
+
+    def failures(self) -> list[str]:
+        import ray
+
+        try:
+            if ray.get(self.router.alive.remote(), timeout=10):
+                return []
+            return ["the router process exited"]
+        except Exception as exc:  # the actor or its node is gone
+            return [f"the router actor is gone: {type(exc).__name__}"]
+
+    def stop(self) -> None:
+        import contextlib
+
+        import ray
+
+        if not ray.is_initialized():
+            return
+        from ray import serve
+
+        if self.router is not None:
+            with contextlib.suppress(Exception):
+                ray.get(self.router.stop.remote(), timeout=self.cfg.stop_timeout_s + 15)
+            with contextlib.suppress(Exception):
+                ray.kill(self.router)
+            self.router = None
+            if self.directory is not None:
+                with contextlib.suppress(Exception):
+                    ray.get(self.directory.router_stopped.remote(), timeout=10)
+        for app in self.apps:  # every pool drains at once
+            with contextlib.suppress(Exception):
+                serve.delete(app, _blocking=False)
+        deadline = time.monotonic() + self.cfg.ray.drain_timeout_s + self.cfg.stop_timeout_s + 60
+        while time.monotonic() < deadline:
+            try:
+                if not set(self.apps) & set(serve.status().applications):
+                    break
+            except Exception:  # Serve itself is gone: nothing is left to wait for
+                break
+            time.sleep(0.5)
+        if self.directory is not None:
+            with contextlib.suppress(Exception):
+                ray.kill(self.directory)
+            self.directory = None
+        if self.started_cluster:
+            with contextlib.suppress(Exception):
+                serve.shutdown()
+            ray.shutdown()
+            self.started_cluster = False

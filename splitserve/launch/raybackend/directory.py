@@ -1,0 +1,141 @@
+"""The deployment's directory: one named Ray actor that every replica and the router host talk
+to. It is the Ray-side source of truth the router's registry follows.
+
+Contract:
+- A replica `register`s once its worker answers `/health`, and `drain`s before it stops; the
+  router host takes a draining (or vanished) worker out of the router and then calls
+  `released`, which the draining replica waits for.
+- `snapshot()` lists only live workers: an entry whose replica actor no longer exists (its
+  process or its node died) is dropped there, together with its cores.
+- The deployment token and API key live here, set by the driver with `set_secrets` and read
+  by replicas with `secrets()`: actor method calls, never argv, `runtime_env` or anything Ray's
+  dashboard shows.
+- Cores are claimed per machine (node IP), not per Ray node: logical nodes of one machine share
+  its cores.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+ROUTER_STALE_S = 5.0  # a router host silent this long is gone: drains stop waiting for it
+
+
+@dataclass
+class Entry:
+    """One worker as Ray placed it."""
+
+    replica: str  # the Serve replica's actor name
+    kind: str  # prefill, decode or colocated
+    url: str
+    node_id: str
+    node_ip: str
+    cores: tuple[int, ...]
+    draining: bool = False
+    released: bool = False
+    registered_at: float = 0.0
+
+
+def replica_alive(name: str, alive_names: set[str], dead_nodes: set[str], entry: Entry) -> bool:
+    return name in alive_names and entry.node_id not in dead_nodes
+
+
+class WorkerDirectory:
+    """Made a Ray actor by the driver (`ray.remote(WorkerDirectory)`); methods run one at a time."""
+
+    def __init__(self) -> None:
+        self._token: str | None = None
+        self._api_key: str | None = None
+        self._entries: dict[str, Entry] = {}
+        self._claims: dict[str, dict[str, tuple[int, ...]]] = {}  # node_ip -> replica -> cores
+        self._router_loads: dict[str, dict[str, float]] = {}
+        self._router_seen = 0.0
+        self._log: list[dict[str, Any]] = []  # (time, kind, replicas) after every change
+
+    # --- secrets ------------------------------------------------------------------------------
+    def set_secrets(self, token: str, api_key: str | None) -> None:
+        self._token, self._api_key = token, api_key
+
+    def secrets(self) -> tuple[str | None, str | None]:
+        return self._token, self._api_key
+
+    # --- cores --------------------------------------------------------------------------------
+    def claim_cores(self, node_ip: str, available: list[int], n: int, replica: str
+                    ) -> tuple[int, ...]:
+        """The `n` least-claimed of `available` on this machine (shared once all are taken)."""
+        claims = self._claims.setdefault(node_ip, {})
+        use = {c: 0 for c in available}
+        for cores in claims.values():
+            for c in cores:
+                if c in use:
+                    use[c] += 1
+        chosen = tuple(sorted(sorted(use, key=lambda c: (use[c], c))[:max(1, n)]))
+        claims[replica] = chosen
+        return chosen
+
+    def _release_cores(self, replica: str) -> None:
+        for claims in self._claims.values():
+            claims.pop(replica, None)
+
+    # --- membership ---------------------------------------------------------------------------
+    def register(self, entry: dict[str, Any]) -> None:
+        e = Entry(**entry)
+        e.registered_at = time.time()
+        self._entries[e.replica] = e
+        self._note()
+
+    def drain(self, replica: str) -> None:
+        if replica in self._entries:
+            self._entries[replica].draining = True
+            self._note()
+
+    def released(self, replica: str) -> None:
+        if replica in self._entries:
+            self._entries[replica].released = True
+
+    def drained(self, replica: str) -> bool:
+        """Whether a draining replica may stop: the router let it go, or no router is left."""
+        entry = self._entries.get(replica)
+        return entry is None or entry.released or (
+            time.time() - self._router_seen > ROUTER_STALE_S)
+
+    def deregister(self, replica: str) -> None:
+        self._entries.pop(replica, None)
+        self._release_cores(replica)
+        self._note()
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        import ray
+
+        alive = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)}
+        dead_nodes = {n["NodeID"] for n in ray.nodes() if not n["Alive"]}
+        gone = [r for r, e in self._entries.items()
+                if not replica_alive(r, alive, dead_nodes, e)]
+        for replica in gone:
+            self.deregister(replica)
+        return [asdict(e) for e in self._entries.values()]
+
+    def _note(self) -> None:
+        counts: dict[str, int] = {}
+        for e in self._entries.values():
+            if not e.draining:
+                counts[e.kind] = counts.get(e.kind, 0) + 1
+        self._log.append({"t": time.time(), **counts})
+
+    def history(self) -> list[dict[str, Any]]:
+        """Routable workers per pool after every membership change (for timelines)."""
+        return list(self._log)
+
+    # --- the router's view of load, for the autoscaling signals -------------------------------
+    def router_report(self, loads: dict[str, dict[str, float]]) -> None:
+        self._router_loads = loads
+        self._router_seen = time.time()
+
+    def router_stopped(self) -> None:
+        """No router is left: draining replicas stop waiting to be let go."""
+        self._router_seen = 0.0
+
+    def router_load(self, url: str) -> dict[str, float]:
+        return dict(self._router_loads.get(url, {}))

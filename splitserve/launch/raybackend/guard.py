@@ -1,0 +1,66 @@
+"""`python -m splitserve.launch.raybackend.guard ARGV...`: run ARGV as the child of a process
+group leader that takes the whole group down with it.
+
+Invariants:
+- The guard leads its own session and process group (its parent starts it with
+  `start_new_session=True`); ARGV and everything ARGV starts (vLLM's `EngineCore` included)
+  stay in that group.
+- The guard gets SIGTERM when its parent (a Ray replica or actor) dies (PR_SET_PDEATHSIG).
+- On SIGTERM it forwards SIGTERM to ARGV (vLLM drains for its `--shutdown-timeout`), waits up to
+  `SPLITSERVE_GUARD_GRACE_S` (default 30; 0 when the parent is already gone), then SIGKILLs the
+  whole group. When ARGV exits on its own, the group is SIGKILLed too: no engine process
+  outlives its API server.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import threading
+from types import FrameType
+
+PR_SET_PDEATHSIG = 1
+GRACE_ENV = "SPLITSERVE_GUARD_GRACE_S"
+
+
+def kill_group() -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(os.getpgid(0), signal.SIGKILL)
+
+
+def main(argv: list[str]) -> int:
+    if not argv:
+        print("usage: python -m splitserve.launch.raybackend.guard ARGV...", file=sys.stderr)
+        return 2
+    parent = os.getppid()
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent:  # the parent died before the death signal was armed
+        return 1
+    grace = float(os.environ.pop(GRACE_ENV, "30"))
+    child = subprocess.Popen(argv)
+    stopping = threading.Event()
+
+    def on_term(signum: int, frame: FrameType | None) -> None:
+        if stopping.is_set():
+            return
+        stopping.set()
+        if os.getppid() != parent:  # our replica is gone: nobody waits for a drain
+            kill_group()
+        with contextlib.suppress(ProcessLookupError):
+            child.send_signal(signal.SIGTERM)
+        threading.Timer(grace, kill_group).start()
+
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, on_term)
+    code = child.wait()
+    kill_group()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

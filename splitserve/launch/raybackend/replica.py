@@ -1,0 +1,173 @@
+"""One pool member as a Ray Serve replica: it runs the same worker process as the local
+launcher (`worker_command`: vLLM's OpenAI server with splitserve's connector) under a group
+guard, and tells the directory where it is.
+
+Invariants:
+- The worker and everything it starts live in one process group led by `guard`, which dies
+  with this replica (PR_SET_PDEATHSIG) and takes the group with it; `stop()` SIGTERMs the
+  group, SIGKILLs it after the worker's drain, and is the only way this replica ends a worker.
+- The worker binds its HTTP and KV ports on this node's IP; its cores are claimed from the
+  directory per machine and set both as its affinity and as vLLM's OpenMP binding (Ray's own
+  `OMP_NUM_THREADS=1` for actors is overridden by `worker_command`).
+- The token reaches the worker in its process environment only (read from the directory by an
+  actor call): not in argv, `runtime_env` or any Ray metadata.
+- Stopping drains first: the replica leaves the router's rotation (directory `drain`, acted on
+  by the router host), waits until the router let it go and the worker runs nothing and stages
+  nothing, then stops the worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from splitserve.config import bearer_headers
+from splitserve.launch.config import DeploymentConfig
+from splitserve.launch.local import pool_worker_config
+from splitserve.launch.raybackend.guard import GRACE_ENV
+from splitserve.worker.launch import wait_healthy, worker_command
+from splitserve.worker.load import LOAD_PATH
+
+ROLES = {"prefill": "prefill", "decode": "decode", "colocated": None}
+HEALTH_FAILURES = 3
+
+
+def node_model(cfg: DeploymentConfig) -> tuple[str, str | None]:
+    """(directory, served name) of the deployment's model on this node: the embedded model
+    built here, a directory, or a hub id resolved here (as the local launcher does)."""
+    if cfg.model == "embedded":
+        from splitserve.demo_model import embedded_model_dir
+
+        return str(embedded_model_dir()), "splitserve-demo"
+    from splitserve.hub import resolve_model
+
+    source = resolve_model(cfg.model, cfg.revision)
+    return source.path, source.name
+
+
+def log_path(cfg: DeploymentConfig, name: str) -> Path:
+    root = Path(cfg.log_dir) if cfg.log_dir else Path(tempfile.gettempdir()) / "splitserve-ray"
+    path = root / cfg.ray.name / f"{name.replace('::', '-').replace('#', '-')}.log"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+class WorkerReplica:
+    """A Serve deployment class (see `deployment.pool_app`)."""
+
+    def __init__(self, cfg: DeploymentConfig, kind: str, directory: str) -> None:
+        import ray
+        from ray import serve
+
+        self.cfg = cfg
+        self.kind = kind
+        self.directory = ray.get_actor(directory, namespace=cfg.ray.namespace)
+        self.name = serve.get_replica_context().replica_id.to_full_id_str()
+        token, _ = ray.get(self.directory.secrets.remote())
+        self.token: str | None = token
+        node_ip = ray.util.get_node_ip_address()
+        cores = ray.get(self.directory.claim_cores.remote(
+            node_ip, sorted(os.sched_getaffinity(0)), cfg.ray.worker_cpus, self.name))
+        model_dir, served_name = node_model(cfg)
+        self.wcfg = pool_worker_config(cfg, ROLES[kind], model_dir, served_name, node_ip,
+                                       tuple(cores))
+        argv, env = worker_command(self.wcfg, token)
+        env[GRACE_ENV] = str(self.wcfg.shutdown_timeout_s + 5)
+        self.log = log_path(cfg, self.name)
+        cpus = self.wcfg.cpus
+
+        def setup() -> None:
+            if cpus:
+                os.sched_setaffinity(0, cpus)
+
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "splitserve.launch.raybackend.guard", *argv], env=env,
+                stdout=out, stderr=subprocess.STDOUT, preexec_fn=setup, start_new_session=True)
+        try:
+            wait_healthy(self.wcfg.url, self.proc, cfg.startup_timeout_s, token)
+        except BaseException:
+            self.stop(grace_s=0)
+            raise
+        ray.get(self.directory.register.remote({
+            "replica": self.name, "kind": kind, "url": self.wcfg.url,
+            "node_id": ray.get_runtime_context().get_node_id(), "node_ip": node_ip,
+            "cores": tuple(cores)}))
+        self.client = httpx.AsyncClient(headers=bearer_headers(token), timeout=2.0)
+        self.health_failures = 0
+
+    def describe(self) -> dict[str, Any]:
+        return {"replica": self.name, "kind": self.kind, "url": self.wcfg.url,
+                "pid": self.proc.pid, "log": str(self.log)}
+
+    async def check_health(self) -> None:
+        """Serve's health check: the worker process lives, and `/health` has not failed
+        `HEALTH_FAILURES` checks in a row (one slow answer on a busy core is not a death)."""
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"worker exited with code {self.proc.returncode} (log {self.log})")
+        try:
+            r = await self.client.get(f"{self.wcfg.url}/health", timeout=5.0)
+            error = None if r.status_code == 200 else f"/health answered {r.status_code}"
+        except httpx.HTTPError as exc:
+            error = f"/health: {type(exc).__name__}"
+        self.health_failures = 0 if error is None else self.health_failures + 1
+        if error is not None and self.health_failures >= HEALTH_FAILURES:
+            raise RuntimeError(error)
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """This replica's autoscaling signals (see `autoscale`)."""
+        if self.kind == "prefill":
+            load = await self.directory.router_load.remote(self.wcfg.url)
+            return {"queued_prompt_tokens": float(load.get("inflight_prefill_tokens", 0.0))}
+        r = await self.client.get(f"{self.wcfg.url}{LOAD_PATH}")
+        load = r.json() if r.status_code == 200 else {}
+        return {"running": float(load.get("running", 0.0)),
+                "kv_usage": float(load.get("kv_usage", 0.0))}
+
+    async def _idle(self) -> bool:
+        try:
+            load = (await self.client.get(f"{self.wcfg.url}{LOAD_PATH}")).json()
+            staged = 0.0
+            if self.kind == "decode":
+                r = await self.client.get(f"{self.wcfg.url}/splitserve/state")
+                staged = float(r.json().get("staged_bytes", 0)) if r.status_code == 200 else 0.0
+        except (httpx.HTTPError, ValueError):
+            return True  # a worker that cannot answer holds nothing we could wait for
+        return not load.get("running") and not load.get("waiting") and not staged
+
+    async def __del__(self) -> None:
+        """Serve stops this replica (scale-down, redeploy, delete): drain, then stop."""
+        deadline = time.monotonic() + self.cfg.ray.drain_timeout_s
+        with contextlib.suppress(Exception):
+            await self.directory.drain.remote(self.name)
+            while time.monotonic() < deadline and not await self.directory.drained.remote(
+                    self.name):
+                await asyncio.sleep(0.2)
+            while time.monotonic() < deadline and not await self._idle():
+                await asyncio.sleep(0.2)
+        await asyncio.to_thread(self.stop, self.wcfg.shutdown_timeout_s + 5)
+        with contextlib.suppress(Exception):
+            await self.directory.deregister.remote(self.name)
+            await self.client.aclose()
+
+    def stop(self, grace_s: float) -> None:
+        """SIGTERM the guard (it passes the signal on to the worker), SIGKILL the whole group
+        after `grace_s`."""
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.send_signal(signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(grace_s)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(5)

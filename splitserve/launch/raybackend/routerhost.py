@@ -1,0 +1,176 @@
+"""The router on Ray: an actor that runs the same `splitserve router` process as the local
+launcher and keeps its registry in step with the directory.
+
+Invariants:
+- The router process lives in its own process group under `guard` (it dies with this actor).
+- Every second the host reads the directory's live workers and the router's `/workers`:
+  a worker Ray placed and the router lacks is added (`POST /admin/workers`); one that is
+  draining or gone from Ray is removed (`POST /admin/workers/remove`, which takes it out of
+  rotation at once and waits for its open legs), then reported `released` to the directory.
+  The router never holds a static URL list beyond the workers it started with.
+- The router's per-worker view (open legs, queued prompt tokens) goes to the directory on each
+  round: it is P's autoscaling signal, and the directory's proof that a router is alive.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+
+from splitserve.config import TOKEN_ENV, bearer_headers
+from splitserve.launch.config import DeploymentConfig
+from splitserve.launch.raybackend.guard import GRACE_ENV
+from splitserve.launch.raybackend.replica import log_path, node_model
+from splitserve.router.cli import API_KEY_ENV
+from splitserve.worker.launch import wait_healthy
+
+log = logging.getLogger("splitserve.ray")
+ROLE_OF_KIND = {"prefill": "prefill", "decode": "decode", "colocated": "colocated"}
+
+
+def router_argv(cfg: DeploymentConfig, model_dir: str, host: str,
+                workers: list[dict[str, Any]]) -> list[str]:
+    argv = [sys.executable, "-m", "splitserve.cli", "router", "--host", host,
+            "--port", str(cfg.port), "--model", model_dir,
+            "--prefill-policy", cfg.prefill_policy, "--decode-policy", cfg.decode_policy,
+            "--unsplittable", cfg.unsplittable, "--max-inflight", str(cfg.max_inflight),
+            "--health-interval", "0.5", "--log-level", "warning"]
+    for kind in ("prefill", "decode", "colocated"):
+        urls = [w["url"] for w in workers if w["kind"] == kind]
+        if urls:
+            argv += [f"--{kind}", *urls]
+    return argv
+
+
+def plan_sync(live: list[dict[str, Any]], routed: list[dict[str, Any]]
+              ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(to add, to remove): live non-draining workers the router lacks or knows without their
+    node (adding one of those only sets its node), and router workers that are draining or no
+    longer live."""
+    keep = {(ROLE_OF_KIND[w["kind"]], w["url"]) for w in live if not w["draining"]}
+    have = {(w["role"], w["url"]) for w in routed if w.get("node")}
+    add = [w for w in live if not w["draining"]
+           and (ROLE_OF_KIND[w["kind"]], w["url"]) not in have]
+    remove = [w for w in routed if (w["role"], w["url"]) not in keep]
+    return add, remove
+
+
+class RouterHost:
+    """Made a Ray actor by the driver; `start` returns the router's URL."""
+
+    def __init__(self, cfg: DeploymentConfig, directory: str) -> None:
+        import ray
+
+        self.cfg = cfg
+        self.directory = ray.get_actor(directory, namespace=cfg.ray.namespace)
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.stopping = threading.Event()
+        self.removing: set[str] = set()
+        self.pool = ThreadPoolExecutor(8)
+        self.host = cfg.host
+        node_ip = ray.util.get_node_ip_address()
+        self.public_host = node_ip if cfg.host in ("0.0.0.0", "::") else cfg.host
+        self.url = f"http://{self.public_host}:{cfg.port}"
+        self.token: str | None = None
+
+    def start(self, timeout_s: float) -> str:
+        import ray
+
+        token, api_key = ray.get(self.directory.secrets.remote())
+        self.token = token
+        self.headers = bearer_headers(token)
+        deadline = time.monotonic() + timeout_s
+        need = ("prefill", "decode") if self.cfg.prefill else ()
+        while True:
+            live = [w for w in ray.get(self.directory.snapshot.remote()) if not w["draining"]]
+            kinds = {w["kind"] for w in live}
+            if all(k in kinds for k in need) and (need or "colocated" in kinds):
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no healthy workers after {timeout_s:.0f} s")
+            time.sleep(0.5)
+        env = dict(os.environ)
+        env[TOKEN_ENV] = token or ""
+        if api_key:
+            env[API_KEY_ENV] = api_key
+        env[GRACE_ENV] = str(self.cfg.stop_timeout_s)
+        self.log = log_path(self.cfg, f"{self.cfg.ray.name}-router")
+        argv = router_argv(self.cfg, node_model(self.cfg)[0], self.host, live)
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "splitserve.launch.raybackend.guard", *argv], env=env,
+                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        wait_healthy(self.url, self.proc, timeout_s)
+        self.client = httpx.Client(headers=self.headers, timeout=5.0)
+        threading.Thread(target=self._loop, name="router-sync", daemon=True).start()
+        return self.url
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def _loop(self) -> None:
+        while not self.stopping.wait(0.5):
+            try:
+                self.sync_once()
+            except Exception:  # the loop must outlive any one bad answer
+                log.exception("router sync round failed")
+
+    def sync_once(self) -> None:
+        import ray
+
+        live = ray.get(self.directory.snapshot.remote())
+        routed = self.client.get(f"{self.url}/workers").json()["workers"]
+        self.directory.router_report.remote({
+            w["url"]: {"inflight": float(w.get("inflight", 0)),
+                       "inflight_prefill_tokens": float(w.get("inflight_prefill_tokens", 0))}
+            for w in routed})
+        add, remove = plan_sync(live, routed)
+        for w in add:
+            r = self.client.post(f"{self.url}/admin/workers",
+                                 json={"url": w["url"], "role": ROLE_OF_KIND[w["kind"]],
+                                       "node": w["node_id"]})
+            if r.status_code not in (200, 201, 400):  # 400: added by a round still in flight
+                log.warning("router refused worker %s: %s", w["url"], r.text)
+        by_url = {w["url"]: w for w in live}
+        for w in remove:
+            key = f"{w['role']} {w['url']}"
+            if key not in self.removing:
+                self.removing.add(key)
+                self.pool.submit(self._remove, w, by_url.get(w["url"]), key)
+        for w in live:  # a draining worker the router never had (or let go already)
+            if w["draining"] and not any(r["url"] == w["url"] for r in routed):
+                self.directory.released.remote(w["replica"])
+
+    def _remove(self, routed: dict[str, Any], entry: dict[str, Any] | None, key: str) -> None:
+        try:
+            r = self.client.post(f"{self.url}/admin/workers/remove",
+                                 json={"url": routed["url"], "role": routed["role"]},
+                                 timeout=self.cfg.ray.drain_timeout_s + 5)
+            if r.status_code not in (200, 404):
+                log.warning("router kept worker %s: %s", routed["url"], r.text)
+        finally:
+            if entry is not None:
+                self.directory.released.remote(entry["replica"])
+            self.removing.discard(key)
+
+    def stop(self) -> None:
+        """SIGTERM the router (it drains its in-flight requests), SIGKILL after the timeout."""
+        self.stopping.set()
+        if self.proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.send_signal(signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(self.cfg.stop_timeout_s + 5)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)

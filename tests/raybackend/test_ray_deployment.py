@@ -1,0 +1,58 @@
+"""1P+1D on different logical Ray nodes, through the router, KV over tcp: greedy float32 output
+equals Hugging Face transformers; the router's workers are the ones Ray placed, each shown with
+its Ray node (in `/workers` and the per-worker Prometheus families); the token is on no command
+line; every TCP connection of the cluster's processes (`ss -tnp`) is on loopback."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+from rayload import cmdlines, complete, descendants, metric, off_loopback_connections, prompt_of
+from workers import hf_greedy
+
+from splitserve.config import bearer_headers
+
+MAX_TOKENS = 10
+
+
+def test_1p1d_on_two_ray_nodes_matches_transformers(ray_deployment: Any, llama_ckpt: Path
+                                                    ) -> None:
+    dep = ray_deployment
+    placed = {w["kind"]: w for w in dep.workers()}
+    assert set(placed) == {"prefill", "decode"}
+    assert placed["prefill"]["node_id"] != placed["decode"]["node_id"]
+    deadline = time.monotonic() + 10  # the router host labels the first workers in a round
+    while True:
+        routed = httpx.get(f"{dep.url}/workers", timeout=10).json()["workers"]
+        if all(w["node"] for w in routed) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert {(w["role"], w["url"], w["node"]) for w in routed} == {
+        (k, w["url"], w["node_id"]) for k, w in placed.items()}
+    assert all(w["kv_endpoint"]["transport"] == "tcp" for w in routed)
+    for i, length in enumerate((9, 130, 400)):
+        prompt = prompt_of(length, i)
+        want = hf_greedy(llama_ckpt, prompt, MAX_TOKENS)
+        assert complete(dep.url, prompt, MAX_TOKENS, stream=False) == want
+        assert complete(dep.url, prompt, MAX_TOKENS, stream=True) == want
+    metrics = httpx.get(f"{dep.url}/metrics", timeout=5).text
+    assert metric(metrics, "splitserve_router_requests_total", 'mode="split"',
+                  'outcome="ok"') == 6
+    # every request's KV went from P to D over tcp, and D holds none of it afterwards
+    assert metric(metrics, "splitserve_router_kv_bytes_count") == 6
+    assert metric(metrics, "splitserve_router_kv_bytes_sum") > 0
+    d_state = httpx.get(f"{placed['decode']['url']}/splitserve/state",
+                        headers=bearer_headers(dep.token), timeout=5).json()
+    assert d_state["staged_bytes"] == 0
+    node = placed["decode"]["node_id"]
+    assert metric(metrics, "splitserve_router_worker_routable", 'role="decode"',
+                  f'node="{node}"') == 1
+    assert not any(dep.token in c for c in cmdlines())
+    # every connection of the cluster, its replicas, workers and router stays on loopback
+    ours = descendants(os.getpid())
+    assert len(ours) > 10
+    assert off_loopback_connections(ours | {os.getpid()}) == []
