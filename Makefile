@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[$(VLLM_EXTRA),test,ray]"
+	$(PY) -m pip install -q -e ".[$(VLLM_EXTRA),nixl,test,ray]"
 	# PyPI's builds of these do not match the pinned torch and break transformers' imports.
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 	touch $(STAMP)

@@ -16,10 +16,16 @@ from typing import Any, Literal
 Role = Literal["prefill", "decode", "both"]
 Transport = Literal["tcp", "shm"]
 FailurePolicy = Literal["recompute", "fail"]
+Connector = Literal["splitserve", "nixl"]
 
 ROLES: tuple[str, ...] = ("prefill", "decode", "both")
 TRANSPORTS: tuple[str, ...] = ("tcp", "shm")
 FAILURE_POLICIES: tuple[str, ...] = ("recompute", "fail")
+# splitserve: splitserve's own connector (vLLM-CPU's paged layout; tcp/shm push).
+# nixl: vLLM's NixlConnector (D pulls P's blocks over UCX; RDMA on GPU clusters).
+CONNECTORS: tuple[str, ...] = ("splitserve", "nixl")
+# The NIXL progress thread's poll timeout: nixl's Python API hard-codes 0 (a busy spin).
+NIXL_PROGRESS_DELAY_US = 10_000
 VLLM_PINNED_VERSION = "0.32.0"
 TOKEN_ENV = "SPLITSERVE_TOKEN"
 TOKEN_FILE_ENV = "SPLITSERVE_TOKEN_FILE"
@@ -102,7 +108,9 @@ class WorkerConfig:
     role: Role | None = None
     host: str = "127.0.0.1"
     cpus: tuple[int, ...] | None = None
+    # splitserve: the connector's listener; nixl: NIXL's side channel (its handshake port)
     kv_port: int = 0
+    connector: Connector = "splitserve"
     transport: Transport = "tcp"
     on_transfer_failure: FailurePolicy = "recompute"
     dtype: str = "float32"
@@ -113,6 +121,10 @@ class WorkerConfig:
     staging_bytes: int = 512 * 1024**2
     load_timeout_s: float = 30.0
     lease_s: float = 60.0
+    # nixl: the progress thread's poll timeout in microseconds (0: vLLM's busy spin)
+    nixl_progress_delay_us: int = NIXL_PROGRESS_DELAY_US
+    # nixl: the forward thread keeps `cpus` (False: vLLM moves it to the last core per NUMA node)
+    nixl_keep_affinity: bool = True
     shutdown_timeout_s: int = 30  # SIGTERM: finish in-flight requests for up to this long
     kv_tls_cert: str | None = None  # TLS on the KV channel (see ConnectorConfig)
     kv_tls_key: str | None = None
@@ -124,6 +136,10 @@ class WorkerConfig:
             raise ValueError(f"role must be one of {ROLES} or None, got {self.role!r}")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
+        if self.connector not in CONNECTORS:
+            raise ValueError(f"connector must be one of {CONNECTORS}, got {self.connector!r}")
+        if self.nixl_progress_delay_us < 0:
+            raise ValueError("nixl_progress_delay_us must not be negative")
         if self.on_transfer_failure not in FAILURE_POLICIES:
             raise ValueError(f"on_transfer_failure must be one of {FAILURE_POLICIES}")
         if self.dtype not in ("float32", "bfloat16", "auto"):
@@ -143,6 +159,9 @@ class WorkerConfig:
         check_tls_files(self.kv_tls_cert, self.kv_tls_key, self.kv_tls_ca, prefix="kv_tls_")
         if self.role is None and self.kv_tls_cert is not None:
             raise ValueError("kv TLS is for the connector's channel; a plain worker has none")
+        if self.connector == "nixl" and self.kv_tls_cert is not None:
+            raise ValueError("kv TLS is splitserve's connector's; NIXL's side channel and UCX "
+                             "transfers are not encrypted (keep them on a trusted network)")
 
     @property
     def url(self) -> str:

@@ -9,7 +9,7 @@ import sys
 import threading
 from types import FrameType
 
-from splitserve.config import ConnectorConfig
+from splitserve.config import CONNECTORS, ConnectorConfig
 from splitserve.connector.tls import client_context, server_context
 from splitserve.launch.backend import LauncherBackend
 from splitserve.launch.config import DeploymentConfig, from_mapping, load_yaml
@@ -23,7 +23,8 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, object]:
     return {
         "prefill": args.prefill, "decode": args.decode, "colocated": args.colocated,
         "model": model, "revision": args.revision, "dtype": args.dtype,
-        "transport": args.transport, "host": args.host,
+        "transport": args.transport, "connector": args.connector, "kv_lease_s": args.kv_lease,
+        "host": args.host,
         "port": args.port, "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_model_len": args.max_model_len, "kv_cache_gib": args.kv_cache_gib,
         "cpus": args.cpus, "router_cpus": args.router_cpus, "log_dir": args.log_dir,
@@ -116,6 +117,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--revision", default=None,
                    help="branch, tag or commit of a Hugging Face model id (default: main)")
     p.add_argument("--transport", choices=("tcp", "shm"), default=None)
+    p.add_argument("--connector", choices=CONNECTORS, default=None,
+                   help="KV connector: splitserve (default) or nixl (vLLM's NixlConnector)")
+    p.add_argument("--kv-lease", type=float, default=None, metavar="S",
+                   help="seconds a P worker holds KV no D claims (default 60)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "auto"), default=None)
     p.add_argument("--host", default=None)
     p.add_argument("--port", type=int, default=None, help="router port (default 8000)")

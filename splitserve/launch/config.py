@@ -7,6 +7,7 @@ YAML keys are the field names below; `router:` holds the router's policy fields.
     prefill: 1
     decode: 1
     transport: tcp
+    connector: splitserve    # or nixl: vLLM's NixlConnector (D pulls P's blocks over UCX)
     port: 8000
     router: {decode_policy: round_robin}
     kv_tls_cert: certs/kv.pem  # optional: TLS on the KV channel; one cert for every worker,
@@ -23,7 +24,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from splitserve.config import TRANSPORTS, check_tls_files
+from splitserve.config import CONNECTORS, TRANSPORTS, check_tls_files
 from splitserve.hub import check_model_name
 from splitserve.launch.rayconfig import RayOptions, ray_options
 from splitserve.router.config import DECODE_POLICIES, PREFILL_POLICIES, UNSPLITTABLE_MODES
@@ -43,12 +44,14 @@ class DeploymentConfig:
     revision: str | None = None  # of a hub id (default: main)
     dtype: str = "float32"
     transport: str = "tcp"
+    connector: str = "splitserve"
     host: str = "127.0.0.1"
     port: int = 8000  # the router's port; workers get free loopback ports
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None  # None: the model's own length
     kv_cache_gib: int = 1
     staging_mib: int = 512
+    kv_lease_s: float = 60.0  # a P worker's held KV is freed if no D claims it within this
     cpus: tuple[int, ...] | None = None  # cores to use (default: this process's affinity)
     # the router's cores (default: a core of its own when there are workers + 1, else all)
     router_cpus: tuple[int, ...] | None = None
@@ -77,10 +80,17 @@ class DeploymentConfig:
             raise ValueError("nothing to start: give --prefill N --decode M, or --colocated K")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}")
+        if self.connector not in CONNECTORS:
+            raise ValueError(f"connector must be one of {CONNECTORS}")
+        if self.connector == "nixl" and self.kv_tls_cert is not None:
+            raise ValueError("kv TLS is splitserve's connector's; NIXL's transfers are not "
+                             "encrypted (keep them on a trusted network)")
         if self.dtype not in ("float32", "bfloat16", "auto"):
             raise ValueError("dtype must be float32, bfloat16 or auto")
         if not 1 <= self.port <= 65535:
             raise ValueError(f"port must be a TCP port, got {self.port}")
+        if self.kv_lease_s <= 0:
+            raise ValueError("kv_lease_s must be positive")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be positive")
         if self.cpus is not None and not self.cpus:

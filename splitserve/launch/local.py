@@ -63,7 +63,8 @@ def pool_worker_config(cfg: DeploymentConfig, role: str | None, model_dir: str,
     return WorkerConfig(
         model=model_dir, port=free_port(host), role=role,  # type: ignore[arg-type]
         host=host, cpus=cpus, kv_port=free_port(host) if role else 0,
-        transport=cfg.transport, dtype=cfg.dtype,  # type: ignore[arg-type]
+        connector=cfg.connector, transport=cfg.transport,  # type: ignore[arg-type]
+        dtype=cfg.dtype, lease_s=cfg.kv_lease_s,  # type: ignore[arg-type]
         kv_cache_gib=cfg.kv_cache_gib, max_model_len=cfg.max_model_len,
         max_num_batched_tokens=cfg.max_num_batched_tokens,
         served_model_name=served_name,
@@ -150,7 +151,8 @@ class LocalDeployment(LauncherBackend):
                 child = self._spawn(name, wcfg.url, argv, env, wcfg.cpus)
                 self.workers.append(wcfg)
                 self.say(f"splitserve: {name} {wcfg.url} cpus {','.join(map(str, wcfg.cpus or ()))}"
-                         + (f" kv {wcfg.transport}:{wcfg.kv_port}" if wcfg.role else "")
+                         + (f" kv {wcfg.connector if wcfg.connector == 'nixl' else wcfg.transport}"
+                            f":{wcfg.kv_port}" if wcfg.role else "")
                          + f" (log {child.log})")
             with ThreadPoolExecutor(len(self.children)) as pool:
                 list(pool.map(lambda c: wait_healthy(c.url, c.proc, cfg.startup_timeout_s,

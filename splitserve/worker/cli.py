@@ -18,7 +18,15 @@ from collections import deque
 from types import FrameType
 from typing import IO
 
-from splitserve.config import FAILURE_POLICIES, ROLES, TRANSPORTS, WorkerConfig, load_token
+from splitserve.config import (
+    CONNECTORS,
+    FAILURE_POLICIES,
+    NIXL_PROGRESS_DELAY_US,
+    ROLES,
+    TRANSPORTS,
+    WorkerConfig,
+    load_token,
+)
 from splitserve.connector.tls import client_context, server_context
 from splitserve.secretflags import add_secret_guards, check_passthrough
 from splitserve.worker.diagnose import explain_start_failure
@@ -65,8 +73,16 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--cpus", type=parse_cpus, default=None, help="cores, e.g. 0,1 or 0-3")
-    p.add_argument("--kv-port", type=int, default=0, help="connector port (default: a free one)")
-    p.add_argument("--transport", choices=TRANSPORTS, default="tcp")
+    p.add_argument("--kv-port", type=int, default=0,
+                   help="connector port, NIXL's side-channel port with --connector nixl "
+                        "(default: a free one)")
+    p.add_argument("--connector", choices=CONNECTORS, default="splitserve",
+                   help="KV connector: splitserve's own (tcp/shm push), or vLLM's NixlConnector "
+                        "(D pulls over UCX)")
+    p.add_argument("--nixl-progress-delay-us", type=int, default=NIXL_PROGRESS_DELAY_US,
+                   help="NIXL progress thread's poll timeout (0: nixl's busy spin)")
+    p.add_argument("--transport", choices=TRANSPORTS, default="tcp",
+                   help="splitserve connector's transport (not used by NIXL)")
     p.add_argument("--on-transfer-failure", choices=FAILURE_POLICIES, default="recompute")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "auto"), default="float32")
     p.add_argument("--kv-cache-gib", type=int, default=1,
@@ -93,7 +109,9 @@ def config_from_args(args: argparse.Namespace, extra: list[str]) -> WorkerConfig
     kv_port = args.kv_port or (free_port(args.host) if args.role else 0)
     return WorkerConfig(
         model=source.path, port=args.port, role=args.role, host=args.host, cpus=args.cpus,
-        kv_port=kv_port, transport=args.transport, on_transfer_failure=args.on_transfer_failure,
+        kv_port=kv_port, connector=args.connector,
+        nixl_progress_delay_us=args.nixl_progress_delay_us, transport=args.transport,
+        on_transfer_failure=args.on_transfer_failure,
         dtype=args.dtype, kv_cache_gib=args.kv_cache_gib, max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens,
         served_model_name=source.name,
@@ -111,7 +129,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         cfg = config_from_args(args, args.vllm_args)
-        if cfg.role is not None:  # unreadable or mismatched TLS files fail here, not in vLLM
+        # unreadable or mismatched TLS files fail here, not in vLLM
+        if cfg.role is not None and cfg.connector == "splitserve":
             server_context(cfg.connector_config())
             client_context(cfg.connector_config())
     except (ValueError, OSError) as exc:
@@ -119,8 +138,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     token = load_token(required=cfg.role is not None)
     argv, env = worker_command(cfg, token)
+    kv = (f"nixl side channel {cfg.host}:{cfg.kv_port}" if cfg.connector == "nixl"
+          else f"kv {cfg.transport}://{cfg.host}:{cfg.kv_port}")
     print(f"splitserve worker: vLLM {version}, role={cfg.role or 'plain'}, {cfg.url}"
-          + (f", kv {cfg.transport}://{cfg.host}:{cfg.kv_port}" if cfg.role else "")
+          + (f", {kv}" if cfg.role else "")
           + (" (TLS)" if cfg.kv_tls_cert else "")
           + (f", cpus {','.join(map(str, cfg.cpus))}" if cfg.cpus else ""), flush=True)
     return supervise(argv, env, cfg.cpus)

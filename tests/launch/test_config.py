@@ -67,3 +67,18 @@ def test_invalid_deployments_are_refused(data: dict, message: str) -> None:
 
 def test_defaults_are_the_embedded_model() -> None:
     assert DeploymentConfig(colocated=1).model == "embedded"
+
+
+def test_yaml_connector_reaches_every_connector_worker(tmp_path: Path) -> None:
+    f = tmp_path / "d.yaml"
+    f.write_text("prefill: 1\ndecode: 1\ncolocated: 1\ncpus: [0, 1]\nconnector: nixl\n"
+                 "kv_lease_s: 20\n")
+    cfg = load_yaml(f)
+    assert cfg.connector == "nixl"
+    planned = [w for _, w in LocalDeployment(cfg).plan_workers()]
+    assert [(w.role, w.connector, w.lease_s) for w in planned] == [
+        ("prefill", "nixl", 20.0), ("decode", "nixl", 20.0), (None, "nixl", 20.0)]
+    assert len({w.kv_port for w in planned if w.role}) == 2  # a side channel per worker
+    assert DeploymentConfig(colocated=1).connector == "splitserve"
+    with pytest.raises(ValueError, match="connector"):
+        DeploymentConfig(colocated=1, connector="mooncake")

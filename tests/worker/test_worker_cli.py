@@ -44,6 +44,61 @@ def test_token_travels_only_in_the_environment() -> None:
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "1"
 
 
+def test_nixl_worker_runs_vllms_nixl_connector_on_its_own_side_channel() -> None:
+    cfg = WorkerConfig(model="m", port=8000, role="decode", kv_port=9123, connector="nixl",
+                       lease_s=25.0, cpus=(1,), nixl_progress_delay_us=500)
+    argv, env = worker_command(cfg, TOKEN)
+    kv_config = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+    assert kv_config["kv_connector"] == "NixlConnector" and kv_config["kv_role"] == "kv_both"
+    assert kv_config["kv_buffer_device"] == "cpu"  # vLLM's CPU build is installed here
+    assert kv_config["kv_connector_module_path"] == "splitserve.worker.nixl"
+    extra = kv_config["kv_connector_extra_config"]
+    assert extra["kv_lease_duration"] == 25
+    assert extra["splitserve_nixl"] == {"role": "decode", "progress_delay_us": 500,
+                                        "keep_affinity": True}
+    assert (env["VLLM_NIXL_SIDE_CHANNEL_HOST"], env["VLLM_NIXL_SIDE_CHANNEL_PORT"]) == (
+        "127.0.0.1", "9123")
+    assert TOKEN not in json.dumps(kv_config)
+    with pytest.raises(ValueError, match="connector"):
+        WorkerConfig(model="m", port=8000, role="decode", kv_port=9000, connector="lmcache")
+
+
+def test_nixl_module_keeps_vllms_class_name() -> None:
+    """vLLM checks `has_connector("NixlConnector")` by name; the loaded class is vLLM's."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlPullConnector
+
+    from splitserve.worker.nixl import NixlConnector
+
+    assert NixlConnector.__name__ == "NixlConnector"
+    assert issubclass(NixlConnector, NixlPullConnector)
+
+
+def test_progress_delay_reaches_the_agent_and_is_undone() -> None:
+    """nixl's Python API builds agents with a zero delay (a spinning progress thread); inside
+    `progress_delay` the binding builds them with ours, and outside it is untouched."""
+    from splitserve.worker.nixl import progress_delay
+
+    api = pytest.importorskip("nixl._api")
+    built: list[int] = []
+    real = api.nixlBind.nixlAgent
+
+    class Config:
+        pthrDelay = 0
+
+    with progress_delay(750):
+        wrapped = api.nixlBind.nixlAgent
+        assert wrapped is not real
+    assert api.nixlBind.nixlAgent is real
+    # the wrapper hands the binding the config with our delay set
+    try:
+        api.nixlBind.nixlAgent = lambda name, config: built.append(config.pthrDelay)
+        with progress_delay(750):
+            api.nixlBind.nixlAgent("a", Config())
+    finally:
+        api.nixlBind.nixlAgent = real
+    assert built == [750]
+
+
 def test_plain_worker_has_no_connector() -> None:
     argv, env = worker_command(WorkerConfig(model="m", port=8000), None)
     assert "--kv-transfer-config" not in argv
