@@ -7,7 +7,7 @@ import asyncio
 import httpx
 
 from splitserve.router.config import RouterConfig
-from splitserve.router.health import Registry
+from splitserve.router.health import Registry, kv_endpoint
 
 P, D = "http://p:1", "http://d:1"
 METRICS = ('vllm:kv_cache_usage_perc{engine="0"} 0.5\n'
@@ -101,3 +101,10 @@ def test_a_workers_node_is_shown_and_labels_its_metrics() -> None:
     assert ('splitserve_router_worker_routable{node="node-b",role="decode",url="http://d2:1"} 1.0'
             in text)
     assert 'splitserve_router_worker_inflight{node="",role="prefill",url="http://p:1"} 0.0' in text
+
+
+def test_no_push_endpoint_on_a_worker_of_another_connector() -> None:
+    info = {"role": "decode", "kv_host": "127.0.0.1", "kv_port": 9100, "engine_id": "e"}
+    assert kv_endpoint(info)["remote_port"] == 9100
+    assert kv_endpoint(info | {"connector": "splitserve"})["remote_port"] == 9100
+    assert kv_endpoint(info | {"connector": "nixl"}) is None
