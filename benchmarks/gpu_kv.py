@@ -1,12 +1,12 @@
 """The connector's device path on one GPU: vLLM's CUDA KV layouts to host staging and back.
 
 On Llama-3-8B's KV shape (32 layers, 8 KV heads, head_dim 128, bf16, 16-token blocks) at 2k,
-8k and 32k tokens, for every vLLM 0.32 standard-attention layout (`strided_kv.LAYOUTS`), with
+8k and 32k tokens, for every vLLM 0.32 standard-attention layout (`layout.strided.LAYOUTS`), with
 random block tables on both sides:
 
 - round trip: P's cache -> pinned host (the staging format) -> D's cache, through the
-  connector's own copier (`devcopy.CudaCopies`, bounded buffers), checked bit-exact token by
-  token against P's cache;
+  connector's own copier (`devcopy.CudaCopies`, bounded buffers), checked bit-exact block by
+  block against P's cache, and layer 0's staging bytes against the same gather on the CPU;
 - save GB/s (gather on the GPU + device-to-host, all layers, pipelined as P's forward issues
   them) against a plain device-to-host copy of the same bytes from one contiguous buffer;
   load GB/s (host-to-device + scatter) against a plain host-to-device copy;
@@ -14,7 +14,7 @@ random block tables on both sides:
   and with each layer's save issued after it as P does; saves run on the side stream.
 
 Target: save and load >= 80 % of the plain copy. Prints a table and writes JSON (default
-benchmarks/results/gpu_kv.json). Needs torch only (no vLLM): `splitserve.connector.strided_kv`
+benchmarks/results/gpu_kv.json). Needs torch only (no vLLM): `splitserve.connector.layout.strided`
 and `devcopy` import nothing else. `--device cpu --small` runs a reduced shape on the CPU with
 the inline copier (what `make test`'s machines can run; its numbers say nothing about GPUs).
 
@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 from splitserve.connector.devcopy import Completion, Copier, CudaCopies, InlineCopies
-from splitserve.connector.strided_kv import LAYOUTS, StridedKV, allocate_views
+from splitserve.connector.layout.strided import LAYOUTS, StridedKV, allocate_views
 
 
 @dataclass(frozen=True)
@@ -133,6 +133,11 @@ def bench_layout(name: str, shape: Shape, tokens: int, copier: Copier, device: t
         if tail:
             exact = exact and torch.equal(p_view[p_ids[-1], :, :tail], d_view[d_ids[-1], :, :tail])
 
+    # the staging bytes themselves, against the same gather run on a CPU copy of layer 0
+    ref = torch.empty(layer_bytes, dtype=torch.uint8)
+    StridedKV(p_views[0].cpu()).gather(p_ids, 0, tokens, ref)
+    staging_exact = torch.equal(ref, regions[0])
+
     flat_dev = torch.empty(total, dtype=torch.uint8, device=device)
     t_d2h = timed(lambda: staging.copy_(flat_dev, non_blocking=True), device, reps)
     t_h2d = timed(lambda: flat_dev.copy_(staging, non_blocking=True), device, reps)
@@ -140,6 +145,7 @@ def bench_layout(name: str, shape: Shape, tokens: int, copier: Copier, device: t
     t_load = timed(load, device, reps)
     gb = total / 1e9
     return {"layout": name, "tokens": tokens, "bytes": total, "bit_exact": exact,
+            "staging_matches_cpu": staging_exact,
             "plain_d2h_gbs": gb / t_d2h, "save_gbs": gb / t_save, "save_vs_plain": t_d2h / t_save,
             "plain_h2d_gbs": gb / t_h2d, "load_gbs": gb / t_load, "load_vs_plain": t_h2d / t_load,
             "save_s": t_save, "load_s": t_load}
@@ -227,7 +233,7 @@ def main() -> None:
         print(f"{o['tokens']:6} {1e3 * o['matmul_s']:9.2f} {1e3 * o['saves_s']:9.2f} "
               f"{1e3 * o['matmul_with_saves_s']:9.2f} {o['forward_slowdown']:8.3f} "
               f"{o['overlap_fraction']:7.2f}")
-    ok = all(r["bit_exact"] for r in rows)
+    ok = all(r["bit_exact"] and r["staging_matches_cpu"] for r in rows)
     meets = all(r["save_vs_plain"] >= 0.8 and r["load_vs_plain"] >= 0.8 for r in rows)
     print(f"\nbit-exact: {ok}; save and load >= 80 % of the plain copy: {meets}")
     args.out.parent.mkdir(parents=True, exist_ok=True)

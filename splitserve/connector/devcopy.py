@@ -128,7 +128,7 @@ class InlineCopies(Copier):
         return DONE
 
 
-class _Budget:
+class InFlightBudget:
     """Bytes of buffers in flight, at most `limit` (thread-safe)."""
 
     def __init__(self, limit: int) -> None:
@@ -186,7 +186,7 @@ class CudaCopies(Copier):
     def __init__(self, device: torch.device, limit_bytes: int = DEFAULT_LIMIT_BYTES) -> None:
         self.device = device
         self.stream = torch.cuda.Stream(device)
-        self.budget = _Budget(limit_bytes)
+        self.budget = InFlightBudget(limit_bytes)
         self._ranges: list[tuple[int, int]] = []  # (address, bytes) registered as pinned
 
     def _pinned(self, region: torch.Tensor) -> bool:
@@ -200,7 +200,10 @@ class CudaCopies(Copier):
 
     def register_host(self, region: torch.Tensor) -> bool:
         ptr, nbytes = region.data_ptr(), region.numel() * region.element_size()
-        err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
+        try:
+            err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
+        except (AttributeError, RuntimeError):
+            return False
         if int(err) != 0:
             return False
         self._ranges = [*self._ranges, (ptr, nbytes)]
@@ -213,7 +216,7 @@ class CudaCopies(Copier):
             self._ranges = [(lo, n) for lo, n in self._ranges if lo != ptr]
 
     def mark(self) -> Completion:
-        written = torch.cuda.Event()
+        written = torch.cuda.Event(blocking=True)
         written.record(torch.cuda.current_stream(self.device))
         return _EventCompletion(written, lambda: None)
 
@@ -234,7 +237,7 @@ class CudaCopies(Copier):
                 buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
                 layer.gather_device(block_ids, start, end, buf)
                 (region if bounce is None else bounce).copy_(buf, non_blocking=True)
-                done = torch.cuda.Event()
+                done = torch.cuda.Event(blocking=True)  # waiters sleep, not spin
                 done.record(self.stream)
         except BaseException:
             self.budget.give(nbytes)
@@ -262,7 +265,7 @@ class CudaCopies(Copier):
             with torch.cuda.stream(self.stream):
                 buf = src.to(self.device, non_blocking=True)
                 layer.scatter_device(block_ids, start, end, buf, region_start)
-                done = torch.cuda.Event()
+                done = torch.cuda.Event(blocking=True)  # waiters sleep, not spin
                 done.record(self.stream)
         except BaseException:
             self.budget.give(nbytes)

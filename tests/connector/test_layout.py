@@ -133,9 +133,11 @@ def test_generic_cuda_cache_is_refused_naming_its_shape() -> None:
 
 @pytest.mark.parametrize("layout", [KVCacheLayout.LBNHC, KVCacheLayout.LBHNC])
 @pytest.mark.parametrize("backend", ["FLASH_ATTN", "FLASHINFER"])
-def test_cuda_layer_views_are_refused(layout: KVCacheLayout, backend: str) -> None:
-    """A CUDA layer view, in either block interior, even one whose shape and strides equal the
-    CPU cache's (LBHNC): the backend's K/V order differs, so shape alone never decides."""
+def test_cuda_layer_views_off_a_cuda_device_are_refused(layout: KVCacheLayout, backend: str
+                                                        ) -> None:
+    """A CUDA backend's layer view, in either block interior, even one whose shape and strides
+    equal the CPU cache's (LBHNC), is read only as what it is (a CUDA tensor of a CUDA engine,
+    see test_device_path): the backend's K/V order differs, so shape alone never decides."""
     cache = cuda_layer_view(layout)
     msg = refusal([("layers.0.attn", cache)], EngineKV("cuda", (backend,), layout.name))
     assert "(8, 4, 16, 128)" in msg and str(tuple(cache.stride())) in msg and backend in msg

@@ -7,13 +7,26 @@ from collections.abc import Sequence
 import torch
 
 from splitserve.connector.layout.cpu import VllmCpuLayout
+from splitserve.connector.layout.cuda import VllmCudaLayout
 from splitserve.connector.layout.paged import EngineKV, PagedLayout, UnsupportedKVCache
 
 #: implementations tried in order; the first that recognises every layer's cache is used
-LAYOUTS: tuple[type[PagedLayout], ...] = (VllmCpuLayout,)
+LAYOUTS: tuple[type[PagedLayout], ...] = (VllmCpuLayout, VllmCudaLayout)
 
-#: what to use where no implementation reads the cache (GPU caches today)
-ALTERNATIVE = "for PD disaggregation on GPUs use vLLM's NixlConnector"
+#: what to use where no implementation reads the cache
+ALTERNATIVE = ("Run the worker on vLLM-CPU or a standard-attention model, or for PD "
+               "disaggregation of this model use vLLM's NixlConnector")
+
+
+def refused_kind(engine: EngineKV) -> str | None:
+    """The kind of KV cache no implementation reads, whatever its tensors look like."""
+    if engine.use_mla or any("MLA" in k for k in engine.spec_kinds):
+        return ("a latent (MLA) KV cache (MLAAttentionSpec: one compressed latent row per "
+                "token, no per-head K and V)")
+    if any("Mamba" in k for k in engine.spec_kinds):
+        return ("a hybrid model's mamba state cache (MambaSpec: one recurrent state per "
+                "request, not K and V per token)")
+    return None
 
 
 def _describe(name: str, cache: torch.Tensor) -> str:
@@ -31,14 +44,17 @@ def select_layouts(caches: Sequence[tuple[str, torch.Tensor]], engine: EngineKV,
     """
     if not caches:
         raise UnsupportedKVCache("the engine registered no KV cache layers")
+    supported = "; ".join(cls.expects() for cls in layouts)
+    if (kind := refused_kind(engine)) is not None:
+        raise UnsupportedKVCache(
+            f"splitserve's connector does not read {kind} ({_describe(*caches[0])}; "
+            f"{engine.describe()}). It reads {supported}. {ALTERNATIVE}.")
     for cls in layouts:
         if all(cls.recognises(cache, engine) for _, cache in caches):
             cls.verify(caches[0][1], engine)
             return [cls(cache) for _, cache in caches]
     odd = next(((n, c) for n, c in caches
                 if not any(cls.recognises(c, engine) for cls in layouts)), caches[0])
-    supported = "; ".join(cls.expects() for cls in layouts)
     raise UnsupportedKVCache(
         f"splitserve's connector cannot read this engine's KV cache ({_describe(*odd)}; "
-        f"{engine.describe()}). It reads {supported}. Run the worker on vLLM-CPU, or "
-        f"{ALTERNATIVE}.")
+        f"{engine.describe()}). It reads {supported}. {ALTERNATIVE}.")

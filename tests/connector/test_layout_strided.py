@@ -1,4 +1,4 @@
-"""vLLM's CUDA paged layouts (`strided_kv`) on CPU tensors strided as CUDA's: round trips
+"""vLLM's CUDA paged layouts (`layout.strided`) on CPU tensors strided as CUDA's: round trips
 against a reference read element by element, the allocation against vLLM's own, the start-up
 write-path check, and the CPU copier."""
 
@@ -16,8 +16,8 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
-from splitserve.connector.devcopy import InlineCopies
-from splitserve.connector.strided_kv import (
+from splitserve.connector.devcopy import InFlightBudget, InlineCopies
+from splitserve.connector.layout.strided import (
     LAYOUTS,
     StridedKV,
     allocate_views,
@@ -199,3 +199,13 @@ def test_a_block_table_that_does_not_cover_the_range_is_refused_on_the_host() ->
         layer.gather([1], 0, 8, region)
     with pytest.raises(ValueError, match="outside"):
         layer.gather([1, 4], 0, 8, region)
+
+
+def test_the_cuda_copier_budget_bounds_bytes_in_flight() -> None:
+    budget = InFlightBudget(100)
+    assert budget.take(60) and not budget.take(50)  # 110 > 100 in flight
+    budget.give(60)
+    assert budget.take(250)  # alone in flight, one copy may exceed the bound
+    assert not budget.take(1)
+    budget.give(250)
+    assert budget.used == 0

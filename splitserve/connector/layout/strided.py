@@ -118,9 +118,9 @@ class StridedKV:
         return 2 * self.num_kv_heads * self.head_dim * self.elem_bytes
 
     def holds(self, kv_layer: torch.Tensor) -> bool:
-        return (kv_layer.data_ptr() == self.cache.data_ptr()
-                and tuple(kv_layer.shape) == tuple(self.cache.shape)
-                and kv_layer.stride() == self.cache.stride())
+        """Whether `kv_layer` starts where this layer's cache does (vLLM may hand the layer a
+        kernel-block view of the same memory, of another shape)."""
+        return kv_layer.data_ptr() == self.cache.data_ptr()
 
     # -- the token slots -----------------------------------------------------------------------
     def slots(self, block_ids: BlockIds, start: int, end: int
