@@ -35,7 +35,7 @@ from _common import random_prompt, stop, summary, write_json  # noqa: E402
 from splitserve.config import WorkerConfig, bearer_headers, new_token  # noqa: E402
 from splitserve.worker.launch import free_port, start_worker, wait_healthy  # noqa: E402
 
-VARIANTS = {"vllm-default": {"nixl_progress_delay_us": 0, "keep_affinity": False},
+VARIANTS = {"vllm-default": {"nixl_progress_delay_us": 0, "nixl_keep_affinity": False},
             "splitserve": {}}
 
 
