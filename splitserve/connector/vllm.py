@@ -24,7 +24,8 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from splitserve.config import ConnectorConfig
 from splitserve.connector.donetable import table_path
 from splitserve.connector.layout.paged import EngineKV
-from splitserve.connector.scheduler import SchedulerSide, SplitserveMeta
+from splitserve.connector.meta import SplitserveMeta
+from splitserve.connector.scheduler_side import SchedulerSide
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -46,7 +47,7 @@ class SplitserveConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             self._sched = SchedulerSide(self.cfg.transport, table_path(str(tc.engine_id)))
         else:
-            from splitserve.connector.worker import WorkerSide
+            from splitserve.connector.worker_side import WorkerSide
             from splitserve.worker.launch import installed_vllm_version
 
             mc = vllm_config.model_config

@@ -1,4 +1,5 @@
-"""The connector's scheduler side (EngineCore process): decides what to push and what to load.
+"""vLLM's scheduler side of the connector (EngineCore process): decides what to push and what
+to load.
 
 Per step it hands the worker side a `SplitserveMeta`:
 - saves: for each prefill-leg request (`do_remote_decode`) scheduled this step, the token range to
@@ -22,55 +23,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
-
 from splitserve.config import TRANSPORTS
 from splitserve.connector.donetable import DoneTable
+from splitserve.connector.meta import LoadSpec, SaveSpec, SplitserveMeta
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
-
-
-@dataclass(frozen=True)
-class SaveSpec:
-    request_id: str
-    transfer_id: str
-    host: str
-    port: int
-    transport: str
-    block_ids: tuple[int, ...]
-    start: int
-    end: int
-    prompt_len: int
-
-    @property
-    def first(self) -> bool:
-        return self.start == 0
-
-    @property
-    def last(self) -> bool:
-        return self.end >= self.prompt_len
-
-
-@dataclass(frozen=True)
-class LoadSpec:
-    request_id: str
-    transfer_id: str
-    block_ids: tuple[int, ...]
-    start: int
-    end: int  # start == end: nothing to load, just release the staged transfer
-    sync: bool = False  # complete at scheduling time: load before this step's forward
-
-
-@dataclass
-class SplitserveMeta(KVConnectorMetadata):
-    saves: list[SaveSpec] = field(default_factory=list)
-    loads: list[LoadSpec] = field(default_factory=list)
-    cancels: list[str] = field(default_factory=list)  # request ids
-    idle: bool = False  # the step computes nothing: it runs only to collect transfer results
 
 
 @dataclass

@@ -1,0 +1,47 @@
+"""What crosses from vLLM's scheduler side to its worker side each step: `SplitserveMeta`
+(built by `scheduler_side.SchedulerSide`, read by `worker_side.WorkerSide`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+
+@dataclass(frozen=True)
+class SaveSpec:
+    request_id: str
+    transfer_id: str
+    host: str
+    port: int
+    transport: str
+    block_ids: tuple[int, ...]
+    start: int
+    end: int
+    prompt_len: int
+
+    @property
+    def first(self) -> bool:
+        return self.start == 0
+
+    @property
+    def last(self) -> bool:
+        return self.end >= self.prompt_len
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    request_id: str
+    transfer_id: str
+    block_ids: tuple[int, ...]
+    start: int
+    end: int  # start == end: nothing to load, just release the staged transfer
+    sync: bool = False  # complete at scheduling time: load before this step's forward
+
+
+@dataclass
+class SplitserveMeta(KVConnectorMetadata):
+    saves: list[SaveSpec] = field(default_factory=list)
+    loads: list[LoadSpec] = field(default_factory=list)
+    cancels: list[str] = field(default_factory=list)  # request ids
+    idle: bool = False  # the step computes nothing: it runs only to collect transfer results

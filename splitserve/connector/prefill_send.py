@@ -1,0 +1,136 @@
+"""P's send bookkeeping (the worker process of a prefill worker).
+
+After each layer, the layer's KV for the scheduled token range goes to the channel to the D
+named in the request's transfer params, which copies it out of P's blocks on this thread once D
+has opened the transfer (the sender thread before then, or for fault-marked transfers). P's
+blocks stay held until the push is settled: a finished request is reported in
+`finished_sending` only once its channel says acked, failed or cancelled.
+"""
+
+from __future__ import annotations
+
+import ssl
+from dataclasses import dataclass
+
+import torch
+
+from splitserve.config import ConnectorConfig
+from splitserve.connector.faults import Faults
+from splitserve.connector.layout.paged import PagedLayout
+from splitserve.connector.layout.staging_format import KVShape
+from splitserve.connector.meta import SaveSpec, SplitserveMeta
+from splitserve.connector.protocol import Fingerprint
+from splitserve.connector.stats import ConnectorStats
+from splitserve.connector.transport.base import LayerItem, PushChannel, SendState
+from splitserve.connector.transport.shm import ShmPushChannel
+from splitserve.connector.transport.tcp import TcpPushChannel
+
+
+@dataclass
+class _Send:
+    channel: PushChannel
+    state: SendState
+    ended: bool = False
+    finished: bool = False  # vLLM finished the request; its blocks are held for us
+
+
+class PrefillSends:
+    """Every push this worker makes, one channel per (D host, port, transport). Called on the
+    engine's worker thread only."""
+
+    def __init__(self, cfg: ConnectorConfig, token: str, tls: ssl.SSLContext | None,
+                 faults: Faults, stats: ConnectorStats, layers: dict[str, int],
+                 layouts: list[PagedLayout], shape: KVShape, fingerprint: Fingerprint) -> None:
+        self._cfg = cfg
+        self._token, self._tls, self._faults, self._stats = token, tls, faults, stats
+        self._layers, self._layouts = layers, layouts
+        self._shape, self._fingerprint = shape, fingerprint
+        self._channels: dict[tuple[str, int, str], PushChannel] = {}
+        self._sends: dict[str, _Send] = {}
+
+    @property
+    def held(self) -> int:
+        """Requests whose blocks are held for a push not yet settled (or not yet reported)."""
+        return len(self._sends)
+
+    def _channel(self, host: str, port: int, transport: str) -> PushChannel:
+        key = (host, port, transport)
+        if key not in self._channels:
+            cls = ShmPushChannel if transport == "shm" else TcpPushChannel
+            self._channels[key] = cls(host, port, self._token, self._fingerprint, self._stats,
+                                      self._faults, self._shape, self._cfg.connect_timeout_s,
+                                      tls=self._tls)
+        return self._channels[key]
+
+    def open_sends(self, meta: SplitserveMeta) -> None:
+        """Before the forward pass: BEGIN the pushes whose first chunk this step computes (D's
+        answer then arrives while layer 0 computes, so every layer is copied straight into
+        D's region on this thread)."""
+        for spec in meta.saves:
+            if spec.first and spec.request_id not in self._sends:
+                self._open(spec)
+
+    def _open(self, spec: SaveSpec) -> _Send:
+        ch = self._channel(spec.host, spec.port, spec.transport)
+        nbytes = self._shape.transfer_bytes(spec.prompt_len)
+        state = ch.begin(spec.transfer_id, spec.prompt_len, nbytes, self._cfg.ack_timeout_s)
+        send = self._sends[spec.request_id] = _Send(ch, state)
+        return send
+
+    def save_kv_layer(self, meta: SplitserveMeta, layer_name: str, kv_layer: torch.Tensor
+                      ) -> None:
+        layer = self._layers[layer_name]
+        layout = self._layouts[layer]
+        if not layout.holds(kv_layer):
+            # on purpose not a per-transfer failure: every copy would read memory that is no
+            # longer this layer's cache, so the engine must stop rather than serve
+            raise RuntimeError(f"vLLM moved the KV cache of {layer_name} after registration")
+        for spec in meta.saves:
+            send = self._sends.get(spec.request_id)
+            if send is None:
+                if not spec.first:
+                    continue  # its push was cancelled (preemption); nothing more to send
+                send = self._open(spec)  # not opened before the forward pass
+            if send.ended:
+                continue
+            send.channel.push_layer(LayerItem(spec.transfer_id, layer, spec.start, spec.end,
+                                              layout, spec.block_ids))
+
+    def wait_for_save(self, meta: SplitserveMeta) -> None:
+        for spec in meta.saves:
+            send = self._sends.get(spec.request_id)
+            if spec.last and send is not None and not send.ended:
+                send.channel.end(spec.transfer_id)
+                send.ended = True
+
+    def handle_preemptions(self, meta: SplitserveMeta) -> None:
+        for rid in meta.cancels:
+            send = self._sends.get(rid)
+            if send is not None and not send.ended:
+                send.channel.cancel(send.state.transfer_id)  # returns once off the blocks
+                send.ended = True
+
+    def finished_sending(self, finished_req_ids: set[str]) -> set[str]:
+        """Mark vLLM's newly finished requests; return those whose push has settled (their
+        blocks may be freed now). A request finished before its last layer was aborted
+        mid-prefill: its push is cancelled."""
+        for rid in finished_req_ids:
+            send = self._sends.get(rid)
+            if send is not None:
+                send.finished = True
+                if not send.ended:
+                    send.channel.cancel(send.state.transfer_id)
+                    send.ended = True
+        done: set[str] = set()
+        for rid, send in list(self._sends.items()):
+            if send.finished:
+                state = send.channel.poll(send.state.transfer_id)
+                if state is None or state.settled:
+                    done.add(rid)
+                    send.channel.forget(send.state.transfer_id)
+                    del self._sends[rid]
+        return done
+
+    def close(self) -> None:
+        for ch in self._channels.values():
+            ch.close()
