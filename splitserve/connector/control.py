@@ -9,6 +9,7 @@ from types import MappingProxyType
 from typing import Any
 
 from splitserve.config import ConnectorConfig
+from splitserve.connector.messages import Query
 from splitserve.connector.protocol import Fingerprint
 from splitserve.connector.staging import StagingArea
 from splitserve.connector.stats import ConnectorStats
@@ -26,15 +27,15 @@ class ControlAnswers:
         self._fingerprint, self._stats, self._staging = fingerprint, stats, staging
         self._pending_loads, self._held_sends = pending_loads, held_sends
 
-    def answer(self, query: dict[str, Any]) -> dict[str, Any]:
+    def answer(self, query: Query) -> dict[str, Any]:
         """The listener's QUERY handler: state, or one transfer's record."""
-        if query.get("what") == "transfer":
-            rec = self._stats.record(str(query.get("transfer_id", "")))
+        if query.what == "transfer":
+            rec = self._stats.record(query.transfer_id or "")
             return rec if rec is not None else {"error": "unknown transfer"}
-        if query.get("what") == "discard":
+        if query.what == "discard":
             if self._staging is None:
                 return {"error": "not a decode worker"}
-            return {"discarded": self._staging.discard(str(query.get("transfer_id", "")))}
+            return {"discarded": self._staging.discard(query.transfer_id or "")}
         staging = self._staging.state() if self._staging else EMPTY_STAGING
         cfg = self._cfg
         return {

@@ -19,16 +19,23 @@ from typing import Any
 import xxhash
 
 from splitserve.connector.faults import Faults
+from splitserve.connector.framing import ProtocolError, recv_exact_into
 from splitserve.connector.layout.staging_format import region_offset
-from splitserve.connector.protocol import (
-    Fingerprint,
-    Op,
-    ProtocolError,
-    recv_exact_into,
-    recv_frame,
-    send_frame,
-    server_handshake,
+from splitserve.connector.messages import (
+    Abort,
+    Ack,
+    Answer,
+    Begin,
+    BeginOk,
+    BeginRefused,
+    End,
+    Layer,
+    Query,
+    StagingInfo,
+    recv,
+    send,
 )
+from splitserve.connector.protocol import Fingerprint, server_handshake
 from splitserve.connector.staging import StagedTransfer, StagingArea, StagingRefused
 from splitserve.connector.tls import Conn, TlsStream
 
@@ -37,7 +44,7 @@ REAP_INTERVAL_S = 0.5
 
 class KVListener:
     def __init__(self, host: str, port: int, token: str, fingerprint: Fingerprint,
-                 staging: StagingArea | None, answer: Callable[[dict[str, Any]], dict[str, Any]],
+                 staging: StagingArea | None, answer: Callable[[Query], dict[str, Any]],
                  tls: ssl.SSLContext | None = None, faults: Faults | None = None) -> None:
         self._token = token
         self._faults = faults or Faults(enabled=False)
@@ -73,10 +80,10 @@ class KVListener:
             threading.Thread(target=self._serve, args=(conn,), daemon=True,
                              name="splitserve-kv-conn").start()
 
-    def _staging_info(self) -> dict[str, Any]:
+    def _staging_info(self) -> StagingInfo:
         if self._staging is None:
-            return {}
-        return {"shm_path": self._staging.segment.path, "size": self._staging.segment.size}
+            return StagingInfo()
+        return StagingInfo(self._staging.segment.path, self._staging.segment.size)
 
     def _serve(self, raw: socket.socket) -> None:
         open_transfers: dict[str, StagedTransfer] = {}
@@ -104,68 +111,68 @@ class KVListener:
 
     def _serve_control(self, conn: Conn) -> None:
         while True:
-            op, body = recv_frame(conn)
-            if op != Op.QUERY:
+            msg = recv(conn)
+            if not isinstance(msg, Query):
                 raise ProtocolError("control connections may only QUERY")
-            send_frame(conn, Op.ANSWER, self._answer(body))
+            send(conn, Answer(self._answer(msg)))
 
     def _serve_push(self, conn: Conn, open_transfers: dict[str, StagedTransfer]) -> None:
         staging = self._staging
         while True:
-            op, body = recv_frame(conn)
-            tid = str(body.get("transfer_id", ""))
-            if op == Op.BEGIN:
+            msg = recv(conn)
+            if isinstance(msg, Begin):
+                tid = msg.transfer_id
                 if staging is None:
-                    send_frame(conn, Op.BEGIN_REFUSED, {"transfer_id": tid,
-                                                        "cause": "not_a_decode_worker"})
+                    send(conn, BeginRefused(tid, "not_a_decode_worker"))
                     continue
                 self._faults.crash_if(tid, "d-begin")
                 try:
-                    st = staging.begin(tid, int(body.get("tokens", 0)))
+                    st = staging.begin(tid, msg.tokens)
                 except StagingRefused as exc:
-                    send_frame(conn, Op.BEGIN_REFUSED, {"transfer_id": tid, "cause": exc.cause})
+                    send(conn, BeginRefused(tid, exc.cause))
                     continue
                 open_transfers[tid] = st
-                send_frame(conn, Op.BEGIN_OK, {"transfer_id": tid, "offset": st.offset})
-            elif op == Op.LAYER:
-                st = open_transfers.get(tid)
+                send(conn, BeginOk(tid, st.offset))
+            elif isinstance(msg, Layer):
+                st = open_transfers.get(msg.transfer_id)
                 if st is None or staging is None:
                     raise ProtocolError("LAYER for a transfer that was not begun")
-                self._receive_layer(conn, staging, st, body)
-            elif op == Op.END:
-                st = open_transfers.pop(tid, None)
+                self._receive_layer(conn, staging, st, msg)
+            elif isinstance(msg, End):
+                st = open_transfers.pop(msg.transfer_id, None)
                 if st is None or staging is None:
                     continue
-                for key in ("last_layer_s", "wire_s"):  # P's, for D's record
-                    if isinstance(v := body.get(key), int | float):
-                        setattr(st.record, key, float(v))
+                if msg.last_layer_s is not None:  # P's, for D's record
+                    st.record.last_layer_s = float(msg.last_layer_s)
+                if msg.wire_s is not None:
+                    st.record.wire_s = float(msg.wire_s)
                 ok = staging.end(st)
                 staging.writer_done(st)
-                send_frame(conn, Op.ACK, {"transfer_id": tid, "ok": ok, "cause": st.failed})
-            elif op == Op.ABORT:
-                st = open_transfers.pop(tid, None)
+                send(conn, Ack(msg.transfer_id, ok, st.failed))
+            elif isinstance(msg, Abort):
+                st = open_transfers.pop(msg.transfer_id, None)
                 if st is not None and staging is not None:
                     staging.fail(st, "aborted_by_prefill")
                     staging.writer_done(st)
             else:
-                raise ProtocolError(f"unexpected op {op!r} on a push connection")
+                raise ProtocolError(f"unexpected op {msg.OP!r} on a push connection")
 
     def _receive_layer(self, conn: Conn, staging: StagingArea, st: StagedTransfer,
-                       body: dict[str, Any]) -> None:
+                       msg: Layer) -> None:
         shape = staging.shape
-        layer, start, end = int(body["layer"]), int(body["start"]), int(body["end"])
+        layer, start, end = msg.layer, msg.start, msg.end
         valid = 0 <= layer < shape.num_layers and 0 <= start < end <= st.num_tokens
         nbytes = (end - start) * shape.bytes_per_token_layer
-        if not valid or int(body.get("nbytes", -1)) != nbytes:
+        if not valid or msg.nbytes != nbytes:
             raise ProtocolError("LAYER frame does not match the transfer's shape")
         if st.chunks.setdefault(start, end) != end:
             raise ProtocolError("LAYER chunks overlap")
         view = staging.region(st, region_offset(shape, start, end, layer), nbytes)
-        if body.get("inline", True):
+        if msg.inline:
             recv_exact_into(conn, view)
-        if xxhash.xxh3_64_hexdigest(view) != body.get("checksum"):
+        if xxhash.xxh3_64_hexdigest(view) != msg.checksum:
             staging.fail(st, "checksum_mismatch")
             return
-        written = body.get("written_s")
+        written = msg.written_s
         staging.layer_received(st, layer, end - start,
-                               float(written) if isinstance(written, int | float) else None)
+                               float(written) if written is not None else None)

@@ -37,7 +37,9 @@ from starlette.routing import Mount
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from splitserve.config import ConnectorConfig, load_token
-from splitserve.connector.protocol import ProtocolError, query
+from splitserve.connector.framing import ProtocolError
+from splitserve.connector.messages import Query
+from splitserve.connector.protocol import query
 from splitserve.connector.tls import client_context
 from splitserve.worker.load import LOAD_PATH, read_load
 from splitserve.worker.nixl_tuning import NixlTuning
@@ -99,7 +101,7 @@ class ConnectorCollector:
     def collect(self) -> Iterator[Metric]:
         up = GaugeMetricFamily("splitserve_kv_listener_up", "connector control channel answers")
         try:
-            state = query(self.cfg.kv_host, self.cfg.kv_port, self.token, {"what": "state"}, 1.0,
+            state = query(self.cfg.kv_host, self.cfg.kv_port, self.token, Query("state"), 1.0,
                           self.tls)
         except (OSError, ProtocolError):
             up.add_metric([], 0)
@@ -184,14 +186,14 @@ class SplitserveEndpointPlugin:
         collector = ConnectorCollector(cfg, token)
         _attach_metrics(app, collector)
 
-        async def ask_connector(body: dict[str, Any],
+        async def ask_connector(question: Query,
                                 respond: Callable[[dict[str, Any]], JSONResponse] = JSONResponse
                                 ) -> JSONResponse:
             """The connector's answer shaped by `respond` (TokenGuard already checked the
             caller), or 503 if the connector does not answer."""
             try:
-                answer = await asyncio.to_thread(query, cfg.kv_host, cfg.kv_port, token, body,
-                                                 2.0, collector.tls)
+                answer = await asyncio.to_thread(query, cfg.kv_host, cfg.kv_port, token,
+                                                 question, 2.0, collector.tls)
             except (OSError, ProtocolError) as exc:
                 return JSONResponse({"error": {"message": f"connector unavailable: {exc}",
                                                "type": "service_unavailable", "code": 503}}, 503)
@@ -199,12 +201,12 @@ class SplitserveEndpointPlugin:
 
         @app.get("/splitserve/info")
         async def info() -> JSONResponse:
-            return await ask_connector({"what": "state"}, lambda d: JSONResponse(
+            return await ask_connector(Query("state"), lambda d: JSONResponse(
                 {"connector": "splitserve"} | {k: d.get(k) for k in INFO_KEYS}))
 
         @app.get("/splitserve/state")
         async def state() -> JSONResponse:
-            return await ask_connector({"what": "state"})
+            return await ask_connector(Query("state"))
 
         @app.get("/splitserve/transfers/{transfer_id}")
         async def transfer(transfer_id: str) -> JSONResponse:
@@ -214,12 +216,12 @@ class SplitserveEndpointPlugin:
                                                    "type": "not_found", "code": 404}}, 404)
                 return JSONResponse(record)
 
-            return await ask_connector({"what": "transfer", "transfer_id": transfer_id}, respond)
+            return await ask_connector(Query("transfer", transfer_id), respond)
 
         @app.delete("/splitserve/transfers/{transfer_id}")
         async def discard(transfer_id: str) -> JSONResponse:
             """Free staged KV no decode request will claim (or refuse its push if not begun)."""
-            return await ask_connector({"what": "discard", "transfer_id": transfer_id})
+            return await ask_connector(Query("discard", transfer_id))
 
     async def init_state(self, engine_client: Any, state: State, args: Namespace) -> None:
         return None

@@ -26,7 +26,7 @@ CHANNELS = {"tcp": TcpPushChannel, "shm": ShmPushChannel}
 @pytest.fixture
 def listener() -> Iterator[tuple[KVListener, StagingArea]]:
     staging = StagingArea(8 * 1024**2, SHAPE, lease_s=30.0, stats=ConnectorStats())
-    lis = KVListener("127.0.0.1", 0, TOKEN, FP, staging, lambda q: {"echo": q})
+    lis = KVListener("127.0.0.1", 0, TOKEN, FP, staging, lambda q: {"echo": q.to_wire()})
     yield lis, staging
     lis.close()
     staging.close()

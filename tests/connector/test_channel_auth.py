@@ -10,14 +10,8 @@ import time
 import pytest
 from workers import TOKEN, Worker
 
-from splitserve.connector.protocol import (
-    Fingerprint,
-    Op,
-    ProtocolError,
-    connect,
-    recv_frame,
-    send_frame,
-)
+from splitserve.connector.framing import Op, ProtocolError, recv_frame, send_frame
+from splitserve.connector.protocol import Fingerprint, connect
 
 
 def d_fingerprint(d: Worker) -> Fingerprint:
@@ -57,8 +51,8 @@ def test_right_token_and_model_may_stage(llama_pair: tuple[Worker, Worker]) -> N
     _, d = llama_pair
     sock, info = connect("127.0.0.1", d.kv_port, TOKEN, "push", d_fingerprint(d), 5.0)
     with sock:
-        assert info["shm_path"].startswith("/dev/shm/splitserve-")
-        assert os.stat(info["shm_path"]).st_mode & 0o777 == 0o600  # owner-only segment
+        assert info.shm_path is not None and info.shm_path.startswith("/dev/shm/splitserve-")
+        assert os.stat(info.shm_path).st_mode & 0o777 == 0o600  # owner-only segment
         send_frame(sock, Op.BEGIN, {"transfer_id": "probe-too-big", "tokens": 10**9})
         op, body = recv_frame(sock)
         assert op == Op.BEGIN_REFUSED and body["cause"] == "staging_full"

@@ -1,18 +1,24 @@
 """Framing on the KV channel: a frame and its payload sent as parts arrive byte-exact and in
-order, however the kernel splits the gathering send."""
+order, however the kernel splits the gathering send; typed message bodies round-trip, and a
+malformed body is a protocol error, not a default."""
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 
-from splitserve.connector.protocol import (
+import pytest
+
+from splitserve.connector.framing import (
     Op,
+    ProtocolError,
     encode_frame,
     recv_exact_into,
     recv_frame,
     send_parts,
 )
+from splitserve.connector.messages import Abort, Ack, Begin, Layer, Query, decode, recv, send
 
 
 def test_parts_arrive_in_order_across_partial_sends() -> None:
@@ -39,3 +45,36 @@ def test_parts_arrive_in_order_across_partial_sends() -> None:
     assert frames == [(Op.LAYER, {"transfer_id": "t", "nbytes": len(payload)}),
                       (Op.END, {"transfer_id": "t"})]
     assert bytes(got) == payload
+
+
+def test_messages_round_trip_and_leave_out_unset_fields() -> None:
+    layer = Layer("t", 3, 0, 128, 4096, "00ff", inline=False, written_s=12.5)
+    assert decode(Op.LAYER, json.loads(json.dumps(layer.to_wire()))) == layer
+    assert Layer("t", 0, 0, 1, 8, "ab").to_wire() == {
+        "transfer_id": "t", "layer": 0, "start": 0, "end": 1, "nbytes": 8, "checksum": "ab",
+        "inline": True}
+    assert Ack("t", True).to_wire() == {"transfer_id": "t", "ok": True}
+    assert decode(Op.ACK, {"transfer_id": "t", "ok": False, "cause": "x"}) == Ack("t", False, "x")
+    assert decode(Op.QUERY, {"what": "state"}) == Query("state")
+
+
+@pytest.mark.parametrize(("op", "body", "problem"), [
+    (Op.BEGIN, {"transfer_id": "t"}, "lacks 'tokens'"),
+    (Op.BEGIN, {"transfer_id": "t", "tokens": "10"}, "'tokens' is not"),
+    (Op.BEGIN_OK, {"transfer_id": "t", "offset": True}, "'offset' is not"),
+    (Op.LAYER, {"transfer_id": "t", "layer": 0, "start": 0, "end": 1, "nbytes": 8,
+                "checksum": "ab", "written_s": "now"}, "'written_s' is not"),
+    (Op.ACK, [], "not an object"),
+])
+def test_malformed_bodies_are_protocol_errors(op: Op, body: object, problem: str) -> None:
+    with pytest.raises(ProtocolError, match=problem):
+        decode(op, body)
+
+
+def test_typed_messages_cross_a_socket() -> None:
+    a, b = socket.socketpair()
+    with a, b:
+        send(a, Begin("t", 300))
+        send(a, Abort("t"))
+        assert recv(b) == Begin("t", 300)
+        assert recv(b) == Abort("t")

@@ -33,14 +33,10 @@ from workers import TOKEN as WORKER_TOKEN
 
 from splitserve.config import ConnectorConfig, WorkerConfig
 from splitserve.connector.faults import Faults
+from splitserve.connector.framing import ProtocolError, recv_exact_into
 from splitserve.connector.listener import KVListener
-from splitserve.connector.protocol import (
-    Fingerprint,
-    ProtocolError,
-    connect,
-    query,
-    recv_exact_into,
-)
+from splitserve.connector.messages import Query
+from splitserve.connector.protocol import Fingerprint, connect, query
 from splitserve.connector.staging import StagingArea
 from splitserve.connector.stats import ConnectorStats
 from splitserve.connector.tls import TlsStream, client_context, server_context
@@ -145,7 +141,7 @@ def test_worker_and_serve_flags(pkis: Pkis, tmp_path: Path,
 @pytest.fixture
 def tls_listener(pkis: Pkis) -> Iterator[tuple[KVListener, StagingArea]]:
     staging = StagingArea(8 * 1024**2, SHAPE, lease_s=30.0, stats=ConnectorStats())
-    lis = KVListener("127.0.0.1", 0, TOKEN, FP, staging, lambda q: {"echo": q},
+    lis = KVListener("127.0.0.1", 0, TOKEN, FP, staging, lambda q: {"echo": q.to_wire()},
                      server_context(pkis.good.config()))
     yield lis, staging
     lis.close()
@@ -178,7 +174,7 @@ def test_tls_push_arrives_intact(tls_listener: tuple[KVListener, StagingArea], p
     staging.release(st, "loaded")
     ch.close()
     # the control channel shares the port, so it speaks TLS too
-    assert query("127.0.0.1", lis.port, TOKEN, {"what": "state"}, 2.0,
+    assert query("127.0.0.1", lis.port, TOKEN, Query("state"), 2.0,
                  client_context(pkis.good.config())) == {"echo": {"what": "state"}}
     sock, _ = connect("127.0.0.1", lis.port, TOKEN, "control", None, 2.0,
                       client_context(pkis.good.config()))
@@ -189,7 +185,7 @@ def test_tls_push_arrives_intact(tls_listener: tuple[KVListener, StagingArea], p
 def test_plain_client_is_refused(tls_listener: tuple[KVListener, StagingArea]) -> None:
     lis, staging = tls_listener
     with pytest.raises((OSError, ProtocolError)):
-        query("127.0.0.1", lis.port, TOKEN, {"what": "state"}, 1.0)
+        query("127.0.0.1", lis.port, TOKEN, Query("state"), 1.0)
     ch = tls_channel("tcp", lis.port, None)
     push(ch, "plain", [torch.randn(2, 2, 64, 64)] * 2, (0,), [(0, 10)])
     assert settle(ch, "plain") == "failed"

@@ -34,18 +34,23 @@ import torch
 import xxhash
 
 from splitserve.connector.faults import Faults
+from splitserve.connector.framing import ProtocolError, send_parts
 from splitserve.connector.layout.paged import PagedLayout
 from splitserve.connector.layout.staging_format import KVShape
-from splitserve.connector.protocol import (
-    Fingerprint,
-    Op,
-    ProtocolError,
-    connect,
-    encode_frame,
-    recv_frame,
-    send_frame,
-    send_parts,
+from splitserve.connector.messages import (
+    Abort,
+    Ack,
+    Begin,
+    BeginOk,
+    BeginRefused,
+    End,
+    Layer,
+    StagingInfo,
+    encode,
+    recv,
+    send,
 )
+from splitserve.connector.protocol import Fingerprint, connect
 from splitserve.connector.stats import ConnectorStats, TransferRecord
 from splitserve.connector.tls import Conn
 
@@ -204,7 +209,7 @@ class PushChannel(ABC):
 
     # -- transport-specific ----------------------------------------------------------------
     @abstractmethod
-    def on_connected(self, staging_info: dict[str, Any]) -> None:
+    def on_connected(self, staging_info: StagingInfo) -> None:
         """Prepare the payload path once the handshake succeeded (e.g. map D's segment)."""
 
     @abstractmethod
@@ -275,7 +280,7 @@ class PushChannel(ABC):
                 self._fail(st, "fault_drop")
                 return
             sock = self._ensure_connected()
-            send_frame(sock, Op.BEGIN, {"transfer_id": st.transfer_id, "tokens": st.num_tokens})
+            send(sock, Begin(st.transfer_id, st.num_tokens))
             if not st.began.wait(self._begin_timeout_s):
                 self._fail(st, "begin_timeout")
         elif kind == "layer":
@@ -303,46 +308,47 @@ class PushChannel(ABC):
             if st.offset >= 0:
                 rec = st.record
                 rec.wire_s = rec.copy_forward_s + rec.sender_layers_s + rec.sender_sends_s
-                end = encode_frame(Op.END, {"transfer_id": st.transfer_id,
-                                            "last_layer_s": rec.last_layer_s,
-                                            "wire_s": rec.wire_s})
+                end = encode(End(st.transfer_id, rec.last_layer_s, rec.wire_s))
                 send_parts(self._ensure_connected(), [*st.unsent, end])
             st.unsent.clear()
         elif kind == "abort":
             st.unsent.clear()
             if self._sock is not None and st.offset >= 0:
-                send_frame(self._sock, Op.ABORT, {"transfer_id": st.transfer_id})
+                send(self._sock, Abort(st.transfer_id))
 
-    def layer_header(self, item: LayerItem, payload: memoryview) -> dict[str, Any]:
+    def layer_frame(self, item: LayerItem, payload: memoryview, inline: bool = True,
+                    written_s: float | None = None) -> Layer:
+        """The LAYER message for `item`'s payload (checksummed here)."""
         digest = checksum(payload)
         if self._faults.corrupt_layer(item.transfer_id, item.layer):
             digest = format(int(digest, 16) ^ 1, "016x")
-        return {"transfer_id": item.transfer_id, "layer": item.layer, "start": item.start,
-                "end": item.end, "nbytes": len(payload), "checksum": digest}
+        return Layer(item.transfer_id, item.layer, item.start, item.end, len(payload), digest,
+                     inline, written_s)
 
     def _reply_loop(self, sock: Conn) -> None:
         try:
             while True:
-                op, body = recv_frame(sock)
+                msg = recv(sock)
+                if not isinstance(msg, BeginOk | BeginRefused | Ack):
+                    raise ProtocolError(f"unexpected op {msg.OP!r} from a listener")
                 with self._lock:
-                    st = self._states.get(str(body.get("transfer_id")))
+                    st = self._states.get(msg.transfer_id)
                 if st is None:
                     continue
-                if op == Op.BEGIN_OK:
-                    st.offset = int(body["offset"])
+                if isinstance(msg, BeginOk):
+                    st.offset = msg.offset
                     st.began.set()
-                elif op == Op.BEGIN_REFUSED:
-                    self._fail(st, f"refused_{body.get('cause', 'unknown')}")
-                elif op == Op.ACK:
-                    if body.get("ok"):
-                        with self._lock:
-                            acked = not st.settled
-                            if acked:
-                                st.status = "acked"
+                elif isinstance(msg, BeginRefused):
+                    self._fail(st, f"refused_{msg.cause}")
+                elif msg.ok:
+                    with self._lock:
+                        acked = not st.settled
                         if acked:
-                            self._stats.close(st.record, "complete")
-                    else:
-                        self._fail(st, str(body.get("cause", "decode_rejected")))
+                            st.status = "acked"
+                    if acked:
+                        self._stats.close(st.record, "complete")
+                else:
+                    self._fail(st, msg.cause or "decode_rejected")
         except (OSError, ProtocolError):
             if not self._closed:
                 self._connection_lost("peer_gone")

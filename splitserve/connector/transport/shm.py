@@ -9,10 +9,10 @@ transfer's first byte."""
 from __future__ import annotations
 
 import time
-from typing import Any
 
+from splitserve.connector.framing import ProtocolError
 from splitserve.connector.layout.staging_format import region_offset
-from splitserve.connector.protocol import Op, ProtocolError, encode_frame
+from splitserve.connector.messages import StagingInfo, encode
 from splitserve.connector.segment import SharedSegment
 from splitserve.connector.tls import Conn
 from splitserve.connector.transport.base import LayerItem, PushChannel, SendState
@@ -21,12 +21,12 @@ from splitserve.connector.transport.base import LayerItem, PushChannel, SendStat
 class ShmPushChannel(PushChannel):
     _segment: SharedSegment | None = None
 
-    def on_connected(self, staging_info: dict[str, Any]) -> None:
-        path = staging_info.get("shm_path")
+    def on_connected(self, staging_info: StagingInfo) -> None:
+        path = staging_info.shm_path
         if not path:
             raise ProtocolError("peer offers no shared-memory staging (not on this host?)")
         if self._segment is None or self._segment.path != path:
-            self._segment = SharedSegment(0, path=str(path))
+            self._segment = SharedSegment(0, path=path)
 
     def stage_now(self, st: SendState, item: LayerItem) -> bool:
         if st.offset < 0:
@@ -44,6 +44,6 @@ class ShmPushChannel(PushChannel):
         base = st.offset + region_offset(self.shape, item.start, item.end, item.layer)
         region = segment.tensor[base:base + nbytes]
         item.gather_into(region)
-        header = self.layer_header(item, memoryview(region.numpy()))
-        st.unsent.append(encode_frame(Op.LAYER, header | {"inline": False,
-                                                          "written_s": time.time()}))
+        frame = self.layer_frame(item, memoryview(region.numpy()), inline=False,
+                                 written_s=time.time())
+        st.unsent.append(encode(frame))

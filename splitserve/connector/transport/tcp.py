@@ -11,7 +11,8 @@ from collections.abc import Callable
 
 import torch
 
-from splitserve.connector.protocol import Op, encode_frame, send_parts
+from splitserve.connector.framing import send_parts
+from splitserve.connector.messages import StagingInfo, encode
 from splitserve.connector.tls import Conn
 from splitserve.connector.transport.base import LayerItem, PushChannel, ReadyLayer, SendState
 
@@ -54,7 +55,7 @@ class TcpPushChannel(PushChannel):
     _buffer: torch.Tensor | None = None  # the sender thread's own
     _pool: BufferPool | None = None
 
-    def on_connected(self, staging_info: dict[str, object]) -> None:
+    def on_connected(self, staging_info: StagingInfo) -> None:
         return None
 
     def stage_now(self, st: SendState, item: LayerItem) -> bool:
@@ -78,4 +79,4 @@ class TcpPushChannel(PushChannel):
         region = buf[:(item.end - item.start) * self.shape.bytes_per_token_layer]
         item.gather_into(region)
         payload = memoryview(region.numpy())
-        return [encode_frame(Op.LAYER, self.layer_header(item, payload)), payload]
+        return [encode(self.layer_frame(item, payload)), payload]
