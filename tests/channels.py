@@ -1,10 +1,14 @@
 """Helpers for the in-process channel tests: a small KV shape, pushing a transfer, waiting for
-it to settle, and checking that the staged bytes are the pushed KV."""
+it to settle, and checking that the staged bytes are the pushed KV; and `FakeChannel`, an
+in-memory `TransferChannel` for unit tests of P's send bookkeeping: it records what the
+bookkeeping asked for, gathers each pushed layer into bytes as a real channel would (the
+staging format, through the item's layout), and settles transfers when the test says so."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -12,7 +16,8 @@ from splitserve.connector.layout.cpu import VllmCpuLayout
 from splitserve.connector.layout.staging_format import KVShape, region_offset
 from splitserve.connector.protocol import Fingerprint
 from splitserve.connector.staging import StagedTransfer, StagingArea
-from splitserve.connector.transport.base import LayerItem, PushChannel
+from splitserve.connector.stats import ConnectorStats
+from splitserve.connector.transport.base import LayerItem, PushChannel, SendState
 
 SHAPE = KVShape(num_layers=2, num_kv_heads=2, head_dim=32, dtype=torch.float32)
 FP = Fingerprint("cafe", "float32", 2, 2, 32, "0.32.0")
@@ -55,3 +60,65 @@ def assert_staged_equals(staging: StagingArea, st: StagedTransfer, caches: list[
             ref = torch.empty_like(staged)
             layout.gather(blocks, s, e, ref)
             assert torch.equal(staged, ref)
+
+
+@dataclass
+class Pushed:
+    layer: int
+    start: int
+    end: int
+    payload: bytes  # the chunk in the staging format, gathered when it was pushed
+
+
+@dataclass
+class FakeTransfer:
+    state: SendState
+    layers: list[Pushed] = field(default_factory=list)
+    ended: bool = False
+
+
+class FakeChannel:
+    def __init__(self, host: str, port: int, transport: str) -> None:
+        self.address = (host, port, transport)
+        self.stats = ConnectorStats()
+        self.transfers: dict[str, FakeTransfer] = {}
+        self.cancelled: list[str] = []
+        self.forgotten: list[str] = []
+        self.closed = False
+
+    def begin(self, transfer_id: str, num_tokens: int, nbytes: int, ack_timeout_s: float
+              ) -> SendState:
+        rec = self.stats.open(transfer_id, "send", num_tokens, nbytes)
+        st = SendState(transfer_id, num_tokens, rec, time.monotonic() + ack_timeout_s)
+        self.transfers[transfer_id] = FakeTransfer(st)
+        return st
+
+    def push_layer(self, item: LayerItem) -> None:
+        region = torch.empty((item.end - item.start) * item.layout.bytes_per_token,
+                             dtype=torch.uint8)
+        item.gather_into(region)
+        self.transfers[item.transfer_id].layers.append(
+            Pushed(item.layer, item.start, item.end, region.numpy().tobytes()))
+
+    def end(self, transfer_id: str) -> None:
+        self.transfers[transfer_id].ended = True
+
+    def cancel(self, transfer_id: str) -> None:
+        self.cancelled.append(transfer_id)
+        self.settle(transfer_id, "cancelled")
+
+    def poll(self, transfer_id: str) -> SendState | None:
+        t = self.transfers.get(transfer_id)
+        return t.state if t is not None else None
+
+    def forget(self, transfer_id: str) -> None:
+        self.forgotten.append(transfer_id)
+        self.transfers.pop(transfer_id, None)
+
+    def close(self) -> None:
+        self.closed = True
+
+    # -- the test's side ----------------------------------------------------------------------
+    def settle(self, transfer_id: str, status: str) -> None:
+        """What D's ACK (or a failure) does to a real channel's transfer."""
+        self.transfers[transfer_id].state.status = status

@@ -10,6 +10,7 @@ blocks stay held until the push is settled: a finished request is reported in
 from __future__ import annotations
 
 import ssl
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -21,31 +22,37 @@ from splitserve.connector.layout.staging_format import KVShape
 from splitserve.connector.meta import SaveSpec, SplitserveMeta
 from splitserve.connector.protocol import Fingerprint
 from splitserve.connector.stats import ConnectorStats
-from splitserve.connector.transport.base import LayerItem, PushChannel, SendState
+from splitserve.connector.transport.base import LayerItem, SendState, TransferChannel
 from splitserve.connector.transport.shm import ShmPushChannel
 from splitserve.connector.transport.tcp import TcpPushChannel
+
+# (host, port, transport) -> a channel to that D
+OpenChannel = Callable[[str, int, str], TransferChannel]
 
 
 @dataclass
 class _Send:
-    channel: PushChannel
+    channel: TransferChannel
     state: SendState
     ended: bool = False
     finished: bool = False  # vLLM finished the request; its blocks are held for us
 
 
 class PrefillSends:
-    """Every push this worker makes, one channel per (D host, port, transport). Called on the
-    engine's worker thread only."""
+    """Every push this worker makes, one channel per (D host, port, transport), opened by
+    `open_channel` (default: the tcp or shm `PushChannel`). Called on the engine's worker
+    thread only."""
 
     def __init__(self, cfg: ConnectorConfig, token: str, tls: ssl.SSLContext | None,
                  faults: Faults, stats: ConnectorStats, layers: dict[str, int],
-                 layouts: list[PagedLayout], shape: KVShape, fingerprint: Fingerprint) -> None:
+                 layouts: list[PagedLayout], shape: KVShape, fingerprint: Fingerprint,
+                 open_channel: OpenChannel | None = None) -> None:
         self._cfg = cfg
         self._token, self._tls, self._faults, self._stats = token, tls, faults, stats
         self._layers, self._layouts = layers, layouts
         self._shape, self._fingerprint = shape, fingerprint
-        self._channels: dict[tuple[str, int, str], PushChannel] = {}
+        self._open_channel = open_channel or self._push_channel
+        self._channels: dict[tuple[str, int, str], TransferChannel] = {}
         self._sends: dict[str, _Send] = {}
 
     @property
@@ -53,13 +60,15 @@ class PrefillSends:
         """Requests whose blocks are held for a push not yet settled (or not yet reported)."""
         return len(self._sends)
 
-    def _channel(self, host: str, port: int, transport: str) -> PushChannel:
+    def _push_channel(self, host: str, port: int, transport: str) -> TransferChannel:
+        cls = ShmPushChannel if transport == "shm" else TcpPushChannel
+        return cls(host, port, self._token, self._fingerprint, self._stats, self._faults,
+                   self._shape, self._cfg.connect_timeout_s, tls=self._tls)
+
+    def _channel(self, host: str, port: int, transport: str) -> TransferChannel:
         key = (host, port, transport)
         if key not in self._channels:
-            cls = ShmPushChannel if transport == "shm" else TcpPushChannel
-            self._channels[key] = cls(host, port, self._token, self._fingerprint, self._stats,
-                                      self._faults, self._shape, self._cfg.connect_timeout_s,
-                                      tls=self._tls)
+            self._channels[key] = self._open_channel(host, port, transport)
         return self._channels[key]
 
     def open_sends(self, meta: SplitserveMeta) -> None:

@@ -28,7 +28,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import xxhash
@@ -108,8 +108,29 @@ def checksum(data: memoryview) -> str:
     return xxhash.xxh3_64_hexdigest(data)
 
 
+class TransferChannel(Protocol):
+    """What P's send bookkeeping (`prefill_send.PrefillSends`) calls on a channel to one D, all
+    on the engine's worker thread. `PushChannel` implements it over a socket; the unit tests'
+    fake (tests/channels.py) in memory."""
+
+    def begin(self, transfer_id: str, num_tokens: int, nbytes: int, ack_timeout_s: float
+              ) -> SendState: ...
+
+    def push_layer(self, item: LayerItem) -> None: ...
+
+    def end(self, transfer_id: str) -> None: ...
+
+    def cancel(self, transfer_id: str) -> None: ...
+
+    def poll(self, transfer_id: str) -> SendState | None: ...
+
+    def forget(self, transfer_id: str) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class PushChannel(ABC):
-    """Pushes transfers to one D listener over one connection."""
+    """Pushes transfers to one D listener over one connection (a `TransferChannel`)."""
 
     def __init__(self, host: str, port: int, token: str, fingerprint: Fingerprint,
                  stats: ConnectorStats, faults: Faults, shape: KVShape,
