@@ -40,11 +40,6 @@ class KVShape:
     def transfer_bytes(self, num_tokens: int) -> int:
         return self.num_layers * self.layer_bytes(num_tokens)
 
-    def row_offset(self, num_tokens: int, layer: int, kv: int, head: int, token: int) -> int:
-        """Byte offset of (layer, kv, head, token) inside a transfer's staging region."""
-        row = (kv * self.num_kv_heads + head) * num_tokens + token
-        return layer * self.layer_bytes(num_tokens) + row * self.head_dim * self.elem_bytes
-
 
 BlockIds = list[int] | tuple[int, ...]
 
