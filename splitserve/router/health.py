@@ -28,9 +28,10 @@ log = logging.getLogger("splitserve.router")
 
 def kv_endpoint(info: dict[str, Any], transport: str | None = None) -> dict[str, Any] | None:
     """A worker's `/splitserve/info` as the target of a KV push (the P leg's
-    `kv_transfer_params`, less the transfer's own fields); None without a KV endpoint, or for a
-    worker whose connector is not splitserve's (no push reaches it: D recomputes, exactly)."""
-    if not info or not info.get("kv_port") or info.get("connector", "splitserve") != "splitserve":
+    `kv_transfer_params`, less the transfer's own fields; for NIXL: its side channel); None
+    without a KV endpoint. Which connector drives a pair is `legs.LegProtocols.for_pair`'s
+    choice, never this one's."""
+    if not info or not info.get("kv_port"):
         return None
     endpoint = {"remote_host": info.get("kv_host"), "remote_port": info.get("kv_port"),
                 "remote_engine_id": info.get("engine_id")}

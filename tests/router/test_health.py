@@ -103,8 +103,12 @@ def test_a_workers_node_is_shown_and_labels_its_metrics() -> None:
     assert 'splitserve_router_worker_inflight{node="",role="prefill",url="http://p:1"} 0.0' in text
 
 
-def test_no_push_endpoint_on_a_worker_of_another_connector() -> None:
+def test_kv_endpoint_is_the_advertised_one_whatever_the_connector() -> None:
+    """The connector that drives a pair is `LegProtocols.for_pair`'s choice (tests/router/
+    test_legs_nixl.py: a mixed pair moves no KV); the endpoint only says where a worker listens."""
     info = {"role": "decode", "kv_host": "127.0.0.1", "kv_port": 9100, "engine_id": "e"}
     assert kv_endpoint(info)["remote_port"] == 9100
     assert kv_endpoint(info | {"connector": "splitserve"})["remote_port"] == 9100
-    assert kv_endpoint(info | {"connector": "nixl"}) is None
+    nixl = kv_endpoint(info | {"connector": "nixl", "transport": "nixl"})
+    assert nixl is not None and (nixl["remote_port"], nixl["transport"]) == (9100, "nixl")
+    assert kv_endpoint(info | {"kv_port": None}) is None

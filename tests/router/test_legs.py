@@ -79,7 +79,7 @@ async def test_the_advertised_connector_selects_the_protocol() -> None:
         assert protocols.for_pair(*pair({}, INFO)) is None  # plain vLLM P
         assert protocols.for_pair(*pair(INFO, None)) is None  # D's info not read yet
         assert connector_of(None) is None and connector_of({}) is None
-        assert set(leg_protocols(session, None).by_connector) == {"splitserve"}
+        assert set(leg_protocols(session, None).by_connector) == {"splitserve", "nixl"}
     finally:
         await session.close()
 
