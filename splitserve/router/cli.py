@@ -49,6 +49,9 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
                    help="consecutive good checks before it returns")
     p.add_argument("--prefill-retries", type=int, default=2,
                    help="extra attempts on another P before the first token")
+    p.add_argument("--whole-retries", type=int, default=None,
+                   help="extra attempts of an unsplit request on another worker before its "
+                        "first byte (default: as --prefill-retries)")
     p.add_argument("--decode-retries", type=int, default=2,
                    help="resumptions of a broken decode stream on another D")
     p.add_argument("--max-inflight", type=int, default=4096, help="429 above this many requests")
@@ -74,6 +77,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         health_interval_s=args.health_interval, health_timeout_s=args.health_timeout,
         unhealthy_after=args.unhealthy_after, healthy_after=args.healthy_after,
         prefill_retries=args.prefill_retries, decode_retries=args.decode_retries,
+        whole_retries=(args.prefill_retries if args.whole_retries is None
+                       else args.whole_retries),
         max_inflight=args.max_inflight, max_inflight_per_worker=args.max_inflight_per_worker,
         max_body_bytes=args.max_body_bytes, drain_timeout_s=args.drain_timeout,
     )

@@ -40,6 +40,7 @@ class RouterConfig:
     unhealthy_after: int = 3  # consecutive failed checks or requests before a worker leaves
     healthy_after: int = 2  # consecutive good checks before it returns
     prefill_retries: int = 2  # extra attempts on another P before t1
+    whole_retries: int = 2  # unsplit requests: extra attempts on another worker before a byte
     decode_retries: int = 2  # resumptions on another D (recomputing what was already produced)
     retry_backoff_s: float = 0.05
     retry_backoff_max_s: float = 2.0
@@ -78,5 +79,6 @@ class RouterConfig:
                      "max_inflight_per_worker", "max_body_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
-        if self.prefill_retries < 0 or self.decode_retries < 0 or self.retry_backoff_s < 0:
+        if min(self.prefill_retries, self.decode_retries, self.whole_retries,
+               self.retry_backoff_s) < 0:
             raise ValueError("retries and backoff must not be negative")

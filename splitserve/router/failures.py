@@ -8,7 +8,8 @@ import asyncio
 import json
 import logging
 import random
-from typing import Any
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
@@ -16,6 +17,9 @@ from splitserve.router.config import RouterConfig
 from splitserve.router.health import Registry, Worker
 from splitserve.router.metrics import RouterMetrics
 from splitserve.router.policy import Overloaded
+
+if TYPE_CHECKING:
+    from splitserve.router.timings import Timings
 
 log = logging.getLogger("splitserve.router")
 RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})
@@ -58,6 +62,47 @@ def leg_failed(metrics: RouterMetrics, registry: Registry, worker: Worker, leg: 
     if counts_against_worker(exc):
         registry.failed(worker, str(exc))
     log.warning("request %s: %s leg on %s failed: %s", rid, leg, worker.url, exc)
+
+
+class Retry:
+    """The attempts of one leg: `limit` retries after the first attempt, each counted (in the
+    request's timings and the `retries` metric of `leg`) and preceded by the backoff; the
+    workers tried so far and the last failure.
+
+        for attempt in retry:
+            await retry.begin(attempt)
+            ...  # on a failure worth a retry: retry.failed(worker, exc); next attempt
+        raise exhausted(retry.last, ...)
+    """
+
+    def __init__(self, cfg: RouterConfig, metrics: RouterMetrics, registry: Registry, leg: str,
+                 limit: int, t: Timings, rid: str) -> None:
+        self.cfg = cfg
+        self.metrics = metrics
+        self.registry = registry
+        self.leg = leg
+        self.limit = limit
+        self.t = t
+        self.rid = rid
+        self.tried: set[str] = set()
+        self.last: Exception | None = None
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self.limit + 1))
+
+    async def begin(self, attempt: int) -> None:
+        """Before attempt `attempt`: nothing for the first; count and back off for a retry."""
+        if attempt:
+            self.t.retries += 1
+            self.metrics.retries.labels(self.leg).inc()
+            await backoff(self.cfg, attempt - 1)
+
+    def failed(self, worker: Worker, exc: Exception) -> None:
+        """The attempt on `worker` failed with `exc`: counted, and `worker` not tried again
+        while another is left."""
+        self.tried.add(worker.url)
+        leg_failed(self.metrics, self.registry, worker, self.leg, exc, self.rid)
+        self.last = exc
 
 
 def exhausted(last: Exception | None, role: str, what: str) -> Exception:

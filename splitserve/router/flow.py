@@ -22,7 +22,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -32,10 +32,9 @@ from splitserve.router.failures import (
     RETRYABLE_STATUS,
     TRANSPORT_ERRORS,
     LegFailed,
+    Retry,
     UpstreamError,
-    backoff,
     exhausted,
-    leg_failed,
     upstream_body,
 )
 from splitserve.router.formats import Joiner
@@ -50,6 +49,7 @@ from splitserve.router.legs import (
 from splitserve.router.metrics import RouterMetrics
 from splitserve.router.params import Legs, decode_body, prefill_body
 from splitserve.router.policy import NoWorker, Picker
+from splitserve.router.timings import Timings
 
 log = logging.getLogger("splitserve.router")
 JSON_HEADERS = {"Content-Type": "application/json"}
@@ -57,55 +57,6 @@ JSON_HEADERS = {"Content-Type": "application/json"}
 
 def encode(body: dict[str, Any]) -> bytes:
     return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
-
-
-@dataclass
-class Timings:
-    """One request's clock (monotonic seconds) and transfer record."""
-
-    received: float = field(default_factory=time.monotonic)
-    mode: str = "split"
-    prefill_url: str | None = None
-    decode_url: str | None = None
-    transfer_id: str | None = None
-    p_sent: float | None = None
-    p_sent_wall: float | None = None
-    t1_back: float | None = None
-    first_sent: float | None = None
-    d_sent: float | None = None
-    d_first: float | None = None
-    t2_sent: float | None = None
-    end: float | None = None
-    retries: int = 0
-    kv: dict[str, Any] | None = None  # the connector's record of the transfer
-    transfer: Transfer | None = field(default=None, repr=False)  # the last P attempt's
-    # the transfer's record, fetched while D streams (started at its first token: by then the KV
-    # is loaded), so the record costs the end of the request no round trip
-    record_fetch: asyncio.Task[None] | None = field(default=None, repr=False)
-
-    def as_dict(self) -> dict[str, Any]:
-        def gap(a: float | None, b: float | None) -> float | None:
-            return None if a is None or b is None else round(b - a, 6)
-
-        out: dict[str, Any] = {
-            "mode": self.mode, "prefill": self.prefill_url, "decode": self.decode_url,
-            "transfer_id": self.transfer_id, "retries": self.retries,
-            "p_leg_s": gap(self.p_sent, self.t1_back),
-            "ttft_s": gap(self.received, self.first_sent),
-            "handover_s": gap(self.first_sent, self.t2_sent),
-            "d_queue_s": gap(self.d_sent, self.d_first),
-            "e2e_s": gap(self.received, self.end),
-        }
-        kv = self.kv or {}
-        if kv:
-            out.update(kv_bytes=kv.get("bytes"), kv_transfer_s=kv.get("duration_s"),
-                       kv_tail_s=kv.get("tail_s"), kv_wire_s=kv.get("wire_s"),
-                       kv_gbps=kv.get("gbps"), kv_load_s=kv.get("load_s"),
-                       kv_status=kv.get("status"))
-            first = kv.get("first_byte_s")
-            if isinstance(first, int | float) and self.p_sent_wall is not None:
-                out["p_queue_s"] = round(first - self.p_sent_wall, 6)
-        return out
 
 
 @dataclass
@@ -144,14 +95,11 @@ class Flow:
     async def prefill(self, legs: Legs, rid: str, t: Timings) -> Prefilled:
         prompt_len = (len(legs.prompt) if isinstance(legs.prompt, list)
                       else len(legs.prompt) // 4 + 1)
-        tried: set[str] = set()
-        last: Exception | None = None
-        for attempt in range(self.cfg.prefill_retries + 1):
-            if attempt:
-                t.retries += 1
-                self.metrics.retries.labels("prefill").inc()
-                await backoff(self.cfg, attempt - 1)
-            pool = [w for w in self.registry.routable("prefill") if w.url not in tried]
+        retry = Retry(self.cfg, self.metrics, self.registry, "prefill",
+                      self.cfg.prefill_retries, t, rid)
+        for attempt in retry:
+            await retry.begin(attempt)
+            pool = [w for w in self.registry.routable("prefill") if w.url not in retry.tried]
             p = self.picker.prefill(pool or self.registry.routable("prefill"), prompt_len)
             d = self.picker.decode(self.registry.routable("decode"),
                                    prompt_len * self.kv_bytes_per_token)
@@ -182,11 +130,9 @@ class Flow:
                 out = json.loads(raw)
                 reserved = True
             except (*TRANSPORT_ERRORS, LegFailed) as exc:
-                tried.add(p.url)
-                leg_failed(self.metrics, self.registry, p, "prefill", exc, rid)
+                retry.failed(p, exc)
                 if tr is not None:  # whatever P sent for this attempt will never be claimed
                     tr.via.release(tr)
-                last = exc
                 continue
             finally:
                 p.release(prompt_len)
@@ -215,7 +161,7 @@ class Flow:
                 stop_reason=choice.get("stop_reason") if done else None,
                 fingerprint=out.get("system_fingerprint"), decode=None if done else d,
                 transfer=None if done else tr, reserved=not done)
-        raise exhausted(last, "prefill", "prefill")
+        raise exhausted(retry.last, "prefill", "prefill")
 
     # --- D ----------------------------------------------------------------------------------
     def _resume_on(self, tried: set[str]) -> Worker:
@@ -246,13 +192,12 @@ class Flow:
         assert pre.decode is not None and pre.reserved
         d, tr = pre.decode, pre.transfer
         pre.reserved = False  # the first attempt's leg is the reservation taken at prefill
-        tried: set[str] = set()
-        for attempt in range(self.cfg.decode_retries + 1):
+        retry = Retry(self.cfg, self.metrics, self.registry, "decode",
+                      self.cfg.decode_retries, t, rid)
+        for attempt in retry:
+            await retry.begin(attempt)
             if attempt:
-                t.retries += 1
-                self.metrics.retries.labels("decode").inc()
-                await backoff(self.cfg, attempt - 1)
-                d = self._resume_on(tried)
+                d = self._resume_on(retry.tried)
                 tr = None  # resumption recomputes: never read KV staged for another worker
                 d.acquire()
             t.decode_url = d.url
@@ -279,9 +224,8 @@ class Flow:
                 self.registry.succeeded(d)
                 return
             except (*TRANSPORT_ERRORS, LegFailed) as exc:
-                tried.add(d.url)
-                leg_failed(self.metrics, self.registry, d, "decode", exc, rid)
-                if attempt == self.cfg.decode_retries:
+                retry.failed(d, exc)
+                if attempt == retry.limit:
                     raise UpstreamError(502, {"error": {
                         "message": f"decode failed on every attempt: {exc}",
                         "type": "UpstreamError", "param": None, "code": 502}}) from exc

@@ -3,8 +3,8 @@ relayed as is. Used by colocated pools and for requests whose parameters the see
 cannot honour. On aiohttp: the hot path of a colocated deployment, where the client library's own
 cost is most of what the router adds (httpx costs ~0.3 ms more per request here).
 
-Retries go to another worker before the first byte only; closing a response mid-stream aborts the
-request in vLLM.
+Retries (`--whole-retries`) go to another worker before the first byte only; closing a response
+mid-stream aborts the request in vLLM.
 """
 
 from __future__ import annotations
@@ -18,16 +18,13 @@ from splitserve.router.failures import (
     RETRYABLE_STATUS,
     TRANSPORT_ERRORS,
     LegFailed,
-    backoff,
+    Retry,
     exhausted,
-    leg_failed,
 )
-from splitserve.router.flow import Timings
 from splitserve.router.health import Registry, Worker
 from splitserve.router.metrics import RouterMetrics
 from splitserve.router.policy import Picker
-
-__all__ = ["TRANSPORT_ERRORS", "Passthrough", "new_session"]
+from splitserve.router.timings import Timings
 
 
 def new_session(cfg: RouterConfig, token: str | None) -> aiohttp.ClientSession:
@@ -82,14 +79,11 @@ class Passthrough:
                    ) -> tuple[aiohttp.ClientResponse, Worker]:
         """Open the request on one worker. The caller reads `r`, then releases (read to the
         end) or closes it (abort), and releases `w`."""
-        tried: set[str] = set()
-        last: Exception | None = None
-        for attempt in range(self.cfg.prefill_retries + 1):
-            if attempt:
-                t.retries += 1
-                self.metrics.retries.labels("whole").inc()
-                await backoff(self.cfg, attempt - 1)
-            w = self.pick(tried)
+        retry = Retry(self.cfg, self.metrics, self.registry, "whole", self.cfg.whole_retries,
+                      t, rid)
+        for attempt in retry:
+            await retry.begin(attempt)
+            w = self.pick(retry.tried)
             t.decode_url = w.url
             w.acquire()
             try:
@@ -102,7 +96,5 @@ class Passthrough:
                 return r, w
             except (*TRANSPORT_ERRORS, LegFailed) as exc:
                 w.release()
-                tried.add(w.url)
-                leg_failed(self.metrics, self.registry, w, "whole", exc, rid)
-                last = exc
-        raise exhausted(last, w.role, "request")
+                retry.failed(w, exc)
+        raise exhausted(retry.last, w.role, "request")

@@ -14,9 +14,9 @@ from aiohttp import web
 from scripted import PREFILL_OK, chunk, closed_port, make_flow, sse_reply, started, workers
 
 from splitserve.router.failures import UpstreamError
-from splitserve.router.flow import Timings
 from splitserve.router.params import plan_legs
 from splitserve.router.policy import Overloaded
+from splitserve.router.timings import Timings
 
 
 async def test_prefill_retries_elsewhere_and_decode_resumes_without_loss() -> None:

@@ -12,7 +12,6 @@ from aiohttp import web
 from scripted import PREFILL_OK, chunk, make_flow, sse_reply, started, workers
 
 from splitserve.router.config import RouterConfig
-from splitserve.router.flow import Timings
 from splitserve.router.health import Worker
 from splitserve.router.legs import (
     DecodeStart,
@@ -25,6 +24,7 @@ from splitserve.router.legs import (
     leg_protocols,
 )
 from splitserve.router.params import plan_legs
+from splitserve.router.timings import Timings
 from splitserve.router.whole import new_session
 
 INFO = {"kv_host": "127.0.0.1", "kv_port": 5, "engine_id": "e", "transport": "tcp"}

@@ -1,0 +1,61 @@
+"""One request's clock and transfer record, as the `X-Splitserve-Timings` header, the stream's
+closing comment and the router's histograms report them."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from splitserve.router.legs import Transfer
+
+
+@dataclass
+class Timings:
+    """One request's clock (monotonic seconds) and transfer record."""
+
+    received: float = field(default_factory=time.monotonic)
+    mode: str = "split"
+    prefill_url: str | None = None
+    decode_url: str | None = None
+    transfer_id: str | None = None
+    p_sent: float | None = None
+    p_sent_wall: float | None = None
+    t1_back: float | None = None
+    first_sent: float | None = None
+    d_sent: float | None = None
+    d_first: float | None = None
+    t2_sent: float | None = None
+    end: float | None = None
+    retries: int = 0
+    kv: dict[str, Any] | None = None  # the connector's record of the transfer
+    transfer: Transfer | None = field(default=None, repr=False)  # the last P attempt's
+    # the transfer's record, fetched while D streams (started at its first token: by then the KV
+    # is loaded), so the record costs the end of the request no round trip
+    record_fetch: asyncio.Task[None] | None = field(default=None, repr=False)
+
+    def as_dict(self) -> dict[str, Any]:
+        def gap(a: float | None, b: float | None) -> float | None:
+            return None if a is None or b is None else round(b - a, 6)
+
+        out: dict[str, Any] = {
+            "mode": self.mode, "prefill": self.prefill_url, "decode": self.decode_url,
+            "transfer_id": self.transfer_id, "retries": self.retries,
+            "p_leg_s": gap(self.p_sent, self.t1_back),
+            "ttft_s": gap(self.received, self.first_sent),
+            "handover_s": gap(self.first_sent, self.t2_sent),
+            "d_queue_s": gap(self.d_sent, self.d_first),
+            "e2e_s": gap(self.received, self.end),
+        }
+        kv = self.kv or {}
+        if kv:
+            out.update(kv_bytes=kv.get("bytes"), kv_transfer_s=kv.get("duration_s"),
+                       kv_tail_s=kv.get("tail_s"), kv_wire_s=kv.get("wire_s"),
+                       kv_gbps=kv.get("gbps"), kv_load_s=kv.get("load_s"),
+                       kv_status=kv.get("status"))
+            first = kv.get("first_byte_s")
+            if isinstance(first, int | float) and self.p_sent_wall is not None:
+                out["p_queue_s"] = round(first - self.p_sent_wall, 6)
+        return out
