@@ -69,8 +69,9 @@ def add_admin_routes(app: FastAPI, state: Callable[[Request], Any],
         if isinstance(targets, JSONResponse):
             return targets
         body, found = targets
+        reg = state(request).registry
         for worker in found:
-            worker.draining = not body.get("undrain", False)
+            reg.drain(worker, draining=not body.get("undrain", False))
         return JSONResponse({"workers": [w.describe() for w in found]})
 
     @app.post("/admin/workers/remove")

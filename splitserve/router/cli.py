@@ -92,7 +92,6 @@ def serve(cfg: RouterConfig, token: str | None, api_key: str | None,
 
     logging.basicConfig(level=log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)
     # SIGTERM/SIGINT: uvicorn stops accepting at once, lets in-flight requests (streams
     # included) finish for up to the drain timeout, then runs the app's shutdown.
     uvicorn.run(create_app(cfg, token, api_key), host=cfg.host, port=cfg.port,

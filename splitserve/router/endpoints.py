@@ -23,10 +23,11 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from splitserve.router.detok import text_stream
-from splitserve.router.failures import TRANSPORT_ERRORS, UpstreamError
+from splitserve.router.failures import UpstreamError
 from splitserve.router.flow import Prefilled
 from splitserve.router.formats import DONE, Joiner, error_body, request_id, sse, sse_comment
 from splitserve.router.health import Worker
+from splitserve.router.http import TRANSPORT_ERRORS
 from splitserve.router.params import Kind, Legs, RequestError, plan_legs, unsplittable_reason
 from splitserve.router.params import validate as validate_body
 from splitserve.router.policy import NoWorker, Overloaded

@@ -11,8 +11,6 @@ import random
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-import aiohttp
-
 from splitserve.router.config import RouterConfig
 from splitserve.router.health import Registry, Worker
 from splitserve.router.metrics import RouterMetrics
@@ -23,8 +21,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("splitserve.router")
 RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})
-# Connection-level failures of a leg (refused, reset, cut mid-body, read timeout): retryable.
-TRANSPORT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
 
 
 class UpstreamError(Exception):

@@ -9,7 +9,7 @@ resumed on another D with prompt + every token already produced (recomputed ther
 stale is read), and the client sees one unbroken stream. Closing a leg's HTTP stream aborts
 that request in vLLM, so cancelling the client's task aborts whichever leg is open.
 
-Both legs go over the app's one aiohttp session (`whole.new_session`), whose default headers
+Both legs go over the app's one aiohttp session (`http.new_session`), whose default headers
 carry the deployment token: every request to a worker is authenticated. The unsplit path (one
 worker, the request unchanged) is `whole.Passthrough`.
 """
@@ -30,7 +30,6 @@ import aiohttp
 from splitserve.router.config import RouterConfig
 from splitserve.router.failures import (
     RETRYABLE_STATUS,
-    TRANSPORT_ERRORS,
     LegFailed,
     Retry,
     UpstreamError,
@@ -39,6 +38,7 @@ from splitserve.router.failures import (
 )
 from splitserve.router.formats import Joiner
 from splitserve.router.health import Registry, Worker
+from splitserve.router.http import TRANSPORT_ERRORS
 from splitserve.router.legs import (
     DecodeStart,
     LegProtocols,

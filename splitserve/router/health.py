@@ -12,15 +12,17 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
+import aiohttp
 
 from splitserve.config import bearer_headers
 from splitserve.router.config import WORKER_ROLES, RouterConfig
+from splitserve.router.http import TRANSPORT_ERRORS
 from splitserve.worker.load import LOAD_GAUGES, LOAD_PATH, parse_metrics
 
 log = logging.getLogger("splitserve.router")
@@ -99,11 +101,14 @@ class Worker:
 
 
 class Registry:
-    """All workers, by URL. The health loop and the admin endpoint are its only writers."""
+    """All workers, by role and URL. Its writers: the health loop, and whoever feeds it workers
+    (the configured URLs at start, the admin endpoint, a discovery source) through `add`,
+    `drain` and `remove`."""
 
-    def __init__(self, cfg: RouterConfig, client: httpx.AsyncClient, token: str | None) -> None:
+    def __init__(self, cfg: RouterConfig, session: aiohttp.ClientSession,
+                 token: str | None) -> None:
         self.cfg = cfg
-        self.client = client
+        self.session = session  # the app's one session to workers
         self.token = token
         self.headers = bearer_headers(token)  # on every request: workers require the token
         # Keyed by (role, url): one worker (role `both`) may serve in the P and the D pool.
@@ -135,6 +140,10 @@ class Registry:
         url = url.rstrip("/")
         return [w for (r, u), w in self.workers.items() if u == url and role in (None, r)]
 
+    def drain(self, worker: Worker, draining: bool = True) -> None:
+        """Stop (or, with `draining=False`, resume) sending `worker` new requests."""
+        worker.draining = draining
+
     async def remove(self, worker: Worker) -> Worker:
         """Drain, wait for the worker's open legs to finish, then forget it."""
         worker.draining = True
@@ -156,19 +165,24 @@ class Registry:
         worker.failures = 0
 
     # --- the health loop --------------------------------------------------------------------
+    async def _get(self, worker: Worker, path: str) -> tuple[int, bytes]:
+        """GET one of the worker's routes, read to the end: (status, body)."""
+        async with self.session.get(
+                f"{worker.url}{path}", headers=self.headers,
+                timeout=aiohttp.ClientTimeout(total=self.cfg.health_timeout_s)) as r:
+            return r.status, await r.read()
+
     async def check(self, worker: Worker) -> None:
-        timeout = self.cfg.health_timeout_s
         try:
-            r = await self.client.get(f"{worker.url}/health", headers=self.headers,
-                                      timeout=timeout)
-            ok = r.status_code == 200
-            error = None if ok else f"/health answered {r.status_code}"
-        except httpx.HTTPError as exc:
+            status, _ = await self._get(worker, "/health")
+            ok = status == 200
+            error = None if ok else f"/health answered {status}"
+        except TRANSPORT_ERRORS as exc:
             ok, error = False, f"/health: {type(exc).__name__}: {exc}"
         if ok:
             try:  # load and KV endpoint are advisory: a bad answer never fails the check
-                await self._read_load(worker, timeout)
-            except (httpx.HTTPError, ValueError, TypeError) as exc:
+                await self._read_load(worker)
+            except (*TRANSPORT_ERRORS, ValueError, TypeError) as exc:
                 log.info("worker %s: cannot read load: %s", worker.url, exc)
         worker.checked_at = time.monotonic()
         if ok:
@@ -181,34 +195,31 @@ class Registry:
         else:
             self.failed(worker, error or "unhealthy")
 
-    async def _read_load(self, worker: Worker, timeout: float) -> None:
-        r = await self.client.get(f"{worker.url}{worker.load_path}", headers=self.headers,
-                                  timeout=timeout)
-        if r.status_code == 404 and worker.load_path == LOAD_PATH:
+    async def _read_load(self, worker: Worker) -> None:
+        status, raw = await self._get(worker, worker.load_path)
+        if status == 404 and worker.load_path == LOAD_PATH:
             worker.load_path = "/metrics"  # plain vLLM: no splitserve routes
-            r = await self.client.get(f"{worker.url}/metrics", headers=self.headers,
-                                      timeout=timeout)
-        if r.status_code == 200:
-            load = r.json() if worker.load_path == LOAD_PATH else parse_metrics(r.text)
+            status, raw = await self._get(worker, "/metrics")
+        if status == 200:
+            load = (json.loads(raw) if worker.load_path == LOAD_PATH
+                    else parse_metrics(raw.decode(errors="replace")))
             for key in LOAD_GAUGES.values():
                 if isinstance(load.get(key), int | float):
                     setattr(worker, key, float(load[key]))
         if worker.role == "colocated" or not self.token:
             return
         if worker.info is None:
-            r = await self.client.get(f"{worker.url}/splitserve/info", headers=self.headers,
-                                      timeout=timeout)
+            status, raw = await self._get(worker, "/splitserve/info")
             # 200: its KV endpoint; 404: plain vLLM (never asked again); else: ask next time
-            worker.info = r.json() if r.status_code == 200 else (
-                {} if r.status_code == 404 else None)
+            worker.info = json.loads(raw) if status == 200 else (
+                {} if status == 404 else None)
             if worker.info == {}:
                 log.warning("worker %s has no /splitserve/info (%s): plain vLLM, no KV transfer",
-                            worker.url, r.status_code)
+                            worker.url, status)
         if worker.role == "decode" and worker.info:
-            r = await self.client.get(f"{worker.url}/splitserve/state", headers=self.headers,
-                                      timeout=timeout)
-            if r.status_code == 200:
-                state = r.json()
+            status, raw = await self._get(worker, "/splitserve/state")
+            if status == 200:
+                state = json.loads(raw)
                 worker.staged_bytes = float(state.get("staged_bytes", 0))
                 worker.staging_capacity_bytes = float(state.get("staging_capacity_bytes", 0))
 
@@ -226,13 +237,12 @@ class Registry:
     async def model(self) -> dict[str, Any]:
         """The served model (`id`, `root`) from the first worker that answers /v1/models."""
         errors = []
-        for worker in self.workers.values():
+        for worker in list(self.workers.values()):
             try:
-                r = await self.client.get(f"{worker.url}/v1/models", headers=self.headers,
-                                          timeout=self.cfg.health_timeout_s)
-                if r.status_code == 200:
-                    return dict(r.json()["data"][0])
-                errors.append(f"{worker.url}: {r.status_code}")
-            except httpx.HTTPError as exc:
+                status, raw = await self._get(worker, "/v1/models")
+                if status == 200:
+                    return dict(json.loads(raw)["data"][0])
+                errors.append(f"{worker.url}: {status}")
+            except TRANSPORT_ERRORS as exc:
                 errors.append(f"{worker.url}: {exc}")
         raise RuntimeError(f"no worker answered /v1/models: {'; '.join(errors)}")

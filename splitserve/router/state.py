@@ -11,15 +11,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
-import httpx
 
 from splitserve.router.config import RouterConfig
 from splitserve.router.flow import Flow
 from splitserve.router.health import Registry
+from splitserve.router.http import new_session
 from splitserve.router.metrics import RouterMetrics
 from splitserve.router.policy import Picker
 from splitserve.router.prompt import kv_bytes_per_token, load_tokenizer
-from splitserve.router.whole import Passthrough, new_session
+from splitserve.router.whole import Passthrough
 
 log = logging.getLogger("splitserve.router")
 
@@ -29,8 +29,7 @@ class RouterState:
     cfg: RouterConfig
     token: str | None
     api_key: str | None
-    client: httpx.AsyncClient  # the registry's
-    session: aiohttp.ClientSession  # both paths' legs
+    session: aiohttp.ClientSession  # the one session to workers: health loop and legs
     registry: Registry
     metrics: RouterMetrics
     flow: Flow
@@ -45,10 +44,8 @@ async def open_state(cfg: RouterConfig, token: str | None, api_key: str | None,
                      startup_timeout_s: float) -> RouterState:
     """Wait (up to `startup_timeout_s`) for a worker to name the model, check every worker
     once, load the tokenizer, and start the health loop."""
-    client = httpx.AsyncClient(  # the registry's; it authenticates each request itself
-        timeout=httpx.Timeout(cfg.request_timeout_s, connect=cfg.connect_timeout_s),
-        limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
-    registry = Registry(cfg, client, token)
+    session = new_session(cfg, token)  # sends the token on every request
+    registry = Registry(cfg, session, token)
     deadline = time.monotonic() + startup_timeout_s
     while True:
         try:
@@ -56,7 +53,7 @@ async def open_state(cfg: RouterConfig, token: str | None, api_key: str | None,
             break
         except RuntimeError:
             if time.monotonic() > deadline:
-                await client.aclose()
+                await session.close()
                 raise
             await asyncio.sleep(0.5)
     await registry.check_all()
@@ -65,11 +62,10 @@ async def open_state(cfg: RouterConfig, token: str | None, api_key: str | None,
     metrics = RouterMetrics()
     metrics.watch_workers(lambda: registry.workers.values())
     picker = Picker(cfg.prefill_policy, cfg.decode_policy, cfg.max_inflight_per_worker)
-    session = new_session(cfg, token)  # sends the token on every request
     flow = Flow(cfg, registry, picker, metrics, session, model["id"],
                 kv_bytes_per_token(model_dir), model.get("max_model_len"))
     whole = Passthrough(cfg, registry, picker, metrics, session)
-    st = RouterState(cfg, token, api_key, client, session, registry, metrics, flow, whole,
+    st = RouterState(cfg, token, api_key, session, registry, metrics, flow, whole,
                      model, tokenizer)
     st.health = asyncio.create_task(registry.run())
     log.info("router on %s:%d serving %s", cfg.host, cfg.port, model["id"])
@@ -81,5 +77,4 @@ async def close_state(st: RouterState) -> None:
         st.health.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await st.health
-    await st.client.aclose()
     await st.session.close()

@@ -1,7 +1,6 @@
 """The unsplit path: one worker runs the request unchanged — its very bytes — and its answer is
 relayed as is. Used by colocated pools and for requests whose parameters the seeded two-leg flow
-cannot honour. On aiohttp: the hot path of a colocated deployment, where the client library's own
-cost is most of what the router adds (httpx costs ~0.3 ms more per request here).
+cannot honour: the hot path of a colocated deployment.
 
 Retries (`--whole-retries`) go to another worker before the first byte only; closing a response
 mid-stream aborts the request in vLLM.
@@ -12,30 +11,18 @@ from __future__ import annotations
 import aiohttp
 from yarl import URL
 
-from splitserve.config import bearer_headers
 from splitserve.router.config import RouterConfig
 from splitserve.router.failures import (
     RETRYABLE_STATUS,
-    TRANSPORT_ERRORS,
     LegFailed,
     Retry,
     exhausted,
 )
 from splitserve.router.health import Registry, Worker
+from splitserve.router.http import TRANSPORT_ERRORS
 from splitserve.router.metrics import RouterMetrics
 from splitserve.router.policy import Picker
 from splitserve.router.timings import Timings
-
-
-def new_session(cfg: RouterConfig, token: str | None) -> aiohttp.ClientSession:
-    """The app's one session to workers, for both paths: every request carries the token.
-    Workers set no cookies, so the session keeps none (a cookie jar costs time per request)."""
-    return aiohttp.ClientSession(
-        headers=bearer_headers(token),
-        timeout=aiohttp.ClientTimeout(total=None, sock_connect=cfg.connect_timeout_s,
-                                      sock_read=cfg.request_timeout_s),
-        connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60),
-        cookie_jar=aiohttp.DummyCookieJar(), auto_decompress=False)
 
 
 class Passthrough:

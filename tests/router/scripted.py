@@ -9,7 +9,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
-import httpx
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
@@ -17,11 +16,11 @@ from splitserve.router.config import RouterConfig
 from splitserve.router.flow import Flow
 from splitserve.router.formats import Joiner
 from splitserve.router.health import Registry
+from splitserve.router.http import new_session
 from splitserve.router.legs import LegProtocols
 from splitserve.router.metrics import RouterMetrics
 from splitserve.router.params import Legs
 from splitserve.router.policy import Picker
-from splitserve.router.whole import new_session
 
 Handler = Callable[[str, web.Request], Awaitable[web.StreamResponse]]
 PREFILL_OK = {"choices": [{"text": "a", "token_ids": [10], "prompt_token_ids": [1, 2, 3],
@@ -90,18 +89,17 @@ async def make_flow(urls: dict[str, str], token: str | None = None,
     by_role = {r: tuple(u for n, u in urls.items() if role[n[0]] == r) for r in role.values()}
     cfg = RouterConfig(prefill=by_role["prefill"], decode=by_role["decode"],
                        colocated=by_role["colocated"], retry_backoff_s=0.0)
-    async with httpx.AsyncClient() as client:  # the registry's (health checks: not run here)
-        reg = Registry(cfg, client, token=token)
+    session = new_session(cfg, token)
+    try:
+        reg = Registry(cfg, session, token=token)  # its health loop is not run here
         for w in reg.workers.values():
             w.healthy = True
         metrics = RouterMetrics()
-        session = new_session(cfg, token)
-        try:
-            legs = protocols(session) if protocols is not None else None
-            yield Flow(cfg, reg, Picker("load", "load"), metrics, session, "m", 0, 2048,
-                       legs), metrics
-        finally:
-            await session.close()
+        legs = protocols(session) if protocols is not None else None
+        yield Flow(cfg, reg, Picker("load", "load"), metrics, session, "m", 0, 2048,
+                   legs), metrics
+    finally:
+        await session.close()
 
 
 def started(legs: Legs, pre: Any) -> Joiner:

@@ -13,6 +13,7 @@ from scripted import PREFILL_OK, chunk, make_flow, sse_reply, started, workers
 
 from splitserve.router.config import RouterConfig
 from splitserve.router.health import Worker
+from splitserve.router.http import new_session
 from splitserve.router.legs import (
     DecodeStart,
     LegProtocol,
@@ -25,7 +26,6 @@ from splitserve.router.legs import (
 )
 from splitserve.router.params import plan_legs
 from splitserve.router.timings import Timings
-from splitserve.router.whole import new_session
 
 INFO = {"kv_host": "127.0.0.1", "kv_port": 5, "engine_id": "e", "transport": "tcp"}
 

@@ -19,8 +19,8 @@ from typing import Any
 
 import aiohttp
 
-from splitserve.router.failures import TRANSPORT_ERRORS
 from splitserve.router.health import Worker
+from splitserve.router.http import TRANSPORT_ERRORS
 from splitserve.router.legs.base import LegProtocol, Transfer
 
 log = logging.getLogger("splitserve.router")
