@@ -27,7 +27,8 @@ Contract, in the order `Flow` calls it (one `Transfer` per P attempt):
    leg's connection aborts it in vLLM). A resumed D leg never reads a transfer (it recomputes
    from the prompt and every token produced), so no connector sees a second claim.
 5. **Timings.** `record(transfer, at_url)` is the connector's record of the transfer (keys
-   `bytes`, `duration_s`, `gbps`, `load_s`, `status`, `first_byte_s`, all optional), or None;
+   `bytes`, `duration_s`, `tail_s`, `wire_s`, `gbps`, `load_s`, `status`, `first_byte_s`, all
+   optional), or None;
    `record_final(record)` says whether it can still change. Best effort: never raises.
 
 Which implementation drives a pair: the `connector` that both workers advertise in
