@@ -1,0 +1,90 @@
+"""The one retry helper behind P's leg, D's resumption and the whole path: attempts counted in
+the request's timings and metrics, the workers tried, and `--whole-retries` as the whole path's
+own limit (defaulting, on the command line, to `--prefill-retries`)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+from aiohttp import web
+from scripted import workers
+
+from splitserve.router.cli import add_router_arguments, config_from_args
+from splitserve.router.config import RouterConfig
+from splitserve.router.failures import LegFailed, Retry
+from splitserve.router.health import Registry, Worker
+from splitserve.router.http import new_session
+from splitserve.router.metrics import RouterMetrics
+from splitserve.router.policy import Overloaded, Picker
+from splitserve.router.timings import Timings
+from splitserve.router.whole import Passthrough
+
+
+def args_of(*argv: str) -> RouterConfig:
+    p = argparse.ArgumentParser()
+    add_router_arguments(p)
+    return config_from_args(p.parse_args(["--colocated", "http://c:1", *argv]))
+
+
+def test_whole_retries_default_to_prefill_retries_on_the_command_line() -> None:
+    assert args_of().whole_retries == 2
+    assert args_of("--prefill-retries", "3").whole_retries == 3
+    cfg = args_of("--prefill-retries", "3", "--whole-retries", "0")
+    assert (cfg.prefill_retries, cfg.whole_retries) == (3, 0)
+    with pytest.raises(ValueError):
+        RouterConfig(colocated=("http://c:1",), whole_retries=-1)
+
+
+async def test_retry_counts_each_retry_and_remembers_the_workers_tried() -> None:
+    cfg = RouterConfig(colocated=("http://c:1",), retry_backoff_s=0.0)
+    session = new_session(cfg, None)
+    try:
+        reg, metrics, t = Registry(cfg, session, None), RouterMetrics(), Timings()
+        retry = Retry(cfg, metrics, reg, "whole", 2, t, "rid")
+        w = Worker("http://c:1", "colocated", healthy=True)
+        attempts = []
+        for attempt in retry:
+            await retry.begin(attempt)
+            attempts.append(attempt)
+            retry.failed(w, LegFailed("http_503", "busy", 503))
+    finally:
+        await session.close()
+    assert attempts == [0, 1, 2] and t.retries == 2
+    assert metrics.retries.labels("whole")._value.get() == 2
+    assert metrics.failures.labels("whole", "http_503")._value.get() == 3
+    assert retry.tried == {"http://c:1"} and isinstance(retry.last, LegFailed)
+    assert w.healthy  # an HTTP answer is the worker speaking: not a breaker failure
+
+
+async def test_the_whole_path_retries_up_to_whole_retries() -> None:
+    calls: list[str] = []
+
+    async def handler(name: str, req: web.Request) -> web.StreamResponse:
+        calls.append(name)
+        if name == "c1":
+            return web.json_response({"error": {"message": "queue full"}}, status=503)
+        return web.json_response({"ok": name})
+
+    async with workers(handler, ("c1", "c2")) as urls:
+        for limit, expected in ((1, ["c1", "c2"]), (0, ["c1"])):
+            calls.clear()
+            cfg = RouterConfig(colocated=(urls["c1"], urls["c2"]), retry_backoff_s=0.0,
+                               prefill_retries=5, whole_retries=limit)
+            session = new_session(cfg, None)
+            try:
+                reg = Registry(cfg, session, None)
+                for w in reg.workers.values():
+                    w.healthy = True
+                    w.inflight = 0 if w.url == urls["c1"] else 1  # c1 is picked first
+                whole = Passthrough(cfg, reg, Picker("load", "load"), RouterMetrics(), session)
+                if limit:
+                    status, body, _ = await whole.complete("/v1/completions", b"{}", "rid",
+                                                           t := Timings())
+                    assert status == 200 and b"c2" in body and t.retries == 1
+                else:
+                    with pytest.raises(Overloaded):  # the only attempt said "not now"
+                        await whole.complete("/v1/completions", b"{}", "rid", Timings())
+            finally:
+                await session.close()
+            assert calls == expected
