@@ -43,11 +43,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _common import StreamTiming, summary, timed_stream, write_json  # noqa: E402
 from _common import random_prompt as prompt  # noqa: E402
 
+from splitserve.common.cpus import parse_cpus  # noqa: E402
 from splitserve.config import WorkerConfig, bearer_headers  # noqa: E402
 from splitserve.launch.config import DeploymentConfig  # noqa: E402
 from splitserve.launch.local import LocalDeployment  # noqa: E402
 from splitserve.router.health import kv_endpoint  # noqa: E402
-from splitserve.worker.cli import parse_cpus  # noqa: E402
 from splitserve.worker.launch import free_port, start_worker, wait_healthy  # noqa: E402
 
 Runs = dict[int, list[StreamTiming]]

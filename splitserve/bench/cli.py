@@ -42,8 +42,8 @@ from splitserve.bench.workload import (
     WorkloadSpec,
     build_stream,
 )
+from splitserve.common.cpus import parse_cpus
 from splitserve.config import bearer_headers, load_token
-from splitserve.worker.cli import parse_cpus
 
 
 def _rates(text: str) -> tuple[float, ...]:

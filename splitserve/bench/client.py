@@ -26,8 +26,8 @@ from typing import Any
 import httpx
 
 from splitserve.bench.workload import Request
+from splitserve.common.load import LOAD_PATH, parse_metrics
 from splitserve.config import bearer_headers
-from splitserve.worker.load import LOAD_PATH, parse_metrics
 
 TIMINGS_HEADER = "x-splitserve-timings"
 

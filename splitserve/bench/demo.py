@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import os
 import tempfile
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -98,8 +97,3 @@ def _verdict(results: dict[str, dict[str, Any]], skipped: dict[str, str]) -> str
         return "VERDICT: no comparison — a colocated baseline did not run: " + "; ".join(
             f"{k}: {v}" for k, v in skipped.items())
     return demo_verdict(un, ch, results.get("disagg-1p1d"))
-
-
-def quick_spec(duration_s: float) -> WorkloadSpec:
-    """The demo workload, shortened (for tests and smoke runs)."""
-    return replace(DEMO_SPEC, interference=replace(INTERFERENCE, duration_s=duration_s))

@@ -47,8 +47,8 @@ class SplitserveConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             self._sched = SchedulerSide(self.cfg.transport, table_path(str(tc.engine_id)))
         else:
+            from splitserve.common.engine import installed_vllm_version
             from splitserve.connector.worker_side import WorkerSide
-            from splitserve.worker.launch import installed_vllm_version
 
             mc = vllm_config.model_config
             self._worker = WorkerSide(self.cfg, str(tc.engine_id), mc.hf_config.to_dict(),

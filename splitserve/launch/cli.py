@@ -9,13 +9,14 @@ import sys
 import threading
 from types import FrameType
 
+from splitserve.common.cpus import parse_cpus
 from splitserve.config import CONNECTORS, ConnectorConfig
 from splitserve.connector.tls import client_context, server_context
 from splitserve.launch.backend import LauncherBackend
 from splitserve.launch.config import DeploymentConfig, from_mapping, load_yaml
 from splitserve.launch.local import LocalDeployment
 from splitserve.secretflags import add_secret_guards
-from splitserve.worker.cli import add_tls_arguments, parse_cpus
+from splitserve.worker.cli import add_tls_arguments
 
 
 def overrides_from_args(args: argparse.Namespace) -> dict[str, object]:

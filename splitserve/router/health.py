@@ -20,10 +20,10 @@ from typing import Any
 
 import aiohttp
 
+from splitserve.common.load import LOAD_GAUGES, LOAD_PATH, parse_metrics
 from splitserve.config import bearer_headers
 from splitserve.router.config import WORKER_ROLES, RouterConfig
 from splitserve.router.http import TRANSPORT_ERRORS
-from splitserve.worker.load import LOAD_GAUGES, LOAD_PATH, parse_metrics
 
 log = logging.getLogger("splitserve.router")
 

@@ -25,13 +25,13 @@ from typing import Any
 from splitserve.bench.cli import add_workload_arguments, spec_from_args
 from splitserve.bench.metrics import SLO, distserve_goodput
 from splitserve.bench.report import print_summary, save_result
+from splitserve.common.cpus import parse_cpus
 from splitserve.sim.deployment import MODES, POLICIES, SimConfig
 from splitserve.sim.model import VLLM_CPU_TOKEN_BUDGET, Profile, load_profile, save_profile
-from splitserve.worker.cli import parse_cpus
 
 
 def _installed_engine() -> str | None:
-    from splitserve.worker.launch import installed_vllm_version
+    from splitserve.common.engine import installed_vllm_version
 
     return installed_vllm_version()
 

@@ -18,6 +18,7 @@ from collections import deque
 from types import FrameType
 from typing import IO
 
+from splitserve.common.cpus import parse_cpus
 from splitserve.config import (
     CONNECTORS,
     FAILURE_POLICIES,
@@ -38,15 +39,6 @@ from splitserve.worker.launch import (
 )
 
 TAIL_LINES = 400  # of vLLM's output, kept to explain a failed start
-
-
-def parse_cpus(text: str) -> tuple[int, ...]:
-    """'0,1' or '0-3' or '0-1,4' -> core ids."""
-    cpus: list[int] = []
-    for part in text.split(","):
-        lo, _, hi = part.partition("-")
-        cpus += range(int(lo), int(hi or lo) + 1)
-    return tuple(cpus)
 
 
 def add_tls_arguments(p: argparse.ArgumentParser) -> None:

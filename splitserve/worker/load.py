@@ -1,5 +1,5 @@
-"""A worker's load: `GET /splitserve/load` on every splitserve worker, read by the router's
-health loop (it routes by it) and by the benchmark's busy sampler.
+"""A worker's load: what it answers on `GET /splitserve/load` (the route and its keys are in
+`common.load`, which the router's health loop and the benchmark's busy sampler read).
 
 The same three vLLM gauges the router would otherwise parse out of `/metrics`, read from vLLM's
 registry restricted to those names: rendering the whole `/metrics` page costs the API server
@@ -10,13 +10,9 @@ same keys (`parse_metrics`).
 
 from __future__ import annotations
 
-LOAD_PATH = "/splitserve/load"
-# vLLM gauge -> key in `/splitserve/load` (and the router's `Worker` field of that name)
-LOAD_GAUGES = {
-    "vllm:kv_cache_usage_perc": "kv_usage",
-    "vllm:num_requests_running": "running",
-    "vllm:num_requests_waiting": "waiting",
-}
+from splitserve.common.load import LOAD_GAUGES, LOAD_PATH, parse_metrics
+
+__all__ = ["LOAD_GAUGES", "LOAD_PATH", "parse_metrics", "read_load"]
 
 
 def read_load() -> dict[str, float]:
@@ -30,23 +26,4 @@ def read_load() -> dict[str, float]:
             key = LOAD_GAUGES.get(sample.name)
             if key is not None:
                 out[key] = out.get(key, 0.0) + float(sample.value)
-    return out
-
-
-def parse_metrics(text: str) -> dict[str, float]:
-    """The same keys out of a vLLM `/metrics` page (a plain vLLM worker), each gauge summed
-    over its label sets; gauges the page lacks are absent."""
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line.startswith("vllm:"):
-            continue
-        name, _, rest = line.partition("{")
-        key = LOAD_GAUGES.get(name)
-        if key is None:
-            continue
-        try:
-            value = float(rest.rsplit(" ", 1)[1])
-        except (IndexError, ValueError):
-            continue
-        out[key] = out.get(key, 0.0) + value
     return out

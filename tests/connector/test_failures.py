@@ -20,7 +20,7 @@ from workers import (
     wait_drained,
 )
 
-from splitserve.worker.load import parse_metrics as parse_gauges
+from splitserve.common.load import parse_metrics as parse_gauges
 
 MAX_TOKENS = 10
 PROMPT = [5 + (i * 13) % 900 for i in range(300)]

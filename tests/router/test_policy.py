@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from splitserve.common.load import parse_metrics as parse_gauges
 from splitserve.router.health import Worker
 from splitserve.router.policy import NoWorker, Overloaded, Picker
-from splitserve.worker.load import parse_metrics as parse_gauges
 
 
 def w(url: str, role: str = "decode", **state: float) -> Worker:

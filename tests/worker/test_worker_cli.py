@@ -11,9 +11,9 @@ import pytest
 from workers import TOKEN, Worker
 
 from splitserve.cli import main
+from splitserve.common import engine
+from splitserve.common.cpus import parse_cpus
 from splitserve.config import TOKEN_ENV, TOKEN_FILE_ENV, WorkerConfig, load_token
-from splitserve.worker import launch
-from splitserve.worker.cli import parse_cpus
 from splitserve.worker.launch import check_vllm_version, worker_command
 
 
@@ -117,7 +117,7 @@ def test_token_from_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
 def test_pinned_vllm_release(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
                              ) -> None:
     assert check_vllm_version() == "0.32.0"
-    monkeypatch.setattr(launch.metadata, "version", lambda dist: "0.31.1")
+    monkeypatch.setattr(engine.metadata, "version", lambda dist: "0.31.1")
     with pytest.raises(RuntimeError, match="pinned to vLLM 0.32.0, but vLLM 0.31.1 is installed"):
         check_vllm_version()
     assert main(["worker", "--model", "m", "--port", "8000"]) == 2
@@ -126,7 +126,7 @@ def test_pinned_vllm_release(monkeypatch: pytest.MonkeyPatch, capsys: pytest.Cap
     def missing(dist: str) -> str:
         raise metadata.PackageNotFoundError(dist)
 
-    monkeypatch.setattr(launch.metadata, "version", missing)
+    monkeypatch.setattr(engine.metadata, "version", missing)
     with pytest.raises(RuntimeError, match="vLLM is not installed"):
         check_vllm_version()
 
