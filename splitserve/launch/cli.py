@@ -121,7 +121,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--connector", choices=CONNECTORS, default=None,
                    help="KV connector: splitserve (default) or nixl (vLLM's NixlConnector)")
     p.add_argument("--kv-lease", type=float, default=None, metavar="S",
-                   help="seconds a P worker holds KV no D claims (default 60)")
+                   help="seconds KV no D claims is kept: D's staging lease (splitserve), "
+                        "P's held blocks (nixl); default 60")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "auto"), default=None)
     p.add_argument("--host", default=None)
     p.add_argument("--port", type=int, default=None, help="router port (default 8000)")

@@ -51,7 +51,7 @@ class DeploymentConfig:
     max_model_len: int | None = None  # None: the model's own length
     kv_cache_gib: int = 1
     staging_mib: int = 512
-    kv_lease_s: float = 60.0  # a P worker's held KV is freed if no D claims it within this
+    kv_lease_s: float = 60.0  # splitserve: D's staging lease; nixl: P's held blocks' lease
     cpus: tuple[int, ...] | None = None  # cores to use (default: this process's affinity)
     # the router's cores (default: a core of its own when there are workers + 1, else all)
     router_cpus: tuple[int, ...] | None = None

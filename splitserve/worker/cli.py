@@ -1,7 +1,7 @@
 """`splitserve worker`: one vLLM server in a role, with splitserve's connector configured.
 
-vLLM runs as this process's child, in a session of its own: SIGINT and SIGTERM are passed on to
-it (once), its output passes through unchanged, it is killed if this process dies, and its exit
+vLLM runs as this process's child, in a session of its own: each SIGINT and SIGTERM is passed
+on to it, its output passes through unchanged, it is killed if this process dies, and its exit
 status is ours. When it fails to start for a reason one of our flags fixes (a KV cache too small
 for the model's length), a last line says which (`splitserve.worker.diagnose`).
 """

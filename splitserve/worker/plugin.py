@@ -81,7 +81,7 @@ def nixl_info(args: Namespace | None) -> dict[str, Any] | None:
         return None
     import vllm.envs as envs
 
-    from splitserve.worker.launch import installed_vllm_version
+    from splitserve.common.engine import installed_vllm_version
 
     tuning = NixlTuning.from_extra_config(extra)
     return {"connector": "nixl", "role": tuning.role, "transport": "nixl",

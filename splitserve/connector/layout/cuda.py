@@ -8,9 +8,11 @@ agree with it; `verify` writes known K and V through vLLM's own `reshape_and_cac
 (the cache write of all three backends) into a scratch cache of that layout and reads them
 back. Latent (MLA), mamba and quantized (fp8, uint8-stored) caches are not read.
 
-The synchronous `gather`/`scatter` go through a temporary device buffer; the connector's
-asynchronous path (`devcopy.CudaCopies`) calls `gather_device`/`scatter_device` on its side
-stream. Host buffers are pinned.
+`gather`/`scatter` are synchronous and go through a temporary device buffer: the connector
+calls them on its forward thread (P) and load path (D). `gather_device`/`scatter_device` are
+the device-side halves a side-stream copier (`devcopy.CudaCopies`, measured by
+`benchmarks/gpu_kv.py`) builds on; the connector does not use that copier yet. Host buffers
+are pinned.
 """
 
 from __future__ import annotations
