@@ -45,9 +45,18 @@ def add_secret_guards(p: argparse.ArgumentParser) -> None:
         p.add_argument(flag, nargs="?", action=_Refuse, help=argparse.SUPPRESS)
 
 
+def secret_flag_of(arg: str) -> str | None:
+    """The secret flag `arg` names: the flag itself or an abbreviation of it, which vLLM's
+    argparse (`allow_abbrev`) would expand to that flag; None for anything else."""
+    flag = arg.split("=", 1)[0]
+    if not flag.startswith("--") or len(flag) < 4:
+        return None
+    return next((secret for secret in SECRET_FLAGS if secret.startswith(flag)), None)
+
+
 def check_passthrough(args: list[str] | tuple[str, ...]) -> None:
     """Raise ValueError when the arguments passed through to vLLM carry a secret flag."""
     for arg in args:
-        flag = arg.split("=", 1)[0]
-        if flag in SECRET_FLAGS:
+        flag = secret_flag_of(arg)
+        if flag is not None:
             raise ValueError(refusal(flag) + " (also after `--`)")

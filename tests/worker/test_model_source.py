@@ -18,6 +18,7 @@ from splitserve.cli import main
 from splitserve.config import WorkerConfig
 from splitserve.hub import check_model_name, download_ignore_patterns
 from splitserve.launch.config import DeploymentConfig
+from splitserve.secretflags import check_passthrough, secret_flag_of
 from splitserve.worker.launch import worker_command
 
 SECRET = "s3cr3t-value"
@@ -116,3 +117,15 @@ def test_secret_flags_passed_through_to_vllm_are_refused(
     assert main([*command, "--model", str(tmp_path), "--", "--api-key", SECRET]) == 2
     err = capsys.readouterr().err
     assert "SPLITSERVE_API_KEY" in err and "after `--`" in err and SECRET not in err
+
+
+@pytest.mark.parametrize("passed, refused", [
+    ("--api-key", "--api-key"), ("--api-k=" + SECRET, "--api-key"), ("--hf-tok", "--hf-token"),
+    ("--tok", "--token"), ("--tokenizer", None), ("--max-model-len", None), ("-t", None),
+])
+def test_abbreviations_vllm_would_expand_to_a_secret_flag_are_refused(
+        passed: str, refused: str | None) -> None:
+    assert secret_flag_of(passed) == refused
+    if refused is not None:
+        with pytest.raises(ValueError, match=refused):
+            check_passthrough(["--dtype", "float32", passed])
