@@ -140,10 +140,18 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _pump(src: IO[bytes], tail: deque[bytes]) -> None:
+    """Pass vLLM's output through while keeping its last lines. Reads to the end even when our
+    own stdout is gone (`splitserve worker | head`), so vLLM never blocks on a full pipe."""
+    out: IO[bytes] | None = sys.stdout.buffer
     for line in iter(src.readline, b""):
-        sys.stdout.buffer.write(line)
-        sys.stdout.buffer.flush()
         tail.append(line)
+        if out is None:
+            continue
+        try:
+            out.write(line)
+            out.flush()
+        except (BrokenPipeError, ValueError):
+            out = None
 
 
 def supervise(argv: list[str], env: dict[str, str], cpus: tuple[int, ...] | None) -> int:

@@ -151,3 +151,33 @@ def children(pid: int) -> list[int]:
             if int(stat[3]) == pid:
                 out += [int(entry), *children(int(entry))]
     return out
+
+
+def test_vllm_output_is_read_to_its_end_when_our_stdout_is_gone(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`splitserve worker | head`: once the reader leaves, vLLM's output is still drained (a
+    full pipe would block vLLM) and its last lines are still kept for the start-up diagnosis."""
+    from collections import deque
+    from io import BytesIO
+
+    from splitserve.worker.cli import _pump
+
+    class GoneBuffer:
+        writes = 0
+
+        def write(self, data: bytes) -> int:
+            GoneBuffer.writes += 1
+            raise BrokenPipeError
+
+        def flush(self) -> None:
+            raise BrokenPipeError
+
+    class GoneStdout:
+        buffer = GoneBuffer()
+
+    monkeypatch.setattr("sys.stdout", GoneStdout())
+    lines = [f"line {i}\n".encode() for i in range(50)]
+    tail: deque[bytes] = deque(maxlen=10)
+    _pump(BytesIO(b"".join(lines)), tail)
+    assert list(tail) == lines[-10:]
+    assert GoneBuffer.writes == 1
