@@ -143,12 +143,14 @@ def test_the_guard_takes_its_whole_group_down_with_its_parent(tmp_path: Path) ->
         "subprocess.Popen([sys.executable, '-m', 'splitserve.launch.raybackend.guard', "
         f"sys.executable, '-c', {tree!r}], start_new_session=True)\n"
         "time.sleep(600)")], env=dict(os.environ))
-    deadline = time.monotonic() + 30
-    while not (pids.exists() and pids.read_text()) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    child, grandchild = map(int, pids.read_text().split())
-    parent.send_signal(signal.SIGKILL)
-    parent.wait()
+    try:
+        deadline = time.monotonic() + 30
+        while not (pids.exists() and pids.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        child, grandchild = map(int, pids.read_text().split())
+    finally:  # the parent's death is what the guard answers: it takes the tree down either way
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and (alive(child) or alive(grandchild)):
         time.sleep(0.1)
