@@ -162,3 +162,25 @@ def alive(pid: int) -> bool:
         return "Z" not in Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except OSError:
         return False
+
+
+def test_the_guard_exits_with_its_childs_status_and_leaves_no_grandchild(tmp_path: Path) -> None:
+    """ARGV exits on its own (status 3) after forking a grandchild that would outlive it: the
+    guard kills the grandchild and reports 3, not its own SIGKILL."""
+    pids = tmp_path / "pids"
+    tree = (f"import os, sys, time; pid = os.fork()\n"
+            f"if pid == 0: time.sleep(600)\n"
+            f"open({str(pids)!r}, 'w').write(str(pid)); sys.exit(3)")
+    guard = subprocess.Popen(
+        [sys.executable, "-m", "splitserve.launch.raybackend.guard", sys.executable, "-c", tree],
+        start_new_session=True, env=dict(os.environ))
+    try:
+        assert guard.wait(timeout=30) == 3
+    finally:
+        if guard.poll() is None:
+            os.killpg(guard.pid, signal.SIGKILL)
+    grandchild = int(pids.read_text())
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and alive(grandchild):
+        time.sleep(0.1)
+    assert not alive(grandchild)

@@ -8,8 +8,8 @@ Invariants:
 - The guard gets SIGTERM when its parent (a Ray replica or actor) dies (PR_SET_PDEATHSIG).
 - On SIGTERM it forwards SIGTERM to ARGV (vLLM drains for its `--shutdown-timeout`), waits up to
   `SPLITSERVE_GUARD_GRACE_S` (default 30; 0 when the parent is already gone), then SIGKILLs the
-  whole group. When ARGV exits on its own, the group is SIGKILLed too: no engine process
-  outlives its API server.
+  whole group. When ARGV exits on its own, the rest of the group is SIGKILLed too (no engine
+  process outlives its API server) and the guard exits with ARGV's status.
 """
 
 from __future__ import annotations
@@ -30,6 +30,22 @@ GRACE_ENV = "SPLITSERVE_GUARD_GRACE_S"
 def kill_group() -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(os.getpgid(0), signal.SIGKILL)
+
+
+def kill_rest_of_group() -> None:
+    """SIGKILL every member of our process group but ourselves (so our exit status stays the
+    child's)."""
+    me, group = os.getpid(), os.getpgid(0)
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == me:
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            if int(fields[2]) == group:  # the fields after the name: state, ppid, pgrp, ...
+                os.kill(int(entry), signal.SIGKILL)
+        except (OSError, ValueError, IndexError):
+            continue
 
 
 def main(argv: list[str]) -> int:
@@ -58,7 +74,7 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGINT, on_term)
     code = child.wait()
-    kill_group()
+    kill_rest_of_group()
     return code
 
 
