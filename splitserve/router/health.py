@@ -43,6 +43,17 @@ def kv_endpoint(info: dict[str, Any], transport: str | None = None) -> dict[str,
     return endpoint
 
 
+DEFAULT_CONNECTOR = "splitserve"
+
+
+def connector_of(info: dict[str, Any] | None) -> str | None:
+    """The connector a worker advertises in `/splitserve/info`; None for a plain vLLM worker
+    (no info, or not read yet)."""
+    if not info:
+        return None
+    return str(info.get("connector") or DEFAULT_CONNECTOR)
+
+
 @dataclass
 class Worker:
     """One worker as the router sees it. Mutated only on the router's event loop."""
@@ -216,7 +227,8 @@ class Registry:
             if worker.info == {}:
                 log.warning("worker %s has no /splitserve/info (%s): plain vLLM, no KV transfer",
                             worker.url, status)
-        if worker.role == "decode" and worker.info:
+        if worker.role == "decode" and connector_of(worker.info) == DEFAULT_CONNECTOR:
+            # staging (what D's /splitserve/state reports) is splitserve's connector's alone
             status, raw = await self._get(worker, "/splitserve/state")
             if status == 200:
                 state = json.loads(raw)

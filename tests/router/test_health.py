@@ -127,3 +127,33 @@ def test_kv_endpoint_is_the_advertised_one_whatever_the_connector() -> None:
     nixl = kv_endpoint(info | {"connector": "nixl", "transport": "nixl"})
     assert nixl is not None and (nixl["remote_port"], nixl["transport"]) == (9100, "nixl")
     assert kv_endpoint(info | {"kv_port": None}) is None
+
+
+async def test_a_nixl_decode_worker_is_not_asked_for_splitserve_staging() -> None:
+    """Staging is splitserve's connector's: a D that advertises NIXL is read for its info and
+    load, never for `/splitserve/state`."""
+    asked: list[str] = []
+
+    async def handler(name: str, req: web.Request) -> web.StreamResponse:
+        asked.append(req.path)
+        if req.path == "/splitserve/load":
+            return web.json_response({"kv_usage": 0.0, "running": 0.0, "waiting": 0.0})
+        if req.path == "/splitserve/info":
+            return web.json_response(INFO | {"connector": "nixl", "transport": "nixl"})
+        if req.path == "/splitserve/state":
+            return web.json_response({"staged_bytes": 10, "staging_capacity_bytes": 100})
+        return web.Response()
+
+    async with workers(handler, ("d",)) as urls:
+        cfg = RouterConfig(prefill=(P,), decode=(urls["d"],))
+        session = new_session(cfg, None)
+        try:
+            reg = Registry(cfg, session, "tok")
+            for _ in range(2):
+                await reg.check(reg.by_role("decode")[0])
+            (d,) = reg.by_role("decode")
+            assert d.healthy and d.info is not None and d.info["connector"] == "nixl"
+            assert asked.count("/splitserve/info") == 1 and "/splitserve/state" not in asked
+            assert d.staged_bytes == 0.0
+        finally:
+            await session.close()

@@ -42,17 +42,9 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from splitserve.router.health import Worker
+from splitserve.router.health import DEFAULT_CONNECTOR, Worker, connector_of
 
-DEFAULT_CONNECTOR = "splitserve"
-
-
-def connector_of(info: dict[str, Any] | None) -> str | None:
-    """The connector a worker advertises in `/splitserve/info`; None for a plain vLLM worker
-    (no info, or not read yet)."""
-    if not info:
-        return None
-    return str(info.get("connector") or DEFAULT_CONNECTOR)
+__all__ = ["DEFAULT_CONNECTOR", "connector_of"]  # re-exported: they live beside Worker.info
 
 
 @dataclass
