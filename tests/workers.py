@@ -181,6 +181,16 @@ def _hf_model(model_dir: str):  # type: ignore[no-untyped-def]
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
+def chat_prompt_ids(model: str | Path, messages: list[dict[str, str]]) -> list[int]:
+    """The prompt token ids vLLM builds for a chat request: the model's chat template with the
+    generation prompt, through its own tokenizer."""
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(str(model)).apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
 def hf_greedy(model_dir: Path, prompt: list[int], max_tokens: int) -> list[int]:
     """Hugging Face transformers' greedy continuation (float32, no stop on EOS): the reference."""
     import torch

@@ -17,8 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from transformers import AutoTokenizer
-from workers import hf_greedy, hub_cache, make_checkpoint
+from workers import chat_prompt_ids, hf_greedy, hub_cache, make_checkpoint
 
 from splitserve.worker.launch import free_port
 
@@ -71,9 +70,7 @@ def test_serve_a_hub_id_offline_at_its_native_length(hub_home: Path, tmp_path: P
                                                                     MAX_TOKENS)
 
         messages = [{"role": "user", "content": "Where is the sea?"}]
-        ids = AutoTokenizer.from_pretrained(snapshot).apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True)
-        prompt = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        prompt = chat_prompt_ids(snapshot, messages)
         r = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
             "model": REPO, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0,
             "ignore_eos": True, "return_token_ids": True}).json()

@@ -19,8 +19,7 @@ from typing import Any
 import httpx
 import pytest
 from nixl_helpers import tokens_by_source, wait_kv_free
-from transformers import AutoTokenizer
-from workers import Worker, hf_greedy
+from workers import Worker, chat_prompt_ids, hf_greedy
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "router"))
 
@@ -109,9 +108,7 @@ def test_router_chat_over_nixl_matches_transformers(nixl_router: Router,
                                                     nixl_pd: tuple[Worker, Worker]) -> None:
     model = nixl_pd[0].cfg.model
     messages = [{"role": "user", "content": "Name the brightest star."}]
-    prompt = AutoTokenizer.from_pretrained(model).apply_chat_template(
-        messages, add_generation_prompt=True, tokenize=True)
-    prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+    prompt = chat_prompt_ids(model, messages)
     want = hf_greedy(Path(model), prompt, MAX_TOKENS)
     body = {"model": model, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0,
             "ignore_eos": True, "return_token_ids": True}

@@ -21,8 +21,7 @@ from nixl_helpers import (
     two_legs,
     wait_kv_free,
 )
-from transformers import AutoTokenizer
-from workers import Worker, auth_headers, hf_greedy
+from workers import Worker, auth_headers, chat_prompt_ids, hf_greedy
 
 MAX_TOKENS = 8
 # vLLM-CPU's block is 128 tokens: one token, a partial block, whole blocks, one past a block
@@ -78,9 +77,7 @@ def test_chat_split_matches_transformers(nixl_pd: tuple[Worker, Worker]) -> None
     p, d = nixl_pd
     messages = [{"role": "system", "content": "Be brief."},
                 {"role": "user", "content": "What do the tides follow?"}]
-    prompt = AutoTokenizer.from_pretrained(p.cfg.model).apply_chat_template(
-        messages, add_generation_prompt=True, tokenize=True)
-    prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+    prompt = chat_prompt_ids(p.cfg.model, messages)
     answer = prefill_leg(p, [], "/v1/chat/completions", messages)
     assert answer["prompt_token_ids"] == prompt
     t1 = answer["choices"][0]["token_ids"][0]

@@ -15,8 +15,7 @@ from typing import Any
 import httpx
 import pytest
 from router_helpers import Router
-from transformers import AutoTokenizer
-from workers import Worker, auth_headers, hf_greedy, wait_drained
+from workers import Worker, auth_headers, chat_prompt_ids, hf_greedy, wait_drained
 
 MAX_TOKENS = 10
 PROMPT_LENGTHS = (1, 9, 130, 400)
@@ -112,9 +111,7 @@ def test_chat_tokens_match_transformers(router_pd: Router, llama_pair: tuple[Wor
     model = str(llama_pair[0].cfg.model)
     messages = [{"role": "system", "content": "Be brief."},
                 {"role": "user", "content": "Tell me about the sea and the stars."}]
-    prompt = AutoTokenizer.from_pretrained(model).apply_chat_template(
-        messages, add_generation_prompt=True, tokenize=True)
-    prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+    prompt = chat_prompt_ids(model, messages)
     want = hf_greedy(Path(model), prompt, MAX_TOKENS)
     body = {"model": model, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0,
             "ignore_eos": True, "return_token_ids": True}
