@@ -257,7 +257,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                       help="an endpoint that is already running")
     cmp_.add_argument("--deploy", action="append", metavar="NAME=KIND",
                       help="a deployment to start here, one at a time, on --deploy-cores: "
-                      "NAME=colocated[:TOKEN_BUDGET] or NAME=disagg[:shm|tcp] (1P+1D)")
+                      "NAME=colocated[:TOKEN_BUDGET] or NAME=disagg[:shm|tcp|nixl] (1P+1D; nixl: "
+                      "vLLM's NixlConnector)")
     cmp_.add_argument("--deploy-cores", type=parse_cpus, default=(0, 1),
                       help="cores every started deployment gets (equal total cores)")
     cmp_.add_argument("--model-dir", default=None,

@@ -234,6 +234,11 @@ def parse_load(metrics_text: str) -> tuple[float, float]:
 
 
 PREFILL_SECONDS = "vllm:request_prefill_time_seconds_sum"
+# vLLM's NixlConnector's histograms (on the worker that pulls: D), observed once per transfer
+NIXL_SERIES = {"count": "vllm:nixl_xfer_time_seconds_count",
+               "xfer_s": "vllm:nixl_xfer_time_seconds_sum",
+               "post_s": "vllm:nixl_post_time_seconds_sum",
+               "bytes": "vllm:nixl_bytes_transferred_sum"}
 
 
 def parse_sum(metrics_text: str, name: str) -> float | None:
@@ -265,7 +270,8 @@ class BusySampler:
     engine's prefill seconds (`vllm:request_prefill_time_seconds_sum`) over the run's wall time —
     a prefill-only request starts and ends inside one engine step, between two gauge updates,
     so (a) never sees a prefill worker busy. Queued fraction: the share of samples with a request
-    waiting; a saturated engine queues most of the time."""
+    waiting; a saturated engine queues most of the time. NIXL transfers: from the same two reads,
+    what vLLM's NixlConnector counted in the run (`nixl_transfers`)."""
 
     def __init__(self, worker_urls: dict[str, str], interval_s: float = 0.1,
                  token: str | None = None) -> None:
@@ -277,21 +283,22 @@ class BusySampler:
         self._interval = interval_s
         self._busy = dict.fromkeys(self._urls, 0)
         self._queued = dict.fromkeys(self._urls, 0)
-        self._prefill_first: dict[str, float] = {}
-        self._prefill_last: dict[str, float] = {}
+        self._first: dict[str, dict[str, float]] = {}  # /metrics series sums at the start
+        self._last: dict[str, dict[str, float]] = {}  # and at the stop
         self._t0 = self._t1 = 0.0
         self._samples = dict.fromkeys(self._urls, 0)
         self._task: asyncio.Task[None] | None = None
 
-    async def _prefill_seconds(self, client: httpx.AsyncClient, into: dict[str, float]) -> None:
+    async def _read_metrics(self, client: httpx.AsyncClient,
+                            into: dict[str, dict[str, float]]) -> None:
         for name, url in self._urls.items():
             try:
                 resp = await client.get(f"{url}/metrics")
             except httpx.HTTPError:
                 continue
-            if resp.status_code == 200 and (
-                    s := parse_sum(resp.text, PREFILL_SECONDS)) is not None:
-                into[name] = s
+            if resp.status_code == 200:
+                into[name] = {series: s for series in (PREFILL_SECONDS, *NIXL_SERIES.values())
+                              if (s := parse_sum(resp.text, series)) is not None}
 
     async def _sample(self, client: httpx.AsyncClient, name: str) -> dict[str, float] | None:
         url = self._urls[name]
@@ -305,7 +312,7 @@ class BusySampler:
 
     async def _loop(self) -> None:
         async with httpx.AsyncClient(timeout=5.0, headers=self._headers) as client:
-            await self._prefill_seconds(client, self._prefill_first)
+            await self._read_metrics(client, self._first)
             while True:
                 for name in self._urls:
                     try:
@@ -334,19 +341,37 @@ class BusySampler:
             except asyncio.CancelledError:
                 pass
             async with httpx.AsyncClient(timeout=5.0, headers=self._headers) as client:
-                await self._prefill_seconds(client, self._prefill_last)
+                await self._read_metrics(client, self._last)
             self._t1 = time.perf_counter()
         occupancy = self._fractions(self._busy)
         wall = self._t1 - self._t0
-        for name, first in self._prefill_first.items():
-            if wall > 0 and name in self._prefill_last:
-                share = min(1.0, (self._prefill_last[name] - first) / wall)
+        for name, first in self._first.items():
+            last = self._last.get(name, {})
+            if wall > 0 and PREFILL_SECONDS in first and PREFILL_SECONDS in last:
+                share = min(1.0, (last[PREFILL_SECONDS] - first[PREFILL_SECONDS]) / wall)
                 occupancy[name] = share if math.isnan(occupancy[name]) else max(
                     occupancy[name], share)
         return occupancy
 
     def queued(self) -> dict[str, float]:
         return self._fractions(self._queued)
+
+    def nixl_transfers(self) -> dict[str, dict[str, float]]:
+        """Per worker that pulled KV over NIXL during the run (read after `stop`): the number
+        of transfers, their mean duration and post time (ms) and mean bytes, from vLLM's
+        `vllm:nixl_*` histograms. vLLM keeps no per-request record of a NIXL transfer."""
+        out: dict[str, dict[str, float]] = {}
+        for name, first in self._first.items():
+            last = self._last.get(name, {})
+            delta = {key: last[series] - first.get(series, 0.0)
+                     for key, series in NIXL_SERIES.items() if series in last}
+            count = delta.get("count", 0.0)
+            if count > 0:
+                out[name] = {"transfers": count,
+                             "mean_xfer_ms": delta.get("xfer_s", 0.0) / count * 1e3,
+                             "mean_post_ms": delta.get("post_s", 0.0) / count * 1e3,
+                             "mean_bytes": delta.get("bytes", 0.0) / count}
+        return out
 
     def _fractions(self, counts: dict[str, int]) -> dict[str, float]:
         return {n: (counts[n] / self._samples[n]) if self._samples[n] else float("nan")

@@ -4,8 +4,9 @@
   budget (`max_num_batched_tokens`: small = chunked prefill; at least the longest prompt = no
   chunking).
   Started with `splitserve.worker.launch`, reached directly (no router hop).
-- `disagg`: one prefill and one decode worker (half the cores each) with splitserve's connector,
-  behind splitserve's router, started by the launcher (`splitserve.launch.local`).
+- `disagg`: one prefill and one decode worker (half the cores each) behind splitserve's router,
+  started by the launcher (`splitserve.launch.local`), moving KV with splitserve's connector
+  (`shm` or `tcp`) or with vLLM's NixlConnector (`nixl`: D pulls P's blocks over UCX).
 
 `deployment(model, arm, log_dir)` is a context manager yielding an `Endpoint` (URL + run-sheet
 notes); every process it started is stopped on exit.
@@ -22,10 +23,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from splitserve.config import WorkerConfig
+from splitserve.config import TRANSPORTS, WorkerConfig
 from splitserve.worker.launch import free_port, start_worker, wait_healthy
 
 ARM_KINDS: tuple[str, ...] = ("colocated", "disagg")
+# a disaggregated arm's KV path: splitserve's connector over a transport, or vLLM's NixlConnector
+KV_PATHS: tuple[str, ...] = (*TRANSPORTS, "nixl")
 
 
 @dataclass(frozen=True)
@@ -36,7 +39,8 @@ class Arm:
     kind: str  # "colocated" or "disagg"
     cores: tuple[int, ...]
     max_num_batched_tokens: int | None = None
-    transport: str = "shm"  # disagg only
+    transport: str = "shm"  # disagg only: splitserve's connector's transport
+    connector: str = "splitserve"  # disagg only: "splitserve" or "nixl"
 
     def __post_init__(self) -> None:
         if self.kind not in ARM_KINDS:
@@ -47,6 +51,10 @@ class Arm:
             raise ValueError("a disaggregated arm needs at least two cores")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 16:
             raise ValueError("max_num_batched_tokens must be at least 16")
+        if self.connector not in ("splitserve", "nixl"):
+            raise ValueError(f"connector must be splitserve or nixl, got {self.connector!r}")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
 
     def description(self, longest_prompt: int | None = None) -> dict[str, Any]:
         """The run sheet's deployment entry."""
@@ -60,19 +68,26 @@ class Arm:
         half = len(self.cores) // 2
         return {"roles": ["prefill", "decode"],
                 "cores_per_worker": [half, len(self.cores) - half],
-                "total_cores": len(self.cores), "transport": self.transport,
+                "total_cores": len(self.cores), "connector": self.connector,
+                "transport": self.transport if self.connector == "splitserve" else None,
                 "chunked_prefill": False, "router": True}
 
 
 def parse_arm(text: str, cores: tuple[int, ...]) -> Arm:
-    """NAME=colocated[:BUDGET] or NAME=disagg[:TRANSPORT], on `cores`."""
+    """NAME=colocated[:BUDGET] or NAME=disagg[:shm|tcp|nixl], on `cores`."""
     name, sep, spec = text.partition("=")
     kind, _, arg = spec.partition(":")
     if not sep or not name or kind not in ARM_KINDS:
-        raise ValueError(f"expected NAME=colocated[:BUDGET] or NAME=disagg[:shm|tcp], got {text!r}")
+        raise ValueError("expected NAME=colocated[:BUDGET] or NAME=disagg[:shm|tcp|nixl], "
+                         f"got {text!r}")
     if kind == "colocated":
         return Arm(name, kind, cores, int(arg) if arg else None)
-    return Arm(name, kind, cores, transport=arg or "shm")
+    path = arg or "shm"
+    if path not in KV_PATHS:
+        raise ValueError(f"a disaggregated arm's KV path is one of {KV_PATHS}, got {path!r}")
+    if path == "nixl":
+        return Arm(name, kind, cores, connector="nixl")
+    return Arm(name, kind, cores, transport=path)
 
 
 def stop_process(proc: subprocess.Popen[bytes]) -> None:
@@ -121,8 +136,8 @@ def disagg_deployment(model: str, arm: Arm, log_dir: Path) -> Iterator[Endpoint]
 
     notes: list[str] = []
     cfg = DeploymentConfig(prefill=1, decode=1, model=model, transport=arm.transport,
-                           port=free_port(), cpus=arm.cores, log_dir=str(log_dir / arm.name),
-                           startup_timeout_s=240.0)
+                           connector=arm.connector, port=free_port(), cpus=arm.cores,
+                           log_dir=str(log_dir / arm.name), startup_timeout_s=240.0)
     with LocalDeployment(cfg, say=notes.append) as dep:
         yield Endpoint(dep.url, {"launcher": "splitserve.launch.local",
                                  "cores": dep.core_note,

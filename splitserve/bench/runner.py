@@ -6,7 +6,9 @@ vLLM's `bench serve` keys at the top level (see metrics.py), plus `system`, `bus
 `repeats` + `spread` (the top-level metrics are then those of the first repeat) or `sweep`
 (points per rate and `distserve_goodput`; the top-level metrics are those of the highest rate).
 `busy_fraction` / `queued_fraction`: per worker, the share of `/metrics` samples with a request
-running or waiting / with a request waiting (see client.BusySampler).
+running or waiting / with a request waiting (see client.BusySampler). `nixl_transfers` (only
+when vLLM's NixlConnector moved KV): per worker, its transfers' count, mean duration, post time
+and bytes over the run, from vLLM's `vllm:nixl_*` histograms.
 """
 
 from __future__ import annotations
@@ -78,6 +80,8 @@ async def run_once(client: ClientConfig, spec: WorkloadSpec, system: str,
     result |= compute_metrics(records, duration, opts.slo)
     result["busy_fraction"] = busy
     result["queued_fraction"] = sampler.queued()
+    if nixl := sampler.nixl_transfers():
+        result["nixl_transfers"] = nixl
     result["run_sheet"] = run_sheet(spec, requests, model, deployment)
     result["requests"] = [r.to_dict() for r in records]
     return result

@@ -49,6 +49,13 @@ def test_named_urls_and_arms() -> None:
         parse_named_url("http://h:1")
     assert parse_arm("c=colocated:128", (0, 1)) == Arm("c", "colocated", (0, 1), 128)
     assert parse_arm("d=disagg", (0, 1)).transport == "shm"
+    assert parse_arm("d=disagg", (0, 1)).connector == "splitserve"
+    assert parse_arm("t=disagg:tcp", (0, 1)) == Arm("t", "disagg", (0, 1), transport="tcp")
+    nixl = parse_arm("n=disagg:nixl", (0, 1))
+    assert nixl == Arm("n", "disagg", (0, 1), connector="nixl")
+    assert nixl.description()["connector"] == "nixl" and nixl.description()["transport"] is None
+    with pytest.raises(ValueError):
+        parse_arm("d=disagg:rdma", (0, 1))
     with pytest.raises(ValueError):
         parse_arm("d=disagg", (0,))
     with pytest.raises(ValueError):

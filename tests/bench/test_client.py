@@ -143,3 +143,47 @@ async def test_busy_sampler_counts_no_sample_from_a_refusing_worker() -> None:
         for runner in runners:
             await runner.cleanup()
     assert math.isnan(out["refusing"]) and out["busy"] == 1.0
+
+
+async def test_busy_sampler_reports_nixl_transfers_over_the_run() -> None:
+    """vLLM's `vllm:nixl_*` histograms, read at the start and at the stop: the run's transfers
+    per worker that pulled over NIXL; a worker without them has no entry."""
+
+    def page(count: float, xfer_s: float, post_s: float, nbytes: float) -> str:
+        return (f'vllm:nixl_xfer_time_seconds_count{{engine="0"}} {count}\n'
+                f'vllm:nixl_xfer_time_seconds_sum{{engine="0"}} {xfer_s}\n'
+                f'vllm:nixl_post_time_seconds_sum{{engine="0"}} {post_s}\n'
+                f'vllm:nixl_bytes_transferred_sum{{engine="0"}} {nbytes}\n'
+                'vllm:num_requests_running{engine="0"} 0.0\n')
+
+    pages = {"d": page(2, 0.010, 0.002, 2e6), "p": 'vllm:num_requests_running{engine="0"} 0.0\n'}
+
+    def serve(name: str):  # type: ignore[no-untyped-def]
+        async def metrics(_: web.Request) -> web.Response:
+            return web.Response(text=pages[name])
+        return metrics
+
+    urls, runners = {}, []
+    for name in pages:
+        app = web.Application()
+        app.router.add_get("/metrics", serve(name))
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        runners.append(runner)
+        urls[name] = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    try:
+        sampler = BusySampler(urls, interval_s=0.01)
+        sampler.start()
+        await asyncio.sleep(0.2)
+        pages["d"] = page(5, 0.040, 0.005, 5e6)
+        await sampler.stop()
+    finally:
+        for runner in runners:
+            await runner.cleanup()
+    out = sampler.nixl_transfers()
+    assert set(out) == {"d"}
+    assert out["d"]["transfers"] == 3
+    assert math.isclose(out["d"]["mean_xfer_ms"], 10.0)
+    assert math.isclose(out["d"]["mean_post_ms"], 1.0)
+    assert math.isclose(out["d"]["mean_bytes"], 1e6)
