@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -165,9 +166,11 @@ def main() -> int:
     out = Path(args.out)
     results: dict[str, Any] = json.loads(out.read_text()) if out.exists() else {}
     for name in arms:
-        started = datetime.now(UTC).isoformat(timespec="seconds")
-        results[name] = run_arm(name, args.model, args) | {"started": started,
-                                                          "model": args.model}
+        started, load = datetime.now(UTC).isoformat(timespec="seconds"), os.getloadavg()
+        results[name] = run_arm(name, args.model, args) | {
+            "started": started, "model": args.model,
+            # the machine's noise: other processes' load when the arm started and ended
+            "loadavg_1m": [load[0], os.getloadavg()[0]]}
         write_json(out, results)
     print(table(results, args.lengths))
     return 0
