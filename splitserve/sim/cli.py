@@ -5,8 +5,10 @@
     splitserve profile --split --url ROUTER --base P.json --out P-split.json  # 1P+1D costs
     splitserve sim --profile P.json --mode disagg --prefill 1 --decode 3 [workload] --out r.json
     splitserve sim validate --profile P.json --rates 1,2 --repeats 3 [--url URL] [workload]
+    splitserve profile --add-links P.json --nixl-probe --out P.json   # + a measured nixl link
     splitserve plan --profile P.json --workers 8 --request-rate 4 --slo-ttft-ms 1000 \\
-        --slo-tpot-ms 50 [workload] --out-dir plan/
+        --slo-tpot-ms 50 [--connector splitserve|nixl|compare] [workload] --out-dir plan/
+        (`sim.plan_cli`)
 
 Workload options are the benchmark's (`splitserve bench --help`), so a simulated and a measured
 run of the same options see the same stream, and results use the benchmark's JSON schema.
@@ -26,33 +28,10 @@ from splitserve.bench.cli import add_workload_arguments, spec_from_args
 from splitserve.bench.metrics import SLO, distserve_goodput
 from splitserve.bench.report import print_summary, save_result
 from splitserve.common.cpus import parse_cpus
+from splitserve.sim.cli_args import add_connector_args, add_profile_arg, cli_profile, transport_for
 from splitserve.sim.deployment import MODES, POLICIES, SimConfig
 from splitserve.sim.model import VLLM_CPU_TOKEN_BUDGET, Profile, load_profile, save_profile
-
-
-def _installed_engine() -> str | None:
-    from splitserve.common.engine import installed_vllm_version
-
-    return installed_vllm_version()
-
-
-def _profile(args: argparse.Namespace) -> Profile:
-    if not args.profile:
-        raise SystemExit("--profile is required (make one with `splitserve profile`)")
-    prof = load_profile(args.profile, engine_version=_installed_engine(),
-                        accept_mismatch=args.accept_profile_mismatch)
-    if prof.mismatch:
-        print(f"WARNING: {prof.mismatch}")
-    if prof.kind == "analytic":
-        print(f"note: {args.profile} is an analytic profile (a roofline estimate, "
-              "not a measurement)")
-    return prof
-
-
-def _add_profile_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--profile", help="profile JSON (splitserve profile); required")
-    p.add_argument("--accept-profile-mismatch", action="store_true",
-                   help="use a profile measured on another vLLM version (flagged)")
+from splitserve.sim.plan_cli import register_plan
 
 
 def _add_deployment_args(p: argparse.ArgumentParser) -> None:
@@ -64,8 +43,7 @@ def _add_deployment_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--token-budget", type=int, default=None, help="default: the profile's")
     g.add_argument("--p-policy", choices=POLICIES, default="power_of_two")
     g.add_argument("--d-policy", choices=POLICIES, default="power_of_two")
-    g.add_argument("--transport", default=None,
-                   help="a transport in the profile (default: tcp, else its only one)")
+    add_connector_args(g)
     g.add_argument("--no-overlap", action="store_true", help="send KV after the prefill")
     g.add_argument("--shared-link", action="store_true", help="one link for all transfers")
     g.add_argument("--router-hop-ms", type=float, default=0.0)
@@ -73,20 +51,17 @@ def _add_deployment_args(p: argparse.ArgumentParser) -> None:
                    help="disagg: ignore the profile's measured split costs (router, connector)")
 
 
-def _transport(args: argparse.Namespace, prof: Profile) -> str:
-    if args.transport:
-        return str(args.transport)
-    return "tcp" if "tcp" in prof.transfer or not prof.transfer else sorted(prof.transfer)[0]
-
-
 def _sim_config(args: argparse.Namespace, prof: Profile) -> SimConfig:
-    if args.mode == "disagg" and prof.split is None and not args.no_split_costs:
-        print("note: the profile has no split costs (splitserve profile --split): router and "
-              "connector CPU are not modelled, so disaggregated latencies are lower bounds")
+    split = prof.split is not None and args.connector == "splitserve"
+    if args.mode == "disagg" and not split and not args.no_split_costs:
+        print("note: no split costs apply (the profile's, from splitserve profile --split, are "
+              "splitserve's connector's): router and connector CPU are not modelled, so "
+              "disaggregated latencies are lower bounds")
     return SimConfig(mode=args.mode, n_prefill=args.prefill, n_decode=args.decode,
                      n_workers=args.workers, token_budget=args.token_budget,
                      p_policy=args.p_policy, d_policy=args.d_policy,
-                     transport=_transport(args, prof),
+                     transport=transport_for(args, prof, args.connector),
+                     connector=args.connector, pull_request_s=args.pull_request_ms / 1000,
                      overlap=not args.no_overlap, shared_link=args.shared_link,
                      router_hop_s=args.router_hop_ms / 1000, seed=args.seed,
                      split_costs=not args.no_split_costs)
@@ -112,7 +87,18 @@ def _label(cfg: SimConfig) -> str:
 
 
 def run_profile(args: argparse.Namespace) -> int:
-    if args.refit:  # a split profile's split costs, else a plain profile's fits
+    if args.add_links:  # links measured now, onto an existing profile
+        from splitserve.sim.links import measured_links
+        from splitserve.sim.profile import nixl_desc_bytes
+
+        prof = load_profile(args.add_links)
+        desc = nixl_desc_bytes(prof.model, args.block_size) if args.nixl_probe else None
+        links = measured_links(args.transfer_json, not args.no_tcp_probe, desc)
+        if not links:
+            raise SystemExit("--add-links: nothing to measure (--nixl-probe, --transfer-json, "
+                             "or the tcp probe)")
+        prof = replace(prof, transfer=prof.transfer | links)
+    elif args.refit:  # a split profile's split costs, else a plain profile's fits
         from splitserve.sim.calibration.calibrate import refit_split
         from splitserve.sim.profile import refit
 
@@ -147,11 +133,14 @@ def run_profile(args: argparse.Namespace) -> int:
             plan = replace(plan, prefill_lens=(16, 256, 1024, 2048), prefill_repeats=2,
                            decode_batches=(1, 4, 8), decode_prompt_lens=(32, 1024))
         prof = profile_worker(args.url, plan, _model_path(args.model_dir), args.transfer_json,
-                              probe_tcp=not args.no_tcp_probe)
+                              probe_tcp=not args.no_tcp_probe, probe_nixl=args.nixl_probe)
     save_profile(prof, args.out)
     print(f"{prof.kind} profile of {prof.model.name} on {prof.engine.name} "
           f"{prof.engine.version}: prefill {prof.prefill}, decode {prof.decode}, "
           f"KV {prof.kv_capacity_tokens} tokens; wrote {args.out}")
+    for name, link in sorted(prof.transfer.items()):
+        print(f"link {name}: {link.bandwidth_Bps / 1e9:.3f} GB/s + {link.latency_s * 1e3:.3f} ms "
+              f"({link.source})")
     if prof.split is not None:
         print(f"split costs: {prof.split.__dict__ | {'fit': '...'}}")
     if prof.fit:
@@ -168,7 +157,7 @@ def run_sim(args: argparse.Namespace) -> int:
     from splitserve.sim.simulator import simulate
     from splitserve.sim.workload import arrays_from_spec
 
-    prof, spec = _profile(args), spec_from_args(args)
+    prof, spec = cli_profile(args), spec_from_args(args)
     cfg = _sim_config(args, prof)
     slo = SLO(args.slo_ttft_ms, args.slo_tpot_ms)
     rates = sorted(args.sweep_rates) or [None]
@@ -210,8 +199,11 @@ def run_validate(args: argparse.Namespace) -> int:
         print_points,
     )
 
-    prof, spec = _profile(args), spec_from_args(args)
+    prof, spec = cli_profile(args), spec_from_args(args)
     cfg = _sim_config(args, prof)
+    if cfg.connector != "splitserve" and not (args.url or args.real_json):
+        raise SystemExit("sim validate launches deployments on splitserve's connector; for "
+                         f"{cfg.connector}, give --url of a running one")
     if args.repeats < 3:
         print("note: fewer than 3 repeats per point; the spread is poorly known")
     rates = args.rates or (spec.arrival.rate,)
@@ -315,25 +307,6 @@ def run_validate(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_plan(args: argparse.Namespace) -> int:
-    from splitserve.sim.planner import PlanRequest, plan, plot_plan, print_plan
-
-    prof, spec = _profile(args), spec_from_args(args)
-    if args.slo_ttft_ms is None or args.slo_tpot_ms is None:
-        raise SystemExit("splitserve plan needs --slo-ttft-ms and --slo-tpot-ms")
-    req = PlanRequest(rate=spec.arrival.rate, slo=SLO(args.slo_ttft_ms, args.slo_tpot_ms),
-                      workers=args.workers, target=args.target, transport=_transport(args, prof),
-                      overlap=not args.no_overlap, chunk_budget=args.token_budget)
-    p = plan(prof, spec, req)
-    print_plan(p)
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "plan.json").write_text(json.dumps(p.to_dict(), indent=2))
-    png = plot_plan(p, out / "plan.png")
-    print(f"wrote {out / 'plan.json'} and {png}")
-    return 0
-
-
 def _rates(text: str) -> tuple[float, ...]:
     return tuple(float(x) for x in text.split(",") if x.strip())
 
@@ -349,6 +322,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                       "CPU; with --analytic, vLLM's default on that GPU)")
     prof.add_argument("--transfer-json", help="KV transfer benchmark JSON (per-transport links)")
     prof.add_argument("--no-tcp-probe", action="store_true")
+    prof.add_argument("--nixl-probe", action="store_true", help="add a `nixl` link: NIXL READs "
+                      "DRAM->DRAM between two local agents (the transport, loopback)")
+    prof.add_argument("--add-links", metavar="PROFILE", help="measure links (tcp probe, "
+                      "--nixl-probe, --transfer-json) onto an existing profile; no worker")
+    prof.add_argument("--block-size", type=int, default=128, help="--add-links --nixl-probe: "
+                      "the workers' KV block size (tokens; vLLM-CPU: 128)")
     prof.add_argument("--quick", action="store_true", help="a smaller measurement grid")
     prof.add_argument("--refit", metavar="PROFILE", help="fit a measured profile's points again "
                       "(a calibrated split profile: its split costs, from the records it keeps)")
@@ -369,14 +348,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     prof.set_defaults(func=run_profile)
 
     sim = sub.add_parser("sim", help="simulate a deployment on a workload")
-    _add_profile_arg(sim)
+    add_profile_arg(sim)
     _add_deployment_args(sim)
     add_workload_arguments(sim)
     sim.add_argument("--out", help="result JSON (the benchmark's schema)")
     sim.set_defaults(func=run_sim)
     ssub = sim.add_subparsers(dest="sim_command")
     val = ssub.add_parser("validate", help="measured vs simulated, per metric and load")
-    _add_profile_arg(val)
+    add_profile_arg(val)
     _add_deployment_args(val)
     add_workload_arguments(val)
     val.add_argument("--rates", type=_rates, default=(), help="load levels, e.g. 0.5,1,2")
@@ -399,13 +378,4 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     val.add_argument("--out", help="validation JSON")
     val.set_defaults(func=run_validate)
 
-    pl = sub.add_parser("plan", help="colocated or disaggregated, and the best P:D")
-    _add_profile_arg(pl)
-    add_workload_arguments(pl)
-    pl.add_argument("--workers", type=int, required=True, help="worker budget")
-    pl.add_argument("--target", type=float, default=0.9, help="attainment target")
-    pl.add_argument("--token-budget", type=int, default=None, help="chunked baseline budget")
-    pl.add_argument("--transport", default=None)
-    pl.add_argument("--no-overlap", action="store_true")
-    pl.add_argument("--out-dir", default="plan")
-    pl.set_defaults(func=run_plan, num_prompts=1000)  # attainment needs more than 100
+    register_plan(sub)

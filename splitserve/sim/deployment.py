@@ -9,7 +9,9 @@ import numpy as np
 
 Mode = Literal["disagg", "colocated", "chunked"]
 Policy = Literal["round_robin", "random", "power_of_two", "least_loaded"]
+Connector = Literal["splitserve", "nixl"]
 MODES: tuple[str, ...] = ("disagg", "colocated", "chunked")
+CONNECTORS: tuple[str, ...] = ("splitserve", "nixl")
 POLICIES: tuple[str, ...] = ("round_robin", "random", "power_of_two", "least_loaded")
 
 
@@ -17,7 +19,13 @@ POLICIES: tuple[str, ...] = ("round_robin", "random", "power_of_two", "least_loa
 class SimConfig:
     """A deployment to simulate. `colocated` runs whole prompts in one step; `chunked` splits
     them to fit `token_budget` (vLLM's chunked prefill). `n_prefill`/`n_decode` are used by
-    `disagg`, `n_workers` by the colocated modes."""
+    `disagg`, `n_workers` by the colocated modes.
+
+    `connector` (disagg): `splitserve` pushes the KV layer by layer while P prefills (`overlap`)
+    and D computes t2 in its first step; `nixl` (vLLM's NixlConnector) has D pull P's whole
+    blocks once its leg reaches it (t1 + router hop + `pull_request_s`), after P's prefill, and
+    D's first step replays t1, so t2 comes with its second step. `transport` names the
+    profile's link either uses."""
 
     mode: Mode = "disagg"
     n_prefill: int = 1
@@ -27,7 +35,9 @@ class SimConfig:
     p_policy: Policy = "power_of_two"
     d_policy: Policy = "power_of_two"
     transport: str = "tcp"
-    overlap: bool = True  # layer-wise KV push during the prefill
+    connector: Connector = "splitserve"
+    overlap: bool = True  # splitserve: layer-wise KV push during the prefill
+    pull_request_s: float = 0.0  # nixl: D's leg from its arrival to the posted READ
     shared_link: bool = False  # one link for the whole cluster instead of one per P-worker
     router_hop_s: float = 0.0  # router overhead added to each leg
     split_costs: bool = True  # disagg: apply the profile's measured `split` costs, if any
@@ -36,6 +46,8 @@ class SimConfig:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.connector not in CONNECTORS:
+            raise ValueError(f"connector must be one of {CONNECTORS}, got {self.connector!r}")
         for name in ("p_policy", "d_policy"):
             if getattr(self, name) not in POLICIES:
                 raise ValueError(f"{name} must be one of {POLICIES}")
@@ -45,8 +57,8 @@ class SimConfig:
             raise ValueError("n_workers must be >= 1")
         if self.token_budget is not None and self.token_budget < 1:
             raise ValueError("token_budget must be >= 1")
-        if self.router_hop_s < 0:
-            raise ValueError("router_hop_s must be >= 0")
+        if self.router_hop_s < 0 or self.pull_request_s < 0:
+            raise ValueError("router_hop_s and pull_request_s must be >= 0")
 
     @property
     def workers(self) -> int:

@@ -11,7 +11,9 @@ A `Profile` says how long one engine step takes on one worker (DistServe's form)
   larger of the two fixed costs once plus both variable parts.
 
 KV transfer: bytes per token = `2 × layers × kv_heads × head_dim × dtype_bytes`; time =
-`bytes / bandwidth + latency` per transport (`TransferLink`).
+`bytes / bandwidth + latency` per transport (`TransferLink`), pushed layer by layer during the
+prefill (`transfer_arrival`: splitserve's connector) or pulled after it (`pull_arrival`: vLLM's
+NixlConnector).
 
 A deployment whose router, client and workers share a few CPU cores costs more than its
 workers' plain step times; the optional `split` section holds those costs
@@ -294,4 +296,14 @@ def transfer_arrival(link: TransferLink, nbytes: float, layers: int, prefill_sta
         first_ready = prefill_start + (prefill_end - prefill_start) / layers
         start = max(first_ready, link_free)
         end = max(start + send, prefill_end + send / layers)
+    return end + link.latency_s, end
+
+
+def pull_arrival(link: TransferLink, nbytes: float, ready: float, link_free: float = 0.0
+                 ) -> tuple[float, float]:
+    """When a prompt's KV is all at D, and when the link is free again, for a pull (vLLM's
+    NixlConnector): D reads P's whole blocks from `ready` (its leg reached it, after P's
+    prefill ended), so the whole transfer is exposed. FIFO link, as `transfer_arrival`."""
+    start = max(ready, link_free)
+    end = start + nbytes / link.bandwidth_Bps
     return end + link.latency_s, end

@@ -35,7 +35,10 @@ class PlanRequest:
     workers: int
     target: float = 0.9
     transport: str = "tcp"
+    connector: str = "splitserve"  # the P:D candidates' KV connector (SimConfig.connector)
     overlap: bool = True
+    pull_request_s: float = 0.0  # nixl: D's leg from its arrival to the posted READ
+    split_costs: bool = True  # the profile's measured split costs, where they apply
     chunk_budget: int | None = None  # token budget of the chunked baseline (None: profile's)
     bisect_steps: int = 6
 
@@ -82,6 +85,7 @@ class Plan:
 
     def to_dict(self) -> dict[str, Any]:
         return {"verdict": self.verdict, "best": self.best.label,
+                "connector": self.request.connector, "transport": self.request.transport,
                 "rate": self.request.rate, "workers": self.request.workers,
                 "slo": {"ttft_ms": self.request.slo.ttft_ms, "tpot_ms": self.request.slo.tpot_ms},
                 "target": self.request.target,
@@ -101,8 +105,10 @@ def candidate_configs(req: PlanRequest) -> list[tuple[str, SimConfig]]:
     out = [("colocated", SimConfig("colocated", n_workers=n)),
            ("chunked", SimConfig("chunked", n_workers=n, token_budget=req.chunk_budget))]
     for p in range(1, n):
-        out.append((f"{p}P:{n - p}D", SimConfig("disagg", n_prefill=p, n_decode=n - p,
-                                                 transport=req.transport, overlap=req.overlap)))
+        out.append((f"{p}P:{n - p}D", SimConfig(
+            "disagg", n_prefill=p, n_decode=n - p, transport=req.transport,
+            connector=req.connector, overlap=req.overlap,  # type: ignore[arg-type]
+            pull_request_s=req.pull_request_s, split_costs=req.split_costs)))
     return out
 
 
@@ -159,7 +165,7 @@ def plan(profile: Profile, spec: WorkloadSpec, req: PlanRequest) -> Plan:
         res = summarize(o, system=f"sim:{label}", slo=req.slo)
         metrics = {k: res[k] for k in ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms",
                                        "p99_tpot_ms", "median_itl_ms", "p99_itl_ms",
-                                       "request_throughput")}
+                                       "median_handover_ms", "request_throughput")}
         cands.append(Candidate(label, cfg, att, gp["value"], gp["bound"], metrics))
     order = {"colocated": 0, "chunked": 1}
 
@@ -174,7 +180,8 @@ def print_plan(p: Plan) -> None:
     from rich.table import Table
 
     t = Table(title=f"P:D plan for {p.request.workers} workers at {p.request.rate:g} req/s "
-                    f"(TTFT ≤ {p.request.slo.ttft_ms:g} ms, TPOT ≤ {p.request.slo.tpot_ms:g} ms)")
+                    f"(TTFT ≤ {p.request.slo.ttft_ms:g} ms, TPOT ≤ {p.request.slo.tpot_ms:g} ms; "
+                    f"P:D over {p.request.connector}, link {p.request.transport})")
     for col in ("config", "attainment", "goodput req/s", "per worker", "p50 TTFT ms",
                 "p99 TTFT ms", "p50 TPOT ms", "p99 ITL ms"):
         t.add_column(col, justify="right")

@@ -14,8 +14,9 @@ token-id prompts (no prefix-cache hits) and `ignore_eos`.
   context ≈ B·(L + tokens so far). One row per (B, L) — medians — fitted to `a + b·ctx + c·B`.
 - KV capacity and the step budget come from the worker's `/metrics`
   (`vllm:cache_config_info`) and the caller (vLLM does not expose `max_num_batched_tokens`).
-- Transfer: from the connector benchmark's JSON (`links_from_benchmark`), or a loopback TCP
-  probe of this host (`probe_loopback_tcp`), labelled as such.
+- Transfer links (`sim.links.measured_links`): from the connector benchmark's JSON, or a
+  loopback TCP probe of this host, and with `probe_nixl` a `nixl` link from NIXL READs between
+  two local agents (`sim.nixl_probe`), each labelled with what it measured.
 """
 
 from __future__ import annotations
@@ -23,10 +24,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import socket
 import statistics
-import threading
-import time
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -40,6 +38,7 @@ from splitserve.bench.runsheet import hardware
 from splitserve.bench.workload import Request
 from splitserve.config import bearer_headers, load_token
 from splitserve.sim.calibration.jitter import noise_bins, window_jitter
+from splitserve.sim.links import measured_links
 from splitserve.sim.model import (
     VLLM_CPU_TOKEN_BUDGET,
     DecodeCost,
@@ -47,10 +46,8 @@ from splitserve.sim.model import (
     ModelShape,
     PrefillCost,
     Profile,
-    TransferLink,
 )
 
-_DURATION_KEYS = ("duration_s", "median_s", "seconds", "time_s")
 MIN_LEVEL_POINTS = 3  # a batch's level (`fit_decode(levels=True)`): a median of this many or more
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8": 1, "fp8": 1}
 
@@ -246,6 +243,7 @@ def worker_facts(url: str) -> dict[str, Any]:
             labels = {k: v.strip('"') for k, v in labels.items()}
             facts["kv_capacity_tokens"] = (int(labels["num_gpu_blocks"])
                                            * int(labels["block_size"]))
+            facts["block_size"] = int(labels["block_size"])
     return facts
 
 
@@ -258,99 +256,14 @@ def shape_from_config(model_dir: str | Path, name: str) -> ModelShape:
                       dtype_bytes=_DTYPE_BYTES.get(str(cfg.get("torch_dtype", "float32")), 4))
 
 
-def fit_link(samples: list[tuple[float, float]], source: str) -> TransferLink:
-    """time = bytes / bandwidth + latency, fitted to (bytes, seconds) samples."""
-    if len(samples) == 1:
-        nbytes, secs = samples[0]
-        return TransferLink(float(nbytes / secs), 0.0, source)
-    x = np.array([[b, 1.0] for b, _ in samples])
-    (inv_bw, lat), *_ = np.linalg.lstsq(x, np.array([s for _, s in samples]), rcond=None)
-    if inv_bw <= 0:
-        raise ValueError(f"{source}: transfer time does not grow with bytes; cannot fit")
-    return TransferLink(float(1.0 / inv_bw), max(0.0, float(lat)), source)
-
-
-def links_from_benchmark(path: str | Path) -> dict[str, TransferLink]:
-    """Per-transport links from a KV-transfer benchmark JSON (benchmarks/kv_transfer.py writes
-    one): every object carrying `bytes` and a duration (`duration_s`, `median_s`, `seconds` or
-    `time_s`) is a sample of the transport named by its own
-    `transport` key or by the nearest enclosing object's (e.g. the connector's per-transfer
-    records inside a `{"transport": "shm", "transfers": [...]}` block)."""
-    samples: dict[str, list[tuple[float, float]]] = {}
-
-    def walk(node: Any, transport: str | None) -> None:
-        if isinstance(node, dict):
-            transport = str(node.get("transport", transport)) if (
-                node.get("transport", transport) is not None) else None
-            dur = next((node[k] for k in _DURATION_KEYS if k in node), None)
-            if transport and isinstance(node.get("bytes"), int | float) and isinstance(
-                    dur, int | float) and dur > 0:
-                samples.setdefault(transport, []).append((float(node["bytes"]), float(dur)))
-            for v in node.values():
-                walk(v, transport)
-        elif isinstance(node, list):
-            for v in node:
-                walk(v, transport)
-
-    walk(json.loads(Path(path).read_text()), None)
-    if not samples:
-        raise ValueError(f"{path}: no transfer records with a transport, bytes and a duration")
-    return {t: fit_link(s, f"benchmark {Path(path).name}") for t, s in samples.items()}
-
-
-def probe_loopback_tcp(sizes: tuple[int, ...] = (1 << 16, 1 << 20, 1 << 23, 1 << 25),
-                       repeats: int = 5) -> TransferLink:
-    """Time sending buffers over a loopback TCP socket (this host's socket copy cost, not the
-    connector's own protocol): the fastest of `repeats` tries per size (a busy machine only ever
-    adds time), then bandwidth and latency fitted; if the fit degenerates, bandwidth from the
-    largest size and latency from the smallest."""
-    best: dict[int, float] = {}
-    with socket.create_server(("127.0.0.1", 0)) as srv:
-        port = srv.getsockname()[1]
-
-        def sink() -> None:
-            conn, _ = srv.accept()
-            with conn:
-                for n in [n for n in sizes for _ in range(repeats)]:
-                    got = 0
-                    while got < n:
-                        got += len(conn.recv(1 << 20))
-                    conn.sendall(b"k")
-
-        th = threading.Thread(target=sink, daemon=True)
-        th.start()
-        with socket.create_connection(("127.0.0.1", port)) as cli:
-            for n in [n for n in sizes for _ in range(repeats)]:
-                buf = bytes(n)
-                t0 = time.perf_counter()
-                cli.sendall(buf)
-                cli.recv(1)
-                best[n] = min(best.get(n, float("inf")), time.perf_counter() - t0)
-        th.join(timeout=10)
-    source = "loopback TCP probe of this host (not the connector)"
-    try:
-        return fit_link(sorted(best.items()), source)
-    except ValueError:
-        big, small = max(best), min(best)
-        return TransferLink(big / best[big], best[small], source + ", unfitted")
-
-
-def measured_links(transfer_json: str | None = None, probe_tcp: bool = True
-                   ) -> dict[str, TransferLink]:
-    """A measured profile's KV links by transport: with `probe_tcp`, `tcp` from a loopback
-    TCP probe of this host (`probe_loopback_tcp`: the CPU default when nothing better is
-    measured, labelled as such), then every transport a KV-transfer benchmark JSON measured
-    (`links_from_benchmark`), which replaces the probe's `tcp`."""
-    links: dict[str, TransferLink] = {}
-    if probe_tcp:
-        links["tcp"] = probe_loopback_tcp()
-    if transfer_json:
-        links |= links_from_benchmark(transfer_json)
-    return links
+def nixl_desc_bytes(shape: ModelShape, block_size: int) -> int:
+    """The bytes of one KV block of one layer's K (or V): one NIXL descriptor on vLLM-CPU."""
+    return block_size * shape.kv_heads * shape.head_dim * shape.dtype_bytes
 
 
 def profile_worker(url: str, plan: ProfilePlan, model_dir: str | None = None,
-                   transfer_json: str | None = None, probe_tcp: bool = True) -> Profile:
+                   transfer_json: str | None = None, probe_tcp: bool = True,
+                   probe_nixl: bool = False) -> Profile:
     facts = worker_facts(url)
     root = model_dir or facts.get("root")
     if not root or not (Path(root) / "config.json").is_file():
@@ -361,7 +274,8 @@ def profile_worker(url: str, plan: ProfilePlan, model_dir: str | None = None,
     dec, jitter = measure_decode(url, plan, max_len)
     prefill, qp = fit_prefill(pre, plan.token_budget)
     decode, qd = fit_decode(dec)
-    links = measured_links(transfer_json, probe_tcp)
+    desc = nixl_desc_bytes(shape, int(facts.get("block_size", 128))) if probe_nixl else None
+    links = measured_links(transfer_json, probe_tcp, desc)
     return Profile(
         kind="measured", engine=Engine("vllm", str(facts["version"])), model=shape,
         hardware=hardware() | {"measured_url": url}, prefill=prefill, decode=decode,

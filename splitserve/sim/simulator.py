@@ -4,8 +4,8 @@ of the colocated baselines (one engine doing both, with or without chunked prefi
 Workers step like vLLM's v1 scheduler: continuous batching, a token budget per step (decodes
 first, one token each, then prompt chunks FIFO), KV capacity checked when a request is admitted
 (its whole prompt + output is reserved; no preemption), at most `max_num_seqs` running
-requests, requests arriving during a step join at
-the next step. A step's duration comes from the profile's cost model.
+requests, requests arriving during a step join at the next step. A step's duration comes from
+the profile's cost model.
 
 Speed: while a worker only decodes and nothing arrives, its steps are deterministic, so it
 advances to the next finishing request in one event (a *segment*: step k lasts
@@ -14,9 +14,10 @@ step boundary (solved from the quadratic). Per-step work is never a Python loop 
 finishing requests come off a heap keyed by the absolute step they finish on.
 
 Disaggregated flow: the router picks P and D on arrival (per policy); P's last prefill step
-emits t1 (TTFT); the KV crosses the link (`model.transfer_arrival`); the decode leg joins D at
-max(t1 + router hop, KV arrival) and produces t2..tN; P holds the prompt's KV until the transfer
-ends.
+emits t1 (TTFT). splitserve's connector: the KV crosses the link while P prefills
+(`model.transfer_arrival`); the leg joins D at max(t1 + router hop, KV arrival) and D's first
+step emits t2. NIXL: D pulls after its leg reached it (`model.pull_arrival`) and its first step
+replays t1, so t2..tN come one step later. P holds the KV until the transfer ends.
 
 Effects beyond the workers' own step costs (e.g. router, client and workers sharing CPU cores:
 `splitserve.sim.calibration`) enter only through the run's `Overlay` (`sim.overlay`), whose
@@ -31,7 +32,7 @@ import numpy as np
 
 from splitserve.sim.calibration.overlay import overlay_for
 from splitserve.sim.deployment import Segment, SimConfig, SimOutcome, segment_arrays
-from splitserve.sim.model import Profile, transfer_arrival
+from splitserve.sim.model import Profile, pull_arrival, transfer_arrival
 from splitserve.sim.overlay import Overlay
 from splitserve.sim.routing import pick, pick_all
 from splitserve.sim.workerstate import (
@@ -80,6 +81,7 @@ class Simulation:
             self.D = []
         self.W = self.P + self.D
         self.link_free = [0.0] * len(self.P)
+        self.pull = config.mode == "disagg" and config.connector == "nixl"
         self.chunked = config.mode != "colocated"
         n = len(workload)
         self.arrivals = workload.arrivals.tolist()
@@ -122,10 +124,11 @@ class Simulation:
                 break
             w.waiting.popleft()
             w.kv_used += need
-            heapq.heappush(w.running, (w.steps + output_lens[r] - 1, r))
-            self.decode_worker[r], self.join_step[r] = wi, w.steps
+            replay = int(self.pull)  # a pulled leg's first step replays t1
+            heapq.heappush(w.running, (w.steps + output_lens[r] - 1 + replay, r))
+            self.decode_worker[r], self.join_step[r] = wi, w.steps + replay
             w.batch += 1
-            w.context += prompt_lens[r] + 1
+            w.context += prompt_lens[r] + 1 - replay
             w.new.append(r)
             if self.overlay.active:
                 self.overlay.admitted(wi - len(self.P), w.batch - 1)
@@ -212,6 +215,8 @@ class Simulation:
                 # invariant: a segment's steps all run at one pace (no overlay event in it)
                 pace, carry = self.overlay.decode_step(wi - len(self.P), w.batch)
                 alpha, beta = alpha * pace, beta * pace
+            if self.pull and w.new and carry is None:  # joiners replay t1: t2 comes next
+                carry = 0.0
             if carry is not None:  # one step carrying the overlay's work
                 w.kind, w.step_dur, w.started = STEP, alpha + carry, t
                 first = w.step_dur
@@ -231,10 +236,16 @@ class Simulation:
                 self._schedule(wi, w, w.kv_release[0][0])
             w.new.clear()
             return
-        for r in w.new:
+        if self.pull:  # last step's joiners replayed t1: this step emits their t2
+            w.joined.clear()
+            w.joined, w.replaying = w.replaying, w.joined
+            w.n_joined = len(w.new) + len(w.joined)
+            w.replaying.extend(w.new)
+        else:
+            w.n_joined = len(w.new)
+            w.joined, w.new = w.new, w.joined  # the joiners of the step now in progress
+        for r in w.joined:
             self.t2[r] = t + first
-        w.n_joined = len(w.new)
-        w.joined, w.new = w.new, w.joined  # the joiners of the step now in progress
         w.new.clear()
         self._schedule(wi, w, end)
 
@@ -298,17 +309,20 @@ class Simulation:
             return
         nbytes = self.kvbpt * self.prompt_lens[r]
         free = self.shared_free if self.cfg.shared_link else self.link_free[wi]
-        arrive, free = transfer_arrival(self.link, nbytes, self.layers, self.prefill_start[r], t,
-                                        self.cfg.overlap, free)
+        if self.overlay.active:
+            self.overlay.t1_emitted(r, t1)
+        ready = self.overlay.join_ready(t1 + hop, r)
+        if self.pull:  # D reads P's blocks once its leg is in: all of the transfer exposed
+            arrive, free = pull_arrival(self.link, nbytes, ready + self.cfg.pull_request_s, free)
+        else:
+            arrive, free = transfer_arrival(self.link, nbytes, self.layers,
+                                            self.prefill_start[r], t, self.cfg.overlap, free)
         if self.cfg.shared_link:
             self.shared_free = free
         else:
             self.link_free[wi] = free
         heapq.heappush(w.kv_release, (free, self.prompt_lens[r]))
         self.kv_transfer[r] = arrive - t
-        if self.overlay.active:
-            self.overlay.t1_emitted(r, t1)
-        ready = self.overlay.join_ready(t1 + hop, r)
         self._push(max(arrive, ready), _EV_JOIN, r, 0)
 
     def _poke(self, wi: int, w: Worker, t: float) -> None:

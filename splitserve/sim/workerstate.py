@@ -38,13 +38,15 @@ class Worker:
     their total context tokens; `steps`: steps done so far; `kv_used` / `kv_release`: KV tokens
     held and (time, tokens) that transfers still hold; `load`: what the router balances on;
     `new`: requests admitted since the last step (their t2 comes with the next); `joined`: the
-    requests whose t2 the step in progress emits, `n_joined` of them; `version`: bumped at every
+    requests whose t2 the step in progress emits, `n_joined`: the requests that emit no
+    inter-token gap in it (joiners, and replayers' t2); `replaying`: pulled legs (NIXL) whose
+    step in progress replays t1 (their t2 comes with the next step); `version`: bumped at every
     reschedule, so a superseded step event is skipped."""
 
     __slots__ = ("role", "queue", "head_done", "waiting", "running", "batch", "context",
                  "steps", "busy", "kind", "started", "alpha", "beta", "seg_steps", "cut",
                  "version", "kv_used", "kv_release", "load", "chunks", "new", "n_joined",
-                 "step_dur", "prefill_cost", "decode_cost", "joined", "batch_term")
+                 "step_dur", "prefill_cost", "decode_cost", "joined", "batch_term", "replaying")
 
     def __init__(self, role: Role, pf: PrefillCost, dc: DecodeCost, max_seqs: int) -> None:
         self.role, self.prefill_cost, self.decode_cost = role, pf, dc
@@ -63,6 +65,7 @@ class Worker:
         self.chunks: list[tuple[int, int, int]] = []
         self.new: list[int] = []
         self.joined: list[int] = []  # the requests whose t2 the step in progress emits
+        self.replaying: list[int] = []  # the requests whose t1 replay the step in progress is
 
     def split_segment(self, t: float, wi: int) -> Segment | None:
         """Make the step in progress at t a step of its own (it is about to change): a

@@ -30,7 +30,7 @@ def test_profile_a_real_worker(tmp_path: Path) -> None:
         plan = ProfilePlan(prefill_lens=(16, 128, 512, 900), prefill_repeats=1,
                            decode_batches=(1, 3), decode_prompt_lens=(16, 200),
                            decode_tokens=48, token_budget=256)
-        prof = profile_worker(cfg.url, plan, probe_tcp=True)
+        prof = profile_worker(cfg.url, plan, probe_tcp=True, probe_nixl=True)
         canary = run_canary(cfg.url, CanaryPlan(prompt=200, tokens=12, requests=2))
     finally:
         with contextlib.suppress(ProcessLookupError):
@@ -45,6 +45,10 @@ def test_profile_a_real_worker(tmp_path: Path) -> None:
     assert all(t > 0 for _, t in prof.fit["prefill_points"])
     assert prof.kv_capacity_tokens > 1000  # read from the worker's /metrics
     assert prof.transfer["tcp"].source.startswith("loopback")
+    # NIXL READs of the worker's KV block per layer: 128 tokens × 2 kv heads × 32 × 4 B
+    assert prof.transfer["nixl"].bandwidth_Bps > 0
+    assert "nixl probe" in prof.transfer["nixl"].source
+    assert "32768 B descriptors" in prof.transfer["nixl"].source
     # the decode windows' gaps less their local pace: the jitter bins and their samples
     assert sum(w for _, w in prof.gap_jitter_s) == 1000 and len(prof.fit["jitter_ms"]) >= 50
     save_profile(prof, tmp_path / "p.json")

@@ -127,7 +127,7 @@ def test_compressed_itl_pooling_keeps_mean_and_counts(monkeypatch: pytest.Monkey
 
 
 def test_transfer_links_from_a_benchmark_json(tmp_path: Path) -> None:
-    from splitserve.sim.profile import links_from_benchmark
+    from splitserve.sim.links import links_from_benchmark
 
     def rec(nbytes: float, bw: float, lat: float) -> dict[str, float]:
         return {"bytes": nbytes, "duration_s": nbytes / bw + lat, "gbps": bw / 1e9}

@@ -135,8 +135,11 @@ class SharedCoreOverlay(Overlay):
 
 def overlay_for(profile: Profile, config: SimConfig) -> Overlay:
     """The overlay a run on `config` gets: the profile's split costs on a
-    disaggregated deployment that applies them, else the null overlay."""
-    if config.mode != "disagg" or not config.split_costs or profile.split is None:
+    disaggregated deployment that applies them, else the null overlay. The split costs are
+    measured through splitserve's connector (its push, its handover), so a `nixl` run gets
+    none."""
+    if (config.mode != "disagg" or not config.split_costs or profile.split is None
+            or config.connector != "splitserve"):
         return Overlay()
     return SharedCoreOverlay(profile.split, config.n_prefill, config.n_decode,
                              profile.max_num_seqs)

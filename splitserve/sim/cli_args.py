@@ -1,0 +1,60 @@
+"""The options and profile loading that `splitserve sim`, `sim validate` and `plan` share."""
+
+from __future__ import annotations
+
+import argparse
+
+from splitserve.sim.deployment import CONNECTORS
+from splitserve.sim.model import Profile, load_profile
+
+
+def installed_engine() -> str | None:
+    from splitserve.common.engine import installed_vllm_version
+
+    return installed_vllm_version()
+
+
+def cli_profile(args: argparse.Namespace) -> Profile:
+    """`--profile`, checked against the installed vLLM (see `add_profile_arg`)."""
+    if not args.profile:
+        raise SystemExit("--profile is required (make one with `splitserve profile`)")
+    prof = load_profile(args.profile, engine_version=installed_engine(),
+                        accept_mismatch=args.accept_profile_mismatch)
+    if prof.mismatch:
+        print(f"WARNING: {prof.mismatch}")
+    if prof.kind == "analytic":
+        print(f"note: {args.profile} is an analytic profile (a roofline estimate, "
+              "not a measurement)")
+    return prof
+
+
+def add_profile_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--profile", help="profile JSON (splitserve profile); required")
+    p.add_argument("--accept-profile-mismatch", action="store_true",
+                   help="use a profile measured on another vLLM version (flagged)")
+
+
+def add_connector_args(g: argparse._ArgumentGroup | argparse.ArgumentParser,
+                       compare: bool = False) -> None:
+    g.add_argument("--connector", choices=CONNECTORS + (("compare",) if compare else ()),
+                   default="splitserve",
+                   help="disagg KV connector: splitserve (layer-wise push) or nixl (D pulls "
+                   "after the prefill, then replays t1)"
+                   + ("; compare: plan over both, side by side" if compare else ""))
+    g.add_argument("--transport", default=None,
+                   help="a link in the profile (default: nixl for --connector nixl, else tcp, "
+                   "else its only one)")
+    g.add_argument("--pull-request-ms", type=float, default=0.0,
+                   help="nixl: D's leg from its arrival at D to the posted READ (beyond the "
+                   "router hop)")
+
+
+def transport_for(args: argparse.Namespace, prof: Profile, connector: str) -> str:
+    """The profile link a connector uses: `--transport`, else `nixl` for NIXL, else `tcp`
+    (or the profile's first non-nixl link)."""
+    if args.transport and (connector == "splitserve" or args.connector != "compare"):
+        return str(args.transport)
+    if connector == "nixl":
+        return "nixl"
+    others = sorted(t for t in prof.transfer if t != "nixl")
+    return "tcp" if "tcp" in prof.transfer or not others else others[0]

@@ -1,0 +1,121 @@
+"""A profile's KV transfer links (`model.TransferLink`: `bytes / bandwidth + latency`), measured.
+
+- `links_from_benchmark`: per transport, from a KV-transfer benchmark JSON
+  (`benchmarks/kv_transfer.py` writes one): the connector's own transfers;
+- `probe_loopback_tcp`: this host's loopback socket copy cost (not the connector's protocol);
+- `sim.nixl_probe.probe_nixl`: NIXL READs DRAM to DRAM between two local agents (the transport,
+  not the NixlConnector's whole pull);
+- `measured_links`: what `splitserve profile` puts in a measured profile.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from splitserve.sim.model import TransferLink
+
+_DURATION_KEYS = ("duration_s", "median_s", "seconds", "time_s")
+
+
+def fit_link(samples: list[tuple[float, float]], source: str) -> TransferLink:
+    """time = bytes / bandwidth + latency, fitted to (bytes, seconds) samples."""
+    if len(samples) == 1:
+        nbytes, secs = samples[0]
+        return TransferLink(float(nbytes / secs), 0.0, source)
+    x = np.array([[b, 1.0] for b, _ in samples])
+    (inv_bw, lat), *_ = np.linalg.lstsq(x, np.array([s for _, s in samples]), rcond=None)
+    if inv_bw <= 0:
+        raise ValueError(f"{source}: transfer time does not grow with bytes; cannot fit")
+    return TransferLink(float(1.0 / inv_bw), max(0.0, float(lat)), source)
+
+
+def links_from_benchmark(path: str | Path) -> dict[str, TransferLink]:
+    """Per-transport links from a KV-transfer benchmark JSON (benchmarks/kv_transfer.py writes
+    one): every object carrying `bytes` and a duration (`duration_s`, `median_s`, `seconds` or
+    `time_s`) is a sample of the transport named by its own
+    `transport` key or by the nearest enclosing object's (e.g. the connector's per-transfer
+    records inside a `{"transport": "shm", "transfers": [...]}` block)."""
+    samples: dict[str, list[tuple[float, float]]] = {}
+
+    def walk(node: Any, transport: str | None) -> None:
+        if isinstance(node, dict):
+            transport = str(node.get("transport", transport)) if (
+                node.get("transport", transport) is not None) else None
+            dur = next((node[k] for k in _DURATION_KEYS if k in node), None)
+            if transport and isinstance(node.get("bytes"), int | float) and isinstance(
+                    dur, int | float) and dur > 0:
+                samples.setdefault(transport, []).append((float(node["bytes"]), float(dur)))
+            for v in node.values():
+                walk(v, transport)
+        elif isinstance(node, list):
+            for v in node:
+                walk(v, transport)
+
+    walk(json.loads(Path(path).read_text()), None)
+    if not samples:
+        raise ValueError(f"{path}: no transfer records with a transport, bytes and a duration")
+    return {t: fit_link(s, f"benchmark {Path(path).name}") for t, s in samples.items()}
+
+
+def probe_loopback_tcp(sizes: tuple[int, ...] = (1 << 16, 1 << 20, 1 << 23, 1 << 25),
+                       repeats: int = 5) -> TransferLink:
+    """Time sending buffers over a loopback TCP socket (this host's socket copy cost, not the
+    connector's own protocol): the fastest of `repeats` tries per size (a busy machine only ever
+    adds time), then bandwidth and latency fitted; if the fit degenerates, bandwidth from the
+    largest size and latency from the smallest."""
+    best: dict[int, float] = {}
+    with socket.create_server(("127.0.0.1", 0)) as srv:
+        port = srv.getsockname()[1]
+
+        def sink() -> None:
+            conn, _ = srv.accept()
+            with conn:
+                for n in [n for n in sizes for _ in range(repeats)]:
+                    got = 0
+                    while got < n:
+                        got += len(conn.recv(1 << 20))
+                    conn.sendall(b"k")
+
+        th = threading.Thread(target=sink, daemon=True)
+        th.start()
+        with socket.create_connection(("127.0.0.1", port)) as cli:
+            for n in [n for n in sizes for _ in range(repeats)]:
+                buf = bytes(n)
+                t0 = time.perf_counter()
+                cli.sendall(buf)
+                cli.recv(1)
+                best[n] = min(best.get(n, float("inf")), time.perf_counter() - t0)
+        th.join(timeout=10)
+    source = "loopback TCP probe of this host (not the connector)"
+    try:
+        return fit_link(sorted(best.items()), source)
+    except ValueError:
+        big, small = max(best), min(best)
+        return TransferLink(big / best[big], best[small], source + ", unfitted")
+
+
+def measured_links(transfer_json: str | None = None, probe_tcp: bool = True,
+                   nixl_desc_bytes: int | None = None) -> dict[str, TransferLink]:
+    """A measured profile's KV links by transport: with `probe_tcp`, `tcp` from a loopback
+    TCP probe of this host (`probe_loopback_tcp`: the CPU default when nothing better is
+    measured, labelled as such); with `nixl_desc_bytes` (a KV block's bytes per layer), `nixl`
+    from NIXL READs of such descriptors between two local agents (`sim.nixl_probe`); then every
+    transport a KV-transfer benchmark JSON measured (`links_from_benchmark`), which replaces
+    the probes' links of the same name."""
+    links: dict[str, TransferLink] = {}
+    if probe_tcp:
+        links["tcp"] = probe_loopback_tcp()
+    if nixl_desc_bytes is not None:
+        from splitserve.sim.nixl_probe import probe_nixl
+
+        links["nixl"] = probe_nixl(desc_bytes=nixl_desc_bytes)
+    if transfer_json:
+        links |= links_from_benchmark(transfer_json)
+    return links

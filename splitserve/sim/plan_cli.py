@@ -1,0 +1,70 @@
+"""`splitserve plan`: colocated or disaggregated, at which P:D, and over which KV connector.
+
+    splitserve plan --profile P.json --workers 8 --request-rate 4 --slo-ttft-ms 1000 \\
+        --slo-tpot-ms 50 [--connector splitserve|nixl|compare] [workload] --out-dir plan/
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from splitserve.bench.cli import add_workload_arguments, spec_from_args
+from splitserve.bench.metrics import SLO
+from splitserve.sim.cli_args import add_connector_args, add_profile_arg, cli_profile, transport_for
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    from splitserve.sim.planner import PlanRequest, plan, plot_plan, print_plan
+
+    prof, spec = cli_profile(args), spec_from_args(args)
+    if args.slo_ttft_ms is None or args.slo_tpot_ms is None:
+        raise SystemExit("splitserve plan needs --slo-ttft-ms and --slo-tpot-ms")
+    connector = "splitserve" if args.connector == "compare" else args.connector
+    req = PlanRequest(rate=spec.arrival.rate, slo=SLO(args.slo_ttft_ms, args.slo_tpot_ms),
+                      workers=args.workers, target=args.target,
+                      transport=transport_for(args, prof, connector), connector=connector,
+                      overlap=not args.no_overlap, pull_request_s=args.pull_request_ms / 1000,
+                      chunk_budget=args.token_budget)
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.connector == "compare":
+        from splitserve.sim.connectors import compare, print_comparison
+
+        links = {c: transport_for(args, prof, c) for c in ("splitserve", "nixl")}
+        missing = [t for t in links.values() if t not in prof.transfer]
+        if missing:
+            raise SystemExit(f"the profile has no {missing} link (has {sorted(prof.transfer)}); "
+                             "measure one: splitserve profile --add-links PROFILE --nixl-probe")
+        if prof.split is not None:
+            print("note: comparing connectors without the profile's split costs (they are "
+                  "measured through splitserve's connector only)")
+        c = compare(prof, spec, req, links)
+        print_comparison(c)
+        (out / "compare.json").write_text(json.dumps(c.to_dict(), indent=2))
+        pngs = [plot_plan(cp.plan, out / f"plan-{cp.connector}.png") for cp in c.plans]
+        print(f"wrote {out / 'compare.json'} and {', '.join(map(str, pngs))}")
+        return 0
+    if connector == "nixl" and prof.split is not None:
+        print("note: the profile's split costs are splitserve's connector's; the nixl "
+              "candidates run without them")
+    p = plan(prof, spec, req)
+    print_plan(p)
+    (out / "plan.json").write_text(json.dumps(p.to_dict(), indent=2))
+    png = plot_plan(p, out / "plan.png")
+    print(f"wrote {out / 'plan.json'} and {png}")
+    return 0
+
+
+def register_plan(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    pl = sub.add_parser("plan", help="colocated or disaggregated, the best P:D, the connector")
+    add_profile_arg(pl)
+    add_workload_arguments(pl)
+    pl.add_argument("--workers", type=int, required=True, help="worker budget")
+    pl.add_argument("--target", type=float, default=0.9, help="attainment target")
+    pl.add_argument("--token-budget", type=int, default=None, help="chunked baseline budget")
+    add_connector_args(pl, compare=True)
+    pl.add_argument("--no-overlap", action="store_true")
+    pl.add_argument("--out-dir", default="plan")
+    pl.set_defaults(func=run_plan, num_prompts=1000)  # attainment needs more than 100

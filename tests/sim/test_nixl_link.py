@@ -1,0 +1,147 @@
+"""A NIXL link in the profile: the probe (real nixl agents, loopback), and the simulator's pull
+(the whole transfer after the prefill, D's replay of t1) against splitserve's layer-wise push."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from splitserve.bench.metrics import SLO
+from splitserve.bench.workload import ArrivalSpec, LengthDist, WorkloadSpec
+from splitserve.cli import main
+from splitserve.sim.connectors import compare
+from splitserve.sim.deployment import SimConfig
+from splitserve.sim.model import Profile, TransferLink, load_profile, save_profile
+from splitserve.sim.planner import PlanRequest
+from splitserve.sim.records import token_times
+from splitserve.sim.results import itl_samples
+from splitserve.sim.simulator import simulate
+from splitserve.sim.workload import SimWorkload
+from tests.sim.conftest import make_profile
+
+# One request: 1,000 prompt tokens, 3 output tokens; the constructed profile's costs
+L, OUT, HOP, PULL_REQ = 1000, 3, 0.01, 0.003
+LINK = TransferLink(1e8, 0.002)
+PREFILL_S = 0.02 + 0.001 * L + 1e-7 * L * L  # 1.12 s, one chunk
+
+
+def decode_step(context: int) -> float:
+    return 0.005 + 2e-6 * context + 1e-3  # batch 1
+
+
+def one_request(connector: str) -> tuple[float, float, float, np.ndarray, np.ndarray]:
+    prof = replace(make_profile(), transfer={"tcp": LINK, "nixl": LINK})
+    wl = SimWorkload(np.zeros(1), np.array([L]), np.array([OUT]))
+    cfg = SimConfig("disagg", connector=connector,  # type: ignore[arg-type]
+                    transport="nixl" if connector == "nixl" else "tcp", router_hop_s=HOP,
+                    pull_request_s=PULL_REQ)
+    o = simulate(prof, cfg, wl)
+    values, weights = itl_samples(o)
+    return (float(o.first_token[0]), float(o.second_token[0]), float(o.kv_transfer_s[0]),
+            token_times(o)[0], np.repeat(values, weights))
+
+
+def test_nixl_pulls_after_the_prefill_and_replays_t1_while_splitserve_overlaps() -> None:
+    send = L * 8192 / LINK.bandwidth_Bps  # 8 layers × 2 kv heads × 64 × 4 B × 2 per token
+    t1, t2, kv, times, itl = one_request("splitserve")
+    assert t1 == pytest.approx(PREFILL_S + HOP)
+    # the push overlapped the prefill: only the last layer's share (+ latency) after it
+    assert kv == pytest.approx(send / 8 + LINK.latency_s)
+    assert t2 - t1 == pytest.approx(HOP + decode_step(L + 1))  # the leg, then D's one step
+    n1, n2, nkv, ntimes, nitl = one_request("nixl")
+    assert n1 == pytest.approx(t1)  # P's side is the same
+    # the pull waits for D's leg (router hop + D's request round trip), then all of it crosses
+    assert nkv == pytest.approx(HOP + HOP + PULL_REQ + send + LINK.latency_s)
+    # D's first step replays t1 (context: the prompt), its second emits t2
+    assert n2 - n1 == pytest.approx(HOP + PULL_REQ + send + LINK.latency_s
+                                    + decode_step(L) + decode_step(L + 1))
+    assert (n2 - n1) - (t2 - t1) == pytest.approx(PULL_REQ + send + LINK.latency_s
+                                                  + decode_step(L))
+    # the client sees t1 and t2..tN, never the replay; ITL: the handover and D's decode gap
+    assert len(ntimes) == OUT and ntimes[1] == pytest.approx(n2)
+    assert ntimes[2] - ntimes[1] == pytest.approx(decode_step(L + 2))
+    assert sorted(nitl) == pytest.approx(sorted([n2 - n1, decode_step(L + 2)]))
+    assert sorted(itl) == pytest.approx(sorted([t2 - t1, decode_step(L + 2)]))
+
+
+def test_profile_adds_a_nixl_link_measured_by_real_agents(tmp_path: Path) -> None:
+    """`splitserve profile --add-links --nixl-probe`: NIXL READs between two local agents (every
+    READ's bytes checked against P's pattern; a wrong byte raises), fitted into a `nixl` link
+    beside the profile's others."""
+    prof = tmp_path / "p.json"
+    save_profile(make_profile(), prof)
+    out = tmp_path / "p-nixl.json"
+    assert main(["profile", "--add-links", str(prof), "--nixl-probe", "--no-tcp-probe",
+                 "--out", str(out)]) == 0
+    got = load_profile(out)
+    assert set(got.transfer) == {"tcp", "nixl"} and got.transfer["tcp"] == LINK
+    link = got.transfer["nixl"]
+    assert link.bandwidth_Bps > 0 and link.latency_s >= 0
+    # one descriptor per KV block and layer: 128 tokens × 2 kv heads × 64 × 4 B
+    assert "nixl probe" in link.source and "DRAM->DRAM" in link.source
+    assert "65536 B descriptors" in link.source
+    # a 1 MiB READ takes what the link says, within the noise of a shared machine
+    assert 0 < link.time(1 << 20) < 1.0
+
+
+def _two_link_profile(tcp: TransferLink, nixl: TransferLink) -> Profile:
+    return replace(make_profile(), transfer={"tcp": tcp, "nixl": nixl})
+
+
+SPEC = WorkloadSpec(num_requests=300, input=LengthDist("fixed", 1000),
+                    output=LengthDist("fixed", 4), arrival=ArrivalSpec("poisson", 1.0), seed=2)
+
+
+def test_plan_compares_the_connectors_each_way_by_their_links() -> None:
+    """Short outputs and a tight TPOT: the handover decides. With equal links splitserve's
+    push (hidden behind the prefill) beats NIXL's pull (exposed, plus the replay step); with a
+    slow tcp link that no overlap can hide (0.8 s of transfer) and a fast nixl one, NIXL wins."""
+    req = PlanRequest(rate=1.0, slo=SLO(3000, 60), workers=3, pull_request_s=PULL_REQ)
+    links = {"splitserve": "tcp", "nixl": "nixl"}
+    even = compare(_two_link_profile(LINK, LINK), SPEC, req, links)
+    assert [cp.connector for cp in even.ranked] == ["splitserve", "nixl"]
+    ss, nx = (cp.plan for cp in even.plans)
+    by_ss = {c.label: c for c in ss.candidates}
+    by_nx = {c.label: c for c in nx.candidates}
+    # at the same P:D, NIXL's handover is longer by D's request round trip, the part of the
+    # transfer the push hid behind the prefill (all but the last of 8 layers), and the replay
+    send = L * 8192 / LINK.bandwidth_Bps
+    for label in ("1P:2D", "2P:1D"):
+        extra = by_nx[label].metrics["median_handover_ms"] - by_ss[label].metrics[
+            "median_handover_ms"]
+        assert extra == pytest.approx(1000 * (PULL_REQ + send * 7 / 8 + decode_step(L)),
+                                      rel=0.05)
+    assert by_ss["colocated"].goodput == by_nx["colocated"].goodput  # no connector there
+    assert even.verdict.startswith("splitserve (tcp) wins")
+    flip = compare(_two_link_profile(TransferLink(1e7, 0.002), TransferLink(1e10, 0.0)),
+                   SPEC, req, links)
+    assert [cp.connector for cp in flip.ranked] == ["nixl", "splitserve"]
+    assert flip.verdict.startswith("nixl (nixl) wins")
+    assert (flip.plans[1].best_split.goodput or 0.0) > (flip.plans[0].best_split.goodput or 0.0)
+
+
+def test_plan_command_compares_connectors(tmp_path: Path, capsys: pytest.CaptureFixture[str]
+                                          ) -> None:
+    prof = tmp_path / "p.json"
+    save_profile(_two_link_profile(LINK, LINK), prof)
+    out = tmp_path / "plan"
+    assert main(["plan", "--profile", str(prof), "--workers", "3", "--connector", "compare",
+                 "--num-prompts", "300", "--input-len", "1000", "--output-len", "4",
+                 "--request-rate", "1", "--seed", "2", "--slo-ttft-ms", "3000",
+                 "--slo-tpot-ms", "60", "--pull-request-ms", "3", "--out-dir", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "connectors: splitserve (tcp) wins" in text
+    got = json.loads((out / "compare.json").read_text())
+    assert got["winner"] == "splitserve"
+    assert [c["connector"] for c in got["connectors"]] == ["splitserve", "nixl"]
+    assert [c["plan"]["transport"] for c in got["connectors"]] == ["tcp", "nixl"]
+    assert (out / "plan-nixl.png").stat().st_size > 0
+    # without a nixl link there is nothing to compare against
+    save_profile(make_profile(), prof)
+    with pytest.raises(SystemExit, match="no \\['nixl'\\] link"):
+        main(["plan", "--profile", str(prof), "--workers", "3", "--connector", "compare",
+              "--slo-ttft-ms", "3000", "--slo-tpot-ms", "60", "--out-dir", str(out)])
