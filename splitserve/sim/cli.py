@@ -94,9 +94,17 @@ def run_profile(args: argparse.Namespace) -> int:
         prof = load_profile(args.add_links)
         desc = nixl_desc_bytes(prof.model, args.block_size) if args.nixl_probe else None
         links = measured_links(args.transfer_json, not args.no_tcp_probe, desc)
-        if not links:
-            raise SystemExit("--add-links: nothing to measure (--nixl-probe, --transfer-json, "
-                             "or the tcp probe)")
+        if not links and not args.nixl_json:
+            raise SystemExit("--add-links: nothing to measure (--nixl-probe, --nixl-json, "
+                             "--transfer-json, or the tcp probe)")
+        if args.nixl_json:  # vLLM's own pulls replace the probe's transport numbers
+            from splitserve.sim.links import nixl_link_from_side_by_side
+
+            links["nixl"], beyond = nixl_link_from_side_by_side(
+                args.nixl_json, prof.model.kv_bytes_per_token)
+            if beyond is not None:
+                print(f"D's leg beyond its pull (request round trip and replay step): median "
+                      f"{beyond * 1e3:.1f} ms; less D's step, that is --pull-request-ms")
         prof = replace(prof, transfer=prof.transfer | links)
     elif args.refit:  # a split profile's split costs, else a plain profile's fits
         from splitserve.sim.calibration.calibrate import refit_split
@@ -326,6 +334,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                       "DRAM->DRAM between two local agents (the transport, loopback)")
     prof.add_argument("--add-links", metavar="PROFILE", help="measure links (tcp probe, "
                       "--nixl-probe, --transfer-json) onto an existing profile; no worker")
+    prof.add_argument("--nixl-json", help="--add-links: the `nixl` link from vLLM's own pulls "
+                      "in benchmarks/nixl_side_by_side.py's JSON (replaces --nixl-probe's)")
     prof.add_argument("--block-size", type=int, default=128, help="--add-links --nixl-probe: "
                       "the workers' KV block size (tokens; vLLM-CPU: 128)")
     prof.add_argument("--quick", action="store_true", help="a smaller measurement grid")

@@ -119,3 +119,29 @@ def measured_links(transfer_json: str | None = None, probe_tcp: bool = True,
     if transfer_json:
         links |= links_from_benchmark(transfer_json)
     return links
+
+
+def nixl_link_from_side_by_side(path: str | Path, kv_bytes_per_token: int
+                                ) -> tuple[TransferLink, float | None]:
+    """The `nixl` link from vLLM's own pulls, as `benchmarks/nixl_side_by_side.py` measures
+    them: its `nixl` arm's TTFT probes (prompt length → runs, each one pull whose
+    `nixl_xfer_s` is the delta of D's `vllm:nixl_xfer_time_seconds`), the median per length
+    fitted over length × `kv_bytes_per_token` bytes. Also the median of D's leg beyond its
+    pull (`d_queue_s − nixl_xfer_s`: D's leg sent → D's first token, less the pull; it holds
+    D's request round trip and its replay step), in seconds, or None if not recorded."""
+    import statistics
+
+    data = json.loads(Path(path).read_text())
+    probes = (data.get("nixl") or {}).get("probes") or {}
+    samples, beyond = [], []
+    for length, runs in probes.items():
+        pulls = [r["nixl_xfer_s"] for r in runs if r.get("nixl_xfer_s")]
+        if pulls:
+            samples.append((int(length) * kv_bytes_per_token, statistics.median(pulls)))
+        beyond += [r["d_queue_s"] - r["nixl_xfer_s"] for r in runs
+                   if r.get("nixl_xfer_s") and r.get("d_queue_s") is not None]
+    if not samples:
+        raise ValueError(f"{path}: no nixl probes with vLLM's pull time (nixl_xfer_s)")
+    link = fit_link(sorted(samples), f"vLLM NixlConnector pulls (vllm:nixl_xfer_time_seconds), "
+                    f"benchmarks/nixl_side_by_side.py {Path(path).name}")
+    return link, (statistics.median(beyond) if beyond else None)

@@ -15,6 +15,7 @@ from splitserve.bench.workload import ArrivalSpec, LengthDist, WorkloadSpec
 from splitserve.cli import main
 from splitserve.sim.connectors import compare
 from splitserve.sim.deployment import SimConfig
+from splitserve.sim.links import nixl_link_from_side_by_side
 from splitserve.sim.model import Profile, TransferLink, load_profile, save_profile
 from splitserve.sim.planner import PlanRequest
 from splitserve.sim.records import token_times
@@ -145,3 +146,26 @@ def test_plan_command_compares_connectors(tmp_path: Path, capsys: pytest.Capture
     with pytest.raises(SystemExit, match="no \\['nixl'\\] link"):
         main(["plan", "--profile", str(prof), "--workers", "3", "--connector", "compare",
               "--slo-ttft-ms", "3000", "--slo-tpot-ms", "60", "--out-dir", str(out)])
+
+
+def test_the_nixl_link_from_vllms_own_pulls(tmp_path: Path) -> None:
+    """benchmarks/nixl_side_by_side.py's probes: the median pull per prompt length, fitted over
+    the KV bytes, and D's leg beyond its pull."""
+    def run(pull: float, d_queue: float) -> dict[str, float | None]:
+        return {"nixl_xfer_s": pull, "d_queue_s": d_queue, "kv_tail_s": None}
+
+    side = {"nixl": {"probes": {
+        "256": [run(0.004, 0.07), run(0.005, 0.08), run(0.009, 0.2)],
+        "2048": [run(0.030, 0.10), run(0.031, 0.11), run(0.050, 0.3)]}},
+        "tcp": {"probes": {"256": [{"nixl_xfer_s": None, "d_queue_s": 0.1}]}}}
+    path = tmp_path / "nixl_side_by_side.json"
+    path.write_text(json.dumps(side))
+    link, beyond = nixl_link_from_side_by_side(path, 8192)
+    # medians 5 ms at 2 MiB and 31 ms at 16 MiB: 26 ms per 14 MiB, and the rest is latency
+    assert link.bandwidth_Bps == pytest.approx(1792 * 8192 / 0.026)
+    assert link.latency_s == pytest.approx(0.005 - 256 * 8192 * 0.026 / (1792 * 8192))
+    assert "nixl_xfer_time_seconds" in link.source
+    assert beyond == pytest.approx(0.077)  # median of d_queue − pull over both lengths
+    path.write_text(json.dumps({"tcp": side["tcp"]}))
+    with pytest.raises(ValueError, match="no nixl probes"):
+        nixl_link_from_side_by_side(path, 8192)
