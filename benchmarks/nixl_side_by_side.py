@@ -6,12 +6,12 @@ Each arm is the deployment `splitserve bench compare --deploy NAME=disagg:{tcp,s
 (`splitserve.bench.deploy`), and gets, in this order:
 - TTFT probes: streamed prompts of each `--lengths` (fresh random ids, `--reps` each, a quiet
   `--gap-s` after each: vLLM's model runner busy-polls for ~1 s after a step), 8 output tokens:
-  TTFT and handover (t1 -> t2) at the client, and the transfer's exposed tail:
-  splitserve: the router's `kv_tail_s` (end of P's last layer -> D's ACK, D's record);
-  NIXL: vLLM keeps no per-request record, so the router's `d_queue_s` (D's leg sent -> D's first
-  token: the pull plus D's one-token recompute, all of it after t1) and vLLM's own pull time
-  (`vllm:nixl_xfer_time_seconds` on D, read before and after each probe: probes run one at a
-  time, so each delta is one request's transfer);
+  TTFT and handover (t1 -> t2) at the client; the transfer's exposed tail: splitserve's
+  `kv_tail_s` (the router's timings from D's record: end of P's last layer -> D's ACK), NIXL's
+  pull time (`vllm:nixl_xfer_time_seconds` on D, read before and after each probe: probes run
+  one at a time, so each delta is one request's transfer; vLLM keeps no per-request record,
+  and the whole pull comes after P's leg); and D's wait, the router's `d_queue_s` (D's leg sent
+  -> D's first token: for NIXL the pull plus D's one-token recompute);
 - the interference workload (`splitserve bench --workload interference`, seed 0): ITL p50 / p99 /
   max and the interference ratio (splitserve/bench/metrics.py), and, for NIXL, vLLM's transfer
   histograms over the run (the result's `nixl_transfers`).
@@ -119,29 +119,33 @@ def fmt(x: float | None, digits: int = 1) -> str:
 
 
 def table(results: dict[str, Any], lengths: list[int]) -> str:
-    head = ["system"]
-    for n in lengths:
-        head += [f"TTFT {n}", f"handover {n}", f"tail {n}"]
-    head += ["ITL p50 / p99 / max", "interference p50 / p99", "failed"]
+    """One row per arm; each probe cell is the median at every length, `a / b`."""
+    per = " / ".join(f"{n:,}" for n in lengths)
+    head = ["system", f"TTFT {per} (ms)", f"handover t1→t2 {per}",
+            f"exposed tail {per}", f"D wait {per}", "ITL p50 / p99 / max",
+            "interference p50 / p99", "failed", "load avg"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name in ARMS:
         if name not in results:
             continue
         r = results[name]
-        row = [f"splitserve {name}" if name != "nixl" else "NIXL"]
-        for n in lengths:
-            rows = r["probes"].get(str(n), [])
-            tail = med_ms(rows, "kv_tail_s") if name != "nixl" else med_ms(rows, "d_queue_s")
-            pull = med_ms(rows, "nixl_xfer_s")
-            row += [fmt(med_ms(rows, "ttft_s")), fmt(med_ms(rows, "handover_s")),
-                    fmt(tail) + (f" (pull {fmt(pull, 2)})" if pull is not None else "")]
+        tail_key = "nixl_xfer_s" if name == "nixl" else "kv_tail_s"
+
+        def cell(key: str, digits: int = 1, r: dict[str, Any] = r) -> str:
+            return " / ".join(fmt(med_ms(r["probes"].get(str(n), []), key), digits)
+                              for n in lengths)
+
         i = r["interference"]
-        row += [f"{fmt(i.get('median_itl_ms'))} / {fmt(i.get('p99_itl_ms'))} / "
-                f"{fmt(i.get('max_itl_ms'))}",
-                f"{fmt(i.get('itl_interference_p50_ratio'), 2)} / "
-                f"{fmt(i.get('itl_interference_p99_ratio'), 2)}",
-                f"{i.get('failed')}/{i.get('num_prompts')}"]
-        lines.append("| " + " | ".join(row) + " |")
+        load = r.get("loadavg_1m")
+        lines.append("| " + " | ".join([
+            "NIXL" if name == "nixl" else f"splitserve {name}", cell("ttft_s", 0),
+            cell("handover_s"), cell(tail_key), cell("d_queue_s"),
+            f"{fmt(i.get('median_itl_ms'))} / {fmt(i.get('p99_itl_ms'))} / "
+            f"{fmt(i.get('max_itl_ms'))}",
+            f"{fmt(i.get('itl_interference_p50_ratio'), 2)} / "
+            f"{fmt(i.get('itl_interference_p99_ratio'), 2)}",
+            f"{i.get('failed')}/{i.get('num_prompts')}",
+            "–" if not load else f"{load[0]:.1f} → {load[1]:.1f}"]) + " |")
     return "\n".join(lines)
 
 

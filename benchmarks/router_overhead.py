@@ -8,10 +8,17 @@ interleaved so drift hits all alike. Printed and written to JSON, never asserted
 `--split`: the same for the two-leg path — splitserve in front of a P- and a D-worker (both on
 the worker cores). Per request (`max_tokens: 1`, so only P is involved) against P reached
 directly; per streamed token (D's leg relayed, each event re-framed) against D reached directly.
-vllm-router's P/D mode speaks another KV protocol, so it is not in this table.
+`--split --connector nixl`: the workers run vLLM's NixlConnector, and vllm-router's PD mode
+(`--vllm-pd-disaggregation --kv-connector nixl`, when installed) sits in front of the same
+workers too, on the same core. vllm-router always runs both legs (P with `max_tokens: 1`, then D
+pulls and generates every token), so its per-request number includes a D leg that splitserve's
+router skips when P's t1 is the whole answer; the streamed-token numbers compare like with
+like. vllm-router's health checks and `/metrics` polls carry no `Authorization`, so splitserve's
+token guard would refuse them: with `--connector nixl` the workers run without the deployment
+token (open HTTP on loopback), for both routers alike.
 
     python benchmarks/router_overhead.py [--model DIR] [--requests 200] [--vllm-router-path DIR]
-    python benchmarks/router_overhead.py --split
+    python benchmarks/router_overhead.py --split [--connector splitserve|nixl]
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import asyncio
 import os
 import secrets
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -32,9 +40,15 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from _common import cpu_seconds, spawn, stop, summary, timed_stream, write_json  # noqa: E402
 
-from splitserve.config import WorkerConfig, bearer_headers  # noqa: E402
+from splitserve.config import TOKEN_ENV, WorkerConfig, bearer_headers  # noqa: E402
 from splitserve.demo_model import ModelSpec, build_checkpoint, default_cache_dir  # noqa: E402
-from splitserve.worker.launch import free_port, start_worker, wait_healthy  # noqa: E402
+from splitserve.worker.launch import (  # noqa: E402
+    child_preexec,
+    free_port,
+    start_worker,
+    wait_healthy,
+    worker_command,
+)
 
 TINY = ModelSpec(vocab_size=1024, hidden_size=128, intermediate_size=256, num_layers=2,
                  num_heads=4, num_kv_heads=2, head_dim=32, seed=7)
@@ -100,42 +114,84 @@ async def throughput(url: str, model: str, concurrency: int, tokens: int, pid: i
 
 def split_run(args: argparse.Namespace, model_dir: str, logs: Path, router_core: tuple[int, ...],
               worker_cores: tuple[int, ...]) -> tuple[dict[str, list[float]],
-                                                      dict[str, list[float]], dict[str, Any]]:
-    """(request latencies vs P, token gaps vs D, throughput) of the split path."""
+                                                      dict[str, list[float]], dict[str, Any],
+                                                      dict[str, str]]:
+    """(request latencies vs P, token gaps vs D, throughput, targets) of the split path."""
     token = secrets.token_hex(16)
     cfgs = [WorkerConfig(model=model_dir, port=free_port(), role=role, kv_port=free_port(),
-                         cpus=worker_cores, max_model_len=2048, served_model_name="bench")
+                         cpus=worker_cores, max_model_len=2048, served_model_name="bench",
+                         connector=args.connector)
             for role in ("prefill", "decode")]
-    workers = [start_worker(c, token, str(logs / f"{c.role}.log")) for c in cfgs]
-    router = None
+    start = start_open_worker if args.connector == "nixl" else start_worker
+    workers = [start(c, token, str(logs / f"{c.role}.log")) for c in cfgs]
+    routers: list[Any] = []
     try:
         for c, w in zip(cfgs, workers, strict=True):
-            wait_healthy(c.url, w, token=token)
+            wait_healthy(c.url, w, token=None if args.connector == "nixl" else token)
         port = free_port()
-        router = spawn([sys.executable, "-m", "splitserve.cli", "router", "--prefill",
-                        cfgs[0].url, "--decode", cfgs[1].url, "--port", str(port),
-                        "--log-level", "warning"], logs / "splitserve-router.log", router_core,
-                       dict(os.environ, SPLITSERVE_TOKEN=token))
-        url = f"http://127.0.0.1:{port}"
-        wait_healthy(url, None, 120)
-        # workers require the deployment token (the router ignores it: no API key is set)
+        routers.append(spawn([sys.executable, "-m", "splitserve.cli", "router", "--prefill",
+                              cfgs[0].url, "--decode", cfgs[1].url, "--port", str(port),
+                              "--log-level", "warning"], logs / "splitserve-router.log",
+                             router_core, dict(os.environ, SPLITSERVE_TOKEN=token)))
+        urls = {"splitserve": f"http://127.0.0.1:{port}"}
+        pids = {"splitserve": routers[0].pid}
+        if args.connector == "nixl" and vllm_router_installed(args, logs):
+            rust_port = free_port()
+            routers.append(spawn([sys.executable, "-m", "vllm_router.launch_router",
+                                  "--vllm-pd-disaggregation", "--kv-connector", "nixl",
+                                  "--prefill", cfgs[0].url, "--decode", cfgs[1].url,
+                                  "--policy", "round_robin", "--host", "127.0.0.1",
+                                  "--port", str(rust_port), "--prometheus-port", str(free_port()),
+                                  "--worker-startup-check-interval", "1",
+                                  "--log-level", "warning"],
+                                 logs / "vllm-router.log", router_core, vllm_router_env(args)))
+            urls["vllm-router"] = f"http://127.0.0.1:{rust_port}"
+            pids["vllm-router"] = routers[-1].pid
+        for url in urls.values():
+            wait_healthy(url, None, 120)
+        # workers require the deployment token (the routers ignore it: no API key is set)
         with httpx.Client(timeout=120, headers=bearer_headers(token)) as client:
-            token_gaps(client, {"splitserve": url}, "bench", 2, 8)  # warm-up
-            lat = request_latency(client, {"direct": cfgs[0].url, "splitserve": url}, "bench",
+            token_gaps(client, urls, "bench", 2, 8)  # warm-up
+            lat = request_latency(client, {"direct": cfgs[0].url} | urls, "bench",
                                   args.requests)
-            gaps = token_gaps(client, {"direct": cfgs[1].url, "splitserve": url}, "bench",
-                              args.streams, args.tokens)
+            gaps = token_gaps(client, {"direct": cfgs[1].url} | urls, "bench", args.streams,
+                              args.tokens)
         thr = {"direct": asyncio.run(throughput(cfgs[1].url, "bench", args.concurrency,
-                                                args.tokens, None, token)),
-               "splitserve": asyncio.run(throughput(url, "bench", args.concurrency,
-                                                    args.tokens, router.pid))}
+                                                args.tokens, None, token))}
+        thr |= {name: asyncio.run(throughput(url, "bench", args.concurrency, args.tokens,
+                                             pids[name])) for name, url in urls.items()}
     finally:
-        if router is not None:
-            stop(router)
+        for r in routers:
+            stop(r)
         for w in workers:
             w.terminate()
             w.wait(30)
-    return lat, gaps, thr
+    return lat, gaps, thr, {"direct": ""} | urls
+
+
+def start_open_worker(cfg: WorkerConfig, token: str, log: str) -> subprocess.Popen[bytes]:
+    """A NIXL worker exactly as `splitserve worker --connector nixl` starts it, minus the
+    deployment token in its environment, so its HTTP paths are open: vllm-router's health checks
+    and `/metrics` polls carry no `Authorization`, and the token guard would refuse them. A NIXL
+    worker needs the token for nothing else (NIXL's KV path has no authentication)."""
+    argv, env = worker_command(cfg, token)
+    env.pop(TOKEN_ENV, None)
+    with open(log, "ab") as out:
+        return subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                preexec_fn=child_preexec(cfg.cpus), start_new_session=True)
+
+
+def vllm_router_env(args: argparse.Namespace) -> dict[str, str]:
+    env = dict(os.environ)
+    if args.vllm_router_path:
+        env["PYTHONPATH"] = args.vllm_router_path + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def vllm_router_installed(args: argparse.Namespace, logs: Path) -> bool:
+    probe = spawn([sys.executable, "-c", "import vllm_router"], logs / "probe.log",
+                  env=vllm_router_env(args))
+    return probe.wait(60) == 0
 
 
 def main() -> int:
@@ -149,20 +205,23 @@ def main() -> int:
                     help="directory holding the vllm_router package (pip install --target)")
     ap.add_argument("--split", action="store_true",
                     help="the two-leg path (a P- and a D-worker) instead of the colocated one")
+    ap.add_argument("--connector", choices=("splitserve", "nixl"), default="splitserve",
+                    help="--split: the workers' connector (nixl adds vllm-router's PD mode)")
     ap.add_argument("--out", default=None,
                     help="default: benchmarks/results/router_overhead[_split].json")
     args = ap.parse_args()
-    args.out = args.out or ("benchmarks/results/router_overhead_split.json" if args.split
-                            else "benchmarks/results/router_overhead.json")
+    suffix = ("_split_nixl" if args.connector == "nixl" else "_split") if args.split else ""
+    args.out = args.out or f"benchmarks/results/router_overhead{suffix}.json"
     model_dir = args.model or tiny_model()
     cores = sorted(os.sched_getaffinity(0))
     router_core, worker_cores = (cores[0],), tuple(cores[1:] or cores)
     logs = Path(f"/tmp/splitserve-overhead-{time.time():.0f}")
     logs.mkdir(parents=True)
-    rust_note = "not run (--split)"
     if args.split:
-        lat, gaps, thr = split_run(args, model_dir, logs, router_core, worker_cores)
-        urls: dict[str, str] = {"direct": "", "splitserve": ""}
+        lat, gaps, thr, urls = split_run(args, model_dir, logs, router_core, worker_cores)
+        rust_note = ("installed" if "vllm-router" in urls else
+                     "not run (its PD mode speaks NIXL's protocol: --connector nixl)"
+                     if args.connector != "nixl" else "not installed (the bench extra)")
     else:
         lat, gaps, thr, urls, rust_note = colocated_run(args, model_dir, logs, router_core,
                                                          worker_cores)
@@ -225,6 +284,7 @@ def report(args: argparse.Namespace, model_dir: str, router_core: tuple[int, ...
     base_gap = statistics.median(gaps["direct"])
     result: dict[str, Any] = {"benchmark": "router_overhead", "model": model_dir,
                               "path": "split" if args.split else "colocated",
+                              "connector": args.connector if args.split else None,
                               "router_core": list(router_core), "worker_cores": list(worker_cores),
                               "vllm_router": rust_note, "targets": {}}
     if args.split:
