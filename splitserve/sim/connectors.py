@@ -37,8 +37,13 @@ class ConnectorPlan:
         return f"{self.connector} ({self.transport})"
 
 
+# goodputs this close are level: the planner's bisection steps by ~1.1 % (2^(1/64))
+LEVEL_GOODPUT = 0.02
+LEVEL_ATTAINMENT = 0.005
+
+
 def _pct(a: float, b: float) -> str:
-    return f"+{(a / b - 1):.0%}" if b > 0 else "(the other meets the target at no rate tried)"
+    return f"{a / b - 1:+.1%}" if b > 0 else "the other meets the target at no rate tried"
 
 
 @dataclass(frozen=True)
@@ -52,6 +57,15 @@ class Comparison:
                                                   -cp.best_split.attainment))
 
     @property
+    def level(self) -> bool:
+        """The best P:Ds are level: goodput within `LEVEL_GOODPUT` and attainment within
+        `LEVEL_ATTAINMENT`."""
+        w, k = self.ranked[0].best_split, self.ranked[1].best_split
+        wg, kg = w.goodput or 0.0, k.goodput or 0.0
+        close = wg <= kg * (1 + LEVEL_GOODPUT) if kg > 0 else wg == 0.0
+        return close and abs(w.attainment - k.attainment) < LEVEL_ATTAINMENT
+
+    @property
     def verdict(self) -> str:
         win, lose = self.ranked[0], self.ranked[1]
         w, k = win.best_split, lose.best_split
@@ -60,15 +74,18 @@ class Comparison:
         hand = ("" if hw is None or hk is None else
                 f"; median handover t1→t2 {hw:.1f} vs {hk:.1f} ms")
         rate = win.plan.request.rate
-        if wg == kg and w.attainment == k.attainment:
-            return (f"{win.name} and {lose.name} tie: best P:D {w.label} / {k.label}, goodput "
-                    f"{wg:.3g} req/s, {w.attainment:.1%} within SLO at {rate:g} req/s{hand}")
+        if self.level:
+            return (f"{win.name} and {lose.name} are level on this workload: best P:D "
+                    f"{w.label} / {k.label}, goodput {wg:.3g} / {kg:.3g} req/s, "
+                    f"{w.attainment:.1%} / {k.attainment:.1%} within SLO at {rate:g} "
+                    f"req/s{hand}")
         return (f"{win.name} wins: best P:D {w.label}, goodput {wg:.3g} req/s against "
                 f"{lose.name}'s {k.label} at {kg:.3g} req/s ({_pct(wg, kg)}); at {rate:g} "
                 f"req/s {w.attainment:.1%} vs {k.attainment:.1%} within SLO{hand}")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"verdict": self.verdict, "winner": self.ranked[0].connector,
+        return {"verdict": self.verdict,
+                "winner": None if self.level else self.ranked[0].connector,
                 "connectors": [{"connector": cp.connector, "transport": cp.transport,
                                 "link": {"bandwidth_Bps": cp.link.bandwidth_Bps,
                                          "latency_s": cp.link.latency_s,

@@ -123,6 +123,12 @@ def test_plan_compares_the_connectors_each_way_by_their_links() -> None:
     assert [cp.connector for cp in flip.ranked] == ["nixl", "splitserve"]
     assert flip.verdict.startswith("nixl (nixl) wins")
     assert (flip.plans[1].best_split.goodput or 0.0) > (flip.plans[0].best_split.goodput or 0.0)
+    # a TPOT SLO no handover can miss: the connectors are level, and say so
+    fast = TransferLink(1e12, 0.0)
+    level = compare(_two_link_profile(fast, fast), SPEC, replace(req, slo=SLO(3000, 1000)),
+                    links)
+    assert level.level and "are level on this workload" in level.verdict
+    assert level.to_dict()["winner"] is None and not even.level
 
 
 def test_plan_command_compares_connectors(tmp_path: Path, capsys: pytest.CaptureFixture[str]
