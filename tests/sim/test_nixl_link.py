@@ -175,3 +175,25 @@ def test_the_nixl_link_from_vllms_own_pulls(tmp_path: Path) -> None:
     path.write_text(json.dumps({"tcp": side["tcp"]}))
     with pytest.raises(ValueError, match="no nixl probes"):
         nixl_link_from_side_by_side(path, 8192)
+
+
+def test_sim_command_runs_either_connector(tmp_path: Path) -> None:
+    prof = tmp_path / "p.json"
+    save_profile(_two_link_profile(LINK, LINK), prof)
+    got = {}
+    for connector in ("splitserve", "nixl"):
+        out = tmp_path / f"{connector}.json"
+        assert main(["sim", "--profile", str(prof), "--prefill", "1", "--decode", "1",
+                     "--connector", connector, "--pull-request-ms", "3", "--num-prompts", "20",
+                     "--input-len", "1000", "--output-len", "4", "--request-rate", "0.5",
+                     "--seed", "2", "--out", str(out)]) == 0
+        got[connector] = json.loads(out.read_text())
+    assert got["nixl"]["sim"]["config"]["connector"] == "nixl"
+    assert got["nixl"]["sim"]["config"]["transport"] == "nixl"  # the connector's own link
+    assert got["splitserve"]["sim"]["config"]["transport"] == "tcp"
+    # lone requests (0.5 req/s against a 1.12 s prefill): P's side is the same; NIXL's
+    # handover is the pull's exposed part, D's round trip and the replay step longer
+    assert got["nixl"]["median_ttft_ms"] == pytest.approx(got["splitserve"]["median_ttft_ms"])
+    send = L * 8192 / LINK.bandwidth_Bps
+    assert got["nixl"]["median_handover_ms"] - got["splitserve"]["median_handover_ms"] == (
+        pytest.approx(1000 * (PULL_REQ + send * 7 / 8 + decode_step(L)), rel=0.05))
