@@ -8,7 +8,8 @@ Contract:
 - `failures()` names the parts that stopped on their own (empty while all is well); the
   launcher shuts the deployment down when it is not empty.
 - `stop()` drains front to back (the router first, then the workers) and leaves no process
-  behind, vLLM's engine processes included. It may be called more than once.
+  behind, vLLM's engine processes included. It may be called more than once. When a part
+  cannot be stopped it still stops the rest, then raises `RuntimeError` naming what failed.
 """
 
 from __future__ import annotations

@@ -1,10 +1,14 @@
-"""One Ray cluster for the Ray backend's tests: three logical nodes on 127.0.0.1 (the head
-with the P pool's resource, two nodes with one D slot each), and one deployment on it, shared by
-the tests of a module and torn down after it (the rest of the suite runs without them).
+"""One Ray cluster for the Ray backend's tests: three logical nodes on 127.0.0.1 (the head with
+the P pool's resource, two nodes with one D slot each), and one deployment on it, shared by every
+test of this package and torn down after its last one (the rest of the suite runs without them).
 
-`RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0` before `import ray` keeps every node's address on
-loopback (without it Ray advertises the machine's interface address). `ray start`/`ray stop`
-are never used: `ray stop` would stop every Ray process on the machine.
+The cluster's environment is set by the `ray_cluster` fixture for the cluster's lifetime and
+restored after it: `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0` (read when `ray` is first imported)
+keeps every node's address on loopback, and each node is also started with `node_ip_address`
+127.0.0.1. Ray's memory monitor is off for this cluster (`_system_config`): it kills Ray
+workers, the Serve controller included, when the whole machine nears its memory limit, whoever
+holds the memory, and the suite shares the machine with its own vLLM workers. `ray start` /
+`ray stop` are never used: `ray stop` would stop every Ray process on the machine.
 """
 
 from __future__ import annotations
@@ -16,17 +20,19 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from workers import LOG_DIR
 
-os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-# Ray's memory monitor kills Ray workers (the Serve controller included) when the whole machine
-# nears its memory limit, whoever holds the memory; the suite shares the machine with its own
-# vLLM workers, so the monitor stays off for this cluster.
-os.environ["RAY_memory_monitor_refresh_ms"] = "0"
+from splitserve.launch.config import DeploymentConfig, from_mapping
+from splitserve.worker.launch import free_port
 
-from workers import LOG_DIR  # noqa: E402
-
-from splitserve.launch.config import DeploymentConfig, from_mapping  # noqa: E402
-from splitserve.worker.launch import free_port  # noqa: E402
+LOOPBACK = "127.0.0.1"
+CLUSTER_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+SYSTEM_CONFIG = {
+    # a lost node is declared dead within seconds (Ray's default is up to ~50 s)
+    "health_check_period_ms": 1000, "health_check_timeout_ms": 3000,
+    "health_check_failure_threshold": 4,
+    "memory_monitor_refresh_ms": 0,
+}
 
 
 @dataclass
@@ -35,31 +41,40 @@ class RayCluster:
     decode_nodes: list[Any] = field(default_factory=list)
 
     def add_decode_node(self) -> Any:
-        node = self.cluster.add_node(num_cpus=4, resources={"decode_node": 1})
+        node = self.cluster.add_node(num_cpus=4, resources={"decode_node": 1},
+                                     node_ip_address=LOOPBACK)
         self.decode_nodes.append(node)
         return node
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="package")
 def ray_cluster() -> Iterator[RayCluster]:
+    saved = {k: os.environ.get(k) for k in CLUSTER_ENV}
+    os.environ.update(CLUSTER_ENV)
     import ray
     from ray.cluster_utils import Cluster
 
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 4, "resources": {"prefill_node": 2}, "include_dashboard": False,
-        # a lost node is declared dead within seconds (Ray's default is up to ~50 s)
-        "_system_config": {"health_check_period_ms": 1000, "health_check_timeout_ms": 3000,
-                           "health_check_failure_threshold": 4}})
-    rc = RayCluster(cluster)
+    cluster = None
     try:
+        cluster = Cluster(initialize_head=True, head_node_args={
+            "num_cpus": 4, "resources": {"prefill_node": 2}, "include_dashboard": False,
+            "node_ip_address": LOOPBACK, "_system_config": SYSTEM_CONFIG})
+        rc = RayCluster(cluster)
         rc.add_decode_node()
         rc.add_decode_node()
         cluster.wait_for_nodes()
-        ray.init(address=cluster.address, namespace="splitserve", log_to_driver=False)
+        ray.init(address=cluster.address, namespace="splitserve", log_to_driver=False,
+                 _node_ip_address=LOOPBACK)
         yield rc
     finally:
         ray.shutdown()
-        cluster.shutdown()
+        if cluster is not None:
+            cluster.shutdown()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def ray_config(model: Path, address: str) -> DeploymentConfig:
@@ -71,16 +86,18 @@ def ray_config(model: Path, address: str) -> DeploymentConfig:
         "ray": {"prefill_resources": {"prefill_node": 1},
                 "decode_resources": {"decode_node": 1},
                 "prefill_max": 2, "decode_max": 2, "prefill_queued_tokens": 60,
-                "decode_running": 1.5, "upscale_delay_s": 0.5, "downscale_delay_s": 5,
+                "decode_running": 2, "upscale_delay_s": 0.5, "downscale_delay_s": 15,
                 "look_back_period_s": 2, "drain_timeout_s": 20}})
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="package")
 def ray_deployment(ray_cluster: RayCluster, llama_ckpt: Path) -> Iterator[Any]:
     from splitserve.launch.raybackend.deployment import RayDeployment
 
     dep = RayDeployment(ray_config(llama_ckpt, ray_cluster.cluster.address),
                         say=lambda line: print(line, flush=True))
     dep.start()
-    yield dep
-    dep.stop()
+    try:
+        yield dep
+    finally:
+        dep.stop()

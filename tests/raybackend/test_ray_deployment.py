@@ -34,17 +34,20 @@ def test_1p1d_on_two_ray_nodes_matches_transformers(ray_deployment: Any, llama_c
     assert {(w["role"], w["url"], w["node"]) for w in routed} == {
         (k, w["url"], w["node_id"]) for k, w in placed.items()}
     assert all(w["kv_endpoint"]["transport"] == "tcp" for w in routed)
+    before = httpx.get(f"{dep.url}/metrics", timeout=5).text
     for i, length in enumerate((9, 130, 400)):
         prompt = prompt_of(length, i)
         want = hf_greedy(llama_ckpt, prompt, MAX_TOKENS)
         assert complete(dep.url, prompt, MAX_TOKENS, stream=False) == want
         assert complete(dep.url, prompt, MAX_TOKENS, stream=True) == want
     metrics = httpx.get(f"{dep.url}/metrics", timeout=5).text
-    assert metric(metrics, "splitserve_router_requests_total", 'mode="split"',
-                  'outcome="ok"') == 6
+    def grew(*name: str) -> float:
+        return metric(metrics, *name) - metric(before, *name)
+
+    assert grew("splitserve_router_requests_total", 'mode="split"', 'outcome="ok"') == 6
     # every request's KV went from P to D over tcp, and D holds none of it afterwards
-    assert metric(metrics, "splitserve_router_kv_bytes_count") == 6
-    assert metric(metrics, "splitserve_router_kv_bytes_sum") > 0
+    assert grew("splitserve_router_kv_bytes_count") == 6
+    assert grew("splitserve_router_kv_bytes_sum") > 0
     d_state = httpx.get(f"{placed['decode']['url']}/splitserve/state",
                         headers=bearer_headers(dep.token), timeout=5).json()
     assert d_state["staged_bytes"] == 0

@@ -13,6 +13,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from workers import hub_cache
 
 from splitserve.cli import build_parser
 from splitserve.launch.cli import config_from_args
@@ -23,7 +24,7 @@ from splitserve.launch.raybackend.autoscale import (
     autoscaling_config,
     step,
 )
-from splitserve.launch.raybackend.deployment import local_cluster_resources
+from splitserve.launch.raybackend.deployment import local_cluster_resources, pin_revision
 from splitserve.launch.raybackend.directory import WorkerDirectory
 from splitserve.launch.raybackend.routerhost import plan_sync
 
@@ -97,6 +98,29 @@ def test_a_local_cluster_gets_every_resource_the_pools_ask_for() -> None:
     assert local_cluster_resources(cfg) == {"prefill": 4.0, "decode": 4.0, "router": 1.0}
 
 
+PIN = """
+from splitserve.launch.config import from_mapping
+from splitserve.launch.raybackend.deployment import pin_revision
+print(pin_revision(from_mapping({"backend": "ray", "model": "org/name", "prefill": 1,
+                                 "decode": 1})).revision)
+"""
+
+
+def test_a_hub_id_is_pinned_once_to_the_commit_its_revision_names(
+        llama_ckpt: Path, tmp_path: Path) -> None:
+    """The driver resolves `main` to its commit; replicas are handed that commit (offline hub
+    cache, in a fresh process: huggingface_hub reads HF_HOME when imported)."""
+    commit = "89abcdef0123456789abcdef0123456789abcdef"
+    hub_cache(tmp_path / "hf", "org/name", llama_ckpt, commit)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE"))}
+    env |= {"HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
+    out = subprocess.run([sys.executable, "-c", PIN], env=env, capture_output=True, text=True,
+                         timeout=120, check=True)
+    assert out.stdout.strip() == commit
+    cfg = load_yaml(EXAMPLE, {"model": str(llama_ckpt)})
+    assert pin_revision(cfg) is cfg  # a directory is loaded as it is
+
+
 def test_sync_adds_new_workers_and_removes_draining_or_vanished_ones() -> None:
     live = [{"kind": "prefill", "url": "http://p1", "draining": False},
             {"kind": "prefill", "url": "http://p2", "draining": False},
@@ -131,6 +155,18 @@ def test_directory_claims_cores_per_machine_and_waits_for_the_router() -> None:
     assert d.secrets() == ("tok", None)
 
 
+def test_the_directory_frees_the_cores_of_replicas_gone_before_or_after_registering() -> None:
+    d = WorkerDirectory()
+    assert d.claim_cores("10.0.0.1", [0, 1], 1, "starting") == (0,)
+    assert d.claim_cores("10.0.0.1", [0, 1], 1, "lost") == (1,)
+    d.register({"replica": "lost", "kind": "decode", "url": "http://lost", "node_id": "n2",
+                "node_ip": "10.0.0.1", "cores": (1,)})
+    d.prune({"starting", "lost"}, {"n2"})  # "lost" still has an actor, on a dead node
+    assert d.claim_cores("10.0.0.1", [0, 1], 1, "new") == (1,)
+    d.prune({"new"}, set())  # "starting" died before it registered
+    assert d.claim_cores("10.0.0.1", [0, 1], 1, "next") == (0,)
+
+
 def test_the_guard_takes_its_whole_group_down_with_its_parent(tmp_path: Path) -> None:
     """A parent starts the guard (new session) around a child that forks a grandchild (as
     vLLM's API server forks its EngineCore); SIGKILL the parent: all of them go."""
@@ -155,6 +191,33 @@ def test_the_guard_takes_its_whole_group_down_with_its_parent(tmp_path: Path) ->
     while time.monotonic() < deadline and (alive(child) or alive(grandchild)):
         time.sleep(0.1)
     assert not alive(child) and not alive(grandchild)
+
+
+def test_the_guard_takes_its_whole_group_down_when_it_is_sigkilled(tmp_path: Path) -> None:
+    """Ray's core worker SIGKILLs its direct children (the guard) when it exits: the guard's
+    sentinel takes the rest of the group (the worker and what it forked) down."""
+    pids = tmp_path / "pids"
+    tree = (f"import os, time; pid = os.fork()\n"
+            f"if pid == 0: time.sleep(600)\n"
+            f"open({str(pids)!r}, 'w').write(f'{{os.getpid()}} {{pid}}'); time.sleep(600)")
+    guard = subprocess.Popen([sys.executable, "-m", "splitserve.launch.raybackend.guard",
+                              sys.executable, "-c", tree], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not (pids.exists() and pids.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        child, grandchild = map(int, pids.read_text().split())
+        time.sleep(0.5)  # the sentinel has armed its death signal
+    finally:
+        guard.send_signal(signal.SIGKILL)
+        guard.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and (alive(child) or alive(grandchild)):
+        time.sleep(0.1)
+    left = [p for p in (child, grandchild) if alive(p)]
+    for p in left:
+        os.kill(p, signal.SIGKILL)
+    assert left == []
 
 
 def alive(pid: int) -> bool:

@@ -9,8 +9,12 @@ Invariants:
 - Serve's own HTTP proxy stays off: the router is the only front door.
 - The driver hands the token and API key to the directory by an actor call; nothing secret is
   in a deployment's init arguments, `runtime_env`, or argv.
+- A hub id's revision is resolved once, by the driver, to the commit it names now; replicas
+  and the router load that commit's snapshot on their node (`pin_revision`).
 - `stop()` drains front to back: the router first, then each pool's replicas (each drains
-  itself), then the directory; whatever it started, it ends.
+  itself), then the directory; whatever it started, it ends. Each step runs even when an
+  earlier one failed; a failure (other than a part that is gone already) is told through `say`
+  and raised as one `RuntimeError` once every step ran.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from splitserve.config import new_token
@@ -45,6 +51,18 @@ def local_cluster_resources(cfg: DeploymentConfig) -> dict[str, float]:
     for name, amount in cfg.ray.router_resources:
         out[name] = out.get(name, 0.0) + amount
     return out
+
+
+def pin_revision(cfg: DeploymentConfig) -> DeploymentConfig:
+    """`cfg` with a hub id's revision (a branch, a tag, or none: main) replaced by the commit
+    it resolves to here, so that a branch moving while replicas start cannot give two nodes
+    different weights. The embedded model and directories are returned as they are."""
+    if cfg.model == "embedded" or Path(cfg.model).is_dir():
+        return cfg
+    from splitserve.hub import resolve_model
+
+    snapshot = Path(resolve_model(cfg.model, cfg.revision).path)
+    return replace(cfg, revision=snapshot.name)  # the hub cache's snapshots/<commit>
 
 
 def pool_app(cfg: DeploymentConfig, kind: str, n: int, directory: str) -> Any:
@@ -110,7 +128,8 @@ class RayDeployment(LauncherBackend):
             return
         if cfg.ray_address is None:
             ray.init(namespace=cfg.ray.namespace, include_dashboard=False,
-                     resources=local_cluster_resources(cfg), log_to_driver=False)
+                     resources=local_cluster_resources(cfg), log_to_driver=False,
+                     _node_ip_address="127.0.0.1")
             self.started_cluster = True
         else:
             ray.init(address=cfg.ray_address, namespace=cfg.ray.namespace,
@@ -121,11 +140,15 @@ class RayDeployment(LauncherBackend):
             raise RuntimeError("this deployment is already started")
         t0 = time.monotonic()
         try:
+            self.cfg = pin_revision(self.cfg)
             self._connect()
             self.startup_s["cluster"] = time.monotonic() - t0
             self._deploy(t0)
-        except BaseException:
-            self.stop()
+        except BaseException as exc:
+            try:
+                self.stop()
+            except RuntimeError as stop_failed:
+                exc.add_note(str(stop_failed))
             raise
         self.say(f"splitserve: ready — OpenAI endpoint {self.url}/v1 on Ray "
                  f"({', '.join(f'{n} {k}' for k, n in pool_sizes(self.cfg).items())}; "
@@ -187,40 +210,55 @@ class RayDeployment(LauncherBackend):
             return [f"the router actor is gone: {type(exc).__name__}"]
 
     def stop(self) -> None:
-        import contextlib
-
         import ray
 
         if not ray.is_initialized():
             return
         from ray import serve
+        from ray.exceptions import RayActorError
+
+        problems: list[str] = []
+
+        def attempt(what: str, step: Callable[[], object]) -> None:
+            try:
+                step()
+            except RayActorError:
+                pass  # the actor, or its node, is gone already: nothing of it is left to stop
+            except Exception as exc:
+                problems.append(f"{what}: {type(exc).__name__}: {exc}")
+                self.say(f"splitserve: stopping {what} failed: {type(exc).__name__}: {exc}")
 
         if self.router is not None:
-            with contextlib.suppress(Exception):
-                ray.get(self.router.stop.remote(), timeout=self.cfg.stop_timeout_s + 15)
-            with contextlib.suppress(Exception):
-                ray.kill(self.router)
+            router = self.router
+            attempt("the router", lambda: ray.get(router.stop.remote(),
+                                                  timeout=self.cfg.stop_timeout_s + 15))
+            attempt("the router actor", lambda: ray.kill(router))
             self.router = None
             if self.directory is not None:
-                with contextlib.suppress(Exception):
-                    ray.get(self.directory.router_stopped.remote(), timeout=10)
+                directory = self.directory
+                attempt("the directory", lambda: ray.get(directory.router_stopped.remote(),
+                                                         timeout=10))
         for app in self.apps:  # every pool drains at once
-            with contextlib.suppress(Exception):
-                serve.delete(app, _blocking=False)
-        deadline = time.monotonic() + self.cfg.ray.drain_timeout_s + self.cfg.stop_timeout_s + 60
-        while time.monotonic() < deadline:
-            try:
-                if not set(self.apps) & set(serve.status().applications):
-                    break
-            except Exception:  # Serve itself is gone: nothing is left to wait for
-                break
-            time.sleep(0.5)
+            attempt(f"pool {app}", lambda app=app: serve.delete(app, _blocking=False))
+        attempt("the pools", self._wait_deleted)
         if self.directory is not None:
-            with contextlib.suppress(Exception):
-                ray.kill(self.directory)
+            directory = self.directory
+            attempt("the directory actor", lambda: ray.kill(directory))
             self.directory = None
         if self.started_cluster:
-            with contextlib.suppress(Exception):
-                serve.shutdown()
+            attempt("Ray Serve", serve.shutdown)
             ray.shutdown()
             self.started_cluster = False
+        if problems:
+            raise RuntimeError("the Ray deployment did not stop cleanly: " + "; ".join(problems))
+
+    def _wait_deleted(self) -> None:
+        """Until no pool's application is left (each replica drains, then stops)."""
+        from ray import serve
+
+        limit = self.cfg.ray.drain_timeout_s + self.cfg.stop_timeout_s + 60
+        deadline = time.monotonic() + limit
+        while set(self.apps) & set(serve.status().applications):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"pools still deleting after {limit:.0f} s")
+            time.sleep(0.5)

@@ -6,7 +6,8 @@ Contract:
   router host takes a draining (or vanished) worker out of the router and then calls
   `released`, which the draining replica waits for.
 - `snapshot()` lists only live workers: an entry whose replica actor no longer exists (its
-  process or its node died) is dropped there, together with its cores.
+  process or its node died) is dropped there, together with its cores; so are the cores of a
+  replica that died before it registered. A replica whose start fails deregisters itself.
 - The deployment token and API key live here, set by the driver with `set_secrets` and read
   by replicas with `secrets()`: actor method calls, never argv, `runtime_env` or anything Ray's
   dashboard shows.
@@ -109,13 +110,20 @@ class WorkerDirectory:
     def snapshot(self) -> list[dict[str, Any]]:
         import ray
 
-        alive = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)}
-        dead_nodes = {n["NodeID"] for n in ray.nodes() if not n["Alive"]}
+        self.prune({a["name"] for a in ray.util.list_named_actors(all_namespaces=True)},
+                   {n["NodeID"] for n in ray.nodes() if not n["Alive"]})
+        return [asdict(e) for e in self._entries.values()]
+
+    def prune(self, alive: set[str], dead_nodes: set[str]) -> None:
+        """Forget the replicas that are not among the `alive` actor names or sit on one of
+        `dead_nodes`: their entries and their core claims (registered or not)."""
         gone = [r for r, e in self._entries.items()
                 if not replica_alive(r, alive, dead_nodes, e)]
         for replica in gone:
             self.deregister(replica)
-        return [asdict(e) for e in self._entries.values()]
+        for claims in self._claims.values():  # replicas lost before they registered
+            for replica in [r for r in claims if r not in alive]:
+                del claims[replica]
 
     def _note(self) -> None:
         counts: dict[str, int] = {}

@@ -6,6 +6,10 @@ Invariants:
   `start_new_session=True`); ARGV and everything ARGV starts (vLLM's `EngineCore` included)
   stay in that group.
 - The guard gets SIGTERM when its parent (a Ray replica or actor) dies (PR_SET_PDEATHSIG).
+- The guard itself may be SIGKILLed: Ray's core worker kills its direct children when it exits
+  (`kill_child_processes_on_worker_exit`, e.g. when its node is lost). A sentinel process in the
+  group (`--sentinel`), started first, gets SIGTERM when the guard dies and SIGKILLs the whole
+  group then, so vLLM's API server and `EngineCore` never outlive their guard.
 - On SIGTERM it forwards SIGTERM to ARGV (vLLM drains for its `--shutdown-timeout`), waits up to
   `SPLITSERVE_GUARD_GRACE_S` (default 30; 0 when the parent is already gone), then SIGKILLs the
   whole group. When ARGV exits on its own, the rest of the group is SIGKILLed too (no engine
@@ -48,16 +52,35 @@ def kill_rest_of_group() -> None:
             continue
 
 
+def die_with_parent() -> int:
+    """Arm SIGTERM on the parent's death; the parent's pid, or 0 when it is already gone."""
+    parent = os.getppid()
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    return parent if os.getppid() == parent else 0
+
+
+def sentinel(guard: int) -> int:
+    """Wait for the guard's death (however it died), then SIGKILL the whole group."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: kill_group())
+    if die_with_parent() != guard:
+        kill_group()
+    while True:
+        signal.pause()
+
+
 def main(argv: list[str]) -> int:
     if not argv:
         print("usage: python -m splitserve.launch.raybackend.guard ARGV...", file=sys.stderr)
         return 2
-    parent = os.getppid()
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    if os.getppid() != parent:  # the parent died before the death signal was armed
+    if argv[0] == "--sentinel":
+        return sentinel(int(argv[1]))
+    parent = die_with_parent()
+    if not parent:  # the parent died before the death signal was armed
         return 1
     grace = float(os.environ.pop(GRACE_ENV, "30"))
+    subprocess.Popen([sys.executable, "-m", "splitserve.launch.raybackend.guard",
+                      "--sentinel", str(os.getpid())], stdin=subprocess.DEVNULL)
     child = subprocess.Popen(argv)
     stopping = threading.Event()
 

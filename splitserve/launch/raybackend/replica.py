@@ -44,7 +44,8 @@ HEALTH_FAILURES = 3
 
 def node_model(cfg: DeploymentConfig) -> tuple[str, str | None]:
     """(directory, served name) of the deployment's model on this node: the embedded model
-    built here, a directory, or a hub id resolved here (as the local launcher does)."""
+    built here, a directory, or a hub id's snapshot of `cfg.revision`, which the driver pinned
+    to one commit (`deployment.pin_revision`): every node loads the same files."""
     if cfg.model == "embedded":
         from splitserve.demo_model import embedded_model_dir
 
@@ -78,9 +79,22 @@ class WorkerReplica:
         node_ip = ray.util.get_node_ip_address()
         cores = ray.get(self.directory.claim_cores.remote(
             node_ip, sorted(os.sched_getaffinity(0)), cfg.ray.worker_cpus, self.name))
+        try:
+            self._start(node_ip, tuple(cores))
+        except BaseException:  # a replica that never registers gives its cores back here
+            ray.get(self.directory.deregister.remote(self.name))
+            raise
+        self.client = httpx.AsyncClient(headers=bearer_headers(token), timeout=2.0)
+        self.health_failures = 0
+
+    def _start(self, node_ip: str, cores: tuple[int, ...]) -> None:
+        """Start the worker under its guard, wait until it is healthy, register it."""
+        import ray
+
+        cfg, token = self.cfg, self.token
         model_dir, served_name = node_model(cfg)
-        self.wcfg = pool_worker_config(cfg, ROLES[kind], model_dir, served_name, node_ip,
-                                       tuple(cores))
+        self.wcfg = pool_worker_config(cfg, ROLES[self.kind], model_dir, served_name, node_ip,
+                                       cores)
         argv, env = worker_command(self.wcfg, token)
         env[GRACE_ENV] = str(self.wcfg.shutdown_timeout_s + 5)
         self.log = log_path(cfg, self.name)
@@ -100,11 +114,9 @@ class WorkerReplica:
             self.stop(grace_s=0)
             raise
         ray.get(self.directory.register.remote({
-            "replica": self.name, "kind": kind, "url": self.wcfg.url,
+            "replica": self.name, "kind": self.kind, "url": self.wcfg.url,
             "node_id": ray.get_runtime_context().get_node_id(), "node_ip": node_ip,
-            "cores": tuple(cores)}))
-        self.client = httpx.AsyncClient(headers=bearer_headers(token), timeout=2.0)
-        self.health_failures = 0
+            "cores": cores}))
 
     def describe(self) -> dict[str, Any]:
         return {"replica": self.name, "kind": self.kind, "url": self.wcfg.url,
