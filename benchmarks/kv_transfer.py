@@ -36,7 +36,8 @@ from splitserve.connector.protocol import Fingerprint
 from splitserve.connector.segment import SharedSegment
 from splitserve.connector.staging import StagingArea
 from splitserve.connector.stats import ConnectorStats
-from splitserve.connector.transport.base import LayerItem, PushChannel
+from splitserve.connector.transport.base import PushChannel
+from splitserve.connector.transport.items import LayerItem
 from splitserve.connector.transport.shm import ShmPushChannel
 from splitserve.connector.transport.tcp import TcpPushChannel
 

@@ -17,7 +17,8 @@ from splitserve.connector.layout.staging_format import KVShape, region_offset
 from splitserve.connector.protocol import Fingerprint
 from splitserve.connector.staging import StagedTransfer, StagingArea
 from splitserve.connector.stats import ConnectorStats
-from splitserve.connector.transport.base import LayerItem, PushChannel, SendState
+from splitserve.connector.transport.base import PushChannel
+from splitserve.connector.transport.items import LayerItem, SendState
 
 SHAPE = KVShape(num_layers=2, num_kv_heads=2, head_dim=32, dtype=torch.float32)
 FP = Fingerprint("cafe", "float32", 2, 2, 32, "0.32.0")

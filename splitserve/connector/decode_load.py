@@ -5,7 +5,9 @@ staged complete and verified: its KV is copied into the blocks vLLM allocated â€
 the running batch â€” or the load is reported failed (late, short, corrupt, refused, peer gone),
 which vLLM's `kv_load_failure_policy` turns into a recompute or an error. A synchronous load
 (the transfer was complete when the request was scheduled) is copied before the forward pass,
-or its blocks are reported as load errors.
+or its blocks are reported as load errors. The copies into the blocks go through the
+worker's `Copier` (`devcopy`): on a CUDA engine they run on a side stream while the engine
+steps, and a load is reported (its staged bytes freed) only once they completed.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 from vllm.logger import init_logger
 
 from splitserve.config import ConnectorConfig
+from splitserve.connector.devcopy import Completion, Copier, InlineCopies
 from splitserve.connector.donetable import DoneTable, table_path
 from splitserve.connector.layout.paged import PagedLayout
 from splitserve.connector.layout.staging_format import KVShape, region_offset
@@ -41,6 +44,8 @@ class _Load:
     spec: LoadSpec
     deadline: float
     staged: StagedTransfer | None = None
+    copies: list[Completion] | None = None  # the copies into the blocks, once started
+    copy_t0: float = 0.0
 
 
 @dataclass
@@ -54,8 +59,10 @@ class DecodeLoads:
     load fails. Called on the engine's worker thread only."""
 
     def __init__(self, cfg: ConnectorConfig, staging: StagingArea | None, stats: ConnectorStats,
-                 layouts: list[PagedLayout], shape: KVShape) -> None:
+                 layouts: list[PagedLayout], shape: KVShape, copier: Copier | None = None
+                 ) -> None:
         self._cfg = cfg
+        self._copier = copier or InlineCopies()
         self._staging = staging
         self._stats = stats
         self._layouts, self._shape = layouts, shape
@@ -80,6 +87,8 @@ class DecodeLoads:
         or report the blocks as failed so vLLM recomputes them (or fails the request)."""
         try:
             result = self._poll_load(load, float("inf")) if self._staging else "not_a_decode_worker"
+            if result is None and load.copies is not None and load.staged is not None:
+                result = self._copied(load, load.staged, wait=True)  # the forward reads them
         except Exception:
             logger.exception("KV load for %s failed", load.spec.request_id)
             result = "internal_error"
@@ -92,7 +101,11 @@ class DecodeLoads:
         errors, self._load_errors = self._load_errors, set()
         return errors
 
-    def _copy_into_blocks(self, st: StagedTransfer, spec: LoadSpec) -> None:
+    def _start_copies(self, st: StagedTransfer, spec: LoadSpec, copies: list[Completion]
+                      ) -> None:
+        """Queue (CPU: make) the copies of a complete, verified transfer into the blocks,
+        appending to `copies` what to wait for before reporting the request ready and freeing
+        the staged bytes (appended as queued, so a copy queued before a failure is waited for)."""
         assert self._staging is not None
         seg = self._staging.segment.tensor
         shape = self._shape
@@ -104,7 +117,50 @@ class DecodeLoads:
             nbytes = (end - start) * shape.bytes_per_token_layer
             for layer, layout in enumerate(self._layouts):
                 base = st.offset + region_offset(shape, start, end, layer)
-                layout.scatter(spec.block_ids, lo, end, seg[base:base + nbytes], start)
+                region = seg[base:base + nbytes]
+                done = self._copier.load(layout, spec.block_ids, lo, end, region, start)
+                if done is None:  # the copier's buffers are all in flight: drain ours, retry
+                    for queued in copies:
+                        queued.wait()
+                    done = self._copier.load(layout, spec.block_ids, lo, end, region, start)
+                if done is None:
+                    layout.scatter(spec.block_ids, lo, end, region, start)
+                else:
+                    copies.append(done)
+
+    def _copied(self, load: _Load, st: StagedTransfer, wait: bool = False) -> str | None:
+        """Once every copy into the blocks completed (`wait`: block until then): release the
+        staged bytes and report "ok"; None while they run; a cause if one failed."""
+        assert self._staging is not None and load.copies is not None
+        try:
+            if wait:
+                for done in load.copies:
+                    done.wait()
+            elif not all(done.done() for done in load.copies):
+                return None  # still copying into the blocks (CUDA: on the side stream)
+        except Exception:
+            logger.exception("KV copy into the blocks of %s failed", load.spec.request_id)
+            return self._give_up(load, st, "internal_error")
+        spec = load.spec
+        st.record.load_s = time.perf_counter() - load.copy_t0
+        st.record.loaded_tokens = spec.end - spec.start
+        st.record.load_mode = "sync" if spec.sync else "async"
+        self._staging.release(st, "loaded")
+        self._stats.close(st.record, "loaded")
+        return "ok"
+
+    def _give_up(self, load: _Load, st: StagedTransfer, cause: str) -> str:
+        """Fail the load: its staged bytes are freed only after every copy queued from them
+        has finished (or failed), so no copy reads a region handed to another transfer."""
+        assert self._staging is not None
+        for done in load.copies or ():
+            try:
+                done.wait()
+            except Exception:
+                logger.exception("KV copy into the blocks of %s failed", load.spec.request_id)
+        self._staging.release(st, "failed")
+        self._stats.close(st.record, "failed", cause)
+        return cause
 
     def _poll_load(self, load: _Load, now: float) -> str | None:
         """None while waiting; "ok"; or a failure cause."""
@@ -118,27 +174,27 @@ class DecodeLoads:
             if final is not None:
                 return f"transfer_{final}"
             return "load_timeout" if now > load.deadline else None
+        if load.copies is not None:
+            return self._copied(load, st)
         if st.failed:
             cause = st.failed
         elif st.complete:
             if st.num_tokens != spec.end:
                 cause = "length_mismatch"
             else:
-                t0 = time.perf_counter()
-                self._copy_into_blocks(st, spec)
-                st.record.load_s = time.perf_counter() - t0
-                st.record.loaded_tokens = spec.end - spec.start
-                st.record.load_mode = "sync" if spec.sync else "async"
-                self._staging.release(st, "loaded")
-                self._stats.close(st.record, "loaded")
-                return "ok"
+                load.copy_t0 = time.perf_counter()
+                load.copies = []
+                try:
+                    self._start_copies(st, spec, load.copies)
+                except Exception:
+                    logger.exception("KV copy into the blocks of %s failed", spec.request_id)
+                    return self._give_up(load, st, "internal_error")
+                return self._copied(load, st)
         elif now > load.deadline:
             cause = "load_timeout"
         else:
             return None
-        self._staging.release(st, "failed")
-        self._stats.close(st.record, "failed", cause)
-        return cause
+        return self._give_up(load, st, cause)
 
     def poll(self) -> LoadResults:
         """Loads that completed or failed since the last call (never waits)."""

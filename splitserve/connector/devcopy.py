@@ -199,12 +199,15 @@ class CudaCopies(Copier):
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
     def register_host(self, region: torch.Tensor) -> bool:
-        ptr, nbytes = region.data_ptr(), region.numel() * region.element_size()
+        """Register through vLLM's own helper (`host_register`), which clears the CUDA error a
+        refused registration leaves behind (else the next kernel launch's error check would
+        raise it); without vLLM (the benchmark) nothing is registered."""
         try:
-            err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
-        except (AttributeError, RuntimeError):
+            from vllm.v1.kv_offload.cpu.host_register import host_register
+        except ImportError:
             return False
-        if int(err) != 0:
+        ptr, nbytes = region.data_ptr(), region.numel() * region.element_size()
+        if not host_register(ptr, nbytes):
             return False
         self._ranges = [*self._ranges, (ptr, nbytes)]
         return True
@@ -212,7 +215,9 @@ class CudaCopies(Copier):
     def unregister_host(self, region: torch.Tensor) -> None:
         ptr = region.data_ptr()
         if any(lo == ptr for lo, _ in self._ranges):
-            torch.cuda.cudart().cudaHostUnregister(ptr)
+            from vllm.v1.kv_offload.cpu.host_register import host_unregister
+
+            host_unregister(ptr)
             self._ranges = [(lo, n) for lo, n in self._ranges if lo != ptr]
 
     def mark(self) -> Completion:

@@ -4,7 +4,9 @@ After each layer, the layer's KV for the scheduled token range goes to the chann
 named in the request's transfer params, which copies it out of P's blocks on this thread once D
 has opened the transfer (the sender thread before then, or for fault-marked transfers). P's
 blocks stay held until the push is settled: a finished request is reported in
-`finished_sending` only once its channel says acked, failed or cancelled.
+`finished_sending` only once its channel says acked, failed or cancelled. The copies go
+through the worker's `Copier` (`devcopy`): on a CUDA engine the forward thread only queues them
+on a side stream, and the sender thread waits for each before it checksums and sends.
 """
 
 from __future__ import annotations
@@ -16,13 +18,15 @@ from dataclasses import dataclass
 import torch
 
 from splitserve.config import ConnectorConfig
+from splitserve.connector.devcopy import Copier, InlineCopies
 from splitserve.connector.faults import Faults
 from splitserve.connector.layout.paged import PagedLayout
 from splitserve.connector.layout.staging_format import KVShape
 from splitserve.connector.meta import SaveSpec, SplitserveMeta
 from splitserve.connector.protocol import Fingerprint
 from splitserve.connector.stats import ConnectorStats
-from splitserve.connector.transport.base import LayerItem, SendState, TransferChannel
+from splitserve.connector.transport.base import TransferChannel
+from splitserve.connector.transport.items import LayerItem, SendState
 from splitserve.connector.transport.shm import ShmPushChannel
 from splitserve.connector.transport.tcp import TcpPushChannel
 
@@ -46,8 +50,9 @@ class PrefillSends:
     def __init__(self, cfg: ConnectorConfig, token: str, tls: ssl.SSLContext | None,
                  faults: Faults, stats: ConnectorStats, layers: dict[str, int],
                  layouts: list[PagedLayout], shape: KVShape, fingerprint: Fingerprint,
-                 open_channel: OpenChannel | None = None) -> None:
+                 open_channel: OpenChannel | None = None, copier: Copier | None = None) -> None:
         self._cfg = cfg
+        self._copier = copier or InlineCopies()
         self._token, self._tls, self._faults, self._stats = token, tls, faults, stats
         self._layers, self._layouts = layers, layouts
         self._shape, self._fingerprint = shape, fingerprint
@@ -63,7 +68,8 @@ class PrefillSends:
     def _push_channel(self, host: str, port: int, transport: str) -> TransferChannel:
         cls = ShmPushChannel if transport == "shm" else TcpPushChannel
         return cls(host, port, self._token, self._fingerprint, self._stats, self._faults,
-                   self._shape, self._cfg.connect_timeout_s, tls=self._tls)
+                   self._shape, self._cfg.connect_timeout_s, tls=self._tls,
+                   copier=self._copier)
 
     def _channel(self, host: str, port: int, transport: str) -> TransferChannel:
         key = (host, port, transport)
@@ -94,6 +100,7 @@ class PrefillSends:
             # on purpose not a per-transfer failure: every copy would read memory that is no
             # longer this layer's cache, so the engine must stop rather than serve
             raise RuntimeError(f"vLLM moved the KV cache of {layer_name} after registration")
+        ready = self._copier.mark()  # what a copy made later, off this thread, waits for
         for spec in meta.saves:
             send = self._sends.get(spec.request_id)
             if send is None:
@@ -103,7 +110,7 @@ class PrefillSends:
             if send.ended:
                 continue
             send.channel.push_layer(LayerItem(spec.transfer_id, layer, spec.start, spec.end,
-                                              layout, spec.block_ids))
+                                              layout, spec.block_ids, ready))
 
     def wait_for_save(self, meta: SplitserveMeta) -> None:
         for spec in meta.saves:

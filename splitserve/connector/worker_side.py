@@ -4,6 +4,12 @@ At registration it chooses and verifies the paged layout (`layout.select`), then
 each role needs: P's pushes (`prefill_send.PrefillSends`), D's staging area and loads
 (`decode_load`), and the listener that receives pushes and answers control queries
 (`control.ControlAnswers`). Every later call of vLLM's is handed to the part it concerns.
+
+Copies between the engine's blocks and host bytes go through one `Copier` (`devcopy`), chosen
+from the caches' device: on a CPU engine the synchronous copies; on a CUDA engine P's are
+queued on a side stream (the sender waits for them) and D's copy into the blocks runs on it
+while the engine steps, the request reported ready (and its staged bytes freed) once that copy
+has completed. D's staging segment is registered as pinned memory where the driver allows it.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from vllm.logger import init_logger
 from splitserve.config import ConnectorConfig, load_token
 from splitserve.connector.control import ControlAnswers
 from splitserve.connector.decode_load import DecodeLoads, open_staging
+from splitserve.connector.devcopy import Copier, CudaCopies, InlineCopies
 from splitserve.connector.faults import Faults
 from splitserve.connector.layout.paged import EngineKV, kv_shape
 from splitserve.connector.layout.select import select_layouts
@@ -42,7 +49,9 @@ def _layer_index(name: str) -> int:
 
 class WorkerSide:
     def __init__(self, cfg: ConnectorConfig, engine_id: str, hf_config: dict[str, Any],
-                 dtype: torch.dtype, vllm_version: str) -> None:
+                 dtype: torch.dtype, vllm_version: str, copier: Copier | None = None) -> None:
+        """`copier`: how copies between the blocks and host bytes run; None: chosen from the
+        caches' device at registration (`CudaCopies` on CUDA, `InlineCopies` otherwise)."""
         self.cfg = cfg
         self.engine_id = engine_id
         self._token = load_token(required=True) or ""
@@ -54,6 +63,8 @@ class WorkerSide:
         self._dtype = dtype
         self._vllm_version = vllm_version
         self.stats = ConnectorStats()
+        self._copier: Copier = copier or InlineCopies()
+        self._copier_given = copier is not None
         self.shape: KVShape | None = None
         self.fingerprint: Fingerprint | None = None
         self.staging: StagingArea | None = None
@@ -67,6 +78,9 @@ class WorkerSide:
         names = sorted(kv_caches, key=_layer_index)
         layers = {n: i for i, n in enumerate(names)}
         layouts = select_layouts([(n, kv_caches[n]) for n in names], engine)
+        device = kv_caches[names[0]].device
+        if device.type == "cuda" and not self._copier_given:
+            self._copier = CudaCopies(device)
         first = layouts[0]
         shape = self.shape = kv_shape(layouts)
         heads, head_dim = shape.num_kv_heads, shape.head_dim
@@ -82,9 +96,12 @@ class WorkerSide:
         )
         if self.cfg.role in ("decode", "both"):
             self.staging = open_staging(self.cfg, self.engine_id, shape, self.stats)
+            self._copier.register_host(self.staging.segment.tensor)
         sends = self._sends = PrefillSends(self.cfg, self._token, self._tls_client, self._faults,
-                                           self.stats, layers, layouts, shape, fingerprint)
-        loads = self._loads = DecodeLoads(self.cfg, self.staging, self.stats, layouts, shape)
+                                           self.stats, layers, layouts, shape, fingerprint,
+                                           copier=self._copier)
+        loads = self._loads = DecodeLoads(self.cfg, self.staging, self.stats, layouts, shape,
+                                          self._copier)
         control = ControlAnswers(self.cfg, self.engine_id, self._vllm_version, fingerprint,
                                  self.stats, self.staging, lambda: loads.pending,
                                  lambda: sends.held)
@@ -141,4 +158,5 @@ class WorkerSide:
         if self.listener is not None:
             self.listener.close()
         if self.staging is not None:
+            self._copier.unregister_host(self.staging.segment.tensor)
             self.staging.close()

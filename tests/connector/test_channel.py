@@ -15,7 +15,8 @@ from splitserve.connector.layout.cpu import VllmCpuLayout
 from splitserve.connector.listener import KVListener
 from splitserve.connector.staging import StagingArea
 from splitserve.connector.stats import ConnectorStats
-from splitserve.connector.transport.base import LayerItem, PushChannel
+from splitserve.connector.transport.base import PushChannel
+from splitserve.connector.transport.items import LayerItem
 from splitserve.connector.transport.shm import ShmPushChannel
 from splitserve.connector.transport.tcp import BufferPool, TcpPushChannel
 

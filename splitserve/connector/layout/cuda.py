@@ -8,11 +8,10 @@ agree with it; `verify` writes known K and V through vLLM's own `reshape_and_cac
 (the cache write of all three backends) into a scratch cache of that layout and reads them
 back. Latent (MLA), mamba and quantized (fp8, uint8-stored) caches are not read.
 
-`gather`/`scatter` are synchronous and go through a temporary device buffer: the connector
-calls them on its forward thread (P) and load path (D). `gather_device`/`scatter_device` are
-the device-side halves a side-stream copier (`devcopy.CudaCopies`, measured by
-`benchmarks/gpu_kv.py`) builds on; the connector does not use that copier yet. Host buffers
-are pinned.
+`gather_device`/`scatter_device` are the device-side halves the connector's side-stream
+copier (`devcopy.CudaCopies`, measured by `benchmarks/gpu_kv.py`) queues for P's saves and D's
+loads. `gather`/`scatter` are synchronous and go through a temporary device buffer: P's sender
+thread uses them for a layer the copier had no room for. Host buffers are pinned.
 """
 
 from __future__ import annotations

@@ -11,10 +11,16 @@ Contract (the swap point between transports):
   sent by the sender, or a payload-less frame held in `SendState.unsent`, which goes out with
   END in one send); framing, handshake, BEGIN/END/ABORT and ACK handling are shared here.
   A copy that raises fails its transfer (D then recomputes), never the forward pass.
+- The forward thread's copy goes through the channel's `Copier` (`devcopy`): on a CPU engine
+  the synchronous copy, checksummed right there; on a CUDA engine it is queued on a side stream
+  (`CopiedLayer`) and the sender thread waits for it before it checksums and sends, so the
+  forward thread never waits for a device-to-host copy. The sender waits for a queued copy
+  even when its transfer was settled meanwhile, before any later ABORT lets D free the region.
 - Every transfer ends in exactly one of: `acked` (D verified it), `failed` (refused, peer gone,
   D reported a failure, or no ACK in time), or `cancelled`. `is_settled` tells the worker when
-  P's blocks may be freed: once settled, the channel never touches the transfer's blocks again.
-  Copies on the forward thread need no hand-over: `cancel` is called on that thread too.
+  P's blocks may be freed: once settled, the channel never writes them and never copies from
+  them again. Copies on the forward thread need no hand-over: `cancel` is called on that
+  thread too (a device copy it queued before may still read the blocks; its bytes are dropped).
 """
 
 from __future__ import annotations
@@ -26,16 +32,13 @@ import ssl
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import torch
 import xxhash
 
+from splitserve.connector.devcopy import Copier, InlineCopies
 from splitserve.connector.faults import Faults
 from splitserve.connector.framing import ProtocolError, send_parts
-from splitserve.connector.layout.paged import PagedLayout
 from splitserve.connector.layout.staging_format import KVShape
 from splitserve.connector.messages import (
     Abort,
@@ -51,55 +54,12 @@ from splitserve.connector.messages import (
     send,
 )
 from splitserve.connector.protocol import Fingerprint, connect
-from splitserve.connector.stats import ConnectorStats, TransferRecord
+from splitserve.connector.stats import ConnectorStats
 from splitserve.connector.tls import Conn
+from splitserve.connector.transport.items import CopiedLayer, LayerItem, ReadyLayer, SendState
 
-
-@dataclass
-class SendState:
-    transfer_id: str
-    num_tokens: int
-    record: TransferRecord
-    deadline: float  # no ACK by then -> failed
-    status: str = "pending"  # pending | acked | failed | cancelled
-    offset: int = -1  # D's staging offset (from BEGIN_OK)
-    began: threading.Event = field(default_factory=threading.Event)
-    # LAYER frames whose payload is already in D's staging, held back so that D wakes once per
-    # transfer; appended before END is queued, they go out with END, or are dropped on abort
-    unsent: list[bytes] = field(default_factory=list)
-
-    @property
-    def settled(self) -> bool:
-        return self.status != "pending"
-
-
-@dataclass(frozen=True)
-class LayerItem:
-    """One layer's KV for tokens [start, end), still in P's paged blocks (held until settled)."""
-
-    transfer_id: str
-    layer: int
-    start: int
-    end: int
-    layout: PagedLayout  # the layer's cache
-    block_ids: tuple[int, ...]
-
-    def gather_into(self, region: torch.Tensor) -> None:
-        """Write this chunk's staging bytes (uint8, exactly its tokens) into `region`."""
-        self.layout.gather(self.block_ids, self.start, self.end, region)
-
-
-@dataclass(frozen=True)
-class ReadyLayer:
-    """A layer already copied out of P's blocks: `parts` (frame, payload) wait for the sender;
-    `release` returns the payload's buffer once sent or dropped."""
-
-    transfer_id: str
-    parts: list[bytes | memoryview]
-    release: Callable[[], None]
-
-
-# ("begin", SendState) | ("layer", LayerItem) | ("send", ReadyLayer) | ("end"|"abort", id)
+# ("begin", SendState) | ("layer", LayerItem) | ("send", ReadyLayer) | ("copied", CopiedLayer)
+# | ("end"|"abort", id)
 Item = tuple[str, Any]
 log = logging.getLogger(__name__)
 
@@ -135,8 +95,9 @@ class PushChannel(ABC):
     def __init__(self, host: str, port: int, token: str, fingerprint: Fingerprint,
                  stats: ConnectorStats, faults: Faults, shape: KVShape,
                  connect_timeout_s: float, begin_timeout_s: float = 5.0,
-                 tls: ssl.SSLContext | None = None) -> None:
+                 tls: ssl.SSLContext | None = None, copier: Copier | None = None) -> None:
         self.host, self.port = host, port
+        self.copier = copier or InlineCopies()  # how the forward thread copies a layer out
         self._tls = tls  # set: every connection is TLS, verified for `host`
         self._token, self._fingerprint = token, fingerprint
         self._stats, self._faults = stats, faults
@@ -183,6 +144,9 @@ class PushChannel(ABC):
     def queue_ready(self, ready: ReadyLayer) -> None:
         self._queue.put(("send", ready))
 
+    def queue_copied(self, copied: CopiedLayer) -> None:
+        self._queue.put(("copied", copied))
+
     def end(self, transfer_id: str) -> None:
         """After the forward pass that computed the transfer's last chunk (every layer done)."""
         st = self._states.get(transfer_id)
@@ -191,7 +155,8 @@ class PushChannel(ABC):
         self._queue.put(("end", transfer_id))
 
     def cancel(self, transfer_id: str) -> None:
-        """Stop touching the transfer's blocks; returns once the sender is off them."""
+        """Stop touching the transfer's blocks; returns once the sender thread is off them,
+        without waiting for a device copy queued earlier (its bytes are dropped)."""
         with self._lock:
             st = self._states.get(transfer_id)
             if st is not None and not st.settled:
@@ -239,6 +204,11 @@ class PushChannel(ABC):
         False (nothing done) if the transport cannot yet, and the sender thread will."""
 
     @abstractmethod
+    def send_copied(self, st: SendState, copied: CopiedLayer) -> None:
+        """On the sender thread, once the forward thread's queued copy completed: checksum
+        `copied.region` and send (or hold) its LAYER frame."""
+
+    @abstractmethod
     def write_payload(self, sock: Conn, st: SendState, item: LayerItem) -> None:
         """On the sender thread: deliver the chunk's bytes into D's staging region and send
         (or hold) its LAYER frame."""
@@ -275,11 +245,16 @@ class PushChannel(ABC):
             tid = payload if isinstance(payload, str) else payload.transfer_id
             with self._lock:
                 st = self._states.get(tid)
-                if st is None or (st.settled and kind != "abort"):
-                    if kind == "send":
-                        payload.release()
-                    continue
-                self._busy_with = tid
+                skip = st is None or (st.settled and kind != "abort")
+                if not skip and kind != "copied":  # a queued device copy: no host read here
+                    self._busy_with = tid
+            if skip:
+                if kind == "copied":  # the copy may still write its region: let it finish
+                    self._settle_copy(payload)
+                elif kind == "send":
+                    payload.release()
+                continue
+            assert st is not None
             try:
                 self._handle(kind, payload, st)
             except (OSError, ProtocolError) as exc:
@@ -325,6 +300,18 @@ class PushChannel(ABC):
                     st.record.sender_sends_s += time.perf_counter() - t0
             finally:
                 payload.release()
+        elif kind == "copied":
+            t0 = time.perf_counter()
+            if self._settle_copy(payload, release=False):
+                try:
+                    if st.offset >= 0 and not st.settled:
+                        self.send_copied(st, payload)
+                finally:
+                    payload.release()
+            else:
+                self._fail(st, "internal_error")
+                self._queue.put(("abort", st.transfer_id))
+            st.record.sender_layers_s += time.perf_counter() - t0
         elif kind == "end":
             if st.offset >= 0:
                 rec = st.record
@@ -336,6 +323,20 @@ class PushChannel(ABC):
             st.unsent.clear()
             if self._sock is not None and st.offset >= 0:
                 send(self._sock, Abort(st.transfer_id))
+
+    @staticmethod
+    def _settle_copy(copied: CopiedLayer, release: bool = True) -> bool:
+        """Wait for a queued copy; whether it completed (a device error fails its transfer).
+        The buffer is released here if the copy failed or `release`."""
+        try:
+            copied.done.wait()
+        except Exception:
+            log.exception("KV copy of transfer %s failed", copied.transfer_id)
+            copied.release()
+            return False
+        if release:
+            copied.release()
+        return True
 
     def layer_frame(self, item: LayerItem, payload: memoryview, inline: bool = True,
                     written_s: float | None = None) -> Layer:

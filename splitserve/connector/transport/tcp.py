@@ -14,7 +14,8 @@ import torch
 from splitserve.connector.framing import send_parts
 from splitserve.connector.messages import StagingInfo, encode
 from splitserve.connector.tls import Conn
-from splitserve.connector.transport.base import LayerItem, PushChannel, ReadyLayer, SendState
+from splitserve.connector.transport.base import PushChannel
+from splitserve.connector.transport.items import CopiedLayer, LayerItem, ReadyLayer, SendState
 
 POOL_BYTES = 64 * 1024**2  # payload buffers held for the sender, per channel
 
@@ -62,21 +63,37 @@ class TcpPushChannel(PushChannel):
         if self._pool is None:
             self._pool = BufferPool(POOL_BYTES, item.layout.host_buffer)
         pool = self._pool
-        buf = pool.take((item.end - item.start) * self.shape.bytes_per_token_layer)
+        nbytes = (item.end - item.start) * self.shape.bytes_per_token_layer
+        buf = pool.take(nbytes)
         if buf is None:
             return False
-        parts = self._gather(buf, item)
-        self.queue_ready(ReadyLayer(item.transfer_id, parts, lambda: pool.give(buf)))
+        region = buf[:nbytes]
+        try:
+            done = self.copier.save(item.layout, item.block_ids, item.start, item.end, region)
+        except BaseException:
+            pool.give(buf)
+            raise
+        if done is None:
+            pool.give(buf)
+            return False  # the copier's buffers are all in flight: the sender copies it
+        if done.done():
+            self.queue_ready(ReadyLayer(item.transfer_id, self._parts(item, region),
+                                        lambda: pool.give(buf)))
+        else:
+            self.queue_copied(CopiedLayer(item, region, done, lambda: pool.give(buf)))
         return True
 
     def write_payload(self, sock: Conn, st: SendState, item: LayerItem) -> None:
         nbytes = (item.end - item.start) * self.shape.bytes_per_token_layer
         if self._buffer is None or self._buffer.numel() < nbytes:
             self._buffer = item.layout.host_buffer(max(nbytes, 1 << 20))
-        send_parts(sock, self._gather(self._buffer, item))
-
-    def _gather(self, buf: torch.Tensor, item: LayerItem) -> list[bytes | memoryview]:
-        region = buf[:(item.end - item.start) * self.shape.bytes_per_token_layer]
+        region = self._buffer[:nbytes]
         item.gather_into(region)
+        send_parts(sock, self._parts(item, region))
+
+    def send_copied(self, st: SendState, copied: CopiedLayer) -> None:
+        send_parts(self._ensure_connected(), self._parts(copied.item, copied.region))
+
+    def _parts(self, item: LayerItem, region: torch.Tensor) -> list[bytes | memoryview]:
         payload = memoryview(region.numpy())
         return [encode(self.layer_frame(item, payload)), payload]
