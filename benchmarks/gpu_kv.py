@@ -28,6 +28,7 @@ import argparse
 import json
 import platform
 import random
+import sys
 import time
 from collections import deque
 from dataclasses import asdict, dataclass
@@ -35,8 +36,16 @@ from pathlib import Path
 
 import torch
 
-from splitserve.connector.devcopy import Completion, Copier, CudaCopies, InlineCopies
-from splitserve.connector.layout.strided import LAYOUTS, StridedKV, allocate_views
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # this checkout's splitserve, on a machine that has only torch
+
+from splitserve.connector.devcopy import (  # noqa: E402
+    Completion,
+    Copier,
+    CudaCopies,
+    InlineCopies,
+)
+from splitserve.connector.layout.strided import LAYOUTS, StridedKV, allocate_views  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -199,7 +208,7 @@ def main() -> None:
     ap.add_argument("--layouts", nargs="+", default=list(LAYOUTS))
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--limit-mib", type=int, default=256, help="copier buffers in flight")
-    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/gpu_kv.json"))
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/gpu_kv.json")
     args = ap.parse_args()
     device = torch.device(args.device)
     shape = SMALL if args.small else LLAMA3_8B
