@@ -45,8 +45,8 @@ def add_connector_args(g: argparse._ArgumentGroup | argparse.ArgumentParser,
                    help="a link in the profile (default: nixl for --connector nixl, else tcp, "
                    "else its only one)")
     g.add_argument("--pull-request-ms", type=float, default=0.0,
-                   help="nixl: D's leg from its arrival at D to the posted READ (beyond the "
-                   "router hop)")
+                   help="nixl: D's leg from its arrival at D to D's scheduler (beyond the "
+                   "router hop); D's next step then posts the READ")
 
 
 def transport_for(args: argparse.Namespace, prof: Profile, connector: str) -> str:

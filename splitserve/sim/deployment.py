@@ -23,9 +23,9 @@ class SimConfig:
 
     `connector` (disagg): `splitserve` pushes the KV layer by layer while P prefills (`overlap`)
     and D computes t2 in its first step; `nixl` (vLLM's NixlConnector) has D pull P's whole
-    blocks once its leg reaches it (t1 + router hop + `pull_request_s`), after P's prefill, and
-    D's first step replays t1, so t2 comes with its second step. `transport` names the
-    profile's link either uses."""
+    blocks after P's prefill, from D's next step once its leg reached D's scheduler (t1 + router
+    hop + `pull_request_s`), and D's first step replays t1, so t2 comes with its second step.
+    `transport` names the profile's link either uses."""
 
     mode: Mode = "disagg"
     n_prefill: int = 1
@@ -37,7 +37,7 @@ class SimConfig:
     transport: str = "tcp"
     connector: Connector = "splitserve"
     overlap: bool = True  # splitserve: layer-wise KV push during the prefill
-    pull_request_s: float = 0.0  # nixl: D's leg from its arrival to the posted READ
+    pull_request_s: float = 0.0  # nixl: D's leg from its arrival at D to its scheduler
     shared_link: bool = False  # one link for the whole cluster instead of one per P-worker
     router_hop_s: float = 0.0  # router overhead added to each leg
     split_costs: bool = True  # disagg: apply the profile's measured `split` costs, if any

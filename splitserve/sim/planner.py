@@ -37,7 +37,7 @@ class PlanRequest:
     transport: str = "tcp"
     connector: str = "splitserve"  # the P:D candidates' KV connector (SimConfig.connector)
     overlap: bool = True
-    pull_request_s: float = 0.0  # nixl: D's leg from its arrival to the posted READ
+    pull_request_s: float = 0.0  # nixl: D's leg from its arrival at D to its scheduler
     split_costs: bool = True  # the profile's measured split costs, where they apply
     chunk_budget: int | None = None  # token budget of the chunked baseline (None: profile's)
     bisect_steps: int = 6

@@ -16,12 +16,14 @@ finishing requests come off a heap keyed by the absolute step they finish on.
 Disaggregated flow: the router picks P and D on arrival (per policy); P's last prefill step
 emits t1 (TTFT). splitserve's connector: the KV crosses the link while P prefills
 (`model.transfer_arrival`); the leg joins D at max(t1 + router hop, KV arrival) and D's first
-step emits t2. NIXL: D pulls after its leg reached it (`model.pull_arrival`) and its first step
-replays t1, so t2..tN come one step later. P holds the KV until the transfer ends.
+step emits t2. NIXL: D's next step after its leg reached it posts the READ (`model.pull_arrival`)
+and its first step replays t1, so t2..tN come one step later. P holds the KV until the transfer
+ends.
 
 Effects beyond the workers' own step costs (e.g. router, client and workers sharing CPU cores:
 `splitserve.sim.calibration`) enter only through the run's `Overlay` (`sim.overlay`), whose
 hooks this loop calls at fixed points; with the null overlay this is the plain cluster model.
+The KV hand-off from P to D, over either connector, is `sim.handoff`'s.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ import numpy as np
 
 from splitserve.sim.calibration.overlay import overlay_for
 from splitserve.sim.deployment import Segment, SimConfig, SimOutcome, segment_arrays
-from splitserve.sim.model import Profile, pull_arrival, transfer_arrival
+from splitserve.sim.handoff import _EV_LEG, _EV_OVERLAY, _EV_STEP, Event, Handoff
+from splitserve.sim.model import Profile
 from splitserve.sim.overlay import Overlay
 from splitserve.sim.routing import pick, pick_all
 from splitserve.sim.workerstate import (
@@ -47,17 +50,8 @@ from splitserve.sim.workerstate import (
 )
 from splitserve.sim.workload import SimWorkload
 
-# An event on the run's heap is a bare tuple, not a NamedTuple (which made heap pushes and
-# pops ~50 % slower, several per cent of a million-request run):
-#   (time, seq: the push order, breaking ties; kind; subject; version)
-# kind _EV_STEP: subject = the worker whose step (or segment) ends, version = its `version`
-# then (a superseded step is skipped); _EV_JOIN: subject = the request whose decode leg
-# reaches its D; _EV_OVERLAY: subject = the request the overlay scheduled it for.
-Event = tuple[float, int, int, int, int]
-_EV_STEP, _EV_JOIN, _EV_OVERLAY = 0, 1, 2
 
-
-class Simulation:
+class Simulation(Handoff):
     """One run of one workload on one deployment. `run()` returns a `SimOutcome`. The
     overlay (default: the null one) adds effects beyond the workers' own step costs."""
 
@@ -91,7 +85,7 @@ class Simulation:
         self.t1, self.t2, self.finish = [nan] * n, [nan] * n, [nan] * n
         self.prefill_start, self.kv_transfer = [nan] * n, [nan] * n
         self.failed = [False] * n
-        self.decode_of = [0] * n
+        self.decode_of, self.prefill_of = [0] * n, [0] * n
         self.heap: list[Event] = []
         self.seq = 0
         self.segs: list[Segment] = []
@@ -297,34 +291,6 @@ class Simulation:
             self._admit(wi, w)
         self._plan(wi, w, t)
 
-    def _prefilled(self, wi: int, w: Worker, r: int, t: float) -> None:
-        """P finished request r's prompt at t: emit t1, start the KV transfer."""
-        hop = self.cfg.router_hop_s
-        t1 = self.overlay.t1(t + hop, wi, r)
-        self.t1[r] = t1
-        w.load -= self.prompt_lens[r]
-        if self.output_lens[r] == 1:
-            self.finish[r] = t1
-            w.kv_used -= self.prompt_lens[r]
-            return
-        nbytes = self.kvbpt * self.prompt_lens[r]
-        free = self.shared_free if self.cfg.shared_link else self.link_free[wi]
-        if self.overlay.active:
-            self.overlay.t1_emitted(r, t1)
-        ready = self.overlay.join_ready(t1 + hop, r)
-        if self.pull:  # D reads P's blocks once its leg is in: all of the transfer exposed
-            arrive, free = pull_arrival(self.link, nbytes, ready + self.cfg.pull_request_s, free)
-        else:
-            arrive, free = transfer_arrival(self.link, nbytes, self.layers,
-                                            self.prefill_start[r], t, self.cfg.overlap, free)
-        if self.cfg.shared_link:
-            self.shared_free = free
-        else:
-            self.link_free[wi] = free
-        heapq.heappush(w.kv_release, (free, self.prompt_lens[r]))
-        self.kv_transfer[r] = arrive - t
-        self._push(max(arrive, ready), _EV_JOIN, r, 0)
-
     def _poke(self, wi: int, w: Worker, t: float) -> None:
         """New work reached `w` at t: start it now if idle, else at the next step boundary."""
         if not w.busy:
@@ -367,6 +333,8 @@ class Simulation:
                         self._boundary(subject, w, t)
                 elif kind == _EV_OVERLAY:
                     self.overlay.overlay_event(subject, t)
+                elif kind == _EV_LEG:
+                    self._post_read(subject, t)
                 else:  # decode leg reaches D
                     di = self.decode_of[subject]
                     w = D[di]

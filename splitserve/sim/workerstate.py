@@ -1,5 +1,5 @@
 """One simulated worker's state (`Worker`) and the closed form of a decode-only segment
-(`steps_done`); the mechanics that move it live in `simulator.py`."""
+(`steps_done`, `next_boundary`); the mechanics that move it live in `simulator.py`."""
 
 from __future__ import annotations
 
@@ -86,6 +86,14 @@ class Worker:
         self.kind, self.step_dur = STEP, self.alpha + self.beta * done
         self.started = t0
         return record
+
+
+def next_boundary(w: Worker, t: float) -> float:
+    """When the step that busy worker `w` runs at t ends (in a segment: that step of it)."""
+    if w.kind != SEGMENT:
+        return w.started + w.step_dur
+    k = min(steps_done(w.alpha, w.beta, t - w.started) + 1, w.seg_steps)
+    return w.started + w.alpha * k + w.beta * k * (k - 1) / 2
 
 
 def steps_done(alpha: float, beta: float, elapsed: float) -> int:

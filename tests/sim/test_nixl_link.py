@@ -197,3 +197,37 @@ def test_sim_command_runs_either_connector(tmp_path: Path) -> None:
     send = L * 8192 / LINK.bandwidth_Bps
     assert got["nixl"]["median_handover_ms"] - got["splitserve"]["median_handover_ms"] == (
         pytest.approx(1000 * (PULL_REQ + send * 7 / 8 + decode_step(L)), rel=0.05))
+
+
+def test_a_busy_d_posts_the_read_at_its_next_step() -> None:
+    """D decodes a long stream when the second request's leg reaches it: vLLM's scheduler
+    posts the READ in D's next step, so the pull starts at the end of D's step in progress."""
+    prof = replace(make_profile(), transfer={"nixl": LINK})
+    wl = SimWorkload(np.array([0.0, 0.5]), np.array([100, L]), np.array([400, 3]))
+    cfg = SimConfig("disagg", connector="nixl", transport="nixl", pull_request_s=PULL_REQ)
+    o = simulate(prof, cfg, wl)
+    p_end = 0.5 + PREFILL_S  # P was idle when the second prompt came
+    leg_in = p_end + PULL_REQ
+    d_steps = token_times(o)[0][1:]  # the first stream's tokens: D's step ends
+    assert d_steps[0] < leg_in < d_steps[-1]  # D is decoding then
+    post = float(d_steps[d_steps >= leg_in][0])
+    assert post > leg_in
+    send = L * 8192 / LINK.bandwidth_Bps
+    assert float(o.kv_transfer_s[1]) == pytest.approx(post + send + LINK.latency_s - p_end)
+    # the leg joins D at the step boundary after the KV is in; the step after it replays t1,
+    # the one after that emits t2
+    joined = float(d_steps[d_steps >= post + send + LINK.latency_s][0])
+    assert float(o.second_token[1]) == pytest.approx(float(d_steps[d_steps > joined][1]))
+
+
+def test_p_waits_for_the_pull_to_free_its_kv() -> None:
+    """P's KV holds one prompt: the second waits until D's pull of the first has ended (the
+    pull is posted after P went idle, and its end wakes P)."""
+    prof = replace(make_profile(capacity=1500), transfer={"nixl": LINK})
+    wl = SimWorkload(np.zeros(2), np.array([L, L]), np.array([OUT, OUT]))
+    cfg = SimConfig("disagg", connector="nixl", transport="nixl", pull_request_s=PULL_REQ)
+    o = simulate(prof, cfg, wl)
+    freed = PREFILL_S + PULL_REQ + L * 8192 / LINK.bandwidth_Bps  # D idle: READ posted at once
+    assert o.first_token[0] == pytest.approx(PREFILL_S)
+    assert o.first_token[1] == pytest.approx(freed + PREFILL_S)
+    assert not o.failed.any() and np.isfinite(o.finish).all()
