@@ -13,6 +13,8 @@ import signal
 import subprocess
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
@@ -97,6 +99,13 @@ class Worker:
     def stop(self) -> None:
         stop_group(self.proc, 20.0)
 
+    def kill(self) -> None:
+        """SIGKILL the worker's whole process group (vLLM's EngineCore with it), as a crash."""
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
 
 def stop_group(proc: subprocess.Popen[bytes], grace_s: float) -> None:
     """SIGTERM a child's process group, then SIGKILL it if it outlives `grace_s`."""
@@ -147,6 +156,22 @@ def launch(model: Path, name: str, role: str | None, env: dict[str, str] | None 
         worker.stop()
         raise
     return worker
+
+
+def launch_together(model: Path, *specs: tuple[str, str | None, dict[str, object]]
+                    ) -> list[Worker]:
+    """Start several workers side by side (`(name, role, overrides)` each, as `launch` takes
+    them) and wait until all are healthy; if one fails, the others are stopped."""
+    with ThreadPoolExecutor(len(specs)) as pool:
+        futures = [pool.submit(launch, model, name, role, **overrides)
+                   for name, role, overrides in specs]
+        wait_futures(futures)
+    started = [f.result() for f in futures if f.exception() is None]
+    if len(started) < len(futures):
+        for w in started:
+            w.stop()
+        next(f.result() for f in futures if f.exception() is not None)  # raises its error
+    return started
 
 
 @contextlib.contextmanager

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -49,17 +51,53 @@ def two_legs(p: Worker, d: Worker, prompt: list[int], max_tokens: int) -> list[i
     return tokens
 
 
+def by_label(w: Worker, family: str, label: str, values: tuple[str, ...]) -> dict[str, float]:
+    """The samples of one Prometheus counter `family` on the worker's /metrics, summed by the
+    value of `label` (each of `values`; 0 when absent)."""
+    text = httpx.get(f"{w.url}/metrics", headers=auth_headers(), timeout=5).text
+    out = dict.fromkeys(values, 0.0)
+    for line in text.splitlines():
+        if line.startswith(family + "{"):
+            for value in out:
+                if f'{label}="{value}"' in line:
+                    out[value] += float(line.rsplit(" ", 1)[1])
+    return out
+
+
 def tokens_by_source(w: Worker) -> dict[str, float]:
     """`vllm:prompt_tokens_by_source` (computed, prefix-cache hits, loaded by the connector):
     vLLM's `request_prefill_kv_computed_tokens` counts loaded tokens as computed."""
-    text = httpx.get(f"{w.url}/metrics", headers=auth_headers(), timeout=5).text
-    out = dict.fromkeys(("local_compute", "local_cache_hit", "external_kv_transfer"), 0.0)
-    for line in text.splitlines():
-        if line.startswith("vllm:prompt_tokens_by_source_total{"):
-            for source in out:
-                if f'source="{source}"' in line:
-                    out[source] += float(line.rsplit(" ", 1)[1])
-    return out
+    return by_label(w, "vllm:prompt_tokens_by_source_total", "source",
+                    ("local_compute", "local_cache_hit", "external_kv_transfer"))
+
+
+def finished_by_reason(w: Worker) -> dict[str, float]:
+    """`vllm:request_success_total` by `finished_reason` (an aborted request counts as abort)."""
+    return by_label(w, "vllm:request_success_total", "finished_reason",
+                    ("stop", "length", "abort", "error"))
+
+
+def stream_tokens(url: str, path: str, body: dict[str, Any],
+                  on_tokens: Callable[[int], None] | None = None
+                  ) -> tuple[list[int], dict[str, Any]]:
+    """A streamed request's token ids and the router's timings comment; the stream must end
+    with no error event. `on_tokens(n)` runs after each event that brings tokens, with how many
+    the client has so far (a test's moment to fail a worker)."""
+    tokens: list[int] = []
+    timings: dict[str, Any] = {}
+    with httpx.stream("POST", url + path, json=body | {"stream": True}, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                ev = json.loads(line[6:])
+                assert "error" not in ev, ev
+                new = [t for c in ev["choices"] for t in c.get("token_ids") or []]
+                tokens += new
+                if new and on_tokens is not None:
+                    on_tokens(len(tokens))
+            elif line.startswith(": splitserve-timings "):
+                timings = json.loads(line.split(" ", 2)[2])
+    return tokens, timings
 
 
 def group_cpu_seconds(w: Worker) -> float:

@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 import pytest
-from nixl_helpers import tokens_by_source, wait_kv_free
+from nixl_helpers import stream_tokens, tokens_by_source, wait_kv_free
 from workers import Worker, chat_prompt_ids, hf_greedy
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "router"))
@@ -32,23 +32,6 @@ LENGTHS = (100, 128, 256, 300)
 
 def prompt_of(length: int, seed: int) -> list[int]:
     return [7 + (seed * 29 + i * 11) % 1000 for i in range(length)]
-
-
-def stream_tokens(url: str, path: str, body: dict[str, Any]) -> tuple[list[int], dict[str, Any]]:
-    """The streamed token ids and the router's timings comment."""
-    tokens: list[int] = []
-    timings: dict[str, Any] = {}
-    with httpx.stream("POST", url + path, json=body | {"stream": True}, timeout=120) as r:
-        assert r.status_code == 200, r.read()
-        for line in r.iter_lines():
-            if line.startswith("data: {"):
-                ev = json.loads(line[6:])
-                assert "error" not in ev, ev
-                for c in ev["choices"]:
-                    tokens += c.get("token_ids") or []
-            elif line.startswith(": splitserve-timings "):
-                timings = json.loads(line.split(" ", 2)[2])
-    return tokens, timings
 
 
 @pytest.fixture(scope="module")

@@ -5,12 +5,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 from workers import TOKEN, stop_group
 
+from splitserve.config import bearer_headers
 from splitserve.worker.launch import free_port, wait_healthy
 
 
@@ -25,6 +27,25 @@ class Router:
 
     def workers(self) -> list[dict]:
         return httpx.get(f"{self.url}/workers", timeout=5).json()["workers"]
+
+    def drain(self, url: str, draining: bool = True) -> None:
+        """Stop (or resume) sending the worker at `url` new requests (the admin endpoint)."""
+        r = httpx.post(f"{self.url}/admin/workers/drain",
+                       json={"url": url, "undrain": not draining},
+                       headers=bearer_headers(TOKEN), timeout=5)
+        r.raise_for_status()
+
+    def route_only(self, *urls: str) -> None:
+        """Only the workers at `urls` take new requests; every other one is drained."""
+        for w in self.workers():
+            self.drain(w["url"], w["url"] not in urls)
+
+    def wait_idle(self, timeout_s: float = 20.0) -> None:
+        """Until the router has no leg open on any worker."""
+        deadline = time.monotonic() + timeout_s
+        while any(w["inflight"] for w in self.workers()):
+            assert time.monotonic() < deadline, self.workers()
+            time.sleep(0.1)
 
 
 def start_router(log_dir: Path, *args: str, env: dict[str, str] | None = None) -> Router:

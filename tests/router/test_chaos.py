@@ -9,9 +9,7 @@ none lost, none a 200 with wrong tokens — and every live worker drains to zero
 
 from __future__ import annotations
 
-import os
 import random
-import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -50,12 +48,6 @@ def spares(llama_ckpt: Path) -> Iterator[dict[str, Worker]]:
 
 def requests_for(wave: int, n: int, crashes: bool = True) -> list[ChaosRequest]:
     return chaos_requests(f"w{wave}", n, random.Random(wave), 1003, 400, crashes)
-
-
-def kill(worker: Worker) -> None:
-    if worker.proc.poll() is None:
-        os.killpg(worker.proc.pid, signal.SIGKILL)
-        worker.proc.wait(10)
 
 
 def wait_in_rotation(router: Router, urls: set[str], timeout_s: float = 60.0) -> None:
@@ -132,11 +124,11 @@ def kill_when_busy(router: Router, victims: tuple[Worker, ...], timeout_s: float
             elif load.get(w.url, 0) > 0:
                 if w.cfg.role == "decode":
                     time.sleep(0.3)  # let its streams get going; a P leg is killed at once
-                kill(w)
+                w.kill()
                 pending.remove(w)
         time.sleep(0.05)
     for w in pending:
-        kill(w)
+        w.kill()
 
 
 def assert_served(worker: Worker) -> bool:
