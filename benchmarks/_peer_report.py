@@ -60,7 +60,7 @@ def report(results: Path, model: str) -> dict[str, Any]:
     for part in parts:
         row: dict[str, Any] = {"system": label(part), "startup_s": part.get("startup_s"),
                                "cluster_s": part.get("cluster_s"),
-                               "leftovers_killed": part.get("leftovers_killed")}
+                               "leftovers_killed": part.get("leftovers_killed", [])}
         if "error" in part:
             row["error"] = part["error"]
         if "stream" in part:
@@ -88,6 +88,11 @@ def report(results: Path, model: str) -> dict[str, Any]:
               f"{_ms(row['ttft'], 'p99_ms'):>9} {_ms(row['itl'], 'median_ms'):>8} "
               f"{_ms(row['itl'], 'p99_ms'):>8} {_ms(row['tpot'], 'median_ms'):>9} "
               f"{row['equal_to_transformers']:>3}/{row['requests']}")
+    for row in rows:
+        left = row["leftovers_killed"]
+        if left:
+            print(f"{row['system']}: {len(left) if isinstance(left, list) else left} "
+                  f"process(es) outlived the cluster's shutdown (killed)")
     if agree is not None:
         print(f"greedy outputs identical across systems: {agree['identical_across_systems']}"
               f"/{agree['requests']} requests")

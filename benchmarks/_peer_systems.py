@@ -3,7 +3,7 @@ the cluster itself. Contracts:
 
 - `cluster(out)` yields the address of a fresh `ray.cluster_utils.Cluster` on 127.0.0.1 (nodes
   with `router_node`, `prefill_node`, `decode_node`); on exit it shuts Ray down and kills every
-  process the run started that is still alive (their count goes to `out["leftovers_killed"]`).
+  process the run started that is still alive (named in `out["leftovers_killed"]`).
 - `splitserve_on_ray(...)` / `ray_serve_llm(...)` yield (URL, served model name) once a first
   completion was answered, with `out["startup_s"]` set (deploy call to that answer), and stop
   what they deployed on exit.
@@ -59,16 +59,18 @@ def cluster(out: dict[str, Any]) -> Iterator[str]:
         out["leftovers_killed"] = _reap(seen)
 
 
-def _reap(pids: set[int]) -> int:
-    """SIGKILL whichever of `pids` (processes this run started) outlived the cluster."""
+def _reap(pids: set[int]) -> list[str]:
+    """SIGKILL whichever of `pids` (processes this run started) outlived the cluster; their
+    names."""
     time.sleep(2)
-    killed = 0
+    killed = []
     for pid in pids:
         with contextlib.suppress(psutil.Error):
             proc = psutil.Process(pid)
             if proc.status() != psutil.STATUS_ZOMBIE:
+                name = f"{proc.name()} ({' '.join(proc.cmdline())[:120]})"
                 os.kill(pid, signal.SIGKILL)
-                killed += 1
+                killed.append(name)
     return killed
 
 

