@@ -71,6 +71,19 @@ def thread_cores(pgid: int) -> dict[str, list[int]]:
     return out
 
 
+def forward_thread_cores(threads: dict[str, list[int]]) -> list[list[int]]:
+    """The cores of the thread that runs the forward pass (and constructs vLLM's
+    NixlConnectorWorker): the main thread of the model-runner process (`VLLM::Worker`, where
+    vLLM runs one), else of the engine process (`VLLM::EngineCore`)."""
+    mains = {key: cores for key, cores in threads.items()
+             if key.split("/")[0] == key.split("/")[-1]}
+    for comm in ("VLLM::Worker", "EngineCor"):
+        found = sorted({tuple(cores) for key, cores in mains.items() if comm in key})
+        if found:
+            return [list(cores) for cores in found]
+    return []
+
+
 def leg(client: httpx.Client, url: str, body: dict[str, Any]) -> dict[str, Any]:
     r = client.post(f"{url}/v1/completions", json=body, timeout=300)
     r.raise_for_status()
@@ -129,11 +142,7 @@ def run_variant(name: str, model: str, args: argparse.Namespace, token: str,
     finally:
         for proc in procs:
             stop(proc)
-    # the engine's forward thread is the engine process's main thread (its tid is its pid)
-    forward = {role: sorted({tuple(cores) for key, cores in ts.items()
-                             if key.split("/")[0] == key.split("/")[-1]
-                             and "EngineCor" in key})
-               for role, ts in threads.items()}
+    forward = {role: forward_thread_cores(ts) for role, ts in threads.items()}
     return {"idle_cores": {"prefill": idle[0], "decode": idle[1]},
             "forward_thread_cores": forward,
             "d_first_token_p_idle": summary(quiet), "d_first_token_p_prefilling": summary(loaded)}

@@ -8,6 +8,7 @@ runs the same command as its child.
 from __future__ import annotations
 
 import ctypes
+import ipaddress
 import json
 import os
 import random
@@ -161,6 +162,9 @@ def worker_command(cfg: WorkerConfig, token: str | None) -> tuple[list[str], dic
         "VLLM_NO_USAGE_STATS": "1",
         "PYTHONUNBUFFERED": "1",
     })
+    if _is_unicast_ip(cfg.host):
+        # vLLM's engine-to-executor queues advertise this address instead of the interface's
+        env.setdefault("VLLM_HOST_IP", cfg.host)
     if cfg.role is not None and cfg.connector == "nixl":
         # NIXL's handshake listener (vLLM binds and advertises it): one per worker, from config
         env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = cfg.host
@@ -177,6 +181,14 @@ def worker_command(cfg: WorkerConfig, token: str | None) -> tuple[list[str], dic
     if token:
         env[TOKEN_ENV] = token
     return argv, env
+
+
+def _is_unicast_ip(host: str) -> bool:
+    """Whether `host` is one IP address (not a name, not a wildcard such as 0.0.0.0)."""
+    try:
+        return not ipaddress.ip_address(host).is_unspecified
+    except ValueError:
+        return False
 
 
 def child_preexec(cpus: tuple[int, ...] | None) -> Callable[[], None]:

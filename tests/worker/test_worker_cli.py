@@ -192,3 +192,16 @@ def test_nixl_registers_kv_on_the_gpu_unless_vllms_cpu_build_is_installed(
 
     monkeypatch.setattr(metadata, "version", no_cpu_build)
     assert kv_buffer_device() == "cuda"
+
+
+@pytest.mark.parametrize(("host", "advertised"), [
+    ("127.0.0.1", "127.0.0.1"), ("10.1.2.3", "10.1.2.3"), ("0.0.0.0", None), ("::", None),
+    ("worker-7.internal", None)])
+def test_vllms_own_queues_advertise_the_address_the_worker_binds(
+        monkeypatch: pytest.MonkeyPatch, host: str, advertised: str | None) -> None:
+    monkeypatch.delenv("VLLM_HOST_IP", raising=False)
+    _, env = worker_command(WorkerConfig(model="m", port=8000, host=host), None)
+    assert env.get("VLLM_HOST_IP") == advertised
+    monkeypatch.setenv("VLLM_HOST_IP", "10.9.9.9")  # the operator's own choice wins
+    _, env = worker_command(WorkerConfig(model="m", port=8000, host=host), None)
+    assert env["VLLM_HOST_IP"] == "10.9.9.9"
