@@ -88,3 +88,34 @@ async def test_a_mixed_pair_moves_no_kv_and_d_recomputes() -> None:
     assert d_body["prompt"] == [1, 2, 3, 10]
     assert "".join(c["choices"][0]["text"] for c in out) == "bc"
     assert joiner.produced == [10, 11, 12]
+
+
+async def test_a_failed_p_is_retried_under_fresh_params_and_d_reads_the_retrys_blocks() -> None:
+    seen: list[tuple[str, dict[str, Any]]] = []
+    p2_params = P_PARAMS | {"remote_engine_id": "e-p2", "remote_block_ids": [[7, 8]],
+                            "remote_port": 5601}
+
+    async def handler(name: str, req: web.Request) -> web.StreamResponse:
+        seen.append((name, await req.json()))
+        if name == "p1":
+            return web.json_response({"error": {"message": "overloaded"}}, status=503)
+        if name == "p2":
+            return web.json_response(PREFILL_OK | {"kv_transfer_params": p2_params})
+        return await sse_reply(req, [chunk("a", 10), chunk("b", 11), chunk("c", 12, "length")])
+
+    async with workers(handler, ("p1", "p2", "d1")) as urls, make_flow(urls) as (flow, _):
+        for w in flow.registry.workers.values():
+            w.info = INFO
+        legs = plan_legs({"model": "m", "prompt": "x", "max_tokens": 3, "stream": True},
+                         "completion", "x")
+        pre = await flow.prefill(legs, "rid", t := Timings())
+        joiner = started(legs, pre)
+        out = [c async for c in flow.decode(legs, "rid", pre, joiner, t)]
+    assert [n for n, _ in seen] == ["p1", "p2", "d1"]
+    (_, p1_body), (_, p2_body), (_, d_body) = seen
+    assert p1_body["kv_transfer_params"] == p2_body["kv_transfer_params"] == {
+        "do_remote_decode": True}
+    assert d_body["kv_transfer_params"] == p2_params and d_body["prompt"] == [1, 2, 3]
+    assert "".join(c["choices"][0]["text"] for c in out) == "bc"
+    assert joiner.produced == [10, 11, 12] and t.retries == 1
+    assert all(w.inflight == 0 for w in flow.registry.workers.values())
