@@ -68,8 +68,9 @@ def ray_cluster() -> Iterator[RayCluster]:
         yield rc
     finally:
         ray.shutdown()
-        if cluster is not None:
-            cluster.shutdown()
+        if cluster is not None:  # every node at once: nothing of the deployment is left to drain
+            for node in [*cluster.worker_nodes, cluster.head_node]:
+                cluster.remove_node(node, allow_graceful=False)
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
