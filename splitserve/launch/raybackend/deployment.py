@@ -5,7 +5,8 @@ joins them.
 
 Invariants:
 - Without an address, a single-node Ray cluster is started for the deployment, on 127.0.0.1,
-  with the custom resources the pools ask for, and shut down by `stop()`.
+  with the custom resources the pools ask for, and shut down by `stop()`: never a cluster
+  `ray.init()` would find on the machine (`RAY_ADDRESS`, the last one started there).
 - Serve's own HTTP proxy stays off: the router is the only front door.
 - The driver hands the token and API key to the directory by an actor call; nothing secret is
   in a deployment's init arguments, `runtime_env`, or argv.
@@ -126,8 +127,8 @@ class RayDeployment(LauncherBackend):
 
         if ray.is_initialized():
             return
-        if cfg.ray_address is None:
-            ray.init(namespace=cfg.ray.namespace, include_dashboard=False,
+        if cfg.ray_address is None:  # "local": a new cluster, never one found on the machine
+            ray.init(address="local", namespace=cfg.ray.namespace, include_dashboard=False,
                      resources=local_cluster_resources(cfg), log_to_driver=False,
                      _node_ip_address="127.0.0.1")
             self.started_cluster = True
