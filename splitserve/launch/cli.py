@@ -75,6 +75,7 @@ def run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)  # even where the shell started us ignoring it
+    code = 0
     try:
         deployment.start()
         print("splitserve: Ctrl-C to stop", flush=True)
@@ -84,19 +85,25 @@ def run(args: argparse.Namespace) -> int:
                 names = ", ".join(dead)
                 print(f"splitserve: {names} stopped; shutting the deployment down",
                       file=sys.stderr, flush=True)
-                return 1
+                code = 1
+                break
     except KeyboardInterrupt:
-        return 0
+        pass
     except (RuntimeError, TimeoutError, ValueError) as exc:
         print(f"splitserve serve: {exc}", file=sys.stderr)
-        return 1
+        code = 1
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         print("splitserve: stopping", flush=True)
-        deployment.stop()
-        print("splitserve: stopped", flush=True)
-    return 0
+        try:
+            deployment.stop()  # raises RuntimeError naming what could not be stopped
+        except RuntimeError as exc:
+            print(f"splitserve serve: {exc}", file=sys.stderr)
+            code = 1
+        else:
+            print("splitserve: stopped", flush=True)
+    return code
 
 
 def register(sub: argparse._SubParsersAction) -> None:
