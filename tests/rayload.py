@@ -172,38 +172,36 @@ def off_loopback_connections(pids: set[int]) -> list[str]:
 GUARD = "splitserve.launch.raybackend.guard"
 
 
+def processes() -> list[tuple[int, int, str]]:
+    """(pid, pgid, NUL-separated command line) of every live process (a zombie holds no
+    memory and is left out)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                state, _, pgid = f.read().rsplit(")", 1)[1].split()[:3]
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmd = f.read().decode(errors="replace")
+        except (OSError, ValueError):
+            continue
+        if state != "Z":
+            out.append((int(entry), int(pgid), cmd))
+    return out
+
+
 def guard_groups(marker: str) -> dict[int, list[str]]:
     """Every process group led by a guard (a Ray replica's or router's) whose command line
     holds `marker` (e.g. the test's model directory): pgid -> member cmdlines."""
-    leaders, members = set(), {}
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                pgid = int(f.read().rsplit(")", 1)[1].split()[2])
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmd = f.read().decode(errors="replace")
-        except (OSError, ValueError, IndexError):
-            continue
+    procs = processes()
+    members: dict[int, list[str]] = {}
+    for _, pgid, cmd in procs:
         members.setdefault(pgid, []).append(cmd)
-        if int(pid) == pgid and GUARD in cmd and marker in cmd:
-            leaders.add(pgid)
-    return {g: members[g] for g in leaders}
+    return {pgid: members[pgid] for pid, pgid, cmd in procs
+            if pid == pgid and GUARD in cmd and marker in cmd}
 
 
 def group_members(pgids: set[int]) -> list[str]:
     """Command lines of the live processes in any of `pgids`."""
-    out = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                state, _, pgid = f.read().rsplit(")", 1)[1].split()[:3]
-            if int(pgid) in pgids and state != "Z":  # a zombie holds no memory
-                with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    out.append(f"{pid}: {f.read().decode(errors='replace')[:120]}")
-        except (OSError, ValueError, IndexError):
-            continue
-    return out
+    return [f"{pid}: {cmd[:120]}" for pid, pgid, cmd in processes() if pgid in pgids]

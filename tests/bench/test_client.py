@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 
 from aiohttp import web
 
@@ -18,6 +20,8 @@ from splitserve.bench.client import (
     parse_load,
     parse_sum,
 )
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def record() -> RequestRecord:
@@ -113,6 +117,25 @@ async def test_send_one_failures_are_explicit() -> None:
     assert empty.error_cause == "empty"
 
 
+@asynccontextmanager
+async def metrics_servers(handlers: dict[str, Handler]) -> AsyncIterator[dict[str, str]]:
+    """One loopback server per name, answering /metrics with its handler: name -> URL."""
+    urls, runners = {}, []
+    try:
+        for name, handler in handlers.items():
+            app = web.Application()
+            app.router.add_get("/metrics", handler)
+            runner = web.AppRunner(app)
+            await runner.setup()
+            runners.append(runner)
+            await web.TCPSite(runner, "127.0.0.1", 0).start()
+            urls[name] = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        yield urls
+    finally:
+        for runner in runners:
+            await runner.cleanup()
+
+
 async def test_busy_sampler_counts_no_sample_from_a_refusing_worker() -> None:
     """A worker that refuses the sampler (401: no deployment token) is unknown, never idle."""
     busy = 'vllm:num_requests_running{engine="0"} 1.0\nvllm:num_requests_waiting{engine="0"} 0.0\n'
@@ -123,25 +146,11 @@ async def test_busy_sampler_counts_no_sample_from_a_refusing_worker() -> None:
     async def metrics(_: web.Request) -> web.Response:
         return web.Response(text=busy)
 
-    urls = {}
-    runners = []
-    for name, handler in (("refusing", refuse), ("busy", metrics)):
-        app = web.Application()
-        app.router.add_get("/metrics", handler)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        runners.append(runner)
-        urls[name] = f"http://127.0.0.1:{runner.addresses[0][1]}"
-    try:
+    async with metrics_servers({"refusing": refuse, "busy": metrics}) as urls:
         sampler = BusySampler(urls, interval_s=0.01)
         sampler.start()
         await asyncio.sleep(0.2)
         out = await sampler.stop()
-    finally:
-        for runner in runners:
-            await runner.cleanup()
     assert math.isnan(out["refusing"]) and out["busy"] == 1.0
 
 
@@ -163,24 +172,12 @@ async def test_busy_sampler_reports_nixl_transfers_over_the_run() -> None:
             return web.Response(text=pages[name])
         return metrics
 
-    urls, runners = {}, []
-    for name in pages:
-        app = web.Application()
-        app.router.add_get("/metrics", serve(name))
-        runner = web.AppRunner(app)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        runners.append(runner)
-        urls[name] = f"http://127.0.0.1:{runner.addresses[0][1]}"
-    try:
+    async with metrics_servers({name: serve(name) for name in pages}) as urls:
         sampler = BusySampler(urls, interval_s=0.01)
         sampler.start()
         await asyncio.sleep(0.2)
         pages["d"] = page(5, 0.040, 0.005, 5e6)
         await sampler.stop()
-    finally:
-        for runner in runners:
-            await runner.cleanup()
     out = sampler.nixl_transfers()
     assert set(out) == {"d"}
     assert out["d"]["transfers"] == 3

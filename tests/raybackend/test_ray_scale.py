@@ -20,14 +20,13 @@ scale down after it, on the package's Ray cluster of logical nodes:
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
-from rayload import Load, group_members, guard_groups, metric, model_id, prompt_of
+from rayload import Load, group_members, guard_groups, metric, model_id, processes, prompt_of
 from workers import LOG_DIR, hf_greedy
 
 SCALE_TOKENS = 24
@@ -140,24 +139,6 @@ def leftovers(gone: dict[str, int], marker: str) -> list[str]:
         port = cmd.split("--port\0", 1)[1].split("\0", 1)[0] if "--port\0" in cmd else None
         if pgid in gone.values() or (marker in cmd and port in gone):
             out.append(f"{pid} (group {pgid}): {cmd.replace(chr(0), ' ')[:160]}")
-    return out
-
-
-def processes() -> list[tuple[int, int, str]]:
-    """(pid, pgid, command line) of every live (non-zombie) process."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                state, _, pgid = f.read().rsplit(")", 1)[1].split()[:3]
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmd = f.read().decode(errors="replace")
-        except (OSError, ValueError):
-            continue
-        if state != "Z":
-            out.append((int(entry), int(pgid), cmd))
     return out
 
 
