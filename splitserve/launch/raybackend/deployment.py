@@ -168,8 +168,11 @@ class RayDeployment(LauncherBackend):
         cfg = self.cfg
         here = ray.get_runtime_context().get_node_id()
         pinned = {"scheduling_strategy": NodeAffinitySchedulingStrategy(here, soft=False)}
+        # named actors live in the deployment's namespace, where replicas look them up, also
+        # when the driver was already connected to Ray in another one
         self.directory = ray.remote(WorkerDirectory).options(
-            name=self.names["directory"], num_cpus=0, **pinned).remote()
+            name=self.names["directory"], namespace=cfg.ray.namespace, num_cpus=0,
+            **pinned).remote()
         ray.get(self.directory.set_secrets.remote(self.token, self.api_key))
         serve.start(proxy_location="Disabled")
         self.say(f"splitserve: Ray {ray.get_runtime_context().gcs_address}; deploying "
@@ -179,7 +182,8 @@ class RayDeployment(LauncherBackend):
                    for kind, n in pool_sizes(cfg).items()]
         serve.run_many(targets)
         self.startup_s["workers"] = time.monotonic() - t0
-        router_opts: dict[str, Any] = {"name": self.names["router"], "num_cpus": 0}
+        router_opts: dict[str, Any] = {"name": self.names["router"],
+                                       "namespace": cfg.ray.namespace, "num_cpus": 0}
         if cfg.ray.router_resources:
             router_opts["resources"] = cfg.ray.resources("router")
         else:
