@@ -7,8 +7,9 @@ prompt alone and generates t1 again (`replayed = 1`), which `Flow` checks agains
 t1 and drops: NIXL moves whole blocks, and prompt + [t1] needs one block more than P sent
 whenever the prompt fills its last block (vLLM 0.32's D then fails an assertion and its engine
 dies). An abandoned transfer's blocks stay on P until its KV lease (`kv_lease_duration`, the
-deployment's `--kv-lease`) runs out: vLLM has no call that frees them sooner, so `release` only
-marks the transfer. NIXL keeps no per-transfer record the router could read.
+deployment's `--kv-lease`) runs out: vLLM frees them sooner only through a D that was handed
+them (D tells P when it ends or rejects that request), and P itself has no call for it, so
+`release` only marks the transfer. NIXL keeps no per-transfer record the router could read.
 """
 
 from __future__ import annotations
