@@ -1,4 +1,10 @@
-"""Shared fixtures: test checkpoints and the llama P/D pair used across test packages."""
+"""Shared fixtures: test checkpoints and the llama P/D pair used across test packages.
+
+The Ray backend's package runs first: its cluster starts and scales up to five vLLM workers on
+this 2-core, 24 GiB machine, and no session-scoped worker of another package (about 3 GB
+resident each) may be alive beside them. Its package-scoped cluster is torn down before the
+next package starts.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +17,10 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 from workers import Worker, launch, make_checkpoint  # noqa: E402
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    items.sort(key=lambda item: not item.nodeid.startswith("tests/raybackend/"))
 
 
 @pytest.fixture(scope="session")

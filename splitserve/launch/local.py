@@ -29,6 +29,21 @@ from splitserve.launch.config import DeploymentConfig
 from splitserve.worker.launch import child_preexec, free_port, wait_healthy, worker_command
 
 
+def router_argv(cfg: DeploymentConfig, model_dir: str, host: str,
+                urls: dict[str, list[str]], *extra: str) -> list[str]:
+    """The router's command line for a deployment: `urls` maps each pool ("prefill", "decode",
+    "colocated") to its workers' URLs; `extra` are further router flags."""
+    argv = [sys.executable, "-m", "splitserve.cli", "router", "--host", host,
+            "--port", str(cfg.port), "--model", model_dir,
+            "--prefill-policy", cfg.prefill_policy, "--decode-policy", cfg.decode_policy,
+            "--unsplittable", cfg.unsplittable, "--max-inflight", str(cfg.max_inflight),
+            "--log-level", "warning", *extra]
+    for kind in ("prefill", "decode", "colocated"):
+        if urls.get(kind):
+            argv += [f"--{kind}", *urls[kind]]
+    return argv
+
+
 @dataclass(frozen=True)
 class CorePlan:
     router: tuple[int, ...]
@@ -171,16 +186,9 @@ class LocalDeployment(LauncherBackend):
         return self.url
 
     def _start_router(self, planned: list[tuple[str, WorkerConfig]]) -> None:
-        cfg = self.cfg
-        argv = [sys.executable, "-m", "splitserve.cli", "router", "--host", cfg.host,
-                "--port", str(cfg.port), "--model", self.model_dir,
-                "--prefill-policy", cfg.prefill_policy, "--decode-policy", cfg.decode_policy,
-                "--unsplittable", cfg.unsplittable, "--max-inflight", str(cfg.max_inflight),
-                "--log-level", "warning"]
-        for kind in ("prefill", "decode", "colocated"):
-            urls = [w.url for name, w in planned if name.startswith(kind)]
-            if urls:
-                argv += [f"--{kind}", *urls]
+        urls = {kind: [w.url for name, w in planned if name.startswith(kind)]
+                for kind in ("prefill", "decode", "colocated")}
+        argv = router_argv(self.cfg, self.model_dir, self.cfg.host, urls)
         env = dict(os.environ)
         env[TOKEN_ENV] = self.token
         child = self._spawn("router", self.url, argv, env, self.router_cpus)

@@ -29,6 +29,7 @@ import httpx
 
 from splitserve.config import TOKEN_ENV, bearer_headers
 from splitserve.launch.config import DeploymentConfig
+from splitserve.launch.local import router_argv
 from splitserve.launch.raybackend.guard import GRACE_ENV
 from splitserve.launch.raybackend.replica import log_path, node_model
 from splitserve.router.cli import API_KEY_ENV
@@ -36,20 +37,6 @@ from splitserve.worker.launch import wait_healthy
 
 log = logging.getLogger("splitserve.ray")
 ROLE_OF_KIND = {"prefill": "prefill", "decode": "decode", "colocated": "colocated"}
-
-
-def router_argv(cfg: DeploymentConfig, model_dir: str, host: str,
-                workers: list[dict[str, Any]]) -> list[str]:
-    argv = [sys.executable, "-m", "splitserve.cli", "router", "--host", host,
-            "--port", str(cfg.port), "--model", model_dir,
-            "--prefill-policy", cfg.prefill_policy, "--decode-policy", cfg.decode_policy,
-            "--unsplittable", cfg.unsplittable, "--max-inflight", str(cfg.max_inflight),
-            "--health-interval", "0.5", "--log-level", "warning"]
-    for kind in ("prefill", "decode", "colocated"):
-        urls = [w["url"] for w in workers if w["kind"] == kind]
-        if urls:
-            argv += [f"--{kind}", *urls]
-    return argv
 
 
 def plan_sync(live: list[dict[str, Any]], routed: list[dict[str, Any]]
@@ -105,7 +92,10 @@ class RouterHost:
             env[API_KEY_ENV] = api_key
         env[GRACE_ENV] = str(self.cfg.stop_timeout_s)
         self.log = log_path(self.cfg, f"{self.cfg.ray.name}-router")
-        argv = router_argv(self.cfg, node_model(self.cfg)[0], self.host, live)
+        urls = {kind: [w["url"] for w in live if w["kind"] == kind]
+                for kind in ("prefill", "decode", "colocated")}
+        argv = router_argv(self.cfg, node_model(self.cfg)[0], self.host, urls,
+                           "--health-interval", "0.5")
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "splitserve.launch.raybackend.guard", *argv], env=env,
