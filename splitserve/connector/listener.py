@@ -13,6 +13,7 @@ from __future__ import annotations
 import socket
 import ssl
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -142,8 +143,9 @@ class KVListener:
                 st = open_transfers.pop(msg.transfer_id, None)
                 if st is None or staging is None:
                     continue
-                if msg.last_layer_s is not None:  # P's, for D's record
-                    st.record.last_layer_s = float(msg.last_layer_s)
+                st.record.end_received_s = time.time()
+                if msg.end_lag_s is not None:  # P's, for D's record
+                    st.record.end_lag_s = float(msg.end_lag_s)
                 if msg.wire_s is not None:
                     st.record.wire_s = float(msg.wire_s)
                 ok = staging.end(st)

@@ -316,7 +316,9 @@ class PushChannel(ABC):
             if st.offset >= 0:
                 rec = st.record
                 rec.wire_s = rec.copy_forward_s + rec.sender_layers_s + rec.sender_sends_s
-                end = encode(End(st.transfer_id, rec.last_layer_s, rec.wire_s))
+                if rec.last_layer_s is not None:
+                    rec.end_lag_s = max(0.0, time.time() - rec.last_layer_s)
+                end = encode(End(st.transfer_id, rec.end_lag_s, rec.wire_s))
                 send_parts(self._ensure_connected(), [*st.unsent, end])
             st.unsent.clear()
         elif kind == "abort":
