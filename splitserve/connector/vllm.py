@@ -89,6 +89,7 @@ class SplitserveConnector(KVConnectorBase_V1):
             cache_layout=layout, use_mla=bool(cfg.model_config.use_mla),
             spec_kinds=tuple(sorted({type(g.kv_cache_spec).__name__
                                      for g in (kcc.kv_cache_groups if kcc else [])})),
+            kv_cache_groups=len(kcc.kv_cache_groups) if kcc else 1,
         )
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:

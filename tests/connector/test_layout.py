@@ -152,3 +152,14 @@ def test_latent_and_hybrid_caches_are_refused() -> None:
     msg = refusal(mixed, EngineKV("cpu", ("CPU_ATTN",), "LBHNC",
                                   spec_kinds=("FullAttentionSpec", "MambaSpec")))
     assert "MambaSpec" in msg
+
+
+def test_caches_in_several_groups_are_refused() -> None:
+    """Sliding-window and full-attention layers in two groups: each group has its own block
+    table, and the connector moves one per request, so the worker refuses at start-up."""
+    caches = [(f"layers.{i}.attn", torch.zeros(4, 2, 32, 128)) for i in range(2)]
+    engine = EngineKV("cpu", ("CPU_ATTN",), "LBHNC",
+                      spec_kinds=("FullAttentionSpec", "SlidingWindowSpec"), kv_cache_groups=2)
+    msg = refusal(caches, engine)
+    assert "2 groups" in msg and "2 KV cache groups" in msg and "NixlConnector" in msg
+    assert select_layouts(caches, EngineKV("cpu", ("CPU_ATTN",), "LBHNC"))  # one group: read

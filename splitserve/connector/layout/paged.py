@@ -21,7 +21,8 @@ class EngineKV:
     names as vLLM reports them (e.g. "CPU_ATTN", "FLASH_ATTN"), empty when unknown;
     `cache_layout`: vLLM's resolved `KVCacheLayout` name (e.g. "LBHNC"), None when unknown;
     `use_mla`: the model uses a latent (MLA) cache; `spec_kinds`: the class names of the KV
-    cache groups' specs (e.g. "FullAttentionSpec", "MambaSpec").
+    cache groups' specs (e.g. "FullAttentionSpec", "MambaSpec"); `kv_cache_groups`: how many
+    groups vLLM split the layers into (each with its own block table per request).
     """
 
     device: str
@@ -29,6 +30,7 @@ class EngineKV:
     cache_layout: str | None = None
     use_mla: bool = False
     spec_kinds: tuple[str, ...] = ()
+    kv_cache_groups: int = 1
 
     def describe(self) -> str:
         parts = [f"device {self.device}"]
@@ -40,6 +42,8 @@ class EngineKV:
             parts.append("latent (MLA) cache")
         if self.spec_kinds:
             parts.append(f"KV specs {'/'.join(self.spec_kinds)}")
+        if self.kv_cache_groups != 1:
+            parts.append(f"{self.kv_cache_groups} KV cache groups")
         return ", ".join(parts)
 
 

@@ -26,6 +26,10 @@ def refused_kind(engine: EngineKV) -> str | None:
     if any("Mamba" in k for k in engine.spec_kinds):
         return ("a hybrid model's mamba state cache (MambaSpec: one recurrent state per "
                 "request, not K and V per token)")
+    if engine.kv_cache_groups > 1:
+        return (f"a KV cache in {engine.kv_cache_groups} groups (e.g. sliding-window and "
+                "full-attention layers, each group with its own block table per request; the "
+                "connector moves one block table per request)")
     return None
 
 
