@@ -86,6 +86,7 @@ class FakeChannel:
         self.cancelled: list[str] = []
         self.forgotten: list[str] = []
         self.closed = False
+        self.connected = True  # the test sets False: the connection to D was lost
 
     def begin(self, transfer_id: str, num_tokens: int, nbytes: int, ack_timeout_s: float
               ) -> SendState:

@@ -10,6 +10,7 @@ handshake (plain client, untrusted certificate) is closed before the token hands
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import ssl
 import threading
@@ -54,6 +55,8 @@ class KVListener:
         self._staging = staging
         self._answer = answer
         self._stop = threading.Event()
+        self._conns: set[socket.socket] = set()  # accepted and not yet ended
+        self._conns_lock = threading.Lock()
         self._server = socket.create_server((host, port), reuse_port=False)
         self._server.settimeout(0.5)
         self.port = int(self._server.getsockname()[1])
@@ -62,8 +65,14 @@ class KVListener:
             threading.Thread(target=self._reap_loop, daemon=True, name="splitserve-reaper").start()
 
     def close(self) -> None:
+        """Stop accepting and end every connection (P sees its D gone)."""
         self._stop.set()
         self._server.close()
+        with self._conns_lock:
+            conns = list(self._conns)
+        for conn in conns:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
 
     def _reap_loop(self) -> None:
         assert self._staging is not None
@@ -88,6 +97,8 @@ class KVListener:
 
     def _serve(self, raw: socket.socket) -> None:
         open_transfers: dict[str, StagedTransfer] = {}
+        with self._conns_lock:
+            self._conns.add(raw)
         with raw:
             try:
                 raw.settimeout(10.0)  # the handshakes must not hold a thread forever
@@ -105,6 +116,8 @@ class KVListener:
             except (OSError, ProtocolError):
                 pass
             finally:
+                with self._conns_lock:
+                    self._conns.discard(raw)
                 if self._staging is not None:
                     for st in open_transfers.values():
                         self._staging.fail(st, "peer_gone")

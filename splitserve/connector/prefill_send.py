@@ -45,7 +45,12 @@ class _Send:
 class PrefillSends:
     """Every push this worker makes, one channel per (D host, port, transport), opened by
     `open_channel` (default: the tcp or shm `PushChannel`). Called on the engine's worker
-    thread only."""
+    thread only.
+
+    A channel that carries no transfer and has lost its connection (its D died, left or dropped
+    it) is closed and forgotten with its buffers: in a pool whose Ds come and go, P keeps
+    channels only to Ds it can reach. The next transfer to that address opens a new one (it
+    would have had to connect again anyway)."""
 
     def __init__(self, cfg: ConnectorConfig, token: str, tls: ssl.SSLContext | None,
                  faults: Faults, stats: ConnectorStats, layers: dict[str, int],
@@ -145,7 +150,21 @@ class PrefillSends:
                     done.add(rid)
                     send.channel.forget(send.state.transfer_id)
                     del self._sends[rid]
+        if done:
+            self._drop_lost_channels()
         return done
+
+    def _drop_lost_channels(self) -> None:
+        in_use = {id(send.channel) for send in self._sends.values()}
+        for key, ch in list(self._channels.items()):
+            if id(ch) not in in_use and not ch.connected:
+                ch.close()
+                del self._channels[key]
+
+    @property
+    def channels(self) -> int:
+        """Channels open to Ds."""
+        return len(self._channels)
 
     def close(self) -> None:
         for ch in self._channels.values():

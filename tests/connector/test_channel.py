@@ -115,6 +115,25 @@ def test_wrong_token_never_stages(listener: tuple[KVListener, StagingArea]) -> N
     ch.close()
 
 
+@pytest.mark.parametrize("kind", ["tcp", "shm"])
+def test_channel_knows_when_its_d_is_gone(kind: str) -> None:
+    """Connected once a transfer went through; not connected once D's listener closed its
+    connections (P's send bookkeeping then drops the channel)."""
+    staging = StagingArea(8 * 1024**2, SHAPE, lease_s=30.0, stats=ConnectorStats())
+    lis = KVListener("127.0.0.1", 0, TOKEN, FP, staging, lambda q: {})
+    ch = channel(kind, lis.port)
+    assert not ch.connected
+    push(ch, "once", [torch.randn(2, 2, 64, 64)] * 2, (0,), [(0, 10)])
+    assert settle(ch, "once") == "acked" and ch.connected
+    lis.close()
+    deadline = time.monotonic() + 5
+    while ch.connected and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not ch.connected
+    ch.close()
+    staging.close()
+
+
 def test_vanished_peer_fails_pending_transfers() -> None:
     ch = channel("tcp", 9)  # nothing listens on the discard port
     push(ch, "lost", [torch.randn(2, 2, 64, 64)] * 2, (0,), [(0, 10)])

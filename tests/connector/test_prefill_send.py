@@ -117,6 +117,25 @@ def test_one_channel_per_destination() -> None:
     assert all(ch.closed for ch in s.channels.values())
 
 
+def test_a_channel_that_lost_its_d_is_dropped_once_it_carries_nothing() -> None:
+    """A D that died (its connection lost) keeps its channel only while a transfer to it is
+    unsettled; then the channel is closed and forgotten, a live idle one is kept, and a later
+    transfer to the lost address opens a new channel."""
+    s = Setup()
+    s.step(save("a", 0, 50), save("b", 0, 50, port=7002))
+    lost, live = s.channels[("127.0.0.1", 7001, "shm")], s.channels[("127.0.0.1", 7002, "shm")]
+    lost.connected = False
+    live.settle("t-b", "acked")
+    assert s.sends.finished_sending({"a", "b"}) == {"b"}
+    assert s.sends.channels == 2 and not lost.closed  # t-a is not settled yet
+    lost.settle("t-a", "failed")
+    assert s.sends.finished_sending(set()) == {"a"}
+    assert lost.closed and not live.closed and s.sends.channels == 1
+    s.step(save("c", 0, 50))
+    again = s.channels[("127.0.0.1", 7001, "shm")]
+    assert again is not lost and "t-c" in again.transfers and s.sends.channels == 2
+
+
 def test_a_moved_cache_stops_the_engine() -> None:
     s = Setup()
     meta = SplitserveMeta(saves=[save("r", 0, 50)])

@@ -86,6 +86,12 @@ class TransferChannel(Protocol):
 
     def forget(self, transfer_id: str) -> None: ...
 
+    @property
+    def connected(self) -> bool:
+        """Whether the channel holds a live connection to D (False before its first connect
+        and once the connection was lost: a D that died or dropped it)."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -183,6 +189,10 @@ class PushChannel(ABC):
     def forget(self, transfer_id: str) -> None:
         with self._lock:
             self._states.pop(transfer_id, None)
+
+    @property
+    def connected(self) -> bool:
+        return self._sock is not None
 
     def close(self) -> None:
         self._closed = True
