@@ -48,6 +48,7 @@ from splitserve.bench.deploy import deployment, parse_arm  # noqa: E402
 from splitserve.bench.runner import RunOptions, run_bench  # noqa: E402
 from splitserve.bench.workload import INTERFERENCE, WorkloadSpec  # noqa: E402
 from splitserve.config import bearer_headers  # noqa: E402
+from splitserve.hub import ModelSource  # noqa: E402
 
 SPEC = WorkloadSpec(source="interference", interference=INTERFERENCE, seed=0, warmup=2)
 ARMS = ("tcp", "shm", "nixl")
@@ -93,7 +94,7 @@ def probe(url: str, d_url: str, token: str | None, model: str, lengths: list[int
 def run_arm(name: str, model: str, args: argparse.Namespace) -> dict[str, Any]:
     arm = parse_arm(f"{name}=disagg:{name}", (0, 1))
     log_dir = Path(tempfile.mkdtemp(prefix=f"splitserve-nixl-sbs-{name}-"))
-    with deployment(model, arm, log_dir) as ep:
+    with deployment(ModelSource(model), arm, log_dir) as ep:
         metrics_urls, workers = discover_workers(ep.url)
         d_url = next(u for k, u in metrics_urls.items() if k.startswith("decode"))
         served = httpx.get(f"{ep.url}/v1/models", timeout=30).json()["data"][0]["id"]

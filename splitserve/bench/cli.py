@@ -44,6 +44,7 @@ from splitserve.bench.workload import (
 )
 from splitserve.common.cpus import parse_cpus
 from splitserve.config import bearer_headers, load_token
+from splitserve.hub import ModelSource, resolve_model
 
 
 def _rates(text: str) -> tuple[float, ...]:
@@ -172,17 +173,34 @@ def _bench_all(args: argparse.Namespace, endpoints: dict[str, str],
             dep = _deployment(url, descriptions.get(name), None)
             results[name] = asyncio.run(_bench_one(name, url, args, dep, progress))
         if arms:
-            from splitserve.demo_model import embedded_model_dir
-
-            model = args.model_dir or str(embedded_model_dir())
+            model = deploy_model(args.deploy_model, args.revision)
             log_dir = Path(tempfile.mkdtemp(prefix="splitserve-bench-logs-"))
             longest = max(r.input_len for r in build_stream(spec_from_args(args)))
             for arm in arms:
                 with deployment(model, arm, log_dir) as ep:
-                    dep = arm.description(longest) | {"url": ep.url, "model_dir": model} | ep.info
+                    dep = arm.description(longest) | {
+                        "url": ep.url, "model_dir": model.path, "model": model.name,
+                        "revision": model.revision} | ep.info
                     results[arm.name] = asyncio.run(_bench_one(arm.name, ep.url, args, dep,
                                                                progress, ep.token))
     return results
+
+
+def deploy_model(model: str | None, revision: str | None) -> ModelSource:
+    """What every started arm loads: the embedded model, a directory, or a hub id's snapshot,
+    resolved once and pinned to its commit (the hub cache's `snapshots/<commit>`), so every
+    arm loads the same files."""
+    if model is None:
+        from splitserve.demo_model import embedded_model_dir
+
+        return ModelSource(str(embedded_model_dir()))
+    try:
+        source = resolve_model(model, revision)
+    except ValueError as exc:
+        raise SystemExit(f"splitserve bench compare: {exc}") from None
+    if source.name is None:
+        return source
+    return ModelSource(source.path, source.name, Path(source.path).name)
 
 
 def run_single(args: argparse.Namespace) -> int:
@@ -261,8 +279,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                       "vLLM's NixlConnector)")
     cmp_.add_argument("--deploy-cores", type=parse_cpus, default=(0, 1),
                       help="cores every started deployment gets (equal total cores)")
-    cmp_.add_argument("--model-dir", default=None,
-                      help="model for started deployments (default: the embedded model)")
+    cmp_.add_argument("--deploy-model", "--model-dir", dest="deploy_model", default=None,
+                      metavar="MODEL", help="model for started deployments: a directory or a "
+                      "hub id, resolved once and served under that id as vLLM does (default: "
+                      "the embedded model)")
+    cmp_.add_argument("--revision", default=None,
+                      help="the hub id's revision (branch, tag or commit; default: main)")
     cmp_.add_argument("--deployment", type=lambda s: tuple(s.split("=", 1)), action="append",
                       metavar="NAME=DESCRIPTION", help="per-endpoint deployment description")
     cmp_.add_argument("--out", default="bench-results", help="output directory")

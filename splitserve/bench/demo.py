@@ -27,6 +27,7 @@ from splitserve.bench.runner import RunOptions, run_bench
 from splitserve.bench.runsheet import model_info
 from splitserve.bench.verdict import demo_verdict
 from splitserve.bench.workload import INTERFERENCE, WorkloadSpec, build_stream
+from splitserve.hub import ModelSource
 
 DEMO_SPEC = WorkloadSpec(source="interference", interference=INTERFERENCE, seed=0, warmup=2)
 UNCHUNKED_BUDGET = 8192  # covers the longest prompt plus the running batch
@@ -72,7 +73,7 @@ def run_demo(out_dir: str | os.PathLike[str] = "demo-results",
     with progress_bars() as progress:
         for arm in arms or demo_arms():
             try:
-                with deployment(model_dir, arm, log_dir) as ep:
+                with deployment(ModelSource(model_dir), arm, log_dir) as ep:
                     res = asyncio.run(_run_arm(ep, arm, spec, progress))
             except (RuntimeError, TimeoutError, ImportError) as exc:
                 skipped[arm.name] = f"{type(exc).__name__}: {exc}"

@@ -8,8 +8,8 @@
   started by the launcher (`splitserve.launch.local`), moving KV with splitserve's connector
   (`shm` or `tcp`) or with vLLM's NixlConnector (`nixl`: D pulls P's blocks over UCX).
 
-`deployment(model, arm, log_dir)` is a context manager yielding an `Endpoint` (URL + run-sheet
-notes); every process it started is stopped on exit.
+`deployment(model, arm, log_dir)` (`model`: a resolved `hub.ModelSource`) is a context manager
+yielding an `Endpoint` (URL + run-sheet notes); every process it started is stopped on exit.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from splitserve.config import TRANSPORTS, WorkerConfig
+from splitserve.hub import ModelSource
 from splitserve.worker.launch import free_port, start_worker, wait_healthy
 
 ARM_KINDS: tuple[str, ...] = ("colocated", "disagg")
@@ -113,10 +114,10 @@ class Endpoint:
 
 
 @contextlib.contextmanager
-def colocated_worker(model: str, arm: Arm, log_dir: Path) -> Iterator[Endpoint]:
+def colocated_worker(model: ModelSource, arm: Arm, log_dir: Path) -> Iterator[Endpoint]:
     """A plain vLLM worker (no connector, no router) on all the arm's cores."""
-    cfg = WorkerConfig(model=model, port=free_port(), cpus=arm.cores,
-                       max_num_batched_tokens=arm.max_num_batched_tokens)
+    cfg = WorkerConfig(model=model.path, served_model_name=model.name, port=free_port(),
+                       cpus=arm.cores, max_num_batched_tokens=arm.max_num_batched_tokens)
     log_dir.mkdir(parents=True, exist_ok=True)
     proc = start_worker(cfg, None, str(log_dir / f"{arm.name}.log"))
     try:
@@ -128,14 +129,18 @@ def colocated_worker(model: str, arm: Arm, log_dir: Path) -> Iterator[Endpoint]:
 
 
 @contextlib.contextmanager
-def disagg_deployment(model: str, arm: Arm, log_dir: Path) -> Iterator[Endpoint]:
+def disagg_deployment(model: ModelSource, arm: Arm, log_dir: Path) -> Iterator[Endpoint]:
     """1P+1D on the arm's cores through the launcher (`splitserve.launch.local`): with two
     cores each worker gets one and the router shares them."""
     from splitserve.launch.config import DeploymentConfig
     from splitserve.launch.local import LocalDeployment
 
     notes: list[str] = []
-    cfg = DeploymentConfig(prefill=1, decode=1, model=model, transport=arm.transport,
+    # a hub id at its resolved commit (the colocated arm's snapshot, served under the same
+    # name), else the directory
+    cfg = DeploymentConfig(prefill=1, decode=1, model=model.name or model.path,
+                           revision=model.revision if model.name else None,
+                           transport=arm.transport,
                            connector=arm.connector, port=free_port(), cpus=arm.cores,
                            log_dir=str(log_dir / arm.name), startup_timeout_s=240.0)
     with LocalDeployment(cfg, say=notes.append) as dep:
@@ -145,8 +150,9 @@ def disagg_deployment(model: str, arm: Arm, log_dir: Path) -> Iterator[Endpoint]
                        dep.token)
 
 
-def deployment(model: str, arm: Arm, log_dir: Path) -> contextlib.AbstractContextManager[Endpoint]:
-    """Start `arm` on `model` (a model directory); stop everything on exit."""
+def deployment(model: ModelSource, arm: Arm, log_dir: Path
+               ) -> contextlib.AbstractContextManager[Endpoint]:
+    """Start `arm` on `model`; stop everything on exit."""
     if arm.kind == "colocated":
         return colocated_worker(model, arm, log_dir)
     return disagg_deployment(model, arm, log_dir)

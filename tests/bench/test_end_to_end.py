@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from workers import TOKEN, Worker, launch
+from workers import TOKEN, Worker, hub_cache, launch
 
 from splitserve.bench.deploy import stop_process
 from splitserve.bench.workload import LengthDist, WorkloadSpec, build_stream
@@ -147,15 +147,27 @@ def test_bench_through_a_router_deployment(router_1p1d: str, tmp_path: Path) -> 
 
 def test_compare_starts_a_deployment_itself(plain_worker: Worker, llama_ckpt: Path,
                                             tmp_path: Path) -> None:
+    """The started arm loads a hub id as vLLM does, from an offline hub cache: resolved once,
+    pinned to its commit, served under the id."""
     import httpx
 
+    home, commit = tmp_path / "hf-home", "0123456789abcdef0123456789abcdef01234567"
+    snapshot = hub_cache(home, "org/bench-model", llama_ckpt, commit)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE"))}
+    env |= {"HF_HOME": str(home), "HF_HUB_OFFLINE": "1"}
     out = tmp_path / "dep"
-    assert main(["bench", "compare", "--url", f"given={plain_worker.url}", "--deploy",
-                 "chunked=colocated:64", "--deploy-cores", "0,1", "--model-dir",
-                 str(llama_ckpt), "--out", str(out), *STREAM]) == 0
+    run = subprocess.run(
+        [sys.executable, "-m", "splitserve.cli", "bench", "compare", "--url",
+         f"given={plain_worker.url}", "--deploy", "chunked=colocated:64", "--deploy-cores",
+         "0,1", "--deploy-model", "org/bench-model", "--out", str(out), *STREAM],
+        env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     res = json.loads((out / "chunked.json").read_text())
     assert (res["completed"], res["failed"]) == (10, 0)
     dep = res["run_sheet"]["deployment"]
+    assert (dep["model"], dep["revision"], Path(dep["model_dir"])) == (
+        "org/bench-model", commit, snapshot)
+    assert res["run_sheet"]["model"]["model"] == "org/bench-model"  # the id it was served as
     assert dep["max_num_batched_tokens"] == 64 and dep["chunked_prefill"] is True
     assert dep["worker_cpus"] == [[0, 1]] and dep["total_cores"] == 2
     with pytest.raises(httpx.HTTPError):  # the started worker is gone again
