@@ -3,6 +3,7 @@ over both transports; corruption, refusal and a vanished peer settle the transfe
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 from channels import FP, SHAPE, assert_staged_equals, push, settle, staged_region
 
+from splitserve.connector.devcopy import Completion, InlineCopies
 from splitserve.connector.faults import Faults
 from splitserve.connector.layout.cpu import VllmCpuLayout
 from splitserve.connector.listener import KVListener
@@ -132,6 +134,35 @@ def test_channel_knows_when_its_d_is_gone(kind: str) -> None:
     assert not ch.connected
     ch.close()
     staging.close()
+
+
+class FailingCopies(InlineCopies):
+    def save(self, *args: object) -> Completion:
+        raise RuntimeError("device copy failed")
+
+
+def test_a_transfer_failed_before_d_opened_it_frees_d_region_at_once(
+        listener: tuple[KVListener, StagingArea]) -> None:
+    """tcp copies on the forward thread before D answered BEGIN: when that copy fails, P has
+    given up before D's BEGIN_OK (with D's region) arrives, and then ABORTs it, so D frees the
+    region now, not when its 30 s lease runs out."""
+    lis, staging = listener
+    gate, begin = threading.Event(), staging.begin
+    staging.begin = lambda *a: (gate.wait(5), begin(*a))[1]  # type: ignore[method-assign]
+    ch = TcpPushChannel("127.0.0.1", lis.port, TOKEN, FP, ConnectorStats(), NO_FAULTS, SHAPE,
+                        2.0, copier=FailingCopies())
+    cache = torch.randn(2, 2, 64, 64)
+    ch.begin("early", 10, SHAPE.transfer_bytes(10), ack_timeout_s=5.0)
+    ch.push_layer(LayerItem("early", 0, 0, 10, VllmCpuLayout(cache), (0,)))
+    assert settle(ch, "early") == "failed" and ch.poll("early").record.cause == "internal_error"
+    assert staging.state()["staged_bytes"] == 0  # D has not opened it yet
+    gate.set()
+    deadline = time.monotonic() + 5
+    while staging.final_status("early") is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert staging.final_status("early") == "failed"
+    assert staging.state()["staged_bytes"] == 0
+    ch.close()
 
 
 def test_vanished_peer_fails_pending_transfers() -> None:

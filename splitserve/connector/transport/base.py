@@ -59,7 +59,7 @@ from splitserve.connector.tls import Conn
 from splitserve.connector.transport.items import CopiedLayer, LayerItem, ReadyLayer, SendState
 
 # ("begin", SendState) | ("layer", LayerItem) | ("send", ReadyLayer) | ("copied", CopiedLayer)
-# | ("end"|"abort", id)
+# | ("end"|"abort"|"release", id)
 Item = tuple[str, Any]
 log = logging.getLogger(__name__)
 
@@ -252,6 +252,9 @@ class PushChannel(ABC):
     def _send_loop(self) -> None:
         while (item := self._queue.get()) is not None:
             kind, payload = item
+            if kind == "release":
+                self._release(payload)
+                continue
             tid = payload if isinstance(payload, str) else payload.transfer_id
             with self._lock:
                 st = self._states.get(tid)
@@ -279,6 +282,17 @@ class PushChannel(ABC):
                 with self._lock:
                     self._busy_with = None
                     self._idle.notify_all()
+
+    def _release(self, transfer_id: str) -> None:
+        """D opened a region for a transfer P had already given up on (failed, cancelled or
+        forgotten before BEGIN_OK arrived): ABORT it, so D frees the region now rather than
+        when its lease runs out."""
+        if self._sock is None:
+            return
+        try:
+            send(self._sock, Abort(transfer_id))
+        except OSError:
+            self._connection_lost("peer_unreachable")
 
     def _handle(self, kind: str, payload: Any, st: SendState) -> None:
         if kind == "begin":
@@ -367,6 +381,10 @@ class PushChannel(ABC):
                     raise ProtocolError(f"unexpected op {msg.OP!r} from a listener")
                 with self._lock:
                     st = self._states.get(msg.transfer_id)
+                    given_up = st is None or st.settled
+                if isinstance(msg, BeginOk) and given_up:
+                    self._queue.put(("release", msg.transfer_id))
+                    continue
                 if st is None:
                     continue
                 if isinstance(msg, BeginOk):
