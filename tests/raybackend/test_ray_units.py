@@ -247,3 +247,26 @@ def test_the_guard_exits_with_its_childs_status_and_leaves_no_grandchild(tmp_pat
     while time.monotonic() < deadline and alive(grandchild):
         time.sleep(0.1)
     assert not alive(grandchild)
+
+
+def test_a_sigtermed_guard_exits_as_soon_as_its_child_has(tmp_path: Path) -> None:
+    """SIGTERM reaches ARGV, which exits at once (as an idle vLLM server does): the guard exits
+    with its status then, not when its grace (30 s here) would have run out."""
+    ready = tmp_path / "ready"
+    child = ("import signal, sys, time\n"
+             "signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))\n"
+             f"open({str(ready)!r}, 'w').write('1'); time.sleep(600)")
+    guard = subprocess.Popen(
+        [sys.executable, "-m", "splitserve.launch.raybackend.guard", sys.executable, "-c", child],
+        start_new_session=True, env=dict(os.environ, SPLITSERVE_GUARD_GRACE_S="30"))
+    try:
+        deadline = time.monotonic() + 30
+        while not ready.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        t0 = time.monotonic()
+        guard.send_signal(signal.SIGTERM)
+        assert guard.wait(timeout=25) == 0
+        assert time.monotonic() - t0 < 10
+    finally:
+        if guard.poll() is None:
+            os.killpg(guard.pid, signal.SIGKILL)

@@ -83,6 +83,10 @@ def main(argv: list[str]) -> int:
                       "--sentinel", str(os.getpid())], stdin=subprocess.DEVNULL)
     child = subprocess.Popen(argv)
     stopping = threading.Event()
+    # a daemon: once ARGV has exited, the guard exits at once with its status (a pending
+    # timer must not hold the interpreter for the rest of the grace)
+    deadline = threading.Timer(grace, kill_group)
+    deadline.daemon = True
 
     def on_term(signum: int, frame: FrameType | None) -> None:
         if stopping.is_set():
@@ -92,11 +96,12 @@ def main(argv: list[str]) -> int:
             kill_group()
         with contextlib.suppress(ProcessLookupError):
             child.send_signal(signal.SIGTERM)
-        threading.Timer(grace, kill_group).start()
+        deadline.start()
 
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGINT, on_term)
     code = child.wait()
+    deadline.cancel()
     kill_rest_of_group()
     return code
 
