@@ -80,7 +80,12 @@ def ray_cluster() -> Iterator[RayCluster]:
 
 def ray_config(model: Path, address: str) -> DeploymentConfig:
     """1P+1D, each pool autoscaling to 2 on its own signal (low thresholds: a test's load)."""
-    return from_mapping({
+    return from_mapping(ray_mapping(model, address))
+
+
+def ray_mapping(model: Path, address: str) -> dict[str, Any]:
+    """`ray_config`'s mapping, for tests that deploy a variant of it."""
+    return {
         "backend": "ray", "ray_address": address, "model": str(model), "prefill": 1,
         "decode": 1, "port": free_port(), "max_model_len": 1024, "stop_timeout_s": 10,
         "log_dir": str(LOG_DIR / "ray"),
@@ -88,7 +93,7 @@ def ray_config(model: Path, address: str) -> DeploymentConfig:
                 "decode_resources": {"decode_node": 1},
                 "prefill_max": 2, "decode_max": 2, "prefill_queued_tokens": 60,
                 "decode_running": 2, "upscale_delay_s": 0.5, "downscale_delay_s": 15,
-                "look_back_period_s": 2, "drain_timeout_s": 20}})
+                "look_back_period_s": 2, "drain_timeout_s": 20}}
 
 
 @pytest.fixture(scope="package")

@@ -1,7 +1,11 @@
 """1P+1D on different logical Ray nodes, through the router, KV over tcp: greedy float32 output
 equals Hugging Face transformers; the router's workers are the ones Ray placed, each shown with
 its Ray node (in `/workers` and the per-worker Prometheus families); the token is on no command
-line; every TCP connection of the cluster's processes (`ss -tnp`) is on loopback."""
+line; every TCP connection of the cluster's processes (`ss -tnp`) is on loopback.
+
+And 1P+1D over vLLM's NixlConnector on the same cluster (a second deployment, on the P slot and
+the D node the first leaves free, stopped before the scaling test needs them): D pulls P's
+blocks across the Ray nodes over NIXL, token-exact."""
 
 from __future__ import annotations
 
@@ -15,6 +19,10 @@ from rayload import cmdlines, complete, descendants, metric, off_loopback_connec
 from workers import hf_greedy
 
 from splitserve.config import bearer_headers
+from splitserve.launch.config import from_mapping
+from splitserve.worker.launch import free_port
+
+from .conftest import ray_mapping
 
 MAX_TOKENS = 10
 
@@ -59,3 +67,35 @@ def test_1p1d_on_two_ray_nodes_matches_transformers(ray_deployment: Any, llama_c
     ours = descendants(os.getpid())
     assert len(ours) > 10
     assert off_loopback_connections(ours | {os.getpid()}) == []
+
+
+def test_1p1d_over_nixl_across_ray_nodes_matches_transformers(
+        ray_deployment: Any, ray_cluster: Any, llama_ckpt: Path) -> None:
+    from splitserve.launch.raybackend.deployment import RayDeployment
+
+    mapping = ray_mapping(llama_ckpt, ray_cluster.cluster.address)
+    mapping |= {"connector": "nixl", "port": free_port()}
+    mapping["ray"] = {k: v for k, v in mapping["ray"].items() if not k.endswith("_max")}
+    mapping["ray"]["name"] = "nixl"
+    dep = RayDeployment(from_mapping(mapping), say=lambda line: print(line, flush=True))
+    dep.start()
+    try:
+        placed = {w["kind"]: w for w in dep.workers()}
+        assert placed["prefill"]["node_id"] != placed["decode"]["node_id"]
+        routed = httpx.get(f"{dep.url}/workers", timeout=10).json()["workers"]
+        assert {w["kv_endpoint"]["transport"] for w in routed} == {"nixl"}
+        d_metrics = f"{placed['decode']['url']}/metrics"
+
+        def pulls() -> float:
+            text = httpx.get(d_metrics, headers=bearer_headers(dep.token), timeout=5).text
+            return metric(text, "vllm:nixl_xfer_time_seconds_count")
+
+        before = pulls()
+        for i, length in enumerate((130, 400)):
+            prompt = prompt_of(length, 20 + i)
+            want = hf_greedy(llama_ckpt, prompt, MAX_TOKENS)
+            assert complete(dep.url, prompt, MAX_TOKENS, stream=True) == want
+            assert complete(dep.url, prompt, MAX_TOKENS, stream=False) == want
+        assert pulls() - before >= 2  # each new prompt's blocks came from P over NIXL
+    finally:
+        dep.stop()
