@@ -18,9 +18,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from workers import Worker, launch, make_checkpoint  # noqa: E402
 
+RAY_TESTS = Path(__file__).parent / "raybackend"
+
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    items.sort(key=lambda item: not item.nodeid.startswith("tests/raybackend/"))
+    items.sort(key=lambda item: not item.path.is_relative_to(RAY_TESTS))
 
 
 @pytest.fixture(scope="session")

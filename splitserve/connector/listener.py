@@ -55,7 +55,7 @@ class KVListener:
         self._staging = staging
         self._answer = answer
         self._stop = threading.Event()
-        self._conns: set[socket.socket] = set()  # accepted and not yet ended
+        self._conns: dict[socket.socket, threading.Thread] = {}  # accepted, not yet ended
         self._conns_lock = threading.Lock()
         self._server = socket.create_server((host, port), reuse_port=False)
         self._server.settimeout(0.5)
@@ -64,15 +64,19 @@ class KVListener:
         if staging is not None:
             threading.Thread(target=self._reap_loop, daemon=True, name="splitserve-reaper").start()
 
-    def close(self) -> None:
-        """Stop accepting and end every connection (P sees its D gone)."""
+    def close(self, timeout_s: float = 2.0) -> None:
+        """Stop accepting and end every connection (P sees its D gone); returns once their
+        threads are done with the staging area (or after `timeout_s`), so it may be closed."""
         self._stop.set()
         self._server.close()
         with self._conns_lock:
-            conns = list(self._conns)
+            conns = dict(self._conns)
         for conn in conns:
             with contextlib.suppress(OSError):
                 conn.shutdown(socket.SHUT_RDWR)
+        deadline = time.monotonic() + timeout_s
+        for thread in conns.values():
+            thread.join(max(0.0, deadline - time.monotonic()))
 
     def _reap_loop(self) -> None:
         assert self._staging is not None
@@ -87,8 +91,14 @@ class KVListener:
                 continue
             except OSError:
                 return
-            threading.Thread(target=self._serve, args=(conn,), daemon=True,
-                             name="splitserve-kv-conn").start()
+            thread = threading.Thread(target=self._serve, args=(conn,), daemon=True,
+                                      name="splitserve-kv-conn")
+            with self._conns_lock:
+                if self._stop.is_set():  # closed meanwhile: this connection is not served
+                    conn.close()
+                    return
+                self._conns[conn] = thread
+            thread.start()
 
     def _staging_info(self) -> StagingInfo:
         if self._staging is None:
@@ -97,8 +107,6 @@ class KVListener:
 
     def _serve(self, raw: socket.socket) -> None:
         open_transfers: dict[str, StagedTransfer] = {}
-        with self._conns_lock:
-            self._conns.add(raw)
         with raw:
             try:
                 raw.settimeout(10.0)  # the handshakes must not hold a thread forever
@@ -112,12 +120,13 @@ class KVListener:
                 if purpose == "control":
                     self._serve_control(conn)
                 else:
-                    self._serve_push(conn, open_transfers)
+                    same_host = raw.getpeername()[0] == raw.getsockname()[0]
+                    self._serve_push(conn, open_transfers, same_host)
             except (OSError, ProtocolError):
                 pass
             finally:
                 with self._conns_lock:
-                    self._conns.discard(raw)
+                    self._conns.pop(raw, None)
                 if self._staging is not None:
                     for st in open_transfers.values():
                         self._staging.fail(st, "peer_gone")
@@ -130,7 +139,10 @@ class KVListener:
                 raise ProtocolError("control connections may only QUERY")
             send(conn, Answer(self._answer(msg)))
 
-    def _serve_push(self, conn: Conn, open_transfers: dict[str, StagedTransfer]) -> None:
+    def _serve_push(self, conn: Conn, open_transfers: dict[str, StagedTransfer],
+                    same_host: bool) -> None:
+        """`same_host`: P connected from this host's own address (shm always does), so P's
+        wall clock is D's and its `last_layer_s` may enter D's record."""
         staging = self._staging
         while True:
             msg = recv(conn)
@@ -159,6 +171,8 @@ class KVListener:
                 st.record.end_received_s = time.time()
                 if msg.end_lag_s is not None:  # P's, for D's record
                     st.record.end_lag_s = float(msg.end_lag_s)
+                if same_host and msg.last_layer_s is not None:
+                    st.record.last_layer_s = float(msg.last_layer_s)
                 if msg.wire_s is not None:
                     st.record.wire_s = float(msg.wire_s)
                 ok = staging.end(st)

@@ -161,12 +161,13 @@ class Layer(Message):
 
 @dataclass(frozen=True)
 class End(Message):
-    """Every layer of every token was sent. P's `end_lag_s` (seconds from its last layer being
-    handed to the channel to this END, on P's clock) and `wire_s` (seconds its bytes moved),
-    for D's record."""
+    """Every layer of every token was sent. P's `last_layer_s` (wall time its last layer was
+    handed to the channel), `end_lag_s` (seconds from then to this END, on P's clock) and
+    `wire_s` (seconds its bytes moved), for D's record."""
 
     OP = Op.END
     transfer_id: str
+    last_layer_s: float | None = None
     end_lag_s: float | None = None
     wire_s: float | None = None
 

@@ -38,12 +38,12 @@ class TransferRecord:
     copy_forward_s: float = 0.0
     sender_layers_s: float = 0.0
     sender_sends_s: float = 0.0  # P, tcp: the sender putting forward-copied layers on the socket
-    # P: wall time (epoch s, P's clock) the forward pass of the last chunk ended (vLLM's
-    # wait_for_save, before the logits): the end of P's last layer.
+    # Wall time (epoch s) the forward pass of the last chunk ended (vLLM's wait_for_save, before
+    # the logits): the end of P's last layer. P stamps it; D takes it from END only when P is on
+    # its host (the same clock).
     last_layer_s: float | None = None
     # P: seconds from the end of its last layer to END going out (P's clock); D takes it from
-    # END. D: wall time END arrived (D's clock). D's `tail_s` adds the two spans, each measured
-    # on one host's clock, so P and D need no common clock.
+    # END. D: wall time END was read (D's clock).
     end_lag_s: float | None = None
     end_received_s: float | None = None
     # Seconds the bytes were actually moving: P's copies (forward thread and sender) plus the
@@ -53,18 +53,20 @@ class TransferRecord:
     def as_dict(self) -> dict[str, Any]:
         """The record plus `duration_s` (BEGIN to verified END on this worker's clock:
         includes P's prefill, since layers move while P computes), `tail_s` (what the overlap
-        leaves exposed: on D, P's `end_lag_s` plus END's arrival to its verification, leaving
-        out END's own trip across the network; on P, its last layer to the end of the transfer
-        on P's clock) and `gbps` (bytes / `wire_s`: the rate while bytes move)."""
+        leaves exposed: the end of P's last layer to the transfer's end, on one clock when P and
+        D share a host, and on P itself; on a D whose P is on another host, P's `end_lag_s` plus
+        END's reading to its verification: a lower bound that leaves out the frames D had not
+        read yet when END went out and END's own trip, with no common clock needed) and `gbps`
+        (bytes / `wire_s`: the rate while bytes move)."""
         d = asdict(self)
         end = self.complete_s
         d["duration_s"] = (end - self.started_s) if end else None
-        if self.side == "recv":
-            d["tail_s"] = (self.end_lag_s + (end - self.end_received_s)
-                           if end and self.end_lag_s is not None and self.end_received_s
-                           else None)
+        if end and self.last_layer_s:
+            d["tail_s"] = end - self.last_layer_s
+        elif end and self.end_lag_s is not None and self.end_received_s:
+            d["tail_s"] = self.end_lag_s + (end - self.end_received_s)
         else:
-            d["tail_s"] = (end - self.last_layer_s) if end and self.last_layer_s else None
+            d["tail_s"] = None
         d["gbps"] = self.bytes / self.wire_s / 1e9 if self.wire_s else None
         return d
 

@@ -162,4 +162,5 @@ def test_caches_in_several_groups_are_refused() -> None:
                       spec_kinds=("FullAttentionSpec", "SlidingWindowSpec"), kv_cache_groups=2)
     msg = refusal(caches, engine)
     assert "2 groups" in msg and "2 KV cache groups" in msg and "NixlConnector" in msg
+    assert "--no-disable-hybrid-kv-cache-manager" in msg
     assert select_layouts(caches, EngineKV("cpu", ("CPU_ATTN",), "LBHNC"))  # one group: read

@@ -42,7 +42,7 @@ class EngineKV:
             parts.append("latent (MLA) cache")
         if self.spec_kinds:
             parts.append(f"KV specs {'/'.join(self.spec_kinds)}")
-        if self.kv_cache_groups != 1:
+        if self.kv_cache_groups > 1:
             parts.append(f"{self.kv_cache_groups} KV cache groups")
         return ", ".join(parts)
 

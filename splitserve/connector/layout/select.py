@@ -29,7 +29,9 @@ def refused_kind(engine: EngineKV) -> str | None:
     if engine.kv_cache_groups > 1:
         return (f"a KV cache in {engine.kv_cache_groups} groups (e.g. sliding-window and "
                 "full-attention layers, each group with its own block table per request; the "
-                "connector moves one block table per request)")
+                "connector moves one block table per request: leave vLLM's hybrid KV cache "
+                "manager off, as it is by default with a KV connector, i.e. drop "
+                "--no-disable-hybrid-kv-cache-manager)")
     return None
 
 

@@ -25,6 +25,7 @@ Contract (the swap point between transports):
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import socket
@@ -167,6 +168,8 @@ class PushChannel(ABC):
             st = self._states.get(transfer_id)
             if st is not None and not st.settled:
                 st.status = "cancelled"
+            if st is not None:
+                st.began.set()  # a sender waiting for D's BEGIN_OK lets go of it now
             while self._busy_with == transfer_id:
                 self._idle.wait(0.05)
         if st is not None:
@@ -179,6 +182,7 @@ class PushChannel(ABC):
             st = self._states.get(transfer_id)
             if st is not None and not st.settled and time.monotonic() > st.deadline:
                 st.status = "failed"
+                st.began.set()
                 timed_out = True
             else:
                 timed_out = False
@@ -242,14 +246,32 @@ class PushChannel(ABC):
         st.began.set()
         self._stats.close(st.record, "failed", cause)
 
-    def _connection_lost(self, cause: str) -> None:
+    def _connection_lost(self, cause: str, sock: Conn | None) -> None:
+        """`sock` (None: a connect that failed) ended: fail what is pending on it. The end of
+        an older connection, already replaced, changes nothing."""
         with self._lock:
+            if sock is not self._sock:
+                return
             self._sock = None
             pending = [st for st in self._states.values() if not st.settled]
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)  # its reply thread ends with it
         for st in pending:
             self._fail(st, cause)
 
+    def on_closed(self) -> None:
+        """On the sender thread, once `close()` was called and every queued item (device
+        copies included) was handled: release what the transport holds (nothing here)."""
+        return None
+
     def _send_loop(self) -> None:
+        try:
+            self._drain_queue()
+        finally:
+            self.on_closed()
+
+    def _drain_queue(self) -> None:
         while (item := self._queue.get()) is not None:
             kind, payload = item
             if kind == "release":
@@ -277,7 +299,7 @@ class PushChannel(ABC):
                     cause = "peer_refused"
                 else:
                     cause = "peer_unreachable"
-                self._connection_lost(cause)
+                self._connection_lost(cause, self._sock)
             finally:
                 with self._lock:
                     self._busy_with = None
@@ -292,7 +314,7 @@ class PushChannel(ABC):
         try:
             send(self._sock, Abort(transfer_id))
         except OSError:
-            self._connection_lost("peer_unreachable")
+            self._connection_lost("peer_unreachable", self._sock)
 
     def _handle(self, kind: str, payload: Any, st: SendState) -> None:
         if kind == "begin":
@@ -342,7 +364,7 @@ class PushChannel(ABC):
                 rec.wire_s = rec.copy_forward_s + rec.sender_layers_s + rec.sender_sends_s
                 if rec.last_layer_s is not None:
                     rec.end_lag_s = max(0.0, time.time() - rec.last_layer_s)
-                end = encode(End(st.transfer_id, rec.end_lag_s, rec.wire_s))
+                end = encode(End(st.transfer_id, rec.last_layer_s, rec.end_lag_s, rec.wire_s))
                 send_parts(self._ensure_connected(), [*st.unsent, end])
             st.unsent.clear()
         elif kind == "abort":
@@ -381,15 +403,18 @@ class PushChannel(ABC):
                     raise ProtocolError(f"unexpected op {msg.OP!r} from a listener")
                 with self._lock:
                     st = self._states.get(msg.transfer_id)
+                    # under the lock: a cancel after this sees the offset and ABORTs itself
                     given_up = st is None or st.settled
-                if isinstance(msg, BeginOk) and given_up:
-                    self._queue.put(("release", msg.transfer_id))
+                    if isinstance(msg, BeginOk) and st is not None:
+                        st.offset = msg.offset
+                if isinstance(msg, BeginOk):
+                    if st is not None:
+                        st.began.set()
+                    if given_up:
+                        self._queue.put(("release", msg.transfer_id))
                     continue
                 if st is None:
                     continue
-                if isinstance(msg, BeginOk):
-                    st.offset = msg.offset
-                    st.began.set()
                 elif isinstance(msg, BeginRefused):
                     self._fail(st, f"refused_{msg.cause}")
                 elif msg.ok:
@@ -403,4 +428,4 @@ class PushChannel(ABC):
                     self._fail(st, msg.cause or "decode_rejected")
         except (OSError, ProtocolError):
             if not self._closed:
-                self._connection_lost("peer_gone")
+                self._connection_lost("peer_gone", sock)

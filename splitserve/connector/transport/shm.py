@@ -34,8 +34,8 @@ class ShmPushChannel(PushChannel):
             self._segment = SharedSegment(0, path=path)
             self.copier.register_host(self._segment.tensor)  # device copies land in it directly
 
-    def close(self) -> None:
-        super().close()
+    def on_closed(self) -> None:
+        # on the sender thread, after its queue (device copies into the segment) drained
         if self._segment is not None:
             self.copier.unregister_host(self._segment.tensor)
 
