@@ -1,6 +1,7 @@
 """One Ray cluster for the Ray backend's tests: three logical nodes on 127.0.0.1 (the head with
-the P pool's resource, two nodes with one D slot each), and one deployment on it, shared by every
-test of this package and torn down after its last one (the rest of the suite runs without them).
+three P slots: the shared deployment's P pool scales to 2, and a second deployment may take the
+third; two nodes with one D slot each), and one deployment on it, shared by every test of this
+package and torn down after its last one (the rest of the suite runs without them).
 
 The cluster's environment is set by the `ray_cluster` fixture for the cluster's lifetime and
 restored after it: `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0` (read when `ray` is first imported)
@@ -57,7 +58,7 @@ def ray_cluster() -> Iterator[RayCluster]:
     cluster = None
     try:
         cluster = Cluster(initialize_head=True, head_node_args={
-            "num_cpus": 4, "resources": {"prefill_node": 2}, "include_dashboard": False,
+            "num_cpus": 4, "resources": {"prefill_node": 3}, "include_dashboard": False,
             "node_ip_address": LOOPBACK, "_system_config": SYSTEM_CONFIG})
         rc = RayCluster(cluster)
         rc.add_decode_node()
