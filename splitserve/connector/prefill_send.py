@@ -25,7 +25,7 @@ from splitserve.connector.layout.staging_format import KVShape
 from splitserve.connector.meta import SaveSpec, SplitserveMeta
 from splitserve.connector.protocol import Fingerprint
 from splitserve.connector.stats import ConnectorStats
-from splitserve.connector.transport.base import TransferChannel
+from splitserve.connector.transport.channel import TransferChannel
 from splitserve.connector.transport.items import LayerItem, SendState
 from splitserve.connector.transport.shm import ShmPushChannel
 from splitserve.connector.transport.tcp import TcpPushChannel

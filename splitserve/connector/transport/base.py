@@ -33,7 +33,7 @@ import ssl
 import threading
 import time
 from abc import ABC, abstractmethod
-from typing import Any, Protocol
+from typing import Any
 
 import xxhash
 
@@ -67,33 +67,6 @@ log = logging.getLogger(__name__)
 
 def checksum(data: memoryview) -> str:
     return xxhash.xxh3_64_hexdigest(data)
-
-
-class TransferChannel(Protocol):
-    """What P's send bookkeeping (`prefill_send.PrefillSends`) calls on a channel to one D, all
-    on the engine's worker thread. `PushChannel` implements it over a socket; the unit tests'
-    fake (tests/channels.py) in memory."""
-
-    def begin(self, transfer_id: str, num_tokens: int, nbytes: int, ack_timeout_s: float
-              ) -> SendState: ...
-
-    def push_layer(self, item: LayerItem) -> None: ...
-
-    def end(self, transfer_id: str) -> None: ...
-
-    def cancel(self, transfer_id: str) -> None: ...
-
-    def poll(self, transfer_id: str) -> SendState | None: ...
-
-    def forget(self, transfer_id: str) -> None: ...
-
-    @property
-    def connected(self) -> bool:
-        """Whether the channel holds a live connection to D (False before its first connect
-        and once the connection was lost: a D that died or dropped it)."""
-        ...
-
-    def close(self) -> None: ...
 
 
 class PushChannel(ABC):
