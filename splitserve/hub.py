@@ -24,7 +24,9 @@ ALWAYS_IGNORED = ("original/*", "*.h5", "*.msgpack", "*.onnx", "*.ot", "*.gguf",
 @dataclass(frozen=True)
 class ModelSource:
     """A model's local directory and the name it is served under: the hub id it was resolved
-    from, as vLLM serves a hub id (None: served under its directory, vLLM's default)."""
+    from, as vLLM serves a hub id (None: served under its directory, vLLM's default); and, for a
+    hub id, the commit that directory holds (the hub cache's `snapshots/<commit>`), which
+    names those same files wherever they are resolved again."""
 
     path: str
     name: str | None = None
@@ -123,4 +125,4 @@ def resolve_model(model: str, revision: str | None = None, cache_dir: str | None
         raise ValueError(f"model {model!r}: the Hugging Face hub answered {exc}") from None
     if not (Path(path) / "config.json").is_file():
         raise ValueError(f"model {model!r}: snapshot {path} has no config.json")
-    return ModelSource(str(path), model, revision)
+    return ModelSource(str(path), model, Path(path).name)

@@ -188,19 +188,15 @@ def _bench_all(args: argparse.Namespace, endpoints: dict[str, str],
 
 def deploy_model(model: str | None, revision: str | None) -> ModelSource:
     """What every started arm loads: the embedded model, a directory, or a hub id's snapshot,
-    resolved once and pinned to its commit (the hub cache's `snapshots/<commit>`), so every
-    arm loads the same files."""
+    resolved once at one commit, so every arm loads the same files."""
     if model is None:
         from splitserve.demo_model import embedded_model_dir
 
         return ModelSource(str(embedded_model_dir()))
     try:
-        source = resolve_model(model, revision)
+        return resolve_model(model, revision)
     except ValueError as exc:
         raise SystemExit(f"splitserve bench compare: {exc}") from None
-    if source.name is None:
-        return source
-    return ModelSource(source.path, source.name, Path(source.path).name)
 
 
 def run_single(args: argparse.Namespace) -> int:

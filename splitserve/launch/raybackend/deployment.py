@@ -62,8 +62,7 @@ def pin_revision(cfg: DeploymentConfig) -> DeploymentConfig:
         return cfg
     from splitserve.hub import resolve_model
 
-    snapshot = Path(resolve_model(cfg.model, cfg.revision).path)
-    return replace(cfg, revision=snapshot.name)  # the hub cache's snapshots/<commit>
+    return replace(cfg, revision=resolve_model(cfg.model, cfg.revision).revision)
 
 
 def pool_app(cfg: DeploymentConfig, kind: str, n: int, directory: str) -> Any:
