@@ -60,7 +60,7 @@ from splitserve.connector.tls import Conn
 from splitserve.connector.transport.items import CopiedLayer, LayerItem, ReadyLayer, SendState
 
 # ("begin", SendState) | ("layer", LayerItem) | ("send", ReadyLayer) | ("copied", CopiedLayer)
-# | ("end"|"abort"|"release", id)
+# | ("end"|"abort", id)
 Item = tuple[str, Any]
 log = logging.getLogger(__name__)
 
@@ -247,13 +247,13 @@ class PushChannel(ABC):
     def _drain_queue(self) -> None:
         while (item := self._queue.get()) is not None:
             kind, payload = item
-            if kind == "release":
-                self._release(payload)
+            if kind == "abort":
+                self._abort(payload)
                 continue
             tid = payload if isinstance(payload, str) else payload.transfer_id
             with self._lock:
                 st = self._states.get(tid)
-                skip = st is None or (st.settled and kind != "abort")
+                skip = st is None or st.settled
                 if not skip and kind != "copied":  # a queued device copy: no host read here
                     self._busy_with = tid
             if skip:
@@ -278,10 +278,17 @@ class PushChannel(ABC):
                     self._busy_with = None
                     self._idle.notify_all()
 
-    def _release(self, transfer_id: str) -> None:
-        """D opened a region for a transfer P had already given up on (failed, cancelled or
-        forgotten before BEGIN_OK arrived): ABORT it, so D frees the region now rather than
-        when its lease runs out."""
+    def _abort(self, transfer_id: str) -> None:
+        """ABORT a transfer P gave up on (failed, cancelled, or already forgotten), so D frees
+        its region now rather than when its lease runs out. Not while D has yet to answer its
+        BEGIN: the reply loop queues the ABORT again when that BEGIN_OK comes. A forgotten
+        transfer is ABORTed whatever D did with it (D ignores one it never opened)."""
+        with self._lock:
+            st = self._states.get(transfer_id)
+        if st is not None:
+            st.unsent.clear()
+            if st.offset < 0:
+                return
         if self._sock is None:
             return
         try:
@@ -340,10 +347,6 @@ class PushChannel(ABC):
                 end = encode(End(st.transfer_id, rec.last_layer_s, rec.end_lag_s, rec.wire_s))
                 send_parts(self._ensure_connected(), [*st.unsent, end])
             st.unsent.clear()
-        elif kind == "abort":
-            st.unsent.clear()
-            if self._sock is not None and st.offset >= 0:
-                send(self._sock, Abort(st.transfer_id))
 
     @staticmethod
     def _settle_copy(copied: CopiedLayer, release: bool = True) -> bool:
@@ -383,8 +386,8 @@ class PushChannel(ABC):
                 if isinstance(msg, BeginOk):
                     if st is not None:
                         st.began.set()
-                    if given_up:
-                        self._queue.put(("release", msg.transfer_id))
+                    if given_up:  # D opened it after P gave up on it
+                        self._queue.put(("abort", msg.transfer_id))
                     continue
                 if st is None:
                     continue
