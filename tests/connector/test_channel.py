@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -141,6 +142,20 @@ def test_channel_knows_when_its_d_is_gone(kind: str) -> None:
     staging.close()
 
 
+def hold_begin(staging: StagingArea) -> tuple[threading.Event, threading.Event]:
+    """D holds its answer to every BEGIN until the test sets `gate`; `asked` is set once a
+    BEGIN has reached D."""
+    asked, gate, begin = threading.Event(), threading.Event(), staging.begin
+
+    def held(*args: Any) -> Any:
+        asked.set()
+        gate.wait(5)
+        return begin(*args)
+
+    staging.begin = held  # type: ignore[method-assign]
+    return asked, gate
+
+
 class FailingCopies(InlineCopies):
     def save(self, *args: object) -> Completion:
         raise RuntimeError("device copy failed")
@@ -152,9 +167,7 @@ def test_a_transfer_failed_before_d_opened_it_frees_d_region_at_once(
     given up before D's BEGIN_OK (with D's region) arrives, and then ABORTs it, so D frees the
     region now, not when its 30 s lease runs out."""
     lis, staging = listener
-    asked, gate, begin = threading.Event(), threading.Event(), staging.begin
-    # D holds its answer to BEGIN until the test lets it
-    staging.begin = lambda *a: (asked.set(), gate.wait(5), begin(*a))[2]  # type: ignore
+    asked, gate = hold_begin(staging)
     ch = TcpPushChannel("127.0.0.1", lis.port, TOKEN, FP, ConnectorStats(), NO_FAULTS, SHAPE,
                         2.0, copier=FailingCopies())
     cache = torch.randn(2, 2, 64, 64)
@@ -179,8 +192,7 @@ def test_a_cancel_while_d_has_not_answered_begin_returns_at_once(
     D's BEGIN_OK: the cancel returns at once, not when D answers or BEGIN times out, and D's
     region is freed once D has opened it."""
     lis, staging = listener
-    asked, gate, begin = threading.Event(), threading.Event(), staging.begin
-    staging.begin = lambda *a: (asked.set(), gate.wait(5), begin(*a))[2]  # type: ignore
+    asked, gate = hold_begin(staging)
     ch = channel(kind, lis.port)
     ch.begin("slow", 10, SHAPE.transfer_bytes(10), ack_timeout_s=5.0)
     assert asked.wait(5)
