@@ -93,7 +93,10 @@ def ray_mapping(model: Path, address: str) -> dict[str, Any]:
         "ray": {"prefill_resources": {"prefill_node": 1},
                 "decode_resources": {"decode_node": 1},
                 "prefill_max": 2, "decode_max": 2, "prefill_queued_tokens": 60,
-                "decode_running": 2, "upscale_delay_s": 0.5, "downscale_delay_s": 15,
+                # one stream on 2 Ds needs 0.5 of one: below 0.6 it drains back to 1 (at
+                # 0.5 it would sit on the boundary and hold 2 whenever the stream is mostly on D)
+                "decode_running": 2, "downscale_below": 0.6,
+                "upscale_delay_s": 0.5, "downscale_delay_s": 15,
                 "look_back_period_s": 2, "drain_timeout_s": 20}}
 
 
