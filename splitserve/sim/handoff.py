@@ -2,10 +2,10 @@
 inherits it), over either connector, and the run's event kinds.
 
 - splitserve's connector: when P's last prefill step ends, the KV is already crossing the
-  link layer by layer (`model.transfer_arrival`); the leg joins D at max(t1 + hop, arrival).
+  link layer by layer (`costmodel.transfer_arrival`); the leg joins D at max(t1 + hop, arrival).
 - NIXL (`SimConfig.connector == "nixl"`): the leg reaches D's scheduler at t1 + hop +
   `pull_request_s`; D's next step (at once if D is idle) posts the READ of P's whole blocks
-  (`model.pull_arrival`); the leg joins D when they are in.
+  (`costmodel.pull_arrival`); the leg joins D when they are in.
 
 Either way P holds the prompt's KV until the transfer leaves the link (a P blocked on KV is
 woken then), and `kv_transfer_s` is the KV's arrival less the end of P's prefill.
@@ -16,7 +16,7 @@ from __future__ import annotations
 import heapq
 from typing import TYPE_CHECKING
 
-from splitserve.sim.model import pull_arrival, transfer_arrival
+from splitserve.sim.costmodel import pull_arrival, transfer_arrival
 from splitserve.sim.workerstate import KV_WAIT, Worker, next_boundary
 
 if TYPE_CHECKING:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from splitserve.sim.model import Bins, DecodeCost, PrefillCost
+from splitserve.sim.costmodel import Bins, DecodeCost, PrefillCost
 
 if TYPE_CHECKING:
     from splitserve.sim.simulator import Simulation

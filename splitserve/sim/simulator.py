@@ -15,10 +15,10 @@ finishing requests come off a heap keyed by the absolute step they finish on.
 
 Disaggregated flow: the router picks P and D on arrival (per policy); P's last prefill step
 emits t1 (TTFT). splitserve's connector: the KV crosses the link while P prefills
-(`model.transfer_arrival`); the leg joins D at max(t1 + router hop, KV arrival) and D's first
-step emits t2. NIXL: D's next step after its leg reached it posts the READ (`model.pull_arrival`)
-and its first step replays t1, so t2..tN come one step later. P holds the KV until the transfer
-ends.
+(`costmodel.transfer_arrival`); the leg joins D at max(t1 + router hop, KV arrival) and D's
+first step emits t2. NIXL: D's next step after its leg reached it posts the READ
+(`costmodel.pull_arrival`) and its first step replays t1, so t2..tN come one step later. P
+holds the KV until the transfer ends.
 
 Effects beyond the workers' own step costs (e.g. router, client and workers sharing CPU cores:
 `splitserve.sim.calibration`) enter only through the run's `Overlay` (`sim.overlay`), whose

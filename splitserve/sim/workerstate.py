@@ -7,8 +7,8 @@ import math
 from collections import deque
 from enum import IntEnum
 
+from splitserve.sim.costmodel import DecodeCost, PrefillCost
 from splitserve.sim.deployment import Segment
-from splitserve.sim.model import DecodeCost, PrefillCost
 
 
 class Role(IntEnum):

@@ -8,8 +8,8 @@ from dataclasses import replace
 import pytest
 
 from splitserve.sim.calibration.costs import SplitCost
+from splitserve.sim.costmodel import DecodeCost
 from splitserve.sim.deployment import SimConfig
-from splitserve.sim.model import DecodeCost
 from splitserve.sim.overlay import Overlay
 from splitserve.sim.simulator import Simulation, simulate
 from splitserve.sim.workload import SimWorkload

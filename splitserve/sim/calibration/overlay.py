@@ -18,8 +18,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from splitserve.sim.calibration.costs import SplitCost
+from splitserve.sim.costmodel import DecodeCost, PrefillCost
 from splitserve.sim.deployment import SimConfig
-from splitserve.sim.model import DecodeCost, PrefillCost, Profile
+from splitserve.sim.model import Profile
 from splitserve.sim.overlay import Overlay
 
 if TYPE_CHECKING:

@@ -11,8 +11,8 @@ from splitserve.bench.client import RequestRecord
 from splitserve.bench.workload import ArrivalSpec, LengthDist, WorkloadSpec
 from splitserve.sim.calibration.costs import SplitCost
 from splitserve.sim.calibration.drift import Canary, Drift, Speed, scaled
+from splitserve.sim.costmodel import DecodeCost
 from splitserve.sim.deployment import SimConfig
-from splitserve.sim.model import DecodeCost
 from splitserve.sim.validate import METRICS, compare, simulate_point
 from splitserve.sim.workload import SimWorkload
 from tests.sim.conftest import make_profile
