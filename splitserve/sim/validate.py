@@ -41,7 +41,7 @@ from splitserve.sim.costmodel import DecodeCost
 from splitserve.sim.deployment import SimConfig
 from splitserve.sim.model import Profile
 from splitserve.sim.results import summarize
-from splitserve.sim.simulator import simulate
+from splitserve.sim.run import simulate
 from splitserve.sim.workload import arrays_from_spec
 
 METRICS = ("median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms", "median_tpot_ms",

@@ -12,7 +12,7 @@ from splitserve.sim.deployment import SimConfig
 from splitserve.sim.model import Profile
 from splitserve.sim.profile import fit_decode
 from splitserve.sim.records import token_times
-from splitserve.sim.simulator import simulate
+from splitserve.sim.run import simulate
 from splitserve.sim.workload import SimWorkload
 from tests.sim.conftest import make_profile
 

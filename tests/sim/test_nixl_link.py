@@ -21,7 +21,7 @@ from splitserve.sim.model import Profile, load_profile, save_profile
 from splitserve.sim.planner import PlanRequest
 from splitserve.sim.records import token_times
 from splitserve.sim.results import itl_samples
-from splitserve.sim.simulator import simulate
+from splitserve.sim.run import simulate
 from splitserve.sim.workload import SimWorkload
 from tests.sim.conftest import make_profile
 

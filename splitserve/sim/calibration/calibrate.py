@@ -81,7 +81,7 @@ from splitserve.sim.profile import (
 )
 from splitserve.sim.records import timeline
 from splitserve.sim.results import summarize
-from splitserve.sim.simulator import simulate
+from splitserve.sim.run import simulate
 from splitserve.sim.workload import SimWorkload
 
 

@@ -56,7 +56,7 @@ from splitserve.sim.model import Profile
 from splitserve.sim.profile import _prompt, _run
 from splitserve.sim.records import request_records
 from splitserve.sim.results import weighted_percentiles
-from splitserve.sim.simulator import simulate
+from splitserve.sim.run import simulate
 from splitserve.sim.workload import from_requests
 
 

@@ -21,7 +21,7 @@ from splitserve.sim.costmodel import DecodeCost
 from splitserve.sim.deployment import SimConfig
 from splitserve.sim.model import Profile, load_profile, save_profile
 from splitserve.sim.results import summarize
-from splitserve.sim.simulator import simulate
+from splitserve.sim.run import simulate
 from splitserve.sim.workload import SimWorkload
 from tests.sim.conftest import make_profile
 

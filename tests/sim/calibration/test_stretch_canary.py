@@ -28,7 +28,7 @@ from splitserve.sim.costmodel import DecodeCost
 from splitserve.sim.deployment import SimConfig
 from splitserve.sim.model import Profile, save_profile
 from splitserve.sim.records import request_records
-from splitserve.sim.simulator import simulate
+from splitserve.sim.run import simulate
 from splitserve.sim.validate import (
     METRICS,
     compare,
