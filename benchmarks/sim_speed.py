@@ -18,17 +18,11 @@ from pathlib import Path
 
 import numpy as np
 
+from splitserve.sim.costmodel import DecodeCost, PrefillCost, TransferLink
 from splitserve.sim.deployment import SimConfig
-from splitserve.sim.model import (
-    DecodeCost,
-    Engine,
-    ModelShape,
-    PrefillCost,
-    Profile,
-    TransferLink,
-)
+from splitserve.sim.model import Engine, ModelShape, Profile
 from splitserve.sim.results import summarize
-from splitserve.sim.simulator import simulate
+from splitserve.sim.run import simulate
 from splitserve.sim.workload import SimWorkload
 
 # Step costs of the embedded demo model's order of magnitude (one CPU core).

@@ -23,14 +23,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from splitserve.sim.model import (
-    DecodeCost,
-    Engine,
-    ModelShape,
-    PrefillCost,
-    Profile,
-    TransferLink,
-)
+from splitserve.sim.costmodel import DecodeCost, PrefillCost, TransferLink
+from splitserve.sim.model import Engine, ModelShape, Profile
 
 
 @dataclass(frozen=True)

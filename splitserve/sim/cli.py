@@ -17,9 +17,6 @@ run of the same options see the same stream, and results use the benchmark's JSO
 from __future__ import annotations
 
 import argparse
-import json
-import os
-from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -28,7 +25,13 @@ from splitserve.bench.cli import add_workload_arguments, spec_from_args
 from splitserve.bench.metrics import SLO, distserve_goodput
 from splitserve.bench.report import print_summary, save_result
 from splitserve.common.cpus import parse_cpus
-from splitserve.sim.cli_args import add_connector_args, add_profile_arg, cli_profile, transport_for
+from splitserve.sim.cli_args import (
+    add_connector_args,
+    add_profile_arg,
+    cli_profile,
+    model_path,
+    transport_for,
+)
 from splitserve.sim.deployment import MODES, POLICIES, SimConfig
 from splitserve.sim.model import VLLM_CPU_TOKEN_BUDGET, Profile, load_profile, save_profile
 from splitserve.sim.plan_cli import register_plan
@@ -67,45 +70,65 @@ def _sim_config(args: argparse.Namespace, prof: Profile) -> SimConfig:
                      split_costs=not args.no_split_costs)
 
 
-def _model_path(name: str | None) -> str | None:
-    """A model directory or config file as given; a Hugging Face model id resolved to its
-    snapshot directory (splitserve.hub, as the workers resolve it)."""
-    if name is None or Path(name).exists():
-        return name
-    from splitserve.hub import resolve_model
-
-    try:
-        return resolve_model(name).path
-    except ValueError as exc:
-        raise SystemExit(f"splitserve: {exc}") from None
-
-
 def _label(cfg: SimConfig) -> str:
     if cfg.mode == "disagg":
         return f"sim:{cfg.n_prefill}P{cfg.n_decode}D"
     return f"sim:{cfg.mode}x{cfg.n_workers}"
 
 
+def _with_links(args: argparse.Namespace) -> Profile:
+    """`--add-links`: links measured now (and `--nixl-json`'s), onto an existing profile."""
+    from splitserve.sim.links import measured_links, nixl_link_from_side_by_side
+    from splitserve.sim.profile import nixl_desc_bytes
+
+    prof = load_profile(args.add_links)
+    desc = nixl_desc_bytes(prof.model, args.block_size) if args.nixl_probe else None
+    links = measured_links(args.transfer_json, not args.no_tcp_probe, desc)
+    if not links and not args.nixl_json:
+        raise SystemExit("--add-links: nothing to measure (--nixl-probe, --nixl-json, "
+                         "--transfer-json, or the tcp probe)")
+    if args.nixl_json:  # vLLM's own pulls replace the probe's transport numbers
+        links["nixl"], beyond = nixl_link_from_side_by_side(
+            args.nixl_json, prof.model.kv_bytes_per_token)
+        if beyond is not None:
+            print(f"D's leg beyond its pull (request round trip and replay step): median "
+                  f"{beyond * 1e3:.1f} ms; less D's step, that is --pull-request-ms")
+    return replace(prof, transfer=prof.transfer | links)
+
+
+def _analytic(args: argparse.Namespace) -> Profile:
+    """`--analytic`: a roofline profile from a model config and a hardware preset."""
+    from splitserve.sim.analytic import PRESETS, ModelConfig, analytic_profile
+
+    if not args.model_config:
+        raise SystemExit("splitserve profile --analytic needs --model-config")
+    hw = PRESETS[args.hardware]
+    overrides: dict[str, Any] = {k: v for k, v in (
+        ("flops", args.flops), ("mem_bw", args.mem_bw), ("link_bw", args.link_bw),
+        ("memory_bytes", args.memory_bytes)) if v is not None}
+    model = ModelConfig.from_hf(model_path(args.model_config) or "", args.dtype_bytes)
+    if not Path(args.model_config).exists():  # a hub id: named by it, not its snapshot
+        model = replace(model, name=args.model_config)
+    return analytic_profile(model, replace(hw, **overrides), args.token_budget)
+
+
+def _measured(args: argparse.Namespace) -> Profile:
+    """A running worker (`--url`) profiled through the bench client."""
+    from splitserve.sim.profile import ProfilePlan, profile_worker
+
+    if not args.url:
+        raise SystemExit("splitserve profile: give --url of a running worker, or --analytic")
+    plan = ProfilePlan(token_budget=args.token_budget or VLLM_CPU_TOKEN_BUDGET)
+    if args.quick:
+        plan = replace(plan, prefill_lens=(16, 256, 1024, 2048), prefill_repeats=2,
+                       decode_batches=(1, 4, 8), decode_prompt_lens=(32, 1024))
+    return profile_worker(args.url, plan, model_path(args.model_dir), args.transfer_json,
+                          probe_tcp=not args.no_tcp_probe, probe_nixl=args.nixl_probe)
+
+
 def run_profile(args: argparse.Namespace) -> int:
-    if args.add_links:  # links measured now, onto an existing profile
-        from splitserve.sim.links import measured_links
-        from splitserve.sim.profile import nixl_desc_bytes
-
-        prof = load_profile(args.add_links)
-        desc = nixl_desc_bytes(prof.model, args.block_size) if args.nixl_probe else None
-        links = measured_links(args.transfer_json, not args.no_tcp_probe, desc)
-        if not links and not args.nixl_json:
-            raise SystemExit("--add-links: nothing to measure (--nixl-probe, --nixl-json, "
-                             "--transfer-json, or the tcp probe)")
-        if args.nixl_json:  # vLLM's own pulls replace the probe's transport numbers
-            from splitserve.sim.links import nixl_link_from_side_by_side
-
-            links["nixl"], beyond = nixl_link_from_side_by_side(
-                args.nixl_json, prof.model.kv_bytes_per_token)
-            if beyond is not None:
-                print(f"D's leg beyond its pull (request round trip and replay step): median "
-                      f"{beyond * 1e3:.1f} ms; less D's step, that is --pull-request-ms")
-        prof = replace(prof, transfer=prof.transfer | links)
+    if args.add_links:
+        prof = _with_links(args)
     elif args.refit:  # a split profile's split costs, else a plain profile's fits
         from splitserve.sim.calibration.calibrate import refit_split
         from splitserve.sim.profile import refit
@@ -119,29 +142,9 @@ def run_profile(args: argparse.Namespace) -> int:
             raise SystemExit("splitserve profile --split needs --url (a router) and --base")
         prof = calibrate_split(args.url, load_profile(args.base), SplitPlan())
     elif args.analytic:
-        from splitserve.sim.analytic import PRESETS, ModelConfig, analytic_profile
-
-        if not args.model_config:
-            raise SystemExit("splitserve profile --analytic needs --model-config")
-        hw = PRESETS[args.hardware]
-        overrides: dict[str, Any] = {k: v for k, v in (
-            ("flops", args.flops), ("mem_bw", args.mem_bw), ("link_bw", args.link_bw),
-            ("memory_bytes", args.memory_bytes)) if v is not None}
-        model = ModelConfig.from_hf(_model_path(args.model_config) or "", args.dtype_bytes)
-        if not Path(args.model_config).exists():  # a hub id: named by it, not its snapshot
-            model = replace(model, name=args.model_config)
-        prof = analytic_profile(model, replace(hw, **overrides), args.token_budget)
+        prof = _analytic(args)
     else:
-        from splitserve.sim.profile import ProfilePlan, profile_worker
-
-        if not args.url:
-            raise SystemExit("splitserve profile: give --url of a running worker, or --analytic")
-        plan = ProfilePlan(token_budget=args.token_budget or VLLM_CPU_TOKEN_BUDGET)
-        if args.quick:
-            plan = replace(plan, prefill_lens=(16, 256, 1024, 2048), prefill_repeats=2,
-                           decode_batches=(1, 4, 8), decode_prompt_lens=(32, 1024))
-        prof = profile_worker(args.url, plan, _model_path(args.model_dir), args.transfer_json,
-                              probe_tcp=not args.no_tcp_probe, probe_nixl=args.nixl_probe)
+        prof = _measured(args)
     save_profile(prof, args.out)
     print(f"{prof.kind} profile of {prof.model.name} on {prof.engine.name} "
           f"{prof.engine.version}: prefill {prof.prefill}, decode {prof.decode}, "
@@ -162,7 +165,7 @@ def run_profile(args: argparse.Namespace) -> int:
 def run_sim(args: argparse.Namespace) -> int:
     from splitserve.sim.records import MAX_RECORDS, request_records
     from splitserve.sim.results import summarize
-    from splitserve.sim.simulator import simulate
+    from splitserve.sim.run import simulate
     from splitserve.sim.workload import arrays_from_spec
 
     prof, spec = cli_profile(args), spec_from_args(args)
@@ -196,130 +199,17 @@ def run_sim(args: argparse.Namespace) -> int:
 
 
 def run_validate(args: argparse.Namespace) -> int:
-    from splitserve.sim.calibration.drift import Canary, Speed, StretchPlan, modelled_reference
-    from splitserve.sim.validate import (
-        compare,
-        drift_json,
-        local_worker,
-        measure_point,
-        print_drifts,
-        print_handovers,
-        print_points,
-    )
+    from splitserve.sim.validate_cli import Validation
 
     prof, spec = cli_profile(args), spec_from_args(args)
-    cfg = _sim_config(args, prof)
-    if cfg.connector != "splitserve" and not (args.url or args.real_json):
-        raise SystemExit("sim validate launches deployments on splitserve's connector; for "
-                         f"{cfg.connector}, give --url of a running one")
-    if args.repeats < 3:
-        print("note: fewer than 3 repeats per point; the spread is poorly known")
-    rates = args.rates or (spec.arrival.rate,)
-    reference: Speed | None = None  # the canary as the profile predicts it (drift's reference)
-    around: Speed | None = None  # the canaries measured around this command's own profiling
-    # a disaggregated deployment's canary reads D's P-busy stretch too, against the base
-    # profile's decode shape (the same for the reference and every repeat)
-    canary = (Canary(stretch=StretchPlan(), decode=prof.decode) if cfg.mode == "disagg"
-              else Canary())
-
-    def pin_client() -> None:
-        """This process (the benchmark client) onto --client-cpus, once the deployment is up:
-        the launcher plans its cores from this process's affinity."""
-        if args.client_cpus:
-            os.sched_setaffinity(0, args.client_cpus)
-
-    def measure(url: str) -> dict[float, list[dict[str, Any]]]:
-        pin_client()
-        run = canary if reference is not None else None
-        return {r: measure_point(url, spec.with_rate(r), args.repeats, run) for r in rates}
-
-    def refer(profile: Profile) -> None:
-        """The reference: the canary simulated on the profile the points are simulated on."""
-        nonlocal reference
-        reference = modelled_reference(profile, cfg, canary)
-        for name, sp in (("simulated on the profile", reference), ("measured around it", around)):
-            if sp is not None:
-                stretch = "" if sp.stretch is None else f", P-busy stretch {sp.stretch:.3f}"
-                print(f"canary {name}: TTFT {sp.ttft_s * 1e3:.1f} ms, decode gap "
-                      f"{sp.gap_s * 1e3:.2f} ms{stretch}")
-
-    def profiled(url: str, take: Callable[[], Profile]) -> Profile:
-        """Run `take` (the profiling) between two canaries (kept for the record: `around`)."""
-        nonlocal around
-        pin_client()
-        before = canary.run(url)
-        out = take()
-        around = Speed.mean([before, canary.run(url)])
-        refer(out)
-        return out
-
-    if args.real_json:
-        from splitserve.sim.validate import attach_records, stored_real
-
-        spec, real, around = stored_real(json.loads(Path(args.real_json).read_text()))
-        if around is not None:  # the canaries ran: drift against this profile's own canary
-            refer(prof)
-        runs_json = Path(args.real_json).with_suffix(".runs.json")
-        if runs_json.exists():  # the per-request records, for the stretch and handover lines
-            attach_records(real, json.loads(runs_json.read_text()))
-        rates = tuple(sorted(real))
-    elif args.url:
-        real = measure(args.url)
-    elif cfg.mode == "disagg" or cfg.n_workers != 1:
-        from splitserve.sim.validate import launched
-
-        if args.reprofile:
-            raise SystemExit("--reprofile works with one plain worker (--mode chunked "
-                             "--workers 1); profile a worker of the deployment instead")
-        with launched(cfg, args.cpus, cfg.token_budget or prof.token_budget,
-                      router_cpus=args.router_cpus) as url:
-            if args.calibrate and cfg.mode == "disagg":  # this deployment's split costs
-                from splitserve.sim.calibration.calibrate import SplitPlan, calibrate_split
-
-                prof = profiled(url, lambda: calibrate_split(url, prof, SplitPlan(), cfg))
-                print(f"split costs: {prof.split.__dict__ | {'fit': '...'}}")
-                if args.out:
-                    save_profile(prof, Path(args.out).with_suffix(".profile.json"))
-            real = measure(url)
-    else:
-        from splitserve.demo_model import embedded_model_dir
-
-        model = _model_path(args.model_dir) or str(embedded_model_dir())
-        with local_worker(model, args.cpus, cfg.token_budget or prof.token_budget) as url:
-            if args.reprofile:  # calibrate on this very worker, under today's conditions
-                from splitserve.sim.profile import ProfilePlan, profile_worker
-
-                plan = ProfilePlan(prefill_lens=(16, 64, 256, 512, 1024, 2048),
-                                   decode_prompt_lens=(32, 512),
-                                   token_budget=cfg.token_budget or prof.token_budget)
-                prof = profiled(url, lambda: profile_worker(url, plan, model, probe_tcp=False))
-                if args.out:
-                    save_profile(prof, Path(args.out).with_suffix(".profile.json"))
-            real = measure(url)
-    points = compare(prof, cfg, spec, rates, real, reference)
-    if cfg.mode == "disagg":  # P's busy windows are one P's; read against D's calibrated step
-        print_drifts(real, reference, prof.split.decode if prof.split else prof.decode)
-        print_handovers(prof, cfg, spec, real)
-    else:
-        print_drifts(real, reference)
-    print_points(points)
-    if args.out and not args.real_json:  # the raw measured runs, for a later --real-json
-        raw = Path(args.out).with_suffix(".runs.json")
-        raw.write_text(json.dumps({f"{r:g}": runs for r, runs in real.items()}, default=str))
-    if args.out:
-        Path(args.out).write_text(json.dumps(
-            {"profile": str(args.profile), "config": cfg.__dict__, "workload": spec.to_dict(),
-             "repeats": args.repeats, "points": [p.to_dict() for p in points],
-             "drift": drift_json(reference, real, around)}, indent=2))
-        print(f"wrote {args.out}")
-    return 0
+    return Validation(args, prof, spec, _sim_config(args, prof)).run()
 
 
 def _rates(text: str) -> tuple[float, ...]:
     return tuple(float(x) for x in text.split(",") if x.strip())
 
 
-def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def _register_profile(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     prof = sub.add_parser("profile", help="measure a worker's step costs (or derive them)")
     prof.add_argument("--url", help="a running vLLM worker's base URL")
     prof.add_argument("--out", default="profile.json")
@@ -357,6 +247,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     g.add_argument("--link-bw", type=float, default=None, help="override P→D bytes/s")
     prof.set_defaults(func=run_profile)
 
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    _register_profile(sub)
     sim = sub.add_parser("sim", help="simulate a deployment on a workload")
     add_profile_arg(sim)
     _add_deployment_args(sim)

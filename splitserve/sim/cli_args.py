@@ -1,8 +1,10 @@
-"""The options and profile loading that `splitserve sim`, `sim validate` and `plan` share."""
+"""The options, profile loading and model resolution that `splitserve profile`, `sim`,
+`sim validate` and `plan` share."""
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from splitserve.sim.deployment import CONNECTORS
 from splitserve.sim.model import Profile, load_profile
@@ -12,6 +14,19 @@ def installed_engine() -> str | None:
     from splitserve.common.engine import installed_vllm_version
 
     return installed_vllm_version()
+
+
+def model_path(name: str | None) -> str | None:
+    """A model directory or config file as given; a Hugging Face model id resolved to its
+    snapshot directory (splitserve.hub, as the workers resolve it)."""
+    if name is None or Path(name).exists():
+        return name
+    from splitserve.hub import resolve_model
+
+    try:
+        return resolve_model(name).path
+    except ValueError as exc:
+        raise SystemExit(f"splitserve: {exc}") from None
 
 
 def cli_profile(args: argparse.Namespace) -> Profile:

@@ -15,7 +15,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from splitserve.bench.workload import WorkloadSpec
-from splitserve.sim.model import Profile, TransferLink
+from splitserve.sim.costmodel import TransferLink
+from splitserve.sim.model import Profile
 from splitserve.sim.planner import Candidate, Plan, PlanRequest, plan
 
 

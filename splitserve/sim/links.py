@@ -1,4 +1,4 @@
-"""A profile's KV transfer links (`model.TransferLink`: `bytes / bandwidth + latency`), measured.
+"""A profile's measured KV transfer links (`costmodel.TransferLink`: bytes / bw + latency).
 
 - `links_from_benchmark`: per transport, from a KV-transfer benchmark JSON
   (`benchmarks/kv_transfer.py` writes one): the connector's own transfers;
@@ -17,23 +17,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from splitserve.sim.model import TransferLink
+from splitserve.sim.costmodel import TransferLink, fit_link
+from splitserve.sim.nixl_probe import probe_nixl
 
 _DURATION_KEYS = ("duration_s", "median_s", "seconds", "time_s")
-
-
-def fit_link(samples: list[tuple[float, float]], source: str) -> TransferLink:
-    """time = bytes / bandwidth + latency, fitted to (bytes, seconds) samples."""
-    if len(samples) == 1:
-        nbytes, secs = samples[0]
-        return TransferLink(float(nbytes / secs), 0.0, source)
-    x = np.array([[b, 1.0] for b, _ in samples])
-    (inv_bw, lat), *_ = np.linalg.lstsq(x, np.array([s for _, s in samples]), rcond=None)
-    if inv_bw <= 0:
-        raise ValueError(f"{source}: transfer time does not grow with bytes; cannot fit")
-    return TransferLink(float(1.0 / inv_bw), max(0.0, float(lat)), source)
 
 
 def links_from_benchmark(path: str | Path) -> dict[str, TransferLink]:
@@ -113,8 +100,6 @@ def measured_links(transfer_json: str | None = None, probe_tcp: bool = True,
     if probe_tcp:
         links["tcp"] = probe_loopback_tcp()
     if nixl_desc_bytes is not None:
-        from splitserve.sim.nixl_probe import probe_nixl
-
         links["nixl"] = probe_nixl(desc_bytes=nixl_desc_bytes)
     if transfer_json:
         links |= links_from_benchmark(transfer_json)

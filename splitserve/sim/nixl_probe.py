@@ -12,7 +12,7 @@ connector's whole pull (no side-channel handshake, no vLLM scheduler step, no no
 
 Per size, the fastest of `repeats` READs (a busy machine only ever adds time); every READ's
 bytes are checked against P's pattern; then `time = bytes / bandwidth + latency` is fitted
-(`links.fit_link`).
+(`costmodel.fit_link`).
 """
 
 from __future__ import annotations
@@ -25,8 +25,7 @@ from typing import Any
 import numpy as np
 
 from splitserve.config import NIXL_PROGRESS_DELAY_US
-from splitserve.sim.links import fit_link
-from splitserve.sim.model import TransferLink
+from splitserve.sim.costmodel import TransferLink, fit_link
 
 PROBE_SIZES: tuple[int, ...] = (1 << 18, 1 << 20, 1 << 22, 1 << 24)
 DESC_BYTES = 1 << 16  # 128 tokens × 2 kv heads × 64 × 4 B: the demo model's block per layer

@@ -24,7 +24,7 @@ from splitserve.bench.workload import WorkloadSpec
 from splitserve.sim.deployment import SimConfig
 from splitserve.sim.model import Profile
 from splitserve.sim.results import attainment, summarize
-from splitserve.sim.simulator import simulate
+from splitserve.sim.run import simulate
 from splitserve.sim.workload import arrays_from_spec
 
 

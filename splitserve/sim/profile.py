@@ -38,15 +38,9 @@ from splitserve.bench.runsheet import hardware
 from splitserve.bench.workload import Request
 from splitserve.config import bearer_headers, load_token
 from splitserve.sim.calibration.jitter import noise_bins, window_jitter
+from splitserve.sim.costmodel import DecodeCost, PrefillCost
 from splitserve.sim.links import measured_links
-from splitserve.sim.model import (
-    VLLM_CPU_TOKEN_BUDGET,
-    DecodeCost,
-    Engine,
-    ModelShape,
-    PrefillCost,
-    Profile,
-)
+from splitserve.sim.model import VLLM_CPU_TOKEN_BUDGET, Engine, ModelShape, Profile
 
 MIN_LEVEL_POINTS = 3  # a batch's level (`fit_decode(levels=True)`): a median of this many or more
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8": 1, "fp8": 1}

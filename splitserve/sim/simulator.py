@@ -14,16 +14,14 @@ step boundary (solved from the quadratic). Per-step work is never a Python loop 
 finishing requests come off a heap keyed by the absolute step they finish on.
 
 Disaggregated flow: the router picks P and D on arrival (per policy); P's last prefill step
-emits t1 (TTFT). splitserve's connector: the KV crosses the link while P prefills
-(`model.transfer_arrival`); the leg joins D at max(t1 + router hop, KV arrival) and D's first
-step emits t2. NIXL: D's next step after its leg reached it posts the READ (`model.pull_arrival`)
-and its first step replays t1, so t2..tN come one step later. P holds the KV until the transfer
-ends.
+emits t1 (TTFT), and the KV crosses its link (`handoff.KvLinks`): pushed while P prefills
+(splitserve: D's first step emits t2) or pulled by D's next step once the leg reached it (NIXL:
+that step replays t1, so t2..tN come one step later). P holds the KV until the transfer ends.
 
-Effects beyond the workers' own step costs (e.g. router, client and workers sharing CPU cores:
-`splitserve.sim.calibration`) enter only through the run's `Overlay` (`sim.overlay`), whose
-hooks this loop calls at fixed points; with the null overlay this is the plain cluster model.
-The KV hand-off from P to D, over either connector, is `sim.handoff`'s.
+Effects beyond the workers' own step costs (e.g. router, client and workers sharing CPU cores)
+enter only through the `Overlay` (`sim.overlay`) its caller passes in (`sim.run.simulate`
+composes the profile's), whose hooks this loop calls at fixed points; with the null overlay
+this is the plain cluster model.
 """
 
 from __future__ import annotations
@@ -32,11 +30,10 @@ import heapq
 
 import numpy as np
 
-from splitserve.sim.calibration.overlay import overlay_for
 from splitserve.sim.deployment import Segment, SimConfig, SimOutcome, segment_arrays
-from splitserve.sim.handoff import _EV_LEG, _EV_OVERLAY, _EV_STEP, Event, Handoff
+from splitserve.sim.handoff import KvLinks
 from splitserve.sim.model import Profile
-from splitserve.sim.overlay import Overlay
+from splitserve.sim.overlay import Leg, Overlay
 from splitserve.sim.routing import pick, pick_all
 from splitserve.sim.workerstate import (
     COLOCATED,
@@ -45,38 +42,50 @@ from splitserve.sim.workerstate import (
     PREFILL,
     SEGMENT,
     STEP,
+    Limits,
     Worker,
-    steps_done,
+    next_boundary,
 )
 from splitserve.sim.workload import SimWorkload
 
+# An event on the heap is a bare tuple (a NamedTuple made pushes and pops ~50 % slower):
+# (time, seq: the push order, breaking ties; kind; subject; version). _EV_STEP: the worker
+# whose step (or segment) ends, at its `version` then (a superseded step is skipped); _EV_JOIN:
+# the request whose decode leg reaches its D; _EV_OVERLAY: the overlay's key
+# (`RunControl.push_overlay_event`); _EV_LEG: the request whose pulled leg reaches D.
+Event = tuple[float, int, int, int, int]
+_EV_STEP, _EV_JOIN, _EV_OVERLAY, _EV_LEG = 0, 1, 2, 3
 
-class Simulation(Handoff):
-    """One run of one workload on one deployment. `run()` returns a `SimOutcome`. The
-    overlay (default: the null one) adds effects beyond the workers' own step costs."""
+
+class Simulation:
+    """One run of one workload on one deployment, with the overlay its caller chose (default:
+    the null one). `run()` returns a `SimOutcome`. Requests are indices into the run's
+    arrays; P-workers are `W[0:len(P)]`, D-workers `W[len(P):]`. It is the `RunControl` its
+    overlay is bound to."""
 
     def __init__(self, profile: Profile, config: SimConfig, workload: SimWorkload,
                  overlay: Overlay | None = None) -> None:
         self.profile, self.cfg, self.wl = profile, config, workload
         self.overlay = overlay if overlay is not None else Overlay()
-        self.budget = config.token_budget or profile.token_budget
-        self.cap = profile.kv_capacity_tokens
-        self.max_seqs = profile.max_num_seqs
-        pf, dc = profile.prefill, profile.decode
+        self.limits = Limits(config.token_budget or profile.token_budget, profile.max_num_seqs,
+                             profile.kv_capacity_tokens, config.mode != "colocated")
+        pf, dc, seqs = profile.prefill, profile.decode, profile.max_num_seqs
         jitter = self.overlay.gap_jitter_s
         self.jitter = profile.gap_jitter_s if jitter is None else jitter
+        self.kvbpt, layers = profile.model.kv_bytes_per_token, profile.model.layers
+        self.links: KvLinks | None = None
         if config.mode == "disagg":
-            self.link = profile.link(config.transport)
+            self.links = KvLinks(profile.link(config.transport), config.n_prefill, layers,
+                                 config.overlap, config.shared_link)
             p_pf, d_dc = self.overlay.prefill_cost(pf), self.overlay.decode_cost(dc)
-            self.P = [Worker(PREFILL, p_pf, dc, self.max_seqs) for _ in range(config.n_prefill)]
-            self.D = [Worker(DECODE, pf, d_dc, self.max_seqs) for _ in range(config.n_decode)]
+            self.P = [Worker(PREFILL, p_pf, dc, seqs) for _ in range(config.n_prefill)]
+            self.D = [Worker(DECODE, pf, d_dc, seqs) for _ in range(config.n_decode)]
         else:
-            self.P = [Worker(COLOCATED, pf, dc, self.max_seqs) for _ in range(config.n_workers)]
+            self.P = [Worker(COLOCATED, pf, dc, seqs) for _ in range(config.n_workers)]
             self.D = []
         self.W = self.P + self.D
-        self.link_free = [0.0] * len(self.P)
+        self.npw = len(self.P)
         self.pull = config.mode == "disagg" and config.connector == "nixl"
-        self.chunked = config.mode != "colocated"
         n = len(workload)
         self.arrivals = workload.arrivals.tolist()
         self.prompt_lens = workload.prompt_lens.tolist()
@@ -90,7 +99,6 @@ class Simulation(Handoff):
         self.seq = 0
         self.segs: list[Segment] = []
         self.decode_worker, self.join_step = [-1] * n, [0] * n
-        self.shared_free = 0.0
         self.rng = np.random.default_rng(config.seed)
         self.overlay.bind(self)
 
@@ -105,8 +113,10 @@ class Simulation(Handoff):
         self._push(end, _EV_STEP, wi, w.version)
 
     def _admit(self, wi: int, w: Worker) -> None:
-        prompt_lens, output_lens, cap = self.prompt_lens, self.output_lens, self.cap
-        while w.waiting and w.batch < self.max_seqs:
+        """D-worker `w` admits its waiting legs FIFO within KV capacity and `max_seqs`."""
+        prompt_lens, output_lens = self.prompt_lens, self.output_lens
+        cap, max_seqs = self.limits.kv_capacity, self.limits.max_seqs
+        while w.waiting and w.batch < max_seqs:
             r = w.waiting[0]
             need = prompt_lens[r] + output_lens[r]
             if w.kv_used + need > cap:
@@ -125,17 +135,23 @@ class Simulation(Handoff):
             w.context += prompt_lens[r] + 1 - replay
             w.new.append(r)
             if self.overlay.active:
-                self.overlay.admitted(wi - len(self.P), w.batch - 1)
+                self.overlay.admitted(wi - self.npw, w.batch - 1)
 
-    # what an overlay may do to the run ------------------------------------------------
-    def push_overlay_event(self, t: float, r: int) -> None:
-        """Have the overlay's `overlay_event(r, t)` called at t."""
-        self._push(t, _EV_OVERLAY, r, 0)
+    # the overlay's RunControl (D-workers by number) ----------------------------------------
+    def decode_batch(self, d: int) -> int:
+        return self.D[d].batch
 
-    def extend_step(self, wi: int, w: Worker, t: float, cost: float) -> None:
-        """The step in progress on busy worker `w` at t takes `cost` seconds longer. A segment
+    def decode_busy(self, d: int) -> bool:
+        return self.D[d].busy
+
+    def push_overlay_event(self, t: float, key: int) -> None:
+        self._push(t, _EV_OVERLAY, key, 0)
+
+    def extend_decode_step(self, d: int, t: float, cost: float) -> None:
+        """The step in progress on busy D-worker d at t takes `cost` seconds longer. A segment
         is split: its steps done by t stay a segment (recorded now), the one in progress
         becomes a step."""
+        wi, w = self.npw + d, self.D[d]
         if (record := w.split_segment(t, wi)) is not None:
             self.segs.append(record)
         w.step_dur += cost
@@ -143,89 +159,34 @@ class Simulation(Handoff):
             self.t2[r] += cost
         self._schedule(wi, w, w.started + w.step_dur)
 
+    def cut_decode_segment(self, d: int, t: float) -> None:
+        self.cut_segment(self.npw + d, self.D[d], t)
+
     def cut_segment(self, wi: int, w: Worker, t: float) -> None:
         """End `w`'s decode-only segment at its next step boundary (the next step differs)."""
-        if w.busy and w.kind == SEGMENT and not w.cut:
-            w.cut = True
-            k = steps_done(w.alpha, w.beta, t - w.started) + 1
-            if k < w.seg_steps:
-                w.seg_steps = k
-                self._schedule(wi, w, w.started + w.alpha * k + w.beta * k * (k - 1) / 2)
+        if (end := w.cut_short(t)) is not None:
+            self._schedule(wi, w, end)
 
     def _plan(self, wi: int, w: Worker, t: float) -> None:
-        pf, dc = w.prefill_cost, w.decode_cost
-        chunks = w.chunks
-        chunks.clear()
+        """Plan idle worker `w`'s next step at t: prompt chunks up to the token budget (a
+        mixed step if it also decodes), else a decode-only segment (one step where the
+        overlay's work or a pulled leg's replay makes it differ), else nothing."""
+        w.chunks.clear()
         if w.queue:
-            rel = w.kv_release
-            while rel and rel[0][0] <= t:
-                w.kv_used -= heapq.heappop(rel)[1]
-            budget = self.budget - w.batch
-            prompt_lens, output_lens, cap = self.prompt_lens, self.output_lens, self.cap
-            while w.queue and budget > 0:
-                r = w.queue[0]
-                done = w.head_done
-                if done == 0:
-                    if w.batch + len(chunks) >= self.max_seqs:
-                        break
-                    need = prompt_lens[r] + (output_lens[r] if w.role == COLOCATED else 0)
-                    if need > cap:
-                        w.queue.popleft()
-                        self.failed[r] = True
-                        w.load -= prompt_lens[r] if w.role == PREFILL else 1
-                        continue
-                    if w.kv_used + need > cap:
-                        break
-                rest = prompt_lens[r] - done
-                if not self.chunked and rest > budget and chunks:
-                    break
-                q = rest if not self.chunked else min(rest, budget)
-                if done == 0:
-                    w.kv_used += need
-                    self.prefill_start[r] = t
-                chunks.append((r, q, done))
-                budget -= q
-                if q == rest:
-                    w.queue.popleft()
-                    w.head_done = 0
-                else:
-                    w.head_done = done + q
+            w.take_chunks(t, self.limits, self.prompt_lens, self.output_lens, self.failed,
+                          self.prefill_start)
         if w.role == PREFILL and self.overlay.active:
-            self.overlay.prefilling(wi, bool(chunks), t)
-        if chunks:
-            tok = sum(c[1] for c in chunks)
-            quad = sum(q * q + 2 * p * q for _, q, p in chunks)
-            dur = pf.time(tok, quad)
-            if w.batch:  # a mixed step: one fixed cost (the larger), both variable parts
-                dur += dc.b * w.context + w.batch_term[w.batch] + max(0.0, dc.a - pf.a)
-            w.kind, w.step_dur, w.started, first = STEP, dur, t, dur
-            end = t + dur
+            self.overlay.prefilling(wi, bool(w.chunks), t)
+        if w.chunks:
+            first = w.start_chunk_step(t)
+            end = t + first
         elif w.batch:
-            # a decode-only segment until the next request finishes: step k lasts α + β·k
-            alpha = dc.a + dc.b * w.context + w.batch_term[w.batch]
-            beta = dc.b * w.batch
-            carry = None
-            if w.role == DECODE and self.overlay.active:
-                # invariant: a segment's steps all run at one pace (no overlay event in it)
-                pace, carry = self.overlay.decode_step(wi - len(self.P), w.batch)
-                alpha, beta = alpha * pace, beta * pace
-            if self.pull and w.new and carry is None:  # joiners replay t1: t2 comes next
-                carry = 0.0
-            if carry is not None:  # one step carrying the overlay's work
-                w.kind, w.step_dur, w.started = STEP, alpha + carry, t
-                first = w.step_dur
-                end = t + first
-            else:
-                k = w.running[0][0] - w.steps
-                w.kind, w.started, w.alpha, w.beta = SEGMENT, t, alpha, beta
-                w.seg_steps, w.cut = k, False
-                end = t + alpha * k + beta * k * (k - 1) / 2
-                first = alpha
-        else:
+            first, end = self._decode_step(wi, w, t)
+        else:  # nothing to run: wait, or wake when a transfer frees the KV its queue needs
             w.busy = False
             if w.role == DECODE and self.overlay.active:
-                self.overlay.idle(wi - len(self.P))
-            if w.queue and w.kv_release:  # blocked on KV that a transfer still holds
+                self.overlay.idle(wi - self.npw)
+            if w.queue and w.kv_release:
                 w.kind = KV_WAIT
                 self._schedule(wi, w, w.kv_release[0][0])
             w.new.clear()
@@ -243,11 +204,33 @@ class Simulation(Handoff):
         w.new.clear()
         self._schedule(wi, w, end)
 
+    def _decode_step(self, wi: int, w: Worker, t: float) -> tuple[float, float]:
+        """Start `w`'s decode-only work at t: a segment until its next request finishes (step
+        k lasts α + β·k), or one step carrying the overlay's work or a pulled leg's replay.
+        (The first step's duration, the end.)"""
+        dc = w.decode_cost
+        alpha = dc.a + dc.b * w.context + w.batch_term[w.batch]
+        beta = dc.b * w.batch
+        carry = None
+        if w.role == DECODE and self.overlay.active:
+            # invariant: a segment's steps all run at one pace (no overlay event in it)
+            pace, carry = self.overlay.decode_step(wi - self.npw, w.batch)
+            alpha, beta = alpha * pace, beta * pace
+        if self.pull and w.new and carry is None:  # joiners replay t1: t2 comes next
+            carry = 0.0
+        if carry is not None:  # one step carrying the overlay's work
+            w.kind, w.step_dur, w.started = STEP, alpha + carry, t
+            return w.step_dur, t + w.step_dur
+        k = w.running[0][0] - w.steps
+        w.kind, w.started, w.alpha, w.beta = SEGMENT, t, alpha, beta
+        w.seg_steps, w.cut = k, False
+        return alpha, t + alpha * k + beta * k * (k - 1) / 2
+
     def _boundary(self, wi: int, w: Worker, t: float) -> None:
         """The step (or segment) in progress on `w` ends at `t`."""
         prompt_lens, output_lens = self.prompt_lens, self.output_lens
         if w.role == DECODE and self.overlay.active:
-            self.overlay.step_ended(wi - len(self.P))
+            self.overlay.step_ended(wi - self.npw)
         if w.kind == SEGMENT:
             k = w.seg_steps
             self.segs.append((w.alpha, w.beta, k, w.batch, w.n_joined, w.started, wi, w.steps))
@@ -285,7 +268,7 @@ class Simulation(Handoff):
             w.kv_used -= prompt_lens[r] + output_lens[r]
             w.load -= 1
             if w.role == DECODE and w.batch and self.overlay.active:
-                self.overlay.finished(wi - len(self.P), w.batch)
+                self.overlay.finished(wi - self.npw, w.batch)
         w.busy = False
         if w.waiting:
             self._admit(wi, w)
@@ -300,12 +283,56 @@ class Simulation(Handoff):
         else:
             self.cut_segment(wi, w, t)
 
+    # the KV hand-off from P to D ---------------------------------------------------------
+    def _prefilled(self, wi: int, w: Worker, r: int, t: float) -> None:
+        """P-worker wi finished request r's prompt at t: emit t1, then (splitserve) push the
+        KV, the leg joining D at max(t1 + hop and the overlay's handover, the KV's arrival),
+        or (NIXL) send the leg to D's scheduler, whose next step pulls it (`_post_read`)."""
+        hop, links, out = self.cfg.router_hop_s, self.links, self.output_lens[r]
+        assert links is not None, "a hand-off happens only in a disaggregated run"
+        leg = None  # the request as the overlay's per-request hooks see it
+        if self.overlay.active:
+            leg = Leg(self.prompt_lens[r], out, wi, self.decode_of[r] if out > 1 else None)
+        t1 = self.overlay.t1(t + hop, leg) if leg is not None else t + hop
+        self.t1[r] = t1
+        w.load -= self.prompt_lens[r]
+        if out == 1:
+            self.finish[r] = t1
+            w.kv_used -= self.prompt_lens[r]
+            return
+        ready = t1 + hop
+        if leg is not None:
+            self.overlay.t1_emitted(leg, t1)
+            ready = self.overlay.join_ready(ready, leg)
+        if self.pull:  # the READ waits for D's leg: `_post_read`
+            self.prefill_of[r], self.kv_transfer[r] = wi, t
+            self._push(ready + self.cfg.pull_request_s, _EV_LEG, r, 0)
+            return
+        arrive, free = links.push(wi, self.kvbpt * self.prompt_lens[r], self.prefill_start[r], t)
+        heapq.heappush(w.kv_release, (free, self.prompt_lens[r]))
+        self.kv_transfer[r] = arrive - t
+        self._push(max(arrive, ready), _EV_JOIN, r, 0)
+
+    def _post_read(self, r: int, t: float) -> None:
+        """Request r's pulled leg reached its D's scheduler at t: D's next step (now, if D is
+        idle) posts the READ of P's blocks; P holds them until it ends (a P blocked on KV is
+        woken then); the leg joins D when they are in."""
+        d, pi, links = self.D[self.decode_of[r]], self.prefill_of[r], self.links
+        assert links is not None, "a hand-off happens only in a disaggregated run"
+        w = self.P[pi]
+        post = next_boundary(d, t) if d.busy else t
+        arrive, free = links.pull(pi, self.kvbpt * self.prompt_lens[r], post)
+        heapq.heappush(w.kv_release, (free, self.prompt_lens[r]))
+        if not w.busy and w.queue:
+            w.kind = KV_WAIT
+            self._schedule(pi, w, max(t, w.kv_release[0][0]))
+        self.kv_transfer[r] = arrive - self.kv_transfer[r]
+        self._push(arrive, _EV_JOIN, r, 0)
+
     def run(self) -> SimOutcome:
+        """Route every request on its arrival and run the events to the last one."""
         cfg, n = self.cfg, len(self.arrivals)
-        shape = self.profile.model
-        self.kvbpt, self.layers = shape.kv_bytes_per_token, shape.layers
-        P, D, W = self.P, self.D, self.W
-        npw = len(P)
+        P, D, W, npw = self.P, self.D, self.W, self.npw
         two_p = [self.rng.integers(0, len(P), size=n).tolist() for _ in range(2)]
         pre_p = pick_all(self.rng, P, cfg.p_policy, n)
         if D:
@@ -370,8 +397,3 @@ class Simulation(Handoff):
             gap_jitter_s=self.jitter,
         )
 
-
-def simulate(profile: Profile, config: SimConfig, workload: SimWorkload) -> SimOutcome:
-    """Run `workload` on the deployment `config` describes, with the profile's overlay (its
-    shared-core costs, where it carries them and the config applies them)."""
-    return Simulation(profile, config, workload, overlay_for(profile, config)).run()

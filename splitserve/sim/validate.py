@@ -37,10 +37,11 @@ from splitserve.bench.client import ClientConfig, RequestRecord
 from splitserve.bench.runner import RunOptions, run_once
 from splitserve.bench.workload import WorkloadSpec
 from splitserve.sim.calibration.drift import Canary, Drift, Speed, scaled, workload_stretch
+from splitserve.sim.costmodel import DecodeCost
 from splitserve.sim.deployment import SimConfig
-from splitserve.sim.model import DecodeCost, Profile
+from splitserve.sim.model import Profile
 from splitserve.sim.results import summarize
-from splitserve.sim.simulator import simulate
+from splitserve.sim.run import simulate
 from splitserve.sim.workload import arrays_from_spec
 
 METRICS = ("median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms", "median_tpot_ms",

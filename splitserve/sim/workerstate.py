@@ -1,14 +1,18 @@
-"""One simulated worker's state (`Worker`) and the closed form of a decode-only segment
-(`steps_done`, `next_boundary`); the mechanics that move it live in `simulator.py`."""
+"""One simulated worker's state (`Worker`: its queues, batch, KV, the step in progress), its
+scheduler's choice of prompt chunks per step within its `Limits`, and the closed form of a
+decode-only segment (`steps_done`, `next_boundary`); the event loop that moves it and the
+requests' hand-offs between workers live in `simulator.py`."""
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections import deque
+from dataclasses import dataclass
 from enum import IntEnum
 
+from splitserve.sim.costmodel import DecodeCost, PrefillCost
 from splitserve.sim.deployment import Segment
-from splitserve.sim.model import DecodeCost, PrefillCost
 
 
 class Role(IntEnum):
@@ -27,6 +31,21 @@ class StepKind(IntEnum):
 
 PREFILL, DECODE, COLOCATED = Role.PREFILL, Role.DECODE, Role.COLOCATED
 STEP, SEGMENT, KV_WAIT = StepKind.STEP, StepKind.SEGMENT, StepKind.KV_WAIT
+
+
+@dataclass(frozen=True)
+class Limits:
+    """One engine's scheduler limits: tokens per step, running requests, KV tokens held;
+    `chunked`: a prompt may be split over steps (vLLM's chunked prefill)."""
+
+    token_budget: int
+    max_seqs: int
+    kv_capacity: int
+    chunked: bool
+
+    def __post_init__(self) -> None:
+        if min(self.token_budget, self.max_seqs, self.kv_capacity) < 1:
+            raise ValueError("Limits need token_budget, max_seqs and kv_capacity >= 1")
 
 
 class Worker:
@@ -66,6 +85,71 @@ class Worker:
         self.new: list[int] = []
         self.joined: list[int] = []  # the requests whose t2 the step in progress emits
         self.replaying: list[int] = []  # the requests whose t1 replay the step in progress is
+
+    def take_chunks(self, t: float, lim: Limits, prompt_lens: list[int], output_lens: list[int],
+                    failed: list[bool], prefill_start: list[float]) -> None:
+        """Fill `chunks` with the next step's prompt chunks at t, FIFO from `queue`, within the
+        token budget its decodes leave, `max_seqs` and KV capacity (KV whose transfers ended
+        by t is released first). A prompt that can never fit is marked in `failed`; a prompt
+        started gets its `prefill_start`; unchunked (`lim.chunked` False), a prompt that does
+        not fit the budget left waits for a step of its own."""
+        chunks, rel, queue = self.chunks, self.kv_release, self.queue
+        while rel and rel[0][0] <= t:
+            self.kv_used -= heapq.heappop(rel)[1]
+        budget, cap, chunked = lim.token_budget - self.batch, lim.kv_capacity, lim.chunked
+        while queue and budget > 0:
+            r = queue[0]
+            done = self.head_done
+            if done == 0:
+                if self.batch + len(chunks) >= lim.max_seqs:
+                    break
+                need = prompt_lens[r] + (output_lens[r] if self.role == COLOCATED else 0)
+                if need > cap:
+                    queue.popleft()
+                    failed[r] = True
+                    self.load -= prompt_lens[r] if self.role == PREFILL else 1
+                    continue
+                if self.kv_used + need > cap:
+                    break
+            rest = prompt_lens[r] - done
+            if not chunked and rest > budget and chunks:
+                break
+            q = rest if not chunked else min(rest, budget)
+            if done == 0:
+                self.kv_used += need
+                prefill_start[r] = t
+            chunks.append((r, q, done))
+            budget -= q
+            if q == rest:
+                queue.popleft()
+                self.head_done = 0
+            else:
+                self.head_done = done + q
+
+    def start_chunk_step(self, t: float) -> float:
+        """Start the step that prefills `chunks` (and runs the decodes) at t: its duration (a
+        mixed step pays one fixed cost, the larger, and both variable parts)."""
+        pf, dc, chunks = self.prefill_cost, self.decode_cost, self.chunks
+        tok = sum(c[1] for c in chunks)
+        quad = sum(q * q + 2 * p * q for _, q, p in chunks)
+        dur = pf.time(tok, quad)
+        if self.batch:
+            dur += dc.b * self.context + self.batch_term[self.batch] + max(0.0, dc.a - pf.a)
+        self.kind, self.step_dur, self.started = STEP, dur, t
+        return dur
+
+    def cut_short(self, t: float) -> float | None:
+        """End the decode-only segment in progress (if any, not cut already) at its next step
+        boundary after t: that boundary, when it comes before the segment's end (else None:
+        the segment ends there anyway)."""
+        if not (self.busy and self.kind == SEGMENT and not self.cut):
+            return None
+        self.cut = True
+        k = steps_done(self.alpha, self.beta, t - self.started) + 1
+        if k >= self.seg_steps:
+            return None
+        self.seg_steps = k
+        return self.started + self.alpha * k + self.beta * k * (k - 1) / 2
 
     def split_segment(self, t: float, wi: int) -> Segment | None:
         """Make the step in progress at t a step of its own (it is about to change): a

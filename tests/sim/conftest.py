@@ -4,14 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from splitserve.sim.model import (
-    DecodeCost,
-    Engine,
-    ModelShape,
-    PrefillCost,
-    Profile,
-    TransferLink,
-)
+from splitserve.sim.costmodel import DecodeCost, PrefillCost, TransferLink
+from splitserve.sim.model import Engine, ModelShape, Profile
 
 PREFILL = PrefillCost(0.02, 0.001, 1e-7)
 DECODE = DecodeCost(0.005, 2e-6, 1e-3)

@@ -5,9 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from splitserve.sim.costmodel import PrefillCost, TransferLink, transfer_arrival
 from splitserve.sim.deployment import SimConfig
-from splitserve.sim.model import PrefillCost, Profile, TransferLink, transfer_arrival
-from splitserve.sim.simulator import simulate
+from splitserve.sim.model import Profile
+from splitserve.sim.run import simulate
 from splitserve.sim.workload import SimWorkload
 from tests.sim.conftest import make_profile
 

@@ -1,4 +1,4 @@
-"""`model.DecodeCost`'s per-batch levels: interpolation, scaling, JSON, the fit that measures
+"""`costmodel.DecodeCost`'s per-batch levels: interpolation, scaling, JSON, the fit that measures
 them and the simulator's steps that use them."""
 
 from __future__ import annotations
@@ -7,11 +7,12 @@ from dataclasses import replace
 
 import pytest
 
+from splitserve.sim.costmodel import DecodeCost
 from splitserve.sim.deployment import SimConfig
-from splitserve.sim.model import DecodeCost, Profile
+from splitserve.sim.model import Profile
 from splitserve.sim.profile import fit_decode
 from splitserve.sim.records import token_times
-from splitserve.sim.simulator import simulate
+from splitserve.sim.run import simulate
 from splitserve.sim.workload import SimWorkload
 from tests.sim.conftest import make_profile
 

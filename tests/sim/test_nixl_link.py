@@ -14,13 +14,14 @@ from splitserve.bench.metrics import SLO
 from splitserve.bench.workload import ArrivalSpec, LengthDist, WorkloadSpec
 from splitserve.cli import main
 from splitserve.sim.connectors import compare
+from splitserve.sim.costmodel import TransferLink
 from splitserve.sim.deployment import SimConfig
 from splitserve.sim.links import nixl_link_from_side_by_side
-from splitserve.sim.model import Profile, TransferLink, load_profile, save_profile
+from splitserve.sim.model import Profile, load_profile, save_profile
 from splitserve.sim.planner import PlanRequest
 from splitserve.sim.records import token_times
 from splitserve.sim.results import itl_samples
-from splitserve.sim.simulator import simulate
+from splitserve.sim.run import simulate
 from splitserve.sim.workload import SimWorkload
 from tests.sim.conftest import make_profile
 

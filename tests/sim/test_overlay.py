@@ -8,10 +8,11 @@ from dataclasses import replace
 import pytest
 
 from splitserve.sim.calibration.costs import SplitCost
+from splitserve.sim.costmodel import DecodeCost
 from splitserve.sim.deployment import SimConfig
-from splitserve.sim.model import DecodeCost
-from splitserve.sim.overlay import Overlay
-from splitserve.sim.simulator import Simulation, simulate
+from splitserve.sim.overlay import Leg, Overlay
+from splitserve.sim.run import simulate
+from splitserve.sim.simulator import Simulation
 from splitserve.sim.workload import SimWorkload
 from tests.sim.conftest import make_profile
 
@@ -28,10 +29,11 @@ class _Shift(Overlay):
         self.charged = [False]
         self.seen: list[str] = []
 
-    def t1(self, at: float, p: int, r: int) -> float:
+    def t1(self, at: float, leg: Leg) -> float:
+        self.seen.append(f"t1 {leg}")
         return at + 0.01
 
-    def join_ready(self, at: float, r: int) -> float:
+    def join_ready(self, at: float, leg: Leg) -> float:
         return at + 0.02
 
     def decode_cost(self, base: DecodeCost) -> DecodeCost:
@@ -69,7 +71,8 @@ def test_custom_overlay_hooks_move_t1_the_join_and_d_steps() -> None:
     base = simulate(prof, cfg, lone)
     ov = _Shift()
     o = Simulation(prof, cfg, lone, ov).run()
-    assert ov.seen == ["arrived"]
+    # the per-request hooks get the request's values, not its index
+    assert ov.seen == ["arrived", f"t1 {Leg(300, 3, prefill=0, decode=0)}"]
     assert o.first_token[0] == pytest.approx(base.first_token[0] + 0.01)
     kv = base.second_token[0] - base.first_token[0] - prof.decode.time(1, 301)
     join = max(kv - 0.01, 0.02)  # the KV left at P's step end, t1 is 10 ms later

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from splitserve.bench.metrics import SLO
 from splitserve.bench.workload import ArrivalSpec, LengthDist, WorkloadSpec
-from splitserve.sim.model import DecodeCost, PrefillCost, TransferLink
+from splitserve.sim.costmodel import DecodeCost, PrefillCost, TransferLink
 from splitserve.sim.planner import PlanRequest, plan, plot_plan
 from tests.sim.conftest import make_profile
 

@@ -12,7 +12,7 @@ from splitserve.bench.workload import ArrivalSpec, LengthDist, WorkloadSpec, bui
 from splitserve.sim.deployment import SimConfig
 from splitserve.sim.model import Profile, ProfileMismatch, load_profile, save_profile
 from splitserve.sim.results import itl_samples, summarize, weighted_percentiles
-from splitserve.sim.simulator import simulate
+from splitserve.sim.run import simulate
 from splitserve.sim.workload import arrays_from_spec
 from tests.sim.conftest import make_profile
 

@@ -67,8 +67,9 @@ from splitserve.sim.calibration.interference import (
     probe_stream,
 )
 from splitserve.sim.calibration.jitter import noise_bins, window_jitter
+from splitserve.sim.costmodel import DecodeCost
 from splitserve.sim.deployment import SimConfig
-from splitserve.sim.model import DecodeCost, Profile
+from splitserve.sim.model import Profile
 from splitserve.sim.profile import (
     _prompt,
     _run,
@@ -80,7 +81,7 @@ from splitserve.sim.profile import (
 )
 from splitserve.sim.records import timeline
 from splitserve.sim.results import summarize
-from splitserve.sim.simulator import simulate
+from splitserve.sim.run import simulate
 from splitserve.sim.workload import SimWorkload
 
 

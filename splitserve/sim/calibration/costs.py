@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from splitserve.sim.model import (
+from splitserve.sim.costmodel import (
     Bins,
     DecodeCost,
     PrefillCost,

@@ -50,12 +50,13 @@ from splitserve.sim.calibration.interference import (
     probe_stream,
     workload_rows,
 )
+from splitserve.sim.costmodel import DecodeCost
 from splitserve.sim.deployment import SimConfig
-from splitserve.sim.model import DecodeCost, Profile
+from splitserve.sim.model import Profile
 from splitserve.sim.profile import _prompt, _run
 from splitserve.sim.records import request_records
 from splitserve.sim.results import weighted_percentiles
-from splitserve.sim.simulator import simulate
+from splitserve.sim.run import simulate
 from splitserve.sim.workload import from_requests
 
 

@@ -32,7 +32,7 @@ import numpy as np
 
 from splitserve.bench.client import RequestRecord
 from splitserve.bench.workload import Request
-from splitserve.sim.model import DecodeCost
+from splitserve.sim.costmodel import DecodeCost
 
 EVENTS = ("arrive", "t1", "join", "finish")
 # the seconds `fit_interference` reads: the events' and the joiner's t2 relay (SplitCost order)

@@ -15,15 +15,9 @@ a few CPU cores: a profile's `split` costs (`SplitCost`) applied through `sim.ov
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from splitserve.sim.calibration.costs import SplitCost
-from splitserve.sim.deployment import SimConfig
-from splitserve.sim.model import DecodeCost, PrefillCost, Profile
-from splitserve.sim.overlay import Overlay
-
-if TYPE_CHECKING:
-    from splitserve.sim.simulator import Simulation
+from splitserve.sim.costmodel import DecodeCost, PrefillCost
+from splitserve.sim.overlay import Leg, Overlay, RunControl
 
 # fields of a `SplitCost.terms` row: D's stretch while its P prefills, each event's seconds
 _STRETCH, _ARRIVE, _T1, _JOIN, _FINISH, _T2 = range(6)
@@ -49,10 +43,10 @@ class SharedCoreOverlay(Overlay):
         self.extra = [0.0] * n_decode
         self.after = [0.0] * n_decode
         self.p_busy = [False] * n_prefill  # per P: its current step prefills
-        self.sim: Simulation | None = None
+        self.run: RunControl | None = None
 
-    def bind(self, sim: Simulation) -> None:
-        self.sim = sim
+    def bind(self, run: RunControl) -> None:
+        self.run = run
 
     def prefill_cost(self, base: PrefillCost) -> PrefillCost:
         return self.split.p_prefill(base)
@@ -60,46 +54,45 @@ class SharedCoreOverlay(Overlay):
     def decode_cost(self, base: DecodeCost) -> DecodeCost:
         return self.split.decode  # measured through the router: replaces the plain worker's
 
-    def t1(self, at: float, p: int, r: int) -> float:
+    def t1(self, at: float, leg: Leg) -> float:
         t1 = at + self.router_s
         if self.relay_s:  # the relay waits while the D on the router's cores runs streams
-            sim = self._sim
-            d = sim.decode_of[r] if sim.output_lens[r] > 1 else p % self.n_decode
-            t1 += self.relay_s if sim.D[d].batch else 0.0
+            d = leg.decode if leg.decode is not None else leg.prefill % self.n_decode
+            t1 += self.relay_s if self._run.decode_batch(d) else 0.0
         return t1
 
-    def join_ready(self, at: float, r: int) -> float:
-        return at + self.hand_a + self.hand_b * self._sim.prompt_lens[r]
+    def join_ready(self, at: float, leg: Leg) -> float:
+        return at + self.hand_a + self.hand_b * leg.prompt_len
 
     @property
-    def _sim(self) -> Simulation:
-        assert self.sim is not None, "bind() comes before the run"
-        return self.sim
+    def _run(self) -> RunControl:
+        assert self.run is not None, "bind() comes before the run"
+        return self.run
 
     def _charge(self, d: int, term: int, t: float) -> None:
         """A request event at t puts its seconds (`terms[B][term]`, B = D's streams) of other
         work on D-worker d's core: t1's on the step in progress (the router's relay of t1 and
         the decode leg's arrival at D overlap it), the others' on its next step (dropped while
         D runs no streams: nobody waits on that step)."""
-        sim = self._sim
-        w = sim.D[d]
-        cost = self.terms[w.batch][term]
-        if cost > 0.0 and w.batch:
-            if term == _T1 and w.busy:  # a busy D runs a step or a segment (never waits)
-                sim.extend_step(self.n_prefill + d, w, t, cost)
+        run = self._run
+        batch = run.decode_batch(d)
+        cost = self.terms[batch][term]
+        if cost > 0.0 and batch:
+            if term == _T1 and run.decode_busy(d):  # a busy D runs a step or a segment
+                run.extend_decode_step(d, t, cost)
             else:
                 self.extra[d] += cost
-                sim.cut_segment(self.n_prefill + d, w, t)
+                run.cut_decode_segment(d, t)
 
     def arrived(self, d: int, t: float) -> None:
         self._charge(d, _ARRIVE, t)
 
-    def t1_emitted(self, r: int, t1: float) -> None:
-        if self.t1_costs:  # t1's work on D's core comes when the router relays t1
-            self._sim.push_overlay_event(t1, r)
+    def t1_emitted(self, leg: Leg, t1: float) -> None:
+        if self.t1_costs and leg.decode is not None:  # t1's work on D's core: at its relay
+            self._run.push_overlay_event(t1, leg.decode)
 
-    def overlay_event(self, r: int, t: float) -> None:
-        self._charge(self._sim.decode_of[r], _T1, t)
+    def overlay_event(self, key: int, t: float) -> None:
+        self._charge(key, _T1, t)  # key: the D-worker of the request whose t1 was relayed
 
     def admitted(self, d: int, others: int) -> None:
         self.extra[d] += self.terms[others][_JOIN]  # the join's work, on D's next step
@@ -111,9 +104,9 @@ class SharedCoreOverlay(Overlay):
     def prefilling(self, p: int, busy: bool, t: float) -> None:
         if self.stretches and self.p_busy[p] != busy:
             self.p_busy[p] = busy  # D-workers on this P's cores step at another pace
-            sim = self._sim
+            run = self._run
             for j in range(p, self.n_decode, self.n_prefill):
-                sim.cut_segment(self.n_prefill + j, sim.D[j], t)
+                run.cut_decode_segment(j, t)
 
     def decode_step(self, d: int, batch: int) -> tuple[float, float | None]:
         busy = self.p_busy[d % self.n_prefill]
@@ -132,14 +125,3 @@ class SharedCoreOverlay(Overlay):
     def idle(self, d: int) -> None:
         self.extra[d] = self.after[d] = 0.0
 
-
-def overlay_for(profile: Profile, config: SimConfig) -> Overlay:
-    """The overlay a run on `config` gets: the profile's split costs on a
-    disaggregated deployment that applies them, else the null overlay. The split costs are
-    measured through splitserve's connector (its push, its handover), so a `nixl` run gets
-    none."""
-    if (config.mode != "disagg" or not config.split_costs or profile.split is None
-            or config.connector != "splitserve"):
-        return Overlay()
-    return SharedCoreOverlay(profile.split, config.n_prefill, config.n_decode,
-                             profile.max_num_seqs)

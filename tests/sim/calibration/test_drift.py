@@ -11,8 +11,8 @@ from splitserve.bench.client import RequestRecord
 from splitserve.bench.workload import ArrivalSpec, LengthDist, WorkloadSpec
 from splitserve.sim.calibration.costs import SplitCost
 from splitserve.sim.calibration.drift import Canary, Drift, Speed, scaled
+from splitserve.sim.costmodel import DecodeCost
 from splitserve.sim.deployment import SimConfig
-from splitserve.sim.model import DecodeCost
 from splitserve.sim.validate import METRICS, compare, simulate_point
 from splitserve.sim.workload import SimWorkload
 from tests.sim.conftest import make_profile
@@ -37,7 +37,7 @@ def test_speed_is_median_ttft_and_median_gap_after_t2() -> None:
 
 
 def test_a_drifted_profile_scales_a_lone_requests_ttft_and_tpot() -> None:
-    from splitserve.sim.simulator import simulate
+    from splitserve.sim.run import simulate
 
     prof = replace(make_profile(), gap_jitter_s=((-0.001, 500), (0.003, 500)))
     assert scaled(prof, 1.0, 2.0).gap_jitter_s == ((-0.002, 500), (0.006, 500))
@@ -140,7 +140,7 @@ def test_a_scaled_stretch_simulates_as_the_stretch_it_stands_for() -> None:
     """A profile with stretch 0.2 scaled by a factor ratio 1.25 steps D exactly as one
     calibrated with stretch 0.5 (1.2 · 1.25 = 1.5) while P prefills."""
     from splitserve.sim.records import token_times
-    from splitserve.sim.simulator import simulate
+    from splitserve.sim.run import simulate
 
     base = SplitCost(0.0, 1.0, 0.05, 0.0, DecodeCost(0.008, 1e-6, 5e-4))
     wl = SimWorkload.of([0.0, 0.5, 1.2], [200, 1500, 900], [300, 5, 5])

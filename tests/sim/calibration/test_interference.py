@@ -19,10 +19,11 @@ from splitserve.sim.calibration.interference import (
     interference_rows,
     probe_stream,
 )
+from splitserve.sim.costmodel import DecodeCost
 from splitserve.sim.deployment import SimConfig
-from splitserve.sim.model import DecodeCost, Profile
+from splitserve.sim.model import Profile
 from splitserve.sim.records import request_records, token_times
-from splitserve.sim.simulator import simulate
+from splitserve.sim.run import simulate
 from splitserve.sim.workload import SimWorkload
 from tests.sim.conftest import make_profile
 

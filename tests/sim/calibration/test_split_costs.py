@@ -17,10 +17,11 @@ from splitserve.sim.calibration.calibrate import (
     load_stream,
 )
 from splitserve.sim.calibration.costs import SplitCost
+from splitserve.sim.costmodel import DecodeCost
 from splitserve.sim.deployment import SimConfig
-from splitserve.sim.model import DecodeCost, Profile, load_profile, save_profile
+from splitserve.sim.model import Profile, load_profile, save_profile
 from splitserve.sim.results import summarize
-from splitserve.sim.simulator import simulate
+from splitserve.sim.run import simulate
 from splitserve.sim.workload import SimWorkload
 from tests.sim.conftest import make_profile
 

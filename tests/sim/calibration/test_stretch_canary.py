@@ -24,10 +24,11 @@ from splitserve.sim.calibration.drift import (
     stretch_of,
     workload_stretch,
 )
+from splitserve.sim.costmodel import DecodeCost
 from splitserve.sim.deployment import SimConfig
-from splitserve.sim.model import DecodeCost, Profile, save_profile
+from splitserve.sim.model import Profile, save_profile
 from splitserve.sim.records import request_records
-from splitserve.sim.simulator import simulate
+from splitserve.sim.run import simulate
 from splitserve.sim.validate import (
     METRICS,
     compare,

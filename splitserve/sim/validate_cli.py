@@ -1,0 +1,175 @@
+"""`splitserve sim validate`'s run (`Validation`): measure a deployment (or read an earlier
+validation JSON), simulate the same stream on the profile, and print and write the comparison.
+
+Where the measurements come from, in order: `--real-json` (an earlier validation JSON and the
+`.runs.json` beside it; nothing is measured), `--url` (a running deployment), a deployment this
+command launches (disagg, or more than one worker; `--calibrate` measures its split costs
+first), or one local plain worker (`--reprofile` profiles it first). With its own profiling,
+every repeat runs between two canaries, and drift is read against `reference`: the canary
+simulated on the profile the points are simulated on (`drift.modelled_reference`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from splitserve.bench.workload import WorkloadSpec
+from splitserve.sim.calibration.drift import Canary, Speed, StretchPlan, modelled_reference
+from splitserve.sim.cli_args import model_path
+from splitserve.sim.deployment import SimConfig
+from splitserve.sim.model import Profile, save_profile
+from splitserve.sim.validate import (
+    attach_records,
+    compare,
+    drift_json,
+    launched,
+    local_worker,
+    measure_point,
+    print_drifts,
+    print_handovers,
+    print_points,
+    stored_real,
+)
+
+Real = dict[float, list[dict[str, Any]]]  # rate → the measured repeats' result dicts
+
+
+class Validation:
+    """One `sim validate` command on `prof`, `spec` and `cfg` (the command's `--profile`,
+    workload and deployment options). `reference` is set exactly when the repeats run with
+    canaries (this command profiled or calibrated, or a stored JSON carries canaries);
+    `around` holds the canaries measured around that profiling."""
+
+    def __init__(self, args: argparse.Namespace, prof: Profile, spec: WorkloadSpec,
+                 cfg: SimConfig) -> None:
+        self.args, self.prof, self.spec, self.cfg = args, prof, spec, cfg
+        if cfg.connector != "splitserve" and not (args.url or args.real_json):
+            raise SystemExit("sim validate launches deployments on splitserve's connector; "
+                             f"for {cfg.connector}, give --url of a running one")
+        if args.repeats < 3:
+            print("note: fewer than 3 repeats per point; the spread is poorly known")
+        self.rates: tuple[float, ...] = args.rates or (self.spec.arrival.rate,)
+        self.reference: Speed | None = None  # the canary as the profile predicts it
+        self.around: Speed | None = None  # the canaries measured around this profiling
+        # a disaggregated deployment's canary reads D's P-busy stretch too, against the base
+        # profile's decode shape (the same for the reference and every repeat)
+        self.canary = (Canary(stretch=StretchPlan(), decode=prof.decode)
+                       if cfg.mode == "disagg" else Canary())
+
+    def run(self) -> int:
+        args, cfg = self.args, self.cfg
+        if args.real_json:
+            real = self.stored(Path(args.real_json))
+        elif args.url:
+            real = self.measure(args.url)
+        elif cfg.mode == "disagg" or cfg.n_workers != 1:
+            real = self.on_deployment()
+        else:
+            real = self.on_local_worker()
+        self.report(real)
+        return 0
+
+    def pin_client(self) -> None:
+        """This process (the benchmark client) onto --client-cpus, once the deployment is up:
+        the launcher plans its cores from this process's affinity."""
+        if self.args.client_cpus:
+            os.sched_setaffinity(0, self.args.client_cpus)
+
+    def measure(self, url: str) -> Real:
+        """Every rate's repeats on `url`, with canaries when there is a reference."""
+        self.pin_client()
+        run = self.canary if self.reference is not None else None
+        return {r: measure_point(url, self.spec.with_rate(r), self.args.repeats, run)
+                for r in self.rates}
+
+    def refer(self, profile: Profile) -> None:
+        """The reference: the canary simulated on the profile the points are simulated on."""
+        self.reference = modelled_reference(profile, self.cfg, self.canary)
+        for name, sp in (("simulated on the profile", self.reference),
+                         ("measured around it", self.around)):
+            if sp is not None:
+                stretch = "" if sp.stretch is None else f", P-busy stretch {sp.stretch:.3f}"
+                print(f"canary {name}: TTFT {sp.ttft_s * 1e3:.1f} ms, decode gap "
+                      f"{sp.gap_s * 1e3:.2f} ms{stretch}")
+
+    def profiled(self, url: str, take: Callable[[], Profile]) -> Profile:
+        """Run `take` (the profiling) between two canaries (kept for the record: `around`),
+        make its profile the one simulated, and refer to it."""
+        self.pin_client()
+        before = self.canary.run(url)
+        self.prof = take()
+        self.around = Speed.mean([before, self.canary.run(url)])
+        self.refer(self.prof)
+        if self.args.out:
+            save_profile(self.prof, Path(self.args.out).with_suffix(".profile.json"))
+        return self.prof
+
+    def stored(self, path: Path) -> Real:
+        """An earlier validation JSON's stream and repeats (and the per-request records of the
+        `.runs.json` beside it, for the stretch and handover lines)."""
+        self.spec, real, self.around = stored_real(json.loads(path.read_text()))
+        if self.around is not None:  # the canaries ran: drift against this profile's canary
+            self.refer(self.prof)
+        runs_json = path.with_suffix(".runs.json")
+        if runs_json.exists():
+            attach_records(real, json.loads(runs_json.read_text()))
+        self.rates = tuple(sorted(real))
+        return real
+
+    def on_deployment(self) -> Real:
+        """Launch splitserve's deployment of `cfg` and measure it (`--calibrate`: its split
+        costs first)."""
+        args, cfg, prof = self.args, self.cfg, self.prof
+        if args.reprofile:
+            raise SystemExit("--reprofile works with one plain worker (--mode chunked "
+                             "--workers 1); profile a worker of the deployment instead")
+        with launched(cfg, args.cpus, cfg.token_budget or prof.token_budget,
+                      router_cpus=args.router_cpus) as url:
+            if args.calibrate and cfg.mode == "disagg":  # this deployment's split costs
+                from splitserve.sim.calibration.calibrate import SplitPlan, calibrate_split
+
+                split = self.profiled(url, lambda: calibrate_split(url, prof, SplitPlan(), cfg))
+                print(f"split costs: {split.split.__dict__ | {'fit': '...'}}")
+            return self.measure(url)
+
+    def on_local_worker(self) -> Real:
+        """Start one plain local worker and measure it (`--reprofile`: profile it first)."""
+        from splitserve.demo_model import embedded_model_dir
+
+        args, budget = self.args, self.cfg.token_budget or self.prof.token_budget
+        model = model_path(args.model_dir) or str(embedded_model_dir())
+        with local_worker(model, args.cpus, budget) as url:
+            if args.reprofile:  # calibrate on this very worker, under today's conditions
+                from splitserve.sim.profile import ProfilePlan, profile_worker
+
+                plan = ProfilePlan(prefill_lens=(16, 64, 256, 512, 1024, 2048),
+                                   decode_prompt_lens=(32, 512), token_budget=budget)
+                self.profiled(url, lambda: profile_worker(url, plan, model, probe_tcp=False))
+            return self.measure(url)
+
+    def report(self, real: Real) -> None:
+        """Simulate every rate, print the comparison, and write `--out` (and, for a measured
+        run, the raw repeats beside it for a later `--real-json`)."""
+        args, cfg, prof = self.args, self.cfg, self.prof
+        points = compare(prof, cfg, self.spec, self.rates, real, self.reference)
+        if cfg.mode == "disagg":  # P's busy windows are one P's; read against D's step
+            print_drifts(real, self.reference, prof.split.decode if prof.split else prof.decode)
+            print_handovers(prof, cfg, self.spec, real)
+        else:
+            print_drifts(real, self.reference)
+        print_points(points)
+        if args.out and not args.real_json:
+            raw = Path(args.out).with_suffix(".runs.json")
+            raw.write_text(json.dumps({f"{r:g}": runs for r, runs in real.items()}, default=str))
+        if args.out:
+            Path(args.out).write_text(json.dumps(
+                {"profile": str(args.profile), "config": cfg.__dict__,
+                 "workload": self.spec.to_dict(), "repeats": args.repeats,
+                 "points": [p.to_dict() for p in points],
+                 "drift": drift_json(self.reference, real, self.around)}, indent=2))
+            print(f"wrote {args.out}")
