@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from workers import TOKEN, Worker, hub_cache, launch
 
-from splitserve.bench.deploy import stop_process
+from splitserve.common.procs import stop_group
 from splitserve.bench.workload import LengthDist, WorkloadSpec, build_stream
 from splitserve.cli import main
 from splitserve.worker.launch import free_port, wait_healthy
@@ -120,7 +120,7 @@ def router_1p1d(llama_pair: tuple[Worker, Worker], tmp_path_factory: pytest.Temp
         wait_healthy(url, proc, timeout_s=60)
         yield url
     finally:
-        stop_process(proc)
+        stop_group(proc, 20.0)
         log.close()
 
 
