@@ -1,4 +1,5 @@
-# splitserve: `make demo` runs the main job, `make test` runs the whole suite.
+# splitserve: `make demo` runs the main job, `make test` runs the whole suite (about 21 min),
+# `make test-fast` the tests that start no server process (about a minute; tests/README.md).
 PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -6,7 +7,7 @@ STAMP := $(VENV)/.installed
 # vLLM's CPU build on machines without CUDA, the CUDA build otherwise.
 VLLM_EXTRA := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo cuda || echo cpu)
 
-.PHONY: install demo test lint clean
+.PHONY: install demo test test-fast lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -25,6 +26,9 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m ruff check splitserve tests benchmarks
 	$(PY) -m pytest -x -q -p no:cacheprovider tests
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider -m "not integration" tests
 
 lint: $(STAMP)
 	$(PY) -m ruff check splitserve tests benchmarks

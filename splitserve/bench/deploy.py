@@ -15,14 +15,12 @@ yielding an `Endpoint` (URL + run-sheet notes); every process it started is stop
 from __future__ import annotations
 
 import contextlib
-import os
-import signal
-import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from splitserve.common.procs import stop_group
 from splitserve.config import TRANSPORTS, WorkerConfig
 from splitserve.hub import ModelSource
 from splitserve.worker.launch import free_port, start_worker, wait_healthy
@@ -91,19 +89,6 @@ def parse_arm(text: str, cores: tuple[int, ...]) -> Arm:
     return Arm(name, kind, cores, transport=path)
 
 
-def stop_process(proc: subprocess.Popen[bytes]) -> None:
-    """SIGTERM the process group, SIGKILL it after 20 s."""
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
 @dataclass(frozen=True)
 class Endpoint:
     """A started deployment: its URL and what the run sheet should know about it."""
@@ -125,7 +110,7 @@ def colocated_worker(model: ModelSource, arm: Arm, log_dir: Path) -> Iterator[En
         yield Endpoint(cfg.url, {"launcher": "splitserve.worker.launch",
                                  "worker_cpus": [list(arm.cores)]})
     finally:
-        stop_process(proc)
+        stop_group(proc, 20.0, reap_s=None)  # SIGKILL after 20 s, then reaped
 
 
 @contextlib.contextmanager

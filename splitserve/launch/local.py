@@ -11,9 +11,7 @@ Invariants:
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -22,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from splitserve.common.procs import stop_groups
 from splitserve.config import TOKEN_ENV, WorkerConfig, new_token
 from splitserve.hub import resolve_model
 from splitserve.launch.backend import LauncherBackend
@@ -208,16 +207,7 @@ class LocalDeployment(LauncherBackend):
         deadline = time.monotonic() + self.cfg.stop_timeout_s
         front = [c for c in self.children if c.name == "router"]
         for stage in (front, [c for c in self.children if c not in front]):
-            for child in stage:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(child.proc.pid, signal.SIGTERM)
-            for child in stage:
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    child.proc.wait(max(0.0, deadline - time.monotonic()))
-        for child in self.children:
-            # The group may hold engine processes even after its leader exited.
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(child.proc.pid, signal.SIGKILL)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                child.proc.wait(5)
+            # sweep: a group may hold engine processes even after its leader exited
+            stop_groups([c.proc for c in stage], deadline - time.monotonic(), sweep=True,
+                        reap_s=5.0)
         self.children.clear()

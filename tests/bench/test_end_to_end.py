@@ -5,17 +5,18 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from workers import TOKEN, Worker, hub_cache, launch
 
-from splitserve.bench.deploy import stop_process
 from splitserve.bench.workload import LengthDist, WorkloadSpec, build_stream
 from splitserve.cli import main
+from splitserve.common.procs import stop_group
 from splitserve.worker.launch import free_port, wait_healthy
+from tests.support import cores
+from tests.support.cli import splitserve_argv
+from tests.support.workers import TOKEN, Worker, hub_cache, launch
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 STREAM = ["--num-prompts", "10", "--request-rate", "20", "--input-dist", "uniform",
@@ -34,7 +35,7 @@ def worker_key(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture(scope="module")
 def plain_worker(llama_ckpt: Path) -> Iterator[Worker]:
     """One plain vLLM worker (no connector) on the small llama checkpoint."""
-    w = launch(llama_ckpt, "bench-plain", None, cpus=(0, 1))
+    w = launch(llama_ckpt, "bench-plain", None, cpus=cores.BOTH)
     yield w
     w.stop()
 
@@ -112,15 +113,15 @@ def router_1p1d(llama_pair: tuple[Worker, Worker], tmp_path_factory: pytest.Temp
     port = free_port()
     log = open(tmp_path_factory.mktemp("router") / "router.log", "ab")  # noqa: SIM115
     proc = subprocess.Popen(
-        [sys.executable, "-m", "splitserve.cli", "router", "--prefill", p.url, "--decode",
-         d.url, "--port", str(port)], env=os.environ | {"SPLITSERVE_TOKEN": TOKEN},
+        splitserve_argv("router", "--prefill", p.url, "--decode", d.url, "--port", str(port)),
+        env=os.environ | {"SPLITSERVE_TOKEN": TOKEN},
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, proc, timeout_s=60)
         yield url
     finally:
-        stop_process(proc)
+        stop_group(proc, 20.0)
         log.close()
 
 
@@ -157,9 +158,9 @@ def test_compare_starts_a_deployment_itself(plain_worker: Worker, llama_ckpt: Pa
     env |= {"HF_HOME": str(home), "HF_HUB_OFFLINE": "1"}
     out = tmp_path / "dep"
     run = subprocess.run(
-        [sys.executable, "-m", "splitserve.cli", "bench", "compare", "--url",
-         f"given={plain_worker.url}", "--deploy", "chunked=colocated:64", "--deploy-cores",
-         "0,1", "--deploy-model", "org/bench-model", "--out", str(out), *STREAM],
+        splitserve_argv("bench", "compare", "--url", f"given={plain_worker.url}", "--deploy",
+                        "chunked=colocated:64", "--deploy-cores", "0,1", "--deploy-model",
+                        "org/bench-model", "--out", str(out), *STREAM),
         env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     res = json.loads((out / "chunked.json").read_text())

@@ -10,7 +10,6 @@ from typing import Any
 
 import pytest
 import torch
-from channels import FP, SHAPE, assert_staged_equals, push, settle, staged_region
 
 from splitserve.connector.devcopy import Completion, InlineCopies
 from splitserve.connector.faults import Faults
@@ -22,6 +21,7 @@ from splitserve.connector.transport.base import PushChannel
 from splitserve.connector.transport.items import LayerItem
 from splitserve.connector.transport.shm import ShmPushChannel
 from splitserve.connector.transport.tcp import BufferPool, TcpPushChannel
+from tests.support.channels import FP, SHAPE, assert_staged_equals, push, settle, staged_region
 
 TOKEN = "channel-test-token-0123456789"
 CHANNELS = {"tcp": TcpPushChannel, "shm": ShmPushChannel}

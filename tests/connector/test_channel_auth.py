@@ -8,10 +8,10 @@ import socket
 import time
 
 import pytest
-from workers import TOKEN, Worker
 
 from splitserve.connector.framing import Op, ProtocolError, recv_frame, send_frame
 from splitserve.connector.protocol import Fingerprint, connect
+from tests.support.workers import TOKEN, Worker
 
 
 def d_fingerprint(d: Worker) -> Fingerprint:

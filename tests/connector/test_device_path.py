@@ -11,7 +11,6 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import torch
-from channels import FP, SHAPE, settle, staged_region
 
 from splitserve.config import ConnectorConfig
 from splitserve.connector.devcopy import Completion, Copier, InlineCopies
@@ -28,6 +27,7 @@ from splitserve.connector.transport.items import LayerItem
 from splitserve.connector.transport.shm import ShmPushChannel
 from splitserve.connector.transport.tcp import TcpPushChannel
 from splitserve.connector.worker_side import WorkerSide
+from tests.support.channels import FP, SHAPE, settle, staged_region
 
 TOKEN = "device-path-test-token-0123456789"
 H, D, BS = SHAPE.num_kv_heads, SHAPE.head_dim, 16

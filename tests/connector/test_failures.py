@@ -9,7 +9,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from workers import (
+
+from splitserve.common.load import parse_metrics as parse_gauges
+from tests.support import cores
+from tests.support.workers import (
     Worker,
     auth_headers,
     hf_greedy,
@@ -20,8 +23,6 @@ from workers import (
     wait_drained,
 )
 
-from splitserve.common.load import parse_metrics as parse_gauges
-
 MAX_TOKENS = 10
 PROMPT = [5 + (i * 13) % 900 for i in range(300)]
 
@@ -30,7 +31,7 @@ PROMPT = [5 + (i * 13) % 900 for i in range(300)]
 def d_fail(llama_ckpt: Path) -> Iterator[Worker]:
     """A decode worker whose transfer failures fail the request instead of recomputing."""
     d = launch(llama_ckpt, "llama-d-fail", "decode", on_transfer_failure="fail",
-               load_timeout_s=3.0, cpus=(1,))
+               load_timeout_s=3.0, cpus=cores.spare_cores("decode"))
     yield d
     d.stop()
 
@@ -53,7 +54,6 @@ def test_bad_transfer_is_recomputed_exactly(llama_pair: tuple[Worker, Worker],
         assert rec["recv"]["status"] == "failed", rec
         expected = {"fault-corrupt": "checksum_mismatch", "fault-short": "short_transfer"}
         assert rec["recv"]["cause"] == expected[fault]
-    wait_drained(p, d)
 
 
 def test_complete_transfer_loads_in_the_same_step_late_one_waits(
@@ -86,7 +86,6 @@ def test_complete_transfer_loads_in_the_same_step_late_one_waits(
         assert tokens == hf_greedy(llama_ckpt, prompt, MAX_TOKENS)
         rec = transfer_record(d, tid)["recv"]
         assert rec["status"] == "loaded" and rec["load_mode"] == mode, rec
-    wait_drained(p, d)
 
 
 def test_unknown_transfer_id_is_a_load_error(llama_pair: tuple[Worker, Worker],
@@ -100,7 +99,6 @@ def test_unknown_transfer_id_is_a_load_error(llama_pair: tuple[Worker, Worker],
     r = httpx.post(f"{d.url}/v1/completions", json=body, headers=auth_headers(), timeout=60)
     assert r.status_code == 200
     assert [t1] + r.json()["choices"][0]["token_ids"] == hf_greedy(llama_ckpt, prompt, MAX_TOKENS)
-    wait_drained(p, d)
 
 
 def test_fail_policy_gives_an_explicit_error(llama_pair: tuple[Worker, Worker],
@@ -113,7 +111,6 @@ def test_fail_policy_gives_an_explicit_error(llama_pair: tuple[Worker, Worker],
     assert rd.status_code == 500, rd.text
     assert rd.json()["error"]["type"] == "InternalServerError"
     assert transfer_record(d_fail, tid)["recv"]["cause"] == "checksum_mismatch"
-    wait_drained(p, d_fail)
 
 
 def test_unreachable_decode_worker_frees_prefill_blocks(llama_pair: tuple[Worker, Worker]
@@ -126,28 +123,32 @@ def test_unreachable_decode_worker_frees_prefill_blocks(llama_pair: tuple[Worker
                                    "remote_host": "127.0.0.1", "remote_port": closed_port}}
     r = httpx.post(f"{p.url}/v1/completions", json=body, headers=auth_headers(), timeout=60)
     assert r.status_code == 200  # the prefill itself succeeds; the push fails on its own
-    wait_drained(p, d)
+    wait_drained(p, d)  # the push has given up: its record is final
     rec = transfer_record(p, body["kv_transfer_params"]["transfer_id"])["send"]
     assert rec["status"] == "failed" and rec["cause"] == "peer_unreachable"
 
 
+@pytest.fixture
+def tiny_d(llama_ckpt: Path) -> Iterator[Worker]:
+    """A decode worker with 1 MiB of staging (for one test: stopped after its drain check)."""
+    tiny = launch(llama_ckpt, "llama-d-tiny", "decode", staging_bytes=1024**2,
+                  load_timeout_s=3.0, cpus=cores.spare_cores("decode", 1))  # d_fail has 0
+    yield tiny
+    tiny.stop()
+
+
 def test_staging_full_is_refused_before_any_kv_moves(llama_ckpt: Path,
-                                                     llama_pair: tuple[Worker, Worker]) -> None:
+                                                     llama_pair: tuple[Worker, Worker],
+                                                     tiny_d: Worker) -> None:
     """A D whose staging area cannot hold the transfer refuses it at BEGIN; the decode leg
     recomputes and P's blocks are freed at once."""
     p, _ = llama_pair
-    tiny = launch(llama_ckpt, "llama-d-tiny", "decode", staging_bytes=1024**2,
-                  load_timeout_s=3.0, cpus=(1,))
-    try:
-        prompt = PROMPT[:290] + PROMPT[:290] + PROMPT[:290] + PROMPT[:290]  # > 1 MiB of KV
-        tid = fresh("big")
-        tokens, _, rd = two_legs(p, tiny, prompt, 4, tid)
-        assert rd is not None and rd.status_code == 200
-        assert tokens == hf_greedy(llama_ckpt, prompt, 4)
-        assert transfer_record(p, tid)["send"]["cause"] == "refused_staging_full"
-        wait_drained(p, tiny)
-    finally:
-        tiny.stop()
+    prompt = PROMPT[:290] + PROMPT[:290] + PROMPT[:290] + PROMPT[:290]  # > 1 MiB of KV
+    tid = fresh("big")
+    tokens, _, rd = two_legs(p, tiny_d, prompt, 4, tid)
+    assert rd is not None and rd.status_code == 200
+    assert tokens == hf_greedy(llama_ckpt, prompt, 4)
+    assert transfer_record(p, tid)["send"]["cause"] == "refused_staging_full"
 
 
 def test_internal_routes_require_the_token(llama_pair: tuple[Worker, Worker]) -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from channels import FakeChannel
 
 from splitserve.config import ConnectorConfig
 from splitserve.connector.faults import Faults
@@ -16,6 +15,7 @@ from splitserve.connector.meta import SaveSpec, SplitserveMeta
 from splitserve.connector.prefill_send import PrefillSends
 from splitserve.connector.protocol import Fingerprint
 from splitserve.connector.stats import ConnectorStats
+from tests.support.channels import FakeChannel
 
 NAMES = ("model.layers.0.attn", "model.layers.1.attn")
 TOKEN_BYTES = 512  # per layer: K and V, 2 heads, head_dim 32, float32

@@ -17,19 +17,6 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from channels import FP, SHAPE, assert_staged_equals, push, settle
-from tlscerts import Pki, make_pki
-from workers import (
-    TEST_SPECS,
-    Worker,
-    auth_headers,
-    hf_greedy,
-    launch,
-    running,
-    transfer_record,
-    two_legs,
-)
-from workers import TOKEN as WORKER_TOKEN
 
 from splitserve.config import ConnectorConfig, WorkerConfig
 from splitserve.connector.faults import Faults
@@ -48,6 +35,20 @@ from splitserve.launch.config import from_mapping, load_yaml
 from splitserve.launch.local import LocalDeployment
 from splitserve.worker import cli as worker_cli
 from splitserve.worker.launch import worker_command
+from tests.support import cores
+from tests.support.channels import FP, SHAPE, assert_staged_equals, push, settle
+from tests.support.tlscerts import Pki, make_pki
+from tests.support.workers import (
+    TEST_SPECS,
+    Worker,
+    auth_headers,
+    hf_greedy,
+    launch,
+    running,
+    transfer_record,
+    two_legs,
+)
+from tests.support.workers import TOKEN as WORKER_TOKEN
 
 TOKEN = "tls-test-token-0123456789"
 
@@ -288,9 +289,9 @@ def test_full_duplex_stream_keeps_bytes_in_order(pkis: Pkis) -> None:
 def tls_pair(llama_ckpt: Path, pkis: Pkis) -> Iterator[tuple[Worker, Worker]]:
     g = pkis.good
     tls = {"kv_tls_cert": g.cert, "kv_tls_key": g.key, "kv_tls_ca": g.ca}
-    p = launch(llama_ckpt, "tls-p", "prefill", cpus=(0,), **tls)
+    p = launch(llama_ckpt, "tls-p", "prefill", cpus=cores.PREFILL, **tls)
     try:
-        d = launch(llama_ckpt, "tls-d", "decode", cpus=(1,), **tls)
+        d = launch(llama_ckpt, "tls-d", "decode", cpus=cores.DECODE, **tls)
     except BaseException:
         p.stop()
         raise

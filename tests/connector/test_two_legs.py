@@ -10,14 +10,15 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from workers import (
+
+from tests.support import cores
+from tests.support.workers import (
     Worker,
     hf_greedy,
     launch,
     make_checkpoint,
     transfer_record,
     two_legs,
-    wait_drained,
 )
 
 # 1 token, short, exactly one block, across blocks, and 1,000 (> P's 256-token budget: chunked).
@@ -38,9 +39,9 @@ def pair(request: pytest.FixtureRequest, checkpoint_root: Path
         yield arch, Path(p.cfg.model), p, d
         return
     ckpt = make_checkpoint(checkpoint_root, arch)
-    p = launch(ckpt, f"{arch}-p", "prefill", max_num_batched_tokens=256, cpus=(0,))
+    p = launch(ckpt, f"{arch}-p", "prefill", max_num_batched_tokens=256, cpus=cores.PREFILL)
     try:
-        d = launch(ckpt, f"{arch}-d", "decode", load_timeout_s=3.0, cpus=(1,))
+        d = launch(ckpt, f"{arch}-d", "decode", load_timeout_s=3.0, cpus=cores.DECODE)
     except BaseException:
         p.stop()
         raise
@@ -70,7 +71,6 @@ def test_concurrent_mixed_lengths_match_transformers(pair: tuple[str, Path, Work
     # prompt's second chunk at least: D had long answered BEGIN by then)
     sent = transfer_record(p, ids[-1])["send"]
     assert sent["status"] == "complete" and sent["copy_forward_s"] > 0, sent
-    wait_drained(p, d)
 
 
 def test_prefix_cache_hits_on_p_are_still_sent(pair: tuple[str, Path, Worker, Worker]) -> None:
@@ -89,4 +89,3 @@ def test_prefix_cache_hits_on_p_are_still_sent(pair: tuple[str, Path, Worker, Wo
     assert rp.json()["usage"]["prompt_tokens"] == 400
     # the first load copies every token; the second finds whole blocks in D's own prefix cache
     assert loaded[0] == 400 and 0 < loaded[1] < 400
-    wait_drained(p, d)

@@ -11,15 +11,15 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 import pytest
-from workers import chat_prompt_ids, hf_greedy, hub_cache, make_checkpoint
 
 from splitserve.worker.launch import free_port
+from tests.support.cli import splitserve_argv
+from tests.support.workers import chat_prompt_ids, hf_greedy, hub_cache, make_checkpoint
 
 REPO = "org/name"
 COMMIT = "89abcdef0123456789abcdef0123456789abcdef"
@@ -41,8 +41,8 @@ def test_serve_a_hub_id_offline_at_its_native_length(hub_home: Path, tmp_path: P
     out_path = tmp_path / "serve.out"
     out = open(out_path, "w+")  # noqa: SIM115
     proc = subprocess.Popen(
-        [sys.executable, "-m", "splitserve.cli", "serve", "--model", REPO, "--prefill", "1",
-         "--decode", "1", "--port", str(port), "--log-dir", str(tmp_path / "logs")],
+        splitserve_argv("serve", "--model", REPO, "--prefill", "1", "--decode", "1", "--port",
+                        str(port), "--log-dir", str(tmp_path / "logs")),
         env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     workers: list[str] = []

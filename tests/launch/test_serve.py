@@ -11,15 +11,15 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
-from workers import hf_greedy
 
 from splitserve.worker.launch import free_port
+from tests.support.cli import splitserve_argv
+from tests.support.workers import hf_greedy
 
 
 def descendants(root: int) -> set[int]:
@@ -66,8 +66,8 @@ def test_serve_starts_answers_and_stops_without_orphans(llama_ckpt: Path, tmp_pa
     log_dir = tmp_path / "logs"
     out = open(tmp_path / "serve.out", "w+")  # noqa: SIM115
     proc = subprocess.Popen(
-        [sys.executable, "-m", "splitserve.cli", "serve", "--config", str(cfg), "--port",
-         str(port), "--decode", "1", "--transport", "shm", "--log-dir", str(log_dir)],
+        splitserve_argv("serve", "--config", str(cfg), "--port", str(port), "--decode", "1",
+                        "--transport", "shm", "--log-dir", str(log_dir)),
         stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:

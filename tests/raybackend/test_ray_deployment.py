@@ -15,12 +15,19 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from rayload import cmdlines, complete, descendants, metric, off_loopback_connections, prompt_of
-from workers import hf_greedy
 
 from splitserve.config import bearer_headers
 from splitserve.launch.config import from_mapping
 from splitserve.worker.launch import free_port
+from tests.support.rayload import (
+    cmdlines,
+    complete,
+    descendants,
+    metric,
+    off_loopback_connections,
+    prompt_of,
+)
+from tests.support.workers import hf_greedy
 
 from .conftest import ray_mapping
 

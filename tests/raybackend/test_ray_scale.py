@@ -26,8 +26,17 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from rayload import Load, group_members, guard_groups, metric, model_id, processes, prompt_of
-from workers import LOG_DIR, hf_greedy
+
+from tests.support.rayload import (
+    Load,
+    group_members,
+    guard_groups,
+    metric,
+    model_id,
+    processes,
+    prompt_of,
+)
+from tests.support.workers import LOG_DIR, hf_greedy
 
 SCALE_TOKENS = 24
 PROMPT_LEN = 300

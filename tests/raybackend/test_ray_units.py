@@ -13,7 +13,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from workers import hub_cache
 
 from splitserve.cli import build_parser
 from splitserve.launch.cli import config_from_args
@@ -27,6 +26,7 @@ from splitserve.launch.raybackend.autoscale import (
 from splitserve.launch.raybackend.deployment import local_cluster_resources, pin_revision
 from splitserve.launch.raybackend.directory import WorkerDirectory
 from splitserve.launch.raybackend.routerhost import plan_sync
+from tests.support.workers import hub_cache
 
 EXAMPLE = Path(__file__).parents[2] / "docs" / "ray-2p4d.yaml"
 

@@ -6,22 +6,20 @@ Routers run as `splitserve router` subprocesses on loopback over the session's l
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from router_helpers import Router, start_router  # noqa: E402
-from workers import Worker, launch  # noqa: E402
+from tests.support import cores
+from tests.support.routers import Router, start_router
+from tests.support.workers import Worker, launch
 
 
 @pytest.fixture(scope="session")
 def colocated_worker(llama_ckpt: Path) -> Iterator[Worker]:
     """A plain vLLM worker (no connector) on the P/D pair's checkpoint: the reference."""
-    w = launch(llama_ckpt, "router-colocated", None, cpus=(0, 1))
+    w = launch(llama_ckpt, "router-colocated", None, cpus=cores.BOTH)
     yield w
     w.stop()
 

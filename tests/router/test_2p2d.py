@@ -10,8 +10,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from router_helpers import Router, start_router
-from workers import Worker, hf_greedy, launch, wait_drained
+
+from tests.support import cores
+from tests.support.routers import Router, start_router
+from tests.support.workers import Worker, hf_greedy, launch
 
 MAX_TOKENS = 8
 LENGTHS = (3, 40, 130, 260, 333, 90, 17, 200)
@@ -22,9 +24,9 @@ def pools(llama_pair: tuple[Worker, Worker], llama_ckpt: Path
           ) -> Iterator[tuple[list[Worker], list[Worker]]]:
     """The shared pair plus one more prefill and one more decode worker."""
     p1, d1 = llama_pair
-    p2 = launch(llama_ckpt, "llama-p2", "prefill", cpus=(0,))
+    p2 = launch(llama_ckpt, "llama-p2", "prefill", cpus=cores.spare_cores("prefill", 0))
     try:
-        d2 = launch(llama_ckpt, "llama-d2", "decode", cpus=(1,))
+        d2 = launch(llama_ckpt, "llama-d2", "decode", cpus=cores.spare_cores("decode", 1))
     except BaseException:
         p2.stop()
         raise
@@ -79,4 +81,3 @@ def test_concurrent_requests_use_both_pools_and_match_transformers(
     assert all(g > 0 for g in gained), f"a decode worker got no transfer: {gained}"
     served = {w["url"]: w for w in router_2p2d.workers()}
     assert all(served[p.url]["role"] == "prefill" for p in ps)
-    wait_drained(*ps, *ds)

@@ -17,10 +17,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from router_helpers import Router, start_router
-from workers import Worker, hf_greedy, launch, metric_sum, wait_drained
 
 from splitserve.bench.chaos import ChaosRequest, Outcome, chaos_requests, run_wave, summarize
+from tests.support import cores
+from tests.support.routers import Router, start_router
+from tests.support.workers import Worker, hf_greedy, launch, metric_sum
 
 MAX_TOKENS = 24
 CRASHABLE = {"SPLITSERVE_FAULTS": "1,crash"}
@@ -29,9 +30,9 @@ CRASHABLE = {"SPLITSERVE_FAULTS": "1,crash"}
 def start_spare(ckpt: Path, role: str, **overrides: Any) -> Worker:
     if role == "prefill":
         return launch(ckpt, "chaos-p", role, env=CRASHABLE, max_num_batched_tokens=256,
-                      cpus=(0,), **overrides)
-    return launch(ckpt, "chaos-d", role, env=CRASHABLE, load_timeout_s=3.0, cpus=(1,),
-                  **overrides)
+                      cpus=cores.spare_cores(role, 0), **overrides)
+    return launch(ckpt, "chaos-d", role, env=CRASHABLE, load_timeout_s=3.0,
+                  cpus=cores.spare_cores(role, 1), **overrides)
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +61,7 @@ def wait_in_rotation(router: Router, urls: set[str], timeout_s: float = 60.0) ->
     raise AssertionError(f"workers not back in rotation: {urls - healthy}")
 
 
+@pytest.mark.drain(timeout_s=30)  # as its own check waited before: crashes leave more to settle
 def test_chaos(llama_pair: tuple[Worker, Worker], spares: dict[str, Worker],
                router_logs: Path, llama_ckpt: Path) -> None:
     p, d = llama_pair
@@ -108,7 +110,6 @@ def test_chaos(llama_pair: tuple[Worker, Worker], spares: dict[str, Worker],
     for w in live:
         assert w.proc.poll() is None
     assert_served(spares["prefill"]) and assert_served(spares["decode"])
-    wait_drained(*live, timeout_s=30)
 
 
 def kill_when_busy(router: Router, victims: tuple[Worker, ...], timeout_s: float = 60.0) -> None:

@@ -14,8 +14,9 @@ from typing import Any
 
 import httpx
 import pytest
-from router_helpers import Router
-from workers import Worker, auth_headers, chat_prompt_ids, hf_greedy, wait_drained
+
+from tests.support.routers import Router
+from tests.support.workers import Worker, auth_headers, chat_prompt_ids, hf_greedy
 
 MAX_TOKENS = 10
 PROMPT_LENGTHS = (1, 9, 130, 400)
@@ -85,7 +86,6 @@ def test_greedy_tokens_match_colocated_and_transformers(
         want = hf_greedy(Path(model), prompt, MAX_TOKENS)
         assert got == want, (len(prompt), stream)
         assert generate(colocated_worker.url, model, prompt, False) == want
-    wait_drained(*llama_pair)
 
 
 def test_every_split_request_moved_its_kv(router_pd: Router, llama_pair: tuple[Worker, Worker]

@@ -11,12 +11,20 @@ from typing import Any
 
 import pytest
 from aiohttp import web
-from scripted import PREFILL_OK, chunk, closed_port, make_flow, sse_reply, started, workers
 
 from splitserve.router.failures import UpstreamError
 from splitserve.router.params import plan_legs
 from splitserve.router.policy import Overloaded
 from splitserve.router.timings import Timings
+from tests.support.scripted import (
+    PREFILL_OK,
+    chunk,
+    closed_port,
+    make_flow,
+    sse_reply,
+    started,
+    workers,
+)
 
 
 async def test_prefill_retries_elsewhere_and_decode_resumes_without_loss() -> None:

@@ -17,8 +17,9 @@ import pytest
 import requests
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
-from router_helpers import Router, start_router
-from workers import Worker, wait_drained
+
+from tests.support.routers import Router, start_router
+from tests.support.workers import Worker
 
 MAX_TOKENS = 4  # keeps every generated request short
 PATHS = ("/v1/completions", "/v1/chat/completions")
@@ -99,4 +100,3 @@ def test_router_fuzz_no_5xx_no_hang(fuzz_router: Router, llama_pair: tuple[Worke
     # both outcomes were exercised: requests served and requests refused
     assert statuses.get(200, 0) > 50 and sum(n for s, n in statuses.items() if s >= 400) > 20, (
         statuses)
-    wait_drained(*llama_pair)

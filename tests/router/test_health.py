@@ -5,11 +5,11 @@ from __future__ import annotations
 import asyncio
 
 from aiohttp import web
-from scripted import workers
 
 from splitserve.router.config import RouterConfig
 from splitserve.router.health import Registry, kv_endpoint
 from splitserve.router.http import new_session
+from tests.support.scripted import workers
 
 P = "http://p:1"
 METRICS = ('vllm:kv_cache_usage_perc{engine="0"} 0.5\n'

@@ -9,7 +9,6 @@ from typing import Any
 
 import pytest
 from aiohttp import web
-from scripted import PREFILL_OK, chunk, make_flow, sse_reply, started, workers
 
 from splitserve.router.config import RouterConfig
 from splitserve.router.health import Worker
@@ -26,6 +25,7 @@ from splitserve.router.legs import (
 )
 from splitserve.router.params import plan_legs
 from splitserve.router.timings import Timings
+from tests.support.scripted import PREFILL_OK, chunk, make_flow, sse_reply, started, workers
 
 INFO = {"kv_host": "127.0.0.1", "kv_port": 5, "engine_id": "e", "transport": "tcp"}
 

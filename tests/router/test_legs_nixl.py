@@ -6,12 +6,12 @@ from __future__ import annotations
 from typing import Any
 
 from aiohttp import web
-from scripted import PREFILL_OK, chunk, make_flow, sse_reply, started, workers
 
 from splitserve.router.health import Worker
 from splitserve.router.legs import DecodeStart, NixlLegs
 from splitserve.router.params import plan_legs
 from splitserve.router.timings import Timings
+from tests.support.scripted import PREFILL_OK, chunk, make_flow, sse_reply, started, workers
 
 INFO = {"connector": "nixl", "kv_host": "127.0.0.1", "kv_port": 5600}
 # what P's NixlConnector answers with (vLLM 0.32, pull mode)

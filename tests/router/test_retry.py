@@ -8,7 +8,6 @@ import argparse
 
 import pytest
 from aiohttp import web
-from scripted import workers
 
 from splitserve.router.cli import add_router_arguments, config_from_args
 from splitserve.router.config import RouterConfig
@@ -19,6 +18,7 @@ from splitserve.router.metrics import RouterMetrics
 from splitserve.router.policy import Overloaded, Picker
 from splitserve.router.timings import Timings
 from splitserve.router.whole import Passthrough
+from tests.support.scripted import workers
 
 
 def args_of(*argv: str) -> RouterConfig:

@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from workers import hub_cache
 
 from splitserve.cli import main
 from splitserve.config import WorkerConfig
@@ -20,6 +19,7 @@ from splitserve.hub import check_model_name, download_ignore_patterns
 from splitserve.launch.config import DeploymentConfig
 from splitserve.secretflags import check_passthrough, secret_flag_of
 from splitserve.worker.launch import worker_command
+from tests.support.workers import hub_cache
 
 SECRET = "s3cr3t-value"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"

@@ -6,13 +6,13 @@ the KV cache, `splitserve worker` says so and names the flags that fix it."""
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import httpx
-from workers import TEST_SPECS, Worker, auth_headers, make_checkpoint
 
 from splitserve.worker.launch import free_port
+from tests.support.cli import splitserve_argv
+from tests.support.workers import TEST_SPECS, Worker, auth_headers, make_checkpoint
 
 
 def test_workers_report_the_models_own_length(llama_pair: tuple[Worker, Worker]) -> None:
@@ -27,8 +27,8 @@ def test_a_kv_cache_too_small_for_the_models_length_names_the_flags(checkpoint_r
                                                                      ) -> None:
     ckpt = make_checkpoint(checkpoint_root, "llama-128k-wide-kv")  # 2 GiB for one sequence
     done = subprocess.run(
-        [sys.executable, "-m", "splitserve.cli", "worker", "--model", str(ckpt), "--port",
-         str(free_port()), "--kv-cache-gib", "1", "--cpus", "0"],
+        splitserve_argv("worker", "--model", str(ckpt), "--port", str(free_port()),
+                        "--kv-cache-gib", "1", "--cpus", "0"),
         capture_output=True, text=True, timeout=300)
     assert done.returncode != 0
     said = done.stderr.strip().splitlines()[-1]

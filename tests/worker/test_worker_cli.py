@@ -8,13 +8,13 @@ from importlib import metadata
 from pathlib import Path
 
 import pytest
-from workers import TOKEN, Worker
 
 from splitserve.cli import main
 from splitserve.common import engine
 from splitserve.common.cpus import parse_cpus
 from splitserve.config import TOKEN_ENV, TOKEN_FILE_ENV, WorkerConfig, load_token
 from splitserve.worker.launch import check_vllm_version, kv_buffer_device, worker_command
+from tests.support.workers import TOKEN, Worker
 
 
 def test_parse_cpus() -> None:

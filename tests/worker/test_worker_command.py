@@ -7,14 +7,14 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
-from workers import hub_cache
 
 from splitserve.worker.launch import free_port
+from tests.support.cli import splitserve_argv
+from tests.support.workers import hub_cache
 
 COMMIT = "fedcba9876543210fedcba9876543210fedcba98"
 
@@ -41,8 +41,7 @@ def test_worker_command_serves_a_hub_id_and_stops_on_sigterm(llama_ckpt: Path, t
     out_path = tmp_path / "worker.out"
     with open(out_path, "wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "splitserve.cli", "worker", "--model", "org/tiny", "--port",
-             str(port)],
+            splitserve_argv("worker", "--model", "org/tiny", "--port", str(port)),
             env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     vllm_group = None

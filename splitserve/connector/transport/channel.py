@@ -11,7 +11,7 @@ from splitserve.connector.transport.items import LayerItem, SendState
 class TransferChannel(Protocol):
     """What P's send bookkeeping (`prefill_send.PrefillSends`) calls on a channel to one D, all
     on the engine's worker thread. `PushChannel` implements it over a socket; the unit tests'
-    fake (tests/channels.py) in memory."""
+    fake (tests/support/channels.py) in memory."""
 
     def begin(self, transfer_id: str, num_tokens: int, nbytes: int, ack_timeout_s: float
               ) -> SendState: ...

@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -31,6 +30,7 @@ from typing import Any
 
 import httpx
 
+from splitserve.common.procs import stop_group
 from splitserve.config import bearer_headers
 from splitserve.launch.config import DeploymentConfig
 from splitserve.launch.local import pool_worker_config
@@ -175,11 +175,5 @@ class WorkerReplica:
     def stop(self, grace_s: float) -> None:
         """SIGTERM the guard (it passes the signal on to the worker), SIGKILL the whole group
         after `grace_s`."""
-        with contextlib.suppress(ProcessLookupError):
-            self.proc.send_signal(signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(grace_s)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(5)
+        # the guard alone: a group-wide SIGTERM would reach its sentinel, which SIGKILLs the group
+        stop_group(self.proc, grace_s, term="leader", sweep=True, reap_s=5.0)

@@ -14,10 +14,8 @@ Invariants:
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -27,6 +25,7 @@ from typing import Any
 
 import httpx
 
+from splitserve.common.procs import stop_group
 from splitserve.config import TOKEN_ENV, bearer_headers
 from splitserve.launch.config import DeploymentConfig
 from splitserve.launch.local import router_argv
@@ -158,9 +157,5 @@ class RouterHost:
         self.stopping.set()
         if self.proc is None:
             return
-        with contextlib.suppress(ProcessLookupError):
-            self.proc.send_signal(signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(self.cfg.stop_timeout_s + 5)
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
+        # the guard alone (it passes SIGTERM on): its sentinel SIGKILLs the group on a SIGTERM
+        stop_group(self.proc, self.cfg.stop_timeout_s + 5, term="leader", sweep=True, reap_s=0.0)

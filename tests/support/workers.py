@@ -21,12 +21,16 @@ from pathlib import Path
 
 import httpx
 
+from splitserve.common.procs import stop_group
 from splitserve.config import WorkerConfig, bearer_headers
 from splitserve.demo_model import ModelSpec, build_checkpoint
 from splitserve.worker.launch import free_port, start_worker, wait_healthy
+from tests.support.integration import starts_processes
 
 TOKEN = "splitserve-test-token-0123456789abcdef"
 LOG_DIR = Path(os.environ.get("SPLITSERVE_TEST_LOGS", "/tmp/splitserve-test-logs"))
+# Every worker `launch` started and nobody stopped or killed yet (the drain check's set).
+LIVE: set[Worker] = set()
 
 # Small shapes keep start-up and prefill fast; a wide initializer keeps greedy decoding free of
 # near-tied logits (no position is skipped in the comparisons).
@@ -70,7 +74,7 @@ def hub_cache(hf_home: Path, repo_id: str, checkpoint: Path, commit: str) -> Pat
     return snapshot
 
 
-@dataclass
+@dataclass(eq=False)  # compared (and hashed) by identity: one object per started process
 class Worker:
     cfg: WorkerConfig
     proc: subprocess.Popen[bytes]
@@ -96,28 +100,30 @@ class Worker:
                 return float(line.rsplit(" ", 1)[1])
         raise AssertionError("worker exports no vllm:kv_cache_usage_perc")
 
+    @property
+    def has_connector_state(self) -> bool:
+        """The worker runs splitserve's connector (it serves `/splitserve/state`)."""
+        return self.cfg.role is not None and self.cfg.connector == "splitserve"
+
+    def drain_state(self) -> tuple[int, int, int, float]:
+        """(staged bytes, pending loads, held sends, KV usage): all zero once drained. A worker
+        without splitserve's connector (plain, NIXL) has only its KV usage to show."""
+        if not self.has_connector_state:
+            return 0, 0, 0, self.kv_usage()
+        s = self.state()
+        return s["staged_bytes"], s["pending_loads"], s["held_sends"], self.kv_usage()
+
     def stop(self) -> None:
+        LIVE.discard(self)
         stop_group(self.proc, 20.0)
 
     def kill(self) -> None:
         """SIGKILL the worker's whole process group (vLLM's EngineCore with it), as a crash."""
+        LIVE.discard(self)
         if self.proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(10)
-
-
-def stop_group(proc: subprocess.Popen[bytes], grace_s: float) -> None:
-    """SIGTERM a child's process group, then SIGKILL it if it outlives `grace_s`."""
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
 
 
 def auth_headers() -> dict[str, str]:
@@ -131,9 +137,11 @@ def metric_sum(worker: Worker, *names: str) -> float:
                if line.startswith(names))
 
 
+@starts_processes
 def launch(model: Path, name: str, role: str | None, env: dict[str, str] | None = None,
            **overrides: object) -> Worker:
-    """Start one worker and wait until it is healthy."""
+    """Start one worker and wait until it is healthy. It is in `LIVE` until stopped or killed:
+    after every integration test, each live worker must drain (tests/conftest.py)."""
     cfg = WorkerConfig(model=str(model), port=free_port(), role=role,  # type: ignore[arg-type]
                        kv_port=free_port() if role else 0, staging_bytes=64 * 1024**2)
     cfg = replace(cfg, **overrides)  # type: ignore[arg-type]
@@ -155,9 +163,11 @@ def launch(model: Path, name: str, role: str | None, env: dict[str, str] | None 
     except BaseException:
         worker.stop()
         raise
+    LIVE.add(worker)
     return worker
 
 
+@starts_processes
 def launch_together(model: Path, *specs: tuple[str, str | None, dict[str, object]]
                     ) -> list[Worker]:
     """Start several workers side by side (`(name, role, overrides)` each, as `launch` takes
@@ -184,18 +194,19 @@ def running(*workers: Worker) -> Iterator[tuple[Worker, ...]]:
 
 
 def wait_drained(*workers: Worker, timeout_s: float = 15.0) -> None:
-    """Assert every worker returns to zero: no staged KV, no loads or held sends, no KV blocks."""
+    """Assert every worker returns to zero within `timeout_s`: no staged KV, no pending loads,
+    no held sends, no KV blocks in use (`Worker.drain_state`)."""
     deadline = time.monotonic() + timeout_s
-    last: dict = {}
-    while time.monotonic() < deadline:
-        last = {}
-        for w in workers:
-            s = w.state()
-            last[w.url] = (s["staged_bytes"], s["pending_loads"], s["held_sends"], w.kv_usage())
+    last: dict[str, tuple[int, int, int, float]] = {}
+    while True:
+        last = {w.url: w.drain_state() for w in workers}
         if all(v == (0, 0, 0, 0.0) for v in last.values()):
             return
+        if time.monotonic() >= deadline:
+            break
         time.sleep(0.2)
-    raise AssertionError(f"workers did not drain (staged, loads, sends, kv usage): {last}")
+    raise AssertionError(f"workers did not drain in {timeout_s} s "
+                         f"(staged bytes, pending loads, held sends, kv usage): {last}")
 
 
 @lru_cache(maxsize=4)

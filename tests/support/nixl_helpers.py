@@ -9,7 +9,8 @@ from collections.abc import Callable
 from typing import Any
 
 import httpx
-from workers import Worker, auth_headers, model_name
+
+from tests.support.workers import Worker, auth_headers, model_name
 
 # P's KV lease in the NIXL fixture: short, so abandoned blocks come back within CI time
 NIXL_LEASE_S = 12.0

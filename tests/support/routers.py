@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-from workers import TOKEN, stop_group
 
+from splitserve.common.procs import stop_group
 from splitserve.config import bearer_headers
 from splitserve.worker.launch import free_port, wait_healthy
+from tests.support.cli import splitserve_argv
+from tests.support.integration import starts_processes
+from tests.support.workers import TOKEN
 
 
 @dataclass
@@ -48,13 +50,13 @@ class Router:
             time.sleep(0.1)
 
 
+@starts_processes
 def start_router(log_dir: Path, *args: str, env: dict[str, str] | None = None) -> Router:
     port = free_port()
     log = log_dir / f"router-{port}.log"
     with open(log, "ab") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "splitserve.cli", "router", "--port", str(port),
-             "--health-interval", "0.5", *args],
+            splitserve_argv("router", "--port", str(port), "--health-interval", "0.5", *args),
             env=os.environ | {"SPLITSERVE_TOKEN": TOKEN} | (env or {}), stdout=out,
             stderr=subprocess.STDOUT, start_new_session=True)
     router = Router(f"http://127.0.0.1:{port}", proc, log)
