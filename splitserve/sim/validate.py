@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import signal
 import statistics
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -36,6 +34,7 @@ from typing import Any
 from splitserve.bench.client import ClientConfig, RequestRecord
 from splitserve.bench.runner import RunOptions, run_once
 from splitserve.bench.workload import WorkloadSpec
+from splitserve.common.procs import stop_group
 from splitserve.sim.calibration.drift import Canary, Drift, Speed, scaled, workload_stretch
 from splitserve.sim.costmodel import DecodeCost
 from splitserve.sim.deployment import SimConfig
@@ -217,14 +216,7 @@ def local_worker(model: str, cpus: tuple[int, ...] | None, token_budget: int,
         wait_healthy(cfg.url, proc)
         yield cfg.url
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except Exception:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
+        stop_group(proc, 60.0, sweep=True, reap_s=30.0)
 
 
 @contextlib.contextmanager
