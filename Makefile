@@ -32,6 +32,7 @@ test-fast: $(STAMP)
 
 lint: $(STAMP)
 	$(PY) -m ruff check splitserve tests benchmarks
+	$(PY) -m mypy
 
 clean:
 	rm -rf $(VENV) .splitserve demo-results

@@ -113,7 +113,7 @@ async def run_sweep(client: ClientConfig, spec: WorkloadSpec, system: str,
     """Run the same workload at each rate; attainment per rate and DistServe goodput."""
     if opts.slo.empty:
         raise ValueError("a rate sweep needs an SLO (--slo-ttft-ms and/or --slo-tpot-ms)")
-    points = []
+    points: list[dict[str, Any]] = []
     last: dict[str, Any] = {}
     for rate in sorted(opts.sweep_rates):
         tagged = replace(client, run_tag=f"{client.run_tag}-rate{rate:g}")

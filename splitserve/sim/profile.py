@@ -138,7 +138,7 @@ def fit_decode(points: list[tuple[int, float, float]], levels: bool = False
     x = np.array([[1.0, c, b] for b, c, _ in points])
     y = np.array([t for *_, t in points])
     coef, quality = robust_fit(x, y)
-    linear = DecodeCost(*map(float, coef))
+    linear = DecodeCost(float(coef[0]), float(coef[1]), float(coef[2]))
     if not levels:
         return linear, quality
     resid: dict[int, list[float]] = {}

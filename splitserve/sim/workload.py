@@ -20,8 +20,11 @@ from splitserve.bench.workload import WorkloadSpec, build_stream
 
 
 class RequestLike(Protocol):
-    arrival_s: float
-    output_len: int
+    @property
+    def arrival_s(self) -> float: ...
+
+    @property
+    def output_len(self) -> int: ...
 
     @property
     def input_len(self) -> int: ...

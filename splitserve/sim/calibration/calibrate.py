@@ -246,10 +246,11 @@ def fit_loaded(profile: Profile, cfg: SimConfig, wl: SimWorkload, ttft: float) -
     is in the decode fit (per token) and the event terms (per request event); a share fitted to
     the stream's median ITL on top of them absorbed that minute's drift and grew with the rate
     (the simulated ITL p50 at 2 req/s +31 %)."""
-    assert profile.split is not None
+    split = profile.split
+    assert split is not None
 
     def median_ttft(x: float) -> float:
-        prof = replace(profile, split=replace(profile.split, t1_relay_s=x))
+        prof = replace(profile, split=replace(split, t1_relay_s=x))
         return float(summarize(simulate(prof, cfg, wl), system="calibrate")["median_ttft_ms"]) / 1e3
 
     if median_ttft(T1_RELAY_MAX_S) - median_ttft(0.0) < 1e-6:  # the stream cannot show it:
