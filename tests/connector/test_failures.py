@@ -21,6 +21,7 @@ from workers import (
 )
 
 from splitserve.common.load import parse_metrics as parse_gauges
+from splitserve.common.wire import WorkerLoad
 
 MAX_TOKENS = 10
 PROMPT = [5 + (i * 13) % 900 for i in range(300)]
@@ -167,4 +168,4 @@ def test_internal_routes_require_the_token(llama_pair: tuple[Worker, Worker]) ->
     # the router's light load read says what /metrics says (the worker is idle here)
     load = httpx.get(f"{d.url}/splitserve/load", headers=auth_headers(), timeout=5).json()
     assert set(load) == {"kv_usage", "running", "waiting"}
-    assert load == parse_gauges(metrics)
+    assert WorkerLoad.from_json(load) == parse_gauges(metrics)
