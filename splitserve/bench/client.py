@@ -27,6 +27,7 @@ import httpx
 
 from splitserve.bench.workload import Request
 from splitserve.common.load import LOAD_PATH, parse_metrics
+from splitserve.common.wire import WorkerLoad
 from splitserve.config import bearer_headers
 
 TIMINGS_HEADER = "x-splitserve-timings"
@@ -230,7 +231,7 @@ async def run_stream(cfg: ClientConfig, requests: list[Request], warmup: list[Re
 def parse_load(metrics_text: str) -> tuple[float, float]:
     """(requests running, requests waiting) from a vLLM `/metrics` page, summed over engines."""
     load = parse_metrics(metrics_text)
-    return load.get("running", 0.0), load.get("waiting", 0.0)
+    return load.running or 0.0, load.waiting or 0.0
 
 
 PREFILL_SECONDS = "vllm:request_prefill_time_seconds_sum"
@@ -300,7 +301,8 @@ class BusySampler:
                 into[name] = {series: s for series in (PREFILL_SECONDS, *NIXL_SERIES.values())
                               if (s := parse_sum(resp.text, series)) is not None}
 
-    async def _sample(self, client: httpx.AsyncClient, name: str) -> dict[str, float] | None:
+    async def _sample(self, client: httpx.AsyncClient, name: str) -> WorkerLoad | None:
+        """The worker's load now; None when it gave none (e.g. 401). WireError: malformed."""
         url = self._urls[name]
         resp = await client.get(f"{url}{self._paths[name]}")
         if resp.status_code == 404 and self._paths[name] == LOAD_PATH:
@@ -308,7 +310,9 @@ class BusySampler:
             resp = await client.get(f"{url}/metrics")
         if resp.status_code != 200:  # e.g. 401: no sample, not an idle one
             return None
-        return resp.json() if self._paths[name] == LOAD_PATH else parse_metrics(resp.text)
+        if self._paths[name] == LOAD_PATH:
+            return WorkerLoad.from_json(resp.json())
+        return parse_metrics(resp.text)
 
     async def _loop(self) -> None:
         async with httpx.AsyncClient(timeout=5.0, headers=self._headers) as client:
@@ -317,11 +321,11 @@ class BusySampler:
                 for name in self._urls:
                     try:
                         load = await self._sample(client, name)
-                    except httpx.HTTPError:
+                    except (httpx.HTTPError, ValueError):  # ValueError: not JSON, or WireError
                         continue
                     if load is None:
                         continue
-                    running, waiting = load.get("running", 0.0), load.get("waiting", 0.0)
+                    running, waiting = load.running or 0.0, load.waiting or 0.0
                     self._samples[name] += 1
                     self._busy[name] += running + waiting > 0
                     self._queued[name] += waiting > 0

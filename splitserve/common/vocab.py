@@ -25,6 +25,12 @@ class Pool(StrEnum):
     DECODE = "decode"
     COLOCATED = "colocated"
 
+    @property
+    def worker_role(self) -> Role | None:
+        """The role a worker started for this pool runs: P's and D's their own; None for a
+        colocated worker (plain vLLM, no connector)."""
+        return None if self is Pool.COLOCATED else Role(self.value)
+
 
 class Connector(StrEnum):
     """The KV connector a pair of workers moves KV with.

@@ -12,9 +12,12 @@ Routes and their types:
 
 from __future__ import annotations
 
+import math
+import typing
 from dataclasses import asdict, dataclass, field, fields
 from enum import StrEnum
-from typing import Any, Self, TypeVar
+from functools import cache
+from typing import Any, ClassVar, Self, TypeVar
 
 from splitserve.common.vocab import Connector, Role, TransferStatus
 
@@ -31,17 +34,21 @@ def _obj(raw: Any, what: str) -> dict[str, Any]:
 
 def _num(raw: dict[str, Any], key: str, what: str, default: float | None = 0.0
          ) -> float | None:
+    """A finite number (None stays None)."""
     value = raw.get(key, default)
-    if value is None or (isinstance(value, int | float) and not isinstance(value, bool)):
-        return None if value is None else float(value)
+    if value is None:
+        return None
+    if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
     raise WireError(f"{what}.{key} must be a number, got {value!r}")
 
 
-def _int(raw: dict[str, Any], key: str, what: str, default: int | None = 0) -> int | None:
+def _count(raw: dict[str, Any], key: str, what: str, default: int | None = 0) -> int | None:
+    """A non-negative integer (None stays None)."""
     value = raw.get(key, default)
-    if value is None or (isinstance(value, int) and not isinstance(value, bool)):
+    if value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
         return value
-    raise WireError(f"{what}.{key} must be an integer, got {value!r}")
+    raise WireError(f"{what}.{key} must be a non-negative integer, got {value!r}")
 
 
 def _str(raw: dict[str, Any], key: str, what: str) -> str | None:
@@ -49,6 +56,13 @@ def _str(raw: dict[str, Any], key: str, what: str) -> str | None:
     if value is None or isinstance(value, str):
         return value
     raise WireError(f"{what}.{key} must be a string, got {value!r}")
+
+
+def _bool(raw: dict[str, Any], key: str, what: str, default: bool = False) -> bool:
+    value = raw.get(key, default)
+    if isinstance(value, bool):
+        return value
+    raise WireError(f"{what}.{key} must be true or false, got {value!r}")
 
 
 E = TypeVar("E", bound=StrEnum)
@@ -66,6 +80,7 @@ def _enum(cls: type[E], value: Any, what: str) -> E:
 class WorkerInfo:
     """`GET /splitserve/info`: which connector a worker runs, its role, and its KV endpoint
     (splitserve: the KV listener; nixl: vLLM's NIXL side channel). `kv_port` None: no endpoint.
+    An answer without `connector` is a splitserve worker's (the key came later).
     """
 
     connector: Connector
@@ -82,6 +97,8 @@ class WorkerInfo:
     def __post_init__(self) -> None:
         if self.kv_port is not None and not 0 < self.kv_port < 65536:
             raise WireError(f"info.kv_port must be a port number, got {self.kv_port}")
+        if self.progress_delay_us is not None and self.progress_delay_us < 0:
+            raise WireError("info.progress_delay_us must not be negative")
 
     @classmethod
     def from_json(cls, raw: Any) -> Self:
@@ -89,27 +106,30 @@ class WorkerInfo:
         fp = raw.get("model_fingerprint")
         if fp is not None and not isinstance(fp, dict):
             raise WireError("info.model_fingerprint must be an object")
-        return cls(connector=_enum(Connector, raw.get("connector") or Connector.SPLITSERVE,
+        return cls(connector=_enum(Connector, raw.get("connector", Connector.SPLITSERVE),
                                    "info.connector"),
                    role=_enum(Role, raw.get("role"), "info.role"),
                    transport=_str(raw, "transport", "info"),
                    kv_host=_str(raw, "kv_host", "info"),
-                   kv_port=_int(raw, "kv_port", "info", None),
-                   kv_tls=bool(raw.get("kv_tls", False)),
+                   kv_port=_count(raw, "kv_port", "info", None),
+                   kv_tls=_bool(raw, "kv_tls", "info"),
                    engine_id=_str(raw, "engine_id", "info"),
                    model_fingerprint=fp, vllm_version=_str(raw, "vllm_version", "info"),
-                   progress_delay_us=_int(raw, "progress_delay_us", "info", None))
+                   progress_delay_us=_count(raw, "progress_delay_us", "info", None))
 
     def to_json(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items()
-                if v is not None or k in ("kv_host", "kv_port")}
+        """Every field set, plus `kv_host` and `kv_port` always (None: no endpoint)."""
+        out = {k: v for k, v in asdict(self).items()
+               if v is not None or k in ("kv_host", "kv_port")}
+        out.update(connector=self.connector.value, role=self.role.value)
+        return out
 
 
 @dataclass(frozen=True)
 class WorkerLoad:
     """`GET /splitserve/load` (or the same gauges parsed from a plain worker's `/metrics`):
     vLLM's KV cache usage (0..1) and its running and waiting requests. A gauge the engine has
-    not published yet is None."""
+    not published yet is None (and absent from `to_json`)."""
 
     kv_usage: float | None = None
     running: float | None = None
@@ -139,12 +159,16 @@ class TransferCounters:
         raw = _obj(raw, "state.transfers")
         out: dict[str, dict[str, Any]] = {}
         for f in fields(cls):
-            table = _obj(raw.get(f.name, {}), f"state.transfers.{f.name}")
-            out[f.name] = {str(k): _num(table, k, f"state.transfers.{f.name}")
-                           for k in table}
-            if f.name != "seconds_total":
-                out[f.name] = {k: int(v) for k, v in out[f.name].items()}
+            what = f"state.transfers.{f.name}"
+            table = _obj(raw.get(f.name, {}), what)
+            read = _num if f.name == "seconds_total" else _count
+            out[f.name] = {k: read(table, k, what, None) for k in table}
+            if any(v is None for v in out[f.name].values()):
+                raise WireError(f"{what} holds a null")
         return cls(**out)
+
+    def to_json(self) -> dict[str, dict[str, Any]]:
+        return asdict(self)
 
 
 @dataclass(frozen=True)
@@ -162,26 +186,38 @@ class ConnectorState:
     held_sends: int = 0
     transfers: TransferCounters = field(default_factory=TransferCounters)
 
-    COUNTS = ("staged_bytes", "staging_capacity_bytes", "staging_free_bytes", "open_leases",
-              "claimed_transfers", "pending_loads", "held_sends")
+    COUNTS: ClassVar[tuple[str, ...]] = (
+        "staged_bytes", "staging_capacity_bytes", "staging_free_bytes", "open_leases",
+        "claimed_transfers", "pending_loads", "held_sends")
+
+    def __post_init__(self) -> None:
+        for key in self.COUNTS:
+            if getattr(self, key) < 0:
+                raise WireError(f"state.{key} must not be negative")
 
     @classmethod
     def from_json(cls, raw: Any) -> Self:
         raw = _obj(raw, "state")
-        counts = {k: _int(raw, k, "state") for k in cls.COUNTS}
+        counts = {k: _count(raw, k, "state") for k in cls.COUNTS}
+        if missing := [k for k, v in counts.items() if v is None]:
+            raise WireError(f"state.{missing[0]} must be a non-negative integer, got None")
         return cls(info=WorkerInfo.from_json(raw), **counts,  # type: ignore[arg-type]
                    transfers=TransferCounters.from_json(raw.get("transfers", {})))
 
     def to_json(self) -> dict[str, Any]:
+        """The worker's info, each count, and `transfers` (the counters), in one object."""
         return {**self.info.to_json(), **{k: getattr(self, k) for k in self.COUNTS},
-                "transfers": asdict(self.transfers)}
+                "transfers": self.transfers.to_json()}
 
 
 @dataclass(frozen=True)
 class SideRecord:
     """One worker's record of one transfer (`side` "send" on P, "recv" on D). Times are epoch
     seconds on that worker's clock; derived: `duration_s` (BEGIN to verified END), `tail_s`
-    (what the overlap with P's prefill leaves exposed), `gbps` (bytes / `wire_s`)."""
+    (what the overlap with P's prefill leaves exposed), `gbps` (bytes / `wire_s`).
+    `final`: the status can no longer change (the router stops asking)."""
+
+    SIDES: ClassVar[tuple[str, ...]] = ("send", "recv")
 
     transfer_id: str
     side: str
@@ -207,8 +243,10 @@ class SideRecord:
     gbps: float | None = None
 
     def __post_init__(self) -> None:
-        if self.side not in ("send", "recv"):
+        if self.side not in self.SIDES:
             raise WireError(f"record.side must be send or recv, got {self.side!r}")
+        if not self.transfer_id:
+            raise WireError("record.transfer_id must not be empty")
 
     @property
     def final(self) -> bool:
@@ -217,22 +255,34 @@ class SideRecord:
     @classmethod
     def from_json(cls, raw: Any) -> Self:
         raw = _obj(raw, "record")
+        tid, side = raw.get("transfer_id"), raw.get("side")
+        if not isinstance(tid, str):
+            raise WireError(f"record.transfer_id must be a string, got {tid!r}")
+        if not isinstance(side, str):
+            raise WireError(f"record.side must be a string, got {side!r}")
         kw: dict[str, Any] = {}
-        for f in fields(cls):
-            if f.name in ("transfer_id", "side", "status") or f.name not in raw:
-                continue
-            if f.type in ("int", "int | None"):
-                kw[f.name] = _int(raw, f.name, "record", None)
-            elif f.type in ("str | None",):
-                kw[f.name] = _str(raw, f.name, "record")
-            else:
-                kw[f.name] = _num(raw, f.name, "record", None)
-        return cls(transfer_id=str(raw.get("transfer_id") or ""), side=str(raw.get("side")),
-                   status=_enum(TransferStatus, raw.get("status"), "record.status"),
-                   **{k: v for k, v in kw.items() if v is not None})
+        for name, hint in _record_fields().items():
+            if name in raw and raw[name] is not None:
+                read = _str if hint == "str" else _count if hint == "int" else _num
+                kw[name] = read(raw, name, "record")
+        return cls(transfer_id=tid, side=side,
+                   status=_enum(TransferStatus, raw.get("status"), "record.status"), **kw)
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "status": self.status.value}
+
+
+@cache
+def _record_fields() -> dict[str, str]:
+    """`SideRecord`'s optional fields by the JSON type they take: "str", "int" or "float"."""
+    hints = typing.get_type_hints(SideRecord)
+    out: dict[str, str] = {}
+    for f in fields(SideRecord):
+        if f.name in ("transfer_id", "side", "status"):
+            continue
+        kinds = set(typing.get_args(hints[f.name])) or {hints[f.name]}
+        out[f.name] = "str" if str in kinds else "int" if int in kinds else "float"
+    return out
 
 
 @dataclass(frozen=True)
@@ -246,9 +296,15 @@ class TransferRecord:
     @classmethod
     def from_json(cls, raw: Any) -> Self:
         raw = _obj(raw, "transfer")
-        sides = {s: SideRecord.from_json(raw[s]) for s in ("recv", "send")
+        tid = raw.get("transfer_id")
+        if not isinstance(tid, str) or not tid:
+            raise WireError(f"transfer.transfer_id must be a non-empty string, got {tid!r}")
+        sides = {s: SideRecord.from_json(raw[s]) for s in SideRecord.SIDES
                  if raw.get(s) is not None}
-        return cls(transfer_id=str(raw.get("transfer_id") or ""), **sides)
+        for side, rec in sides.items():
+            if rec.side != side or rec.transfer_id != tid:
+                raise WireError(f"transfer.{side} is the {rec.side} record of {rec.transfer_id}")
+        return cls(transfer_id=tid, **sides)
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"transfer_id": self.transfer_id}

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from vllm.logger import init_logger
 
+from splitserve.common.vocab import TransferStatus
 from splitserve.config import ConnectorConfig
 from splitserve.connector.devcopy import Completion, Copier, InlineCopies
 from splitserve.connector.donetable import DoneTable, table_path
@@ -145,8 +146,8 @@ class DecodeLoads:
         st.record.load_s = time.perf_counter() - load.copy_t0
         st.record.loaded_tokens = spec.end - spec.start
         st.record.load_mode = "sync" if spec.sync else "async"
-        self._staging.release(st, "loaded")
-        self._stats.close(st.record, "loaded")
+        self._staging.release(st, TransferStatus.LOADED)
+        self._stats.close(st.record, TransferStatus.LOADED)
         return "ok"
 
     def _give_up(self, load: _Load, st: StagedTransfer, cause: str) -> str:
@@ -158,8 +159,8 @@ class DecodeLoads:
                 done.wait()
             except Exception:
                 logger.exception("KV copy into the blocks of %s failed", load.spec.request_id)
-        self._staging.release(st, "failed")
-        self._stats.close(st.record, "failed", cause)
+        self._staging.release(st, TransferStatus.FAILED)
+        self._stats.close(st.record, TransferStatus.FAILED, cause)
         return cause
 
     def _poll_load(self, load: _Load, now: float) -> str | None:
@@ -172,7 +173,7 @@ class DecodeLoads:
         if st is None:
             final = self._staging.final_status(spec.transfer_id)
             if final is not None:
-                return f"transfer_{final}"
+                return f"transfer_{final.value}"
             return "load_timeout" if now > load.deadline else None
         if load.copies is not None:
             return self._copied(load, st)
@@ -206,8 +207,8 @@ class DecodeLoads:
             elif load.spec.start == load.spec.end:  # nothing to load: release, report nothing
                 st = self._staging.claim(load.spec.transfer_id)
                 if st is not None:
-                    self._staging.release(st, "discarded")
-                    self._stats.close(st.record, "discarded")
+                    self._staging.release(st, TransferStatus.DISCARDED)
+                    self._stats.close(st.record, TransferStatus.DISCARDED)
                 if (st is not None or now > load.deadline
                         or self._staging.final_status(load.spec.transfer_id) is not None):
                     del self._loads[rid]

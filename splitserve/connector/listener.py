@@ -20,6 +20,7 @@ from typing import Any
 
 import xxhash
 
+from splitserve.common.vocab import TransferStatus
 from splitserve.connector.faults import Faults
 from splitserve.connector.framing import ProtocolError, recv_exact_into
 from splitserve.connector.layout.staging_format import region_offset
@@ -181,7 +182,7 @@ class KVListener:
             elif isinstance(msg, Abort):
                 st = open_transfers.pop(msg.transfer_id, None)
                 if st is not None and staging is not None:
-                    staging.fail(st, "aborted_by_prefill")
+                    staging.fail(st, "aborted_by_prefill", TransferStatus.ABORTED)
                     staging.writer_done(st)
             else:
                 raise ProtocolError(f"unexpected op {msg.OP!r} on a push connection")

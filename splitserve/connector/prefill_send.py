@@ -4,7 +4,7 @@ After each layer, the layer's KV for the scheduled token range goes to the chann
 named in the request's transfer params, which copies it out of P's blocks on this thread once D
 has opened the transfer (the sender thread before then, or for fault-marked transfers). P's
 blocks stay held until the push is settled: a finished request is reported in
-`finished_sending` only once its channel says acked, failed or cancelled. The copies go
+`finished_sending` only once its channel settled it (complete, failed or cancelled). The copies go
 through the worker's `Copier` (`devcopy`): on a CUDA engine the forward thread only queues them
 on a side stream, and the sender thread waits for each before it checksums and sends.
 """

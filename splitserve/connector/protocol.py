@@ -40,6 +40,15 @@ from splitserve.connector.tls import Conn, TlsStream
 PROTOCOL_VERSION = 1
 
 
+class PeerRefused(ProtocolError):
+    """The listener answered the handshake with REFUSE (wrong token, model mismatch, unknown
+    purpose); `reason` is its stated reason."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"refused by peer: {reason}")
+        self.reason = reason
+
+
 @dataclass(frozen=True)
 class Fingerprint:
     """What must match between P and D before KV moves."""
@@ -107,7 +116,8 @@ def server_handshake(sock: Conn, token: str, mine: Fingerprint, staging: Staging
 
 def client_handshake(sock: Conn, token: str, purpose: str,
                      fingerprint: Fingerprint | None) -> StagingInfo:
-    """Prove the token to the server and check its proof; return the server's staging info."""
+    """Prove the token to the server and check its proof; return the server's staging info.
+    Raises `PeerRefused` when the server refuses, `ProtocolError` on anything else amiss."""
     op, body = recv_frame(sock)
     try:
         hello = Hello.from_wire(body) if op == Op.HELLO else None
@@ -120,7 +130,7 @@ def client_handshake(sock: Conn, token: str, purpose: str,
                     asdict(fingerprint) if fingerprint else {}))
     reply = recv(sock)
     if isinstance(reply, Refuse):
-        raise ProtocolError(f"refused by peer: {reply.reason}")
+        raise PeerRefused(reply.reason)
     if not isinstance(reply, Welcome) or not hmac.compare_digest(
         reply.mac, _mac(token, b"server", client_nonce, hello.nonce)
     ):

@@ -18,6 +18,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from splitserve.common.vocab import TransferStatus
 from splitserve.connector.donetable import DoneTable
 from splitserve.connector.layout.staging_format import KVShape
 from splitserve.connector.segment import SharedSegment
@@ -110,7 +111,8 @@ class StagingArea:
         self._alloc = RegionAllocator(self.segment.size)
         self._lock = threading.Lock()
         self._transfers: dict[str, StagedTransfer] = {}
-        self._done: dict[str, str] = {}  # transfer_id -> final status, for fast load errors
+        # transfer_id -> final status, for fast load errors
+        self._done: dict[str, TransferStatus] = {}
 
     # -- receiving side (listener threads) --------------------------------------------------
     def begin(self, transfer_id: str, num_tokens: int) -> StagedTransfer:
@@ -122,7 +124,7 @@ class StagingArea:
                 raise StagingRefused("empty_transfer")
             offset = self._alloc.alloc(nbytes)
             if offset is None:
-                self._remember(transfer_id, "refused")
+                self._remember(transfer_id, TransferStatus.REFUSED)
                 raise StagingRefused("staging_full")
             rec = self.stats.open(transfer_id, "recv", num_tokens, nbytes)
             st = StagedTransfer(transfer_id, num_tokens, offset, nbytes, rec,
@@ -155,27 +157,30 @@ class StagingArea:
             if ok and self.done is not None and not st.reader_done:
                 self.done.mark(st.transfer_id)
         if ok:
-            self.stats.close(st.record, "complete")
+            self.stats.close(st.record, TransferStatus.COMPLETE)
         else:
             self.fail(st, st.failed or "short_transfer")
         return ok
 
-    def fail(self, st: StagedTransfer, cause: str) -> None:
-        """The transfer went wrong. An unclaimed one needs no reader any more."""
+    def fail(self, st: StagedTransfer, cause: str,
+             status: TransferStatus = TransferStatus.FAILED) -> None:
+        """The transfer went wrong (`status` `failed`, or `aborted`: P gave it up); its record
+        ends with `status` and `cause`. An unclaimed one needs no reader any more."""
         with self._lock:
             if st.failed is None:
                 st.failed = cause
             if not st.claimed:
                 st.reader_done = True
-                self._remember(st.transfer_id, "failed")
-            self._free_if_done_locked(st, "failed")
-        self.stats.close(st.record, "failed", cause)
+                self._remember(st.transfer_id, status)
+            self._free_if_done_locked(st, status)
+        self.stats.close(st.record, status, cause)
 
     def writer_done(self, st: StagedTransfer) -> None:
         """The pushing connection will never write this region again."""
         with self._lock:
             st.writer_done = True
-            self._free_if_done_locked(st, "failed" if st.failed else "complete")
+            self._free_if_done_locked(
+                st, TransferStatus.FAILED if st.failed else TransferStatus.COMPLETE)
 
     # -- loading side (the worker's main thread) --------------------------------------------
     def claim(self, transfer_id: str) -> StagedTransfer | None:
@@ -194,22 +199,23 @@ class StagingArea:
             st = self._transfers.get(transfer_id)
             if st is None:
                 if transfer_id not in self._done:
-                    self._remember(transfer_id, "discarded")
+                    self._remember(transfer_id, TransferStatus.DISCARDED)
                 return False
             if st.claimed or st.reader_done:
                 return True  # a decode request already owns it (or it is already let go)
             st.reader_done = True
-            self._remember(transfer_id, "discarded")
-            self._free_if_done_locked(st, "discarded")
-        self.stats.close(st.record, "discarded")
+            self._remember(transfer_id, TransferStatus.DISCARDED)
+            self._free_if_done_locked(st, TransferStatus.DISCARDED)
+        self.stats.close(st.record, TransferStatus.DISCARDED)
         return True
 
-    def final_status(self, transfer_id: str) -> str | None:
-        """"failed", "refused", "expired", "loaded"... once a transfer can no longer be loaded."""
+    def final_status(self, transfer_id: str) -> TransferStatus | None:
+        """The transfer's terminal status (`failed`, `refused`, `aborted`, `expired`, `loaded`,
+        ...) once it can no longer be loaded; None before."""
         with self._lock:
             return self._done.get(transfer_id)
 
-    def release(self, st: StagedTransfer, status: str) -> None:
+    def release(self, st: StagedTransfer, status: TransferStatus) -> None:
         """The loader is done with a claimed transfer (loaded, or gave up on it)."""
         with self._lock:
             st.reader_done = True
@@ -225,19 +231,19 @@ class StagingArea:
             for st in expired:
                 st.reader_done = True
                 st.failed = st.failed or "lease_expired"
-                self._remember(st.transfer_id, "expired")
-                self._free_if_done_locked(st, "expired")
+                self._remember(st.transfer_id, TransferStatus.EXPIRED)
+                self._free_if_done_locked(st, TransferStatus.EXPIRED)
         for st in expired:
-            self.stats.close(st.record, "expired", "lease_expired")
+            self.stats.close(st.record, TransferStatus.EXPIRED, "lease_expired")
         return [st.transfer_id for st in expired]
 
-    def _free_if_done_locked(self, st: StagedTransfer, status: str) -> None:
+    def _free_if_done_locked(self, st: StagedTransfer, status: TransferStatus) -> None:
         if st.writer_done and st.reader_done and st.transfer_id in self._transfers:
             del self._transfers[st.transfer_id]
             self._alloc.free(st.offset, st.nbytes)
             self._remember(st.transfer_id, self._done.get(st.transfer_id, status))
 
-    def _remember(self, transfer_id: str, status: str) -> None:
+    def _remember(self, transfer_id: str, status: TransferStatus) -> None:
         if self.done is not None:
             self.done.clear(transfer_id)
         self._done[transfer_id] = status

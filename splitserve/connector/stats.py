@@ -1,7 +1,8 @@
 """Connector metrics: counters in aggregate and one record per transfer, in the worker process.
 
-Read through the listener's QUERY op (so they are observable while the engine is idle) and
-exported by the worker plugin as Prometheus families `splitserve_kv_*`.
+Read through the listener's QUERY op (so they are observable while the engine is idle) as the
+wire types `TransferCounters` and `wire.TransferRecord`, and exported by the worker plugin as
+Prometheus families `splitserve_kv_*`.
 """
 
 from __future__ import annotations
@@ -10,21 +11,23 @@ import threading
 import time
 from collections import Counter, OrderedDict
 from dataclasses import asdict, dataclass, field
-from typing import Any
+
+from splitserve.common import wire
+from splitserve.common.vocab import TransferStatus
 
 MAX_RECORDS = 4096
-TERMINAL = frozenset({"loaded", "failed", "expired", "discarded"})
 
 
 @dataclass
 class TransferRecord:
-    """One transfer as seen by this worker (`side` "recv" on D, "send" on P)."""
+    """One transfer as seen by this worker (`side` "recv" on D, "send" on P), as it goes; its
+    wire form is `to_wire()`."""
 
     transfer_id: str
     side: str
     tokens: int = 0
     bytes: int = 0
-    status: str = "open"  # open -> complete -> loaded | failed | expired | aborted
+    status: TransferStatus = TransferStatus.OPEN  # open -> complete -> a terminal status
     cause: str | None = None
     started_s: float = field(default_factory=time.time)
     first_byte_s: float | None = None
@@ -50,25 +53,24 @@ class TransferRecord:
     # sender's sends, summed when END goes out; D takes it from END.
     wire_s: float | None = None
 
-    def as_dict(self) -> dict[str, Any]:
-        """The record plus `duration_s` (BEGIN to verified END on this worker's clock:
+    def to_wire(self) -> wire.SideRecord:
+        """The record as it stands, plus `duration_s` (BEGIN to verified END on this worker's clock:
         includes P's prefill, since layers move while P computes), `tail_s` (what the overlap
         leaves exposed: the end of P's last layer to the transfer's end, on one clock when P and
         D share a host, and on P itself; on a D whose P is on another host, P's `end_lag_s` plus
         END's reading to its verification: a lower bound that leaves out the frames D had not
         read yet when END went out and END's own trip, with no common clock needed) and `gbps`
         (bytes / `wire_s`: the rate while bytes move)."""
-        d = asdict(self)
         end = self.complete_s
-        d["duration_s"] = (end - self.started_s) if end else None
         if end and self.last_layer_s:
-            d["tail_s"] = end - self.last_layer_s
+            tail: float | None = end - self.last_layer_s
         elif end and self.end_lag_s is not None and self.end_received_s:
-            d["tail_s"] = self.end_lag_s + (end - self.end_received_s)
+            tail = self.end_lag_s + (end - self.end_received_s)
         else:
-            d["tail_s"] = None
-        d["gbps"] = self.bytes / self.wire_s / 1e9 if self.wire_s else None
-        return d
+            tail = None
+        return wire.SideRecord(**asdict(self), duration_s=(end - self.started_s) if end else None,
+                               tail_s=tail,
+                               gbps=self.bytes / self.wire_s / 1e9 if self.wire_s else None)
 
 
 class ConnectorStats:
@@ -94,37 +96,38 @@ class ConnectorStats:
         with self._lock:
             return self._records.get((side, transfer_id))
 
-    def close(self, rec: TransferRecord, status: str, cause: str | None = None) -> None:
-        """Move a record forward: open -> complete -> a terminal status. Terminal is final.
+    def close(self, rec: TransferRecord, status: TransferStatus, cause: str | None = None
+              ) -> None:
+        """Move a record forward: open -> complete -> a terminal status (`TransferStatus`).
+        A terminal status is final: later calls change nothing.
 
         Each record is counted once per status it reaches, and a failure once with its cause.
         """
+        status = TransferStatus(status)
         with self._lock:
-            if rec.status in TERMINAL or rec.status == status:
+            if rec.status.terminal or rec.status == status:
                 return
-            if rec.status == "open":
+            if rec.status == TransferStatus.OPEN:
                 rec.complete_s = time.time()
-                if status == "complete" or status == "loaded":
+                if status in (TransferStatus.COMPLETE, TransferStatus.LOADED):
                     self.bytes_total[rec.side] += rec.bytes
                     self.seconds_total[rec.side] += rec.complete_s - rec.started_s
             rec.status = status
-            self.counts[f"{rec.side}_{status}"] += 1
+            self.counts[f"{rec.side}_{status.value}"] += 1
             if cause:
                 rec.cause = cause
                 self.failures[cause] += 1
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self) -> wire.TransferCounters:
         with self._lock:
-            return {
-                "counts": dict(self.counts),
-                "failures": dict(self.failures),
-                "bytes_total": dict(self.bytes_total),
-                "seconds_total": dict(self.seconds_total),
-            }
+            return wire.TransferCounters(dict(self.counts), dict(self.failures),
+                                         dict(self.bytes_total), dict(self.seconds_total))
 
-    def record(self, transfer_id: str) -> dict[str, Any] | None:
+    def record(self, transfer_id: str) -> wire.TransferRecord | None:
+        """This worker's records of one transfer (one per side it took part as), or None."""
         with self._lock:
-            recs = [r.as_dict() for (s, t), r in self._records.items() if t == transfer_id]
-        if not recs:
+            sides = {side: r.to_wire() for (side, t), r in self._records.items()
+                     if t == transfer_id}
+        if not sides:
             return None
-        return {"transfer_id": transfer_id, **{r["side"]: r for r in recs}}
+        return wire.TransferRecord(transfer_id, **sides)

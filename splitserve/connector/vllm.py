@@ -21,6 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.attention.backend import AttentionMetadata
 from vllm.v1.core.sched.output import SchedulerOutput
 
+from splitserve.common.vocab import Role
 from splitserve.config import ConnectorConfig
 from splitserve.connector.donetable import table_path
 from splitserve.connector.layout.paged import EngineKV
@@ -56,7 +57,7 @@ class SplitserveConnector(KVConnectorBase_V1):
 
     @property
     def requires_kv_delivery(self) -> bool:
-        return self.cfg.role in ("prefill", "both")
+        return self.cfg.role in (Role.PREFILL, Role.BOTH)
 
     def _meta(self) -> SplitserveMeta:
         meta = self._get_connector_metadata()

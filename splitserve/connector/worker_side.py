@@ -22,6 +22,7 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 from vllm.logger import init_logger
 
+from splitserve.common.vocab import Role
 from splitserve.config import ConnectorConfig, load_token
 from splitserve.connector.control import ControlAnswers
 from splitserve.connector.decode_load import DecodeLoads, open_staging
@@ -94,7 +95,7 @@ class WorkerSide:
             num_layers=len(names), num_kv_heads=heads, head_dim=head_dim,
             vllm_version=self._vllm_version,
         )
-        if self.cfg.role in ("decode", "both"):
+        if self.cfg.role in (Role.DECODE, Role.BOTH):
             self.staging = open_staging(self.cfg, self.engine_id, shape, self.stats)
             self._copier.register_host(self.staging.segment.tensor)
         sends = self._sends = PrefillSends(self.cfg, self._token, self._tls_client, self._faults,

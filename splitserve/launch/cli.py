@@ -10,7 +10,8 @@ import threading
 from types import FrameType
 
 from splitserve.common.cpus import parse_cpus
-from splitserve.config import CONNECTORS, ConnectorConfig
+from splitserve.common.vocab import Connector, values
+from splitserve.config import ConnectorConfig
 from splitserve.connector.tls import client_context, server_context
 from splitserve.launch.backend import LauncherBackend
 from splitserve.launch.config import DeploymentConfig, from_mapping, load_yaml
@@ -125,7 +126,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--revision", default=None,
                    help="branch, tag or commit of a Hugging Face model id (default: main)")
     p.add_argument("--transport", choices=("tcp", "shm"), default=None)
-    p.add_argument("--connector", choices=CONNECTORS, default=None,
+    p.add_argument("--connector", choices=values(Connector), default=None,
                    help="KV connector: splitserve (default) or nixl (vLLM's NixlConnector)")
     p.add_argument("--kv-lease", type=float, default=None, metavar="S",
                    help="seconds KV no D claims is kept: D's staging lease (splitserve), "

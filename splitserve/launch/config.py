@@ -24,7 +24,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from splitserve.config import CONNECTORS, TRANSPORTS, check_tls_files
+from splitserve.common.vocab import Connector, values
+from splitserve.config import TRANSPORTS, check_tls_files
 from splitserve.hub import check_model_name
 from splitserve.launch.rayconfig import RayOptions, ray_options
 from splitserve.router.config import DECODE_POLICIES, PREFILL_POLICIES, UNSPLITTABLE_MODES
@@ -44,7 +45,7 @@ class DeploymentConfig:
     revision: str | None = None  # of a hub id (default: main)
     dtype: str = "float32"
     transport: str = "tcp"
-    connector: str = "splitserve"
+    connector: str = Connector.SPLITSERVE.value
     host: str = "127.0.0.1"
     port: int = 8000  # the router's port; workers get free loopback ports
     max_num_batched_tokens: int | None = None
@@ -80,9 +81,9 @@ class DeploymentConfig:
             raise ValueError("nothing to start: give --prefill N --decode M, or --colocated K")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}")
-        if self.connector not in CONNECTORS:
-            raise ValueError(f"connector must be one of {CONNECTORS}")
-        if self.connector == "nixl" and self.kv_tls_cert is not None:
+        if self.connector not in values(Connector):
+            raise ValueError(f"connector must be one of {values(Connector)}")
+        if self.connector == Connector.NIXL and self.kv_tls_cert is not None:
             raise ValueError("kv TLS is splitserve's connector's; NIXL's transfers are not "
                              "encrypted (keep them on a trusted network)")
         if self.dtype not in ("float32", "bfloat16", "auto"):

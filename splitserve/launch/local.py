@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from splitserve.common.procs import stop_groups
+from splitserve.common.vocab import Pool, Role, values
 from splitserve.config import TOKEN_ENV, WorkerConfig, new_token
 from splitserve.hub import resolve_model
 from splitserve.launch.backend import LauncherBackend
@@ -37,7 +38,7 @@ def router_argv(cfg: DeploymentConfig, model_dir: str, host: str,
             "--prefill-policy", cfg.prefill_policy, "--decode-policy", cfg.decode_policy,
             "--unsplittable", cfg.unsplittable, "--max-inflight", str(cfg.max_inflight),
             "--log-level", "warning", *extra]
-    for kind in ("prefill", "decode", "colocated"):
+    for kind in values(Pool):
         if urls.get(kind):
             argv += [f"--{kind}", *urls[kind]]
     return argv
@@ -70,12 +71,12 @@ def plan_cores(cores: list[int], n_workers: int) -> CorePlan:
                     "so they slow each other down")
 
 
-def pool_worker_config(cfg: DeploymentConfig, role: str | None, model_dir: str,
+def pool_worker_config(cfg: DeploymentConfig, role: Role | None, model_dir: str,
                        served_name: str | None, host: str, cpus: tuple[int, ...] | None
                        ) -> WorkerConfig:
     """One pool member's worker, on free ports of `host`: the same for every backend."""
     return WorkerConfig(
-        model=model_dir, port=free_port(host), role=role,  # type: ignore[arg-type]
+        model=model_dir, port=free_port(host), role=role,
         host=host, cpus=cpus, kv_port=free_port(host) if role else 0,
         connector=cfg.connector, transport=cfg.transport,  # type: ignore[arg-type]
         dtype=cfg.dtype, lease_s=cfg.kv_lease_s,  # type: ignore[arg-type]
@@ -135,13 +136,12 @@ class LocalDeployment(LauncherBackend):
         if cfg.router_cpus:
             self.core_note += (f"; --router-cpus puts the router on cpus "
                                f"{','.join(map(str, cfg.router_cpus))}")
-        roles: list[tuple[str, str | None]] = (
-            [("prefill", "prefill")] * cfg.prefill + [("decode", "decode")] * cfg.decode
-            + [("colocated", None)] * cfg.colocated)
+        pools = ([Pool.PREFILL] * cfg.prefill + [Pool.DECODE] * cfg.decode
+                 + [Pool.COLOCATED] * cfg.colocated)
         out = []
-        for i, ((kind, role), cpus) in enumerate(zip(roles, plan.workers, strict=True)):
-            out.append((f"{kind}{i}", pool_worker_config(cfg, role, self.model_dir,
-                                                         self.served_name, cfg.host, cpus)))
+        for i, (pool, cpus) in enumerate(zip(pools, plan.workers, strict=True)):
+            out.append((f"{pool.value}{i}", pool_worker_config(
+                cfg, pool.worker_role, self.model_dir, self.served_name, cfg.host, cpus)))
         return out
 
     def start(self) -> str:
@@ -186,7 +186,7 @@ class LocalDeployment(LauncherBackend):
 
     def _start_router(self, planned: list[tuple[str, WorkerConfig]]) -> None:
         urls = {kind: [w.url for name, w in planned if name.startswith(kind)]
-                for kind in ("prefill", "decode", "colocated")}
+                for kind in values(Pool)}
         argv = router_argv(self.cfg, self.model_dir, self.cfg.host, urls)
         env = dict(os.environ)
         env[TOKEN_ENV] = self.token

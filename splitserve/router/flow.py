@@ -27,6 +27,7 @@ from typing import Any
 
 import aiohttp
 
+from splitserve.common.wire import SideRecord
 from splitserve.router.config import RouterConfig
 from splitserve.router.failures import (
     RETRYABLE_STATUS,
@@ -301,7 +302,7 @@ class Flow:
             return
         if t.record_fetch is not None:
             await t.record_fetch  # never raises: `record` logs and swallows
-            if t.kv and tr.via.record_final(t.kv):
+            if t.kv and tr.via.record_final(SideRecord.from_json(t.kv)):
                 return
         await self._fetch_record(t, tr, t.decode_url, timeout_s)
 
@@ -309,4 +310,4 @@ class Flow:
                             timeout_s: float = 0.5) -> None:
         record = await tr.via.record(tr, at_url, timeout_s)
         if record is not None:
-            t.kv = record
+            t.kv = record.to_json()

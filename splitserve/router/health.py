@@ -213,7 +213,7 @@ class Registry:
             status, raw = await self._get(worker, "/metrics")
         if status == 200:
             load = (json.loads(raw) if worker.load_path == LOAD_PATH
-                    else parse_metrics(raw.decode(errors="replace")))
+                    else parse_metrics(raw.decode(errors="replace")).to_json())
             for key in LOAD_GAUGES.values():
                 if isinstance(load.get(key), int | float):
                     setattr(worker, key, float(load[key]))

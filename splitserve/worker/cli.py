@@ -19,11 +19,10 @@ from types import FrameType
 from typing import IO
 
 from splitserve.common.cpus import parse_cpus
+from splitserve.common.vocab import Connector, Role, values
 from splitserve.config import (
-    CONNECTORS,
     FAILURE_POLICIES,
     NIXL_PROGRESS_DELAY_US,
-    ROLES,
     TRANSPORTS,
     WorkerConfig,
     load_token,
@@ -60,7 +59,7 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
                        help="serve the embedded demo model (generated on first use)")
     p.add_argument("--revision", default=None,
                    help="branch, tag or commit of a Hugging Face model id (default: main)")
-    p.add_argument("--role", choices=ROLES, default=None,
+    p.add_argument("--role", choices=values(Role), default=None,
                    help="prefill, decode or both; omit for plain vLLM (no connector)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)
@@ -68,7 +67,7 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-port", type=int, default=0,
                    help="connector port, NIXL's side-channel port with --connector nixl "
                         "(default: a free one)")
-    p.add_argument("--connector", choices=CONNECTORS, default="splitserve",
+    p.add_argument("--connector", choices=values(Connector), default=Connector.SPLITSERVE.value,
                    help="KV connector: splitserve's own (tcp/shm push), or vLLM's NixlConnector "
                         "(D pulls over UCX)")
     p.add_argument("--nixl-progress-delay-us", type=int, default=NIXL_PROGRESS_DELAY_US,
@@ -122,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         cfg = config_from_args(args, args.vllm_args)
         # unreadable or mismatched TLS files fail here, not in vLLM
-        if cfg.role is not None and cfg.connector == "splitserve":
+        if cfg.role is not None and cfg.connector == Connector.SPLITSERVE:
             server_context(cfg.connector_config())
             client_context(cfg.connector_config())
     except (ValueError, OSError) as exc:
@@ -130,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     token = load_token(required=cfg.role is not None)
     argv, env = worker_command(cfg, token)
-    kv = (f"nixl side channel {cfg.host}:{cfg.kv_port}" if cfg.connector == "nixl"
+    kv = (f"nixl side channel {cfg.host}:{cfg.kv_port}" if cfg.connector == Connector.NIXL
           else f"kv {cfg.transport}://{cfg.host}:{cfg.kv_port}")
     print(f"splitserve worker: vLLM {version}, role={cfg.role or 'plain'}, {cfg.url}"
           + (f", {kv}" if cfg.role else "")

@@ -25,6 +25,7 @@ from pathlib import Path
 import httpx
 
 from splitserve.common.engine import installed_vllm_version
+from splitserve.common.vocab import Connector
 from splitserve.config import (
     TOKEN_ENV,
     TOKEN_FILE_ENV,
@@ -120,7 +121,7 @@ def nixl_transfer_config(cfg: WorkerConfig) -> dict[str, object]:
 
 def kv_transfer_config(cfg: WorkerConfig) -> dict[str, object]:
     assert cfg.role is not None
-    if cfg.connector == "nixl":
+    if cfg.connector == Connector.NIXL:
         return nixl_transfer_config(cfg)
     return {
         "kv_connector": CONNECTOR_CLASS,
@@ -165,7 +166,7 @@ def worker_command(cfg: WorkerConfig, token: str | None) -> tuple[list[str], dic
     if _is_unicast_ip(cfg.host):
         # vLLM's engine-to-executor queues advertise this address instead of the interface's
         env.setdefault("VLLM_HOST_IP", cfg.host)
-    if cfg.role is not None and cfg.connector == "nixl":
+    if cfg.role is not None and cfg.connector == Connector.NIXL:
         # NIXL's handshake listener (vLLM binds and advertises it): one per worker, from config
         env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = cfg.host
         env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(cfg.kv_port)

@@ -7,7 +7,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from splitserve.config import NIXL_PROGRESS_DELAY_US, ROLES
+from splitserve.common.vocab import Role, values
+from splitserve.config import NIXL_PROGRESS_DELAY_US
 
 EXTRA_KEY = "splitserve_nixl"
 
@@ -19,13 +20,14 @@ class NixlTuning:
     busy spin). `keep_affinity`: the forward thread keeps the worker's cores (False leaves vLLM's
     move of it onto the last core of each NUMA node)."""
 
-    role: str = "both"
+    role: Role = Role.BOTH
     progress_delay_us: int = NIXL_PROGRESS_DELAY_US
     keep_affinity: bool = True
 
     def __post_init__(self) -> None:
-        if self.role not in ROLES:
-            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.role not in values(Role):
+            raise ValueError(f"role must be one of {values(Role)}, got {self.role!r}")
+        object.__setattr__(self, "role", Role(self.role))
         if self.progress_delay_us < 0:
             raise ValueError("progress_delay_us must not be negative")
 
@@ -34,7 +36,7 @@ class NixlTuning:
         return bool(extra) and EXTRA_KEY in extra  # type: ignore[operator]
 
     def to_extra_config(self) -> dict[str, Any]:
-        return {EXTRA_KEY: asdict(self)}
+        return {EXTRA_KEY: {**asdict(self), "role": self.role.value}}
 
     @classmethod
     def from_extra_config(cls, extra: dict[str, Any] | None) -> NixlTuning:

@@ -12,11 +12,14 @@ the OpenAI API, `/health`, `/metrics`, and the routes below — requires
 `Authorization: Bearer <deployment token>`. A worker is an internal surface; the router is the
 public one.
 
-Routes: `/splitserve/load` (on every worker: the three vLLM gauges the router routes by, read
-from the registry without rendering `/metrics`, which costs the API server ~4 ms of CPU on the
-engine's core), `/splitserve/info`, `/splitserve/state`, `/splitserve/transfers/{transfer_id}`
-(GET: the record; DELETE: free staged KV that no decode request will claim). Metrics:
-`splitserve_kv_*` families in the worker's `/metrics`.
+Routes, each answering the `to_json()` of its `common.wire` type: `/splitserve/load`
+(`WorkerLoad`, on every worker: the three vLLM gauges the router routes by, read from the
+registry without rendering `/metrics`, which costs the API server ~4 ms of CPU on the engine's
+core), `/splitserve/info` (`WorkerInfo`), `/splitserve/state` (`ConnectorState`),
+`/splitserve/transfers/{transfer_id}` (GET: the `TransferRecord`; DELETE: free staged KV that no
+decode request will claim). The connector's answers are parsed into those types here, so a
+malformed one is a 502, never passed on. Metrics: `splitserve_kv_*` families in the worker's
+`/metrics`.
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ from starlette.datastructures import Headers, State
 from starlette.routing import Mount
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from splitserve.common.vocab import Connector, Role
+from splitserve.common.wire import ConnectorState, TransferRecord, WireError, WorkerInfo
 from splitserve.config import ConnectorConfig, load_token
 from splitserve.connector.framing import ProtocolError
 from splitserve.connector.messages import Query
@@ -44,8 +49,6 @@ from splitserve.connector.tls import client_context
 from splitserve.worker.load import LOAD_PATH, read_load
 from splitserve.worker.nixl_tuning import NixlTuning
 
-INFO_KEYS = ("role", "transport", "kv_host", "kv_port", "kv_tls", "engine_id",
-             "model_fingerprint", "vllm_version")
 GAUGES = {
     "staged_bytes": "KV bytes staged on this worker, not yet loaded",
     "staging_capacity_bytes": "size of the staging area",
@@ -68,12 +71,12 @@ def _extra_config(args: Namespace | None) -> dict[str, Any] | None:
 
 def connector_config(args: Namespace | None) -> ConnectorConfig | None:
     extra = _extra_config(args)
-    if not extra or "splitserve" not in extra:
+    if not extra or Connector.SPLITSERVE not in extra:
         return None
     return ConnectorConfig.from_extra_config(extra)
 
 
-def nixl_info(args: Namespace | None) -> dict[str, Any] | None:
+def nixl_info(args: Namespace | None) -> WorkerInfo | None:
     """`/splitserve/info` of a worker running vLLM's NixlConnector the way splitserve starts it:
     its role and NIXL side channel (host and port from the environment vLLM reads them from)."""
     extra = _extra_config(args)
@@ -84,15 +87,16 @@ def nixl_info(args: Namespace | None) -> dict[str, Any] | None:
     from splitserve.common.engine import installed_vllm_version
 
     tuning = NixlTuning.from_extra_config(extra)
-    return {"connector": "nixl", "role": tuning.role, "transport": "nixl",
-            "kv_host": envs.VLLM_NIXL_SIDE_CHANNEL_HOST,
-            "kv_port": envs.VLLM_NIXL_SIDE_CHANNEL_PORT,
-            "progress_delay_us": tuning.progress_delay_us,
-            "vllm_version": installed_vllm_version()}
+    return WorkerInfo(connector=Connector.NIXL, role=Role(tuning.role), transport="nixl",
+                      kv_host=envs.VLLM_NIXL_SIDE_CHANNEL_HOST,
+                      kv_port=envs.VLLM_NIXL_SIDE_CHANNEL_PORT,
+                      progress_delay_us=tuning.progress_delay_us,
+                      vllm_version=installed_vllm_version())
 
 
 class ConnectorCollector:
-    """Prometheus collector that reads the connector's state at scrape time."""
+    """Prometheus collector that reads the connector's state (`ConnectorState`) at scrape
+    time; `splitserve_kv_listener_up` is 0 when the connector does not answer, or not in shape."""
 
     def __init__(self, cfg: ConnectorConfig, token: str) -> None:
         self.cfg, self.token = cfg, token
@@ -101,9 +105,9 @@ class ConnectorCollector:
     def collect(self) -> Iterator[Metric]:
         up = GaugeMetricFamily("splitserve_kv_listener_up", "connector control channel answers")
         try:
-            state = query(self.cfg.kv_host, self.cfg.kv_port, self.token, Query("state"), 1.0,
-                          self.tls)
-        except (OSError, ProtocolError):
+            state = ConnectorState.from_json(query(self.cfg.kv_host, self.cfg.kv_port,
+                                                   self.token, Query("state"), 1.0, self.tls))
+        except (OSError, ProtocolError, WireError):
             up.add_metric([], 0)
             yield up
             return
@@ -111,18 +115,18 @@ class ConnectorCollector:
         yield up
         for key, doc in GAUGES.items():
             g = GaugeMetricFamily(f"splitserve_kv_{key}", doc)
-            g.add_metric([], float(state.get(key, 0)))
+            g.add_metric([], float(getattr(state, key)))
             yield g
-        t = state.get("transfers", {})
+        t = state.transfers
         transfers = CounterMetricFamily("splitserve_kv_transfers", "transfers by side and status",
                                         labels=["side", "status"])
-        for name, n in t.get("counts", {}).items():
+        for name, n in t.counts.items():
             side, _, status = name.partition("_")
             transfers.add_metric([side, status], n)
         yield transfers
         failures = CounterMetricFamily("splitserve_kv_failures", "transfer failures by cause",
                                        labels=["cause"])
-        for cause, n in t.get("failures", {}).items():
+        for cause, n in t.failures.items():
             failures.add_metric([cause], n)
         yield failures
         nbytes = CounterMetricFamily("splitserve_kv_bytes", "bytes of completed transfers",
@@ -130,9 +134,9 @@ class ConnectorCollector:
         secs = CounterMetricFamily("splitserve_kv_transfer_seconds",
                                    "seconds spent in completed transfers (bytes/seconds = GB/s)",
                                    labels=["side"])
-        for side, n in t.get("bytes_total", {}).items():
+        for side, n in t.bytes_total.items():
             nbytes.add_metric([side], n)
-        for side, s in t.get("seconds_total", {}).items():
+        for side, s in t.seconds_total.items():
             secs.add_metric([side], s)
         yield nbytes
         yield secs
@@ -169,14 +173,16 @@ class SplitserveEndpointPlugin:
 
         @app.get(LOAD_PATH)
         async def load() -> JSONResponse:
-            return JSONResponse(read_load())
+            return JSONResponse(read_load().to_json())
 
         args = getattr(app.state, "args", None)
         nixl = nixl_info(args)
         if nixl is not None:
+            nixl_json = nixl.to_json()
+
             @app.get("/splitserve/info")
             async def nixl_worker_info() -> JSONResponse:
-                return JSONResponse(nixl)
+                return JSONResponse(nixl_json)
             return
         cfg = connector_config(args)
         if cfg is None:
@@ -190,31 +196,34 @@ class SplitserveEndpointPlugin:
                                 respond: Callable[[dict[str, Any]], JSONResponse] = JSONResponse
                                 ) -> JSONResponse:
             """The connector's answer shaped by `respond` (TokenGuard already checked the
-            caller), or 503 if the connector does not answer."""
+            caller); 503 if the connector does not answer, 502 if `respond` finds its answer
+            malformed (`WireError`)."""
             try:
                 answer = await asyncio.to_thread(query, cfg.kv_host, cfg.kv_port, token,
                                                  question, 2.0, collector.tls)
             except (OSError, ProtocolError) as exc:
-                return JSONResponse({"error": {"message": f"connector unavailable: {exc}",
-                                               "type": "service_unavailable", "code": 503}}, 503)
-            return respond(answer)
+                return _error(f"connector unavailable: {exc}", "service_unavailable", 503)
+            try:
+                return respond(answer)
+            except WireError as exc:
+                return _error(f"connector answered out of shape: {exc}", "bad_gateway", 502)
 
         @app.get("/splitserve/info")
         async def info() -> JSONResponse:
-            return await ask_connector(Query("state"), lambda d: JSONResponse(
-                {"connector": "splitserve"} | {k: d.get(k) for k in INFO_KEYS}))
+            return await ask_connector(Query("state"), lambda raw: JSONResponse(
+                ConnectorState.from_json(raw).info.to_json()))
 
         @app.get("/splitserve/state")
         async def state() -> JSONResponse:
-            return await ask_connector(Query("state"))
+            return await ask_connector(Query("state"), lambda raw: JSONResponse(
+                ConnectorState.from_json(raw).to_json()))
 
         @app.get("/splitserve/transfers/{transfer_id}")
         async def transfer(transfer_id: str) -> JSONResponse:
-            def respond(record: dict[str, Any]) -> JSONResponse:
-                if "error" in record:
-                    return JSONResponse({"error": {"message": f"unknown transfer {transfer_id}",
-                                                   "type": "not_found", "code": 404}}, 404)
-                return JSONResponse(record)
+            def respond(raw: dict[str, Any]) -> JSONResponse:
+                if "error" in raw:
+                    return _error(f"unknown transfer {transfer_id}", "not_found", 404)
+                return JSONResponse(TransferRecord.from_json(raw).to_json())
 
             return await ask_connector(Query("transfer", transfer_id), respond)
 
@@ -225,6 +234,11 @@ class SplitserveEndpointPlugin:
 
     async def init_state(self, engine_client: Any, state: State, args: Namespace) -> None:
         return None
+
+
+def _error(message: str, kind: str, code: int) -> JSONResponse:
+    """An OpenAI-style error body with its HTTP status."""
+    return JSONResponse({"error": {"message": message, "type": kind, "code": code}}, code)
 
 
 def _attach_metrics(app: FastAPI, collector: ConnectorCollector) -> None:

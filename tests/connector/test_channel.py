@@ -11,16 +11,21 @@ from typing import Any
 import pytest
 import torch
 
+from splitserve.common.wire import SideRecord
+from splitserve.config import ConnectorConfig
+from splitserve.connector.control import ControlAnswers
 from splitserve.connector.devcopy import Completion, InlineCopies
 from splitserve.connector.faults import Faults
 from splitserve.connector.layout.cpu import VllmCpuLayout
 from splitserve.connector.listener import KVListener
+from splitserve.connector.messages import Query
 from splitserve.connector.staging import StagingArea
 from splitserve.connector.stats import ConnectorStats, TransferRecord
 from splitserve.connector.transport.base import PushChannel
 from splitserve.connector.transport.items import LayerItem
 from splitserve.connector.transport.shm import ShmPushChannel
 from splitserve.connector.transport.tcp import BufferPool, TcpPushChannel
+from splitserve.router.legs.splitserve import SplitserveLegs
 from tests.support.channels import FP, SHAPE, assert_staged_equals, push, settle, staged_region
 
 TOKEN = "channel-test-token-0123456789"
@@ -51,7 +56,7 @@ def test_chunked_push_arrives_intact(listener: tuple[KVListener, StagingArea], k
     blocks = (4, 1, 2, 5)
     ch = channel(kind, lis.port)
     push(ch, f"ok-{kind}", caches, blocks, [(0, 100), (100, 230)])
-    assert settle(ch, f"ok-{kind}") == "acked"
+    assert settle(ch, f"ok-{kind}") == "complete"
     st = staging.claim(f"ok-{kind}")
     assert st is not None and st.complete
     assert_staged_equals(staging, st, caches, blocks, ((0, 100), (100, 230)))
@@ -78,8 +83,8 @@ def test_tail_from_another_host_adds_two_one_clock_spans() -> None:
     plus D's from reading END to verifying it; neither clock is set against the other."""
     rec = TransferRecord("t", "recv", complete_s=1000.25, end_received_s=1000.20,
                          end_lag_s=0.03)
-    assert rec.as_dict()["tail_s"] == pytest.approx(0.08)
-    assert TransferRecord("t", "recv", complete_s=1000.25).as_dict()["tail_s"] is None
+    assert rec.to_wire().tail_s == pytest.approx(0.08)
+    assert TransferRecord("t", "recv", complete_s=1000.25).to_wire().tail_s is None
 
 
 @pytest.mark.parametrize("kind", ["tcp", "shm"])
@@ -93,19 +98,22 @@ def test_records_time_the_exposed_tail_and_the_wire(listener: tuple[KVListener, 
     ch = channel(kind, lis.port)
     before = time.time()
     push(ch, f"tail-{kind}", caches, (3, 1, 4), [(0, 64), (64, 150)])
-    assert settle(ch, f"tail-{kind}") == "acked"
+    assert settle(ch, f"tail-{kind}") == "complete"
     sent = ch.poll(f"tail-{kind}").record
     assert sent.last_layer_s is not None and before <= sent.last_layer_s <= time.time()
     assert sent.wire_s == pytest.approx(
         sent.copy_forward_s + sent.sender_layers_s + sent.sender_sends_s) and sent.wire_s > 0
-    recv = staging.stats.record(f"tail-{kind}")["recv"]
+    record = staging.stats.record(f"tail-{kind}")
+    assert record is not None and record.recv is not None
+    recv = record.recv
     assert sent.end_lag_s is not None and 0 <= sent.end_lag_s <= time.time() - sent.last_layer_s
-    assert (recv["last_layer_s"], recv["end_lag_s"], recv["wire_s"]) == (
+    assert (recv.last_layer_s, recv.end_lag_s, recv.wire_s) == (
         sent.last_layer_s, sent.end_lag_s, sent.wire_s)  # P is on D's host: one clock
-    assert recv["end_received_s"] <= recv["complete_s"]
-    assert recv["tail_s"] == pytest.approx(recv["complete_s"] - sent.last_layer_s)
-    assert recv["duration_s"] == pytest.approx(recv["complete_s"] - recv["started_s"])
-    assert recv["gbps"] == pytest.approx(recv["bytes"] / sent.wire_s / 1e9)
+    assert recv.end_received_s is not None and recv.complete_s is not None
+    assert recv.end_received_s <= recv.complete_s
+    assert recv.tail_s == pytest.approx(recv.complete_s - sent.last_layer_s)
+    assert recv.duration_s == pytest.approx(recv.complete_s - recv.started_s)
+    assert recv.gbps == pytest.approx(recv.bytes / sent.wire_s / 1e9)
     staged = staging.claim(f"tail-{kind}")
     assert staged is not None
     staging.release(staged, "loaded")
@@ -132,7 +140,7 @@ def test_channel_knows_when_its_d_is_gone(kind: str) -> None:
     ch = channel(kind, lis.port)
     assert not ch.connected
     push(ch, "once", [torch.randn(2, 2, 64, 64)] * 2, (0,), [(0, 10)])
-    assert settle(ch, "once") == "acked" and ch.connected
+    assert settle(ch, "once") == "complete" and ch.connected
     lis.close()
     deadline = time.monotonic() + 5
     while ch.connected and time.monotonic() < deadline:
@@ -180,7 +188,7 @@ def test_a_transfer_failed_before_d_opened_it_frees_d_region_at_once(
     deadline = time.monotonic() + 5
     while staging.final_status("early") is None and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert staging.final_status("early") == "failed"
+    assert staging.final_status("early") == "aborted"  # P gave it up
     assert staging.state()["staged_bytes"] == 0
     ch.close()
 
@@ -203,7 +211,7 @@ def test_a_cancel_while_d_has_not_answered_begin_returns_at_once(
     deadline = time.monotonic() + 5
     while staging.final_status("slow") is None and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert staging.final_status("slow") == "failed" and staging.state()["staged_bytes"] == 0
+    assert staging.final_status("slow") == "aborted" and staging.state()["staged_bytes"] == 0
     ch.close()
 
 
@@ -232,7 +240,7 @@ def test_open_shm_transfer_is_copied_on_the_calling_thread(
     assert st.record.copy_forward_s > 0 and st.record.sender_layers_s == 0
     ch.push_layer(LayerItem("inline-shm", 1, 0, 120, VllmCpuLayout(caches[1]), (2, 0)))
     ch.end("inline-shm")
-    assert settle(ch, "inline-shm") == "acked"
+    assert settle(ch, "inline-shm") == "complete"
     staged = staging.claim("inline-shm")
     assert staged is not None and staged.record.first_byte_s is not None
     assert staged.record.first_byte_s <= staged.record.complete_s
@@ -250,7 +258,7 @@ def test_tcp_gathers_into_pooled_buffers_or_leaves_it_to_the_sender(
     ch = channel("tcp", lis.port)
     ch._pool = pool = BufferPool(pool_bytes)
     push(ch, f"tcp-{pool_bytes}", caches, (3, 1, 4), [(0, 64), (64, 150)])
-    assert settle(ch, f"tcp-{pool_bytes}") == "acked"
+    assert settle(ch, f"tcp-{pool_bytes}") == "complete"
     assert pool.allocated <= pool_bytes and (pool.allocated > 0) == (pool_bytes > 0)
     rec = ch.poll(f"tcp-{pool_bytes}").record  # who copied: the caller, or the sender thread
     assert (rec.copy_forward_s > 0, rec.sender_layers_s > 0) == (
@@ -291,5 +299,30 @@ def test_a_failing_copy_fails_its_transfer_not_the_caller(
     while staging.state()["staged_bytes"] and time.monotonic() < deadline:
         time.sleep(0.01)
     assert staging.state()["staged_bytes"] == 0
-    assert staging.final_status("bad-blocks") == "failed"
+    assert staging.final_status("bad-blocks") == "aborted"  # P gave it up
+    ch.close()
+
+
+@pytest.mark.parametrize("kind", ["tcp", "shm"])
+def test_a_transfer_p_aborts_after_d_opened_it_ends_aborted_for_the_router(
+        listener: tuple[KVListener, StagingArea], kind: str) -> None:
+    """P gives up on a transfer D has opened (here: its engine cancels it mid-push): D's record
+    ends `aborted`, keeping the cause, its staging says so to a late decode request, and the
+    router's leg protocol reads the record as final (it stops asking D)."""
+    lis, staging = listener
+    answers = ControlAnswers(ConnectorConfig(role="decode"), "d-engine", "v", FP, staging.stats,
+                             staging, lambda: 0, lambda: 0)
+    ch = channel(kind, lis.port)
+    st = ch.begin("given-up", 10, SHAPE.transfer_bytes(10), ack_timeout_s=5.0)
+    assert st.began.wait(5.0) and st.offset >= 0  # D opened it
+    ch.cancel("given-up")
+    deadline = time.monotonic() + 5.0
+    while staging.final_status("given-up") is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    raw = answers.answer(Query("transfer", "given-up"))  # what D's record route serves
+    assert (raw["recv"]["status"], raw["recv"]["cause"]) == ("aborted", "aborted_by_prefill")
+    assert staging.final_status("given-up") == "aborted"
+    assert staging.state()["staged_bytes"] == 0
+    record = SideRecord.from_json(raw["recv"])
+    assert record.final and SplitserveLegs(None, None).record_final(record)  # type: ignore[arg-type]
     ch.close()

@@ -138,9 +138,9 @@ def test_p_checksums_and_sends_a_layer_only_once_its_queued_copy_completed(
     ch.end(st.transfer_id)
     time.sleep(0.2)
     assert len(copies.queued) == 4 and not any(c.done() for c in copies.queued)
-    assert ch.poll(st.transfer_id).status == "pending" and not st.unsent  # nothing checksummed
+    assert ch.poll(st.transfer_id).status == "open" and not st.unsent  # nothing checksummed
     copies.gate.set()  # the "side stream" runs: the sender checksums what it copied
-    assert settle(ch, st.transfer_id) == "acked"
+    assert settle(ch, st.transfer_id) == "complete"
     staged = staging.claim(st.transfer_id)
     assert staged is not None
     for s, e in chunks:
@@ -166,7 +166,7 @@ def test_p_leaves_a_layer_to_the_sender_when_the_copier_is_full(
         ch.push_layer(item)
     ch.end("full")
     copies.gate.set()
-    assert settle(ch, "full") == "acked"
+    assert settle(ch, "full") == "complete"
     assert len(copies.queued) == 1  # the second layer found the copier full
     assert st.record.sender_layers_s > 0
     staged = staging.claim("full")
@@ -207,7 +207,7 @@ def test_an_abort_frees_ds_region_only_after_the_copies_queued_into_it_completed
         time.sleep(0.01)
     assert staging.state()["staged_bytes"] == 0
     assert copies.ran == SHAPE.num_layers and all(n > 0 for n in held)
-    assert staging.final_status("cancelled") == "failed"
+    assert staging.final_status("cancelled") == "aborted"  # P gave it up
     ch.close()
 
 
@@ -232,7 +232,7 @@ def _decode_worker(monkeypatch: pytest.MonkeyPatch, copies: Copier, tids: tuple[
             for layer, cache in enumerate(p_caches):
                 p.push_layer(LayerItem(tid, layer, s, e, VllmCpuLayout(cache), P_BLOCKS))
         p.end(tid)
-        assert settle(p, tid) == "acked"
+        assert settle(p, tid) == "complete"
     p.close()
     return d, d_caches, p_caches
 

@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from splitserve.common.load import parse_metrics as parse_gauges
+from splitserve.common.wire import WorkerLoad
 from tests.support import cores
 from tests.support.workers import (
     Worker,
@@ -168,4 +169,4 @@ def test_internal_routes_require_the_token(llama_pair: tuple[Worker, Worker]) ->
     # the router's light load read says what /metrics says (the worker is idle here)
     load = httpx.get(f"{d.url}/splitserve/load", headers=auth_headers(), timeout=5).json()
     assert set(load) == {"kv_usage", "running", "waiting"}
-    assert load == parse_gauges(metrics)
+    assert WorkerLoad.from_json(load) == parse_gauges(metrics)

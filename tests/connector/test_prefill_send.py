@@ -76,7 +76,7 @@ def test_blocks_are_reported_free_only_once_the_push_settles() -> None:
     ch = s.channels[("127.0.0.1", 7001, "shm")]
     assert s.sends.finished_sending({"r"}) == set() and s.sends.held == 1  # not acked yet
     assert s.sends.finished_sending(set()) == set()
-    ch.settle("t-r", "acked")
+    ch.settle("t-r", "complete")
     assert s.sends.finished_sending(set()) == {"r"}
     assert s.sends.held == 0 and ch.forgotten == ["t-r"] and not ch.cancelled
 
@@ -84,7 +84,7 @@ def test_blocks_are_reported_free_only_once_the_push_settles() -> None:
 def test_a_settled_push_of_a_running_request_waits_for_vllm_to_finish_it() -> None:
     s = Setup()
     s.step(save("r", 0, 50))
-    s.channels[("127.0.0.1", 7001, "shm")].settle("t-r", "acked")
+    s.channels[("127.0.0.1", 7001, "shm")].settle("t-r", "complete")
     assert s.sends.finished_sending(set()) == set()  # vLLM has not finished the request
     assert s.sends.finished_sending({"r"}) == {"r"}
 
@@ -125,7 +125,7 @@ def test_a_channel_that_lost_its_d_is_dropped_once_it_carries_nothing() -> None:
     s.step(save("a", 0, 50), save("b", 0, 50, port=7002))
     lost, live = s.channels[("127.0.0.1", 7001, "shm")], s.channels[("127.0.0.1", 7002, "shm")]
     lost.connected = False
-    live.settle("t-b", "acked")
+    live.settle("t-b", "complete")
     assert s.sends.finished_sending({"a", "b"}) == {"b"}
     assert s.sends.channels == 2 and not lost.closed  # t-a is not settled yet
     lost.settle("t-a", "failed")

@@ -168,7 +168,7 @@ def test_tls_push_arrives_intact(tls_listener: tuple[KVListener, StagingArea], p
     blocks, chunks = (3, 0, 7, 5, 1), [(0, 130), (130, 300)]  # > one TLS record per layer
     ch = tls_channel(kind, lis.port, client_context(pkis.good.config()))
     push(ch, f"tls-{kind}", caches, blocks, chunks)
-    assert settle(ch, f"tls-{kind}") == "acked"
+    assert settle(ch, f"tls-{kind}") == "complete"
     st = staging.claim(f"tls-{kind}")
     assert st is not None and st.complete
     assert_staged_equals(staging, st, caches, blocks, chunks)

@@ -192,8 +192,10 @@ async def test_transfer_record_is_fetched_while_d_streams() -> None:
     async def handler(name: str, req: web.Request) -> web.StreamResponse:
         if req.method == "GET":  # D's record of the transfer, asked for once
             gets.append(name)
-            return web.json_response({"recv": {"status": "loaded", "bytes": 5, "duration_s": 0.5,
-                                               "tail_s": 0.002, "wire_s": 0.001, "gbps": 5e-6}})
+            tid = req.path.rsplit("/", 1)[1]
+            return web.json_response({"transfer_id": tid, "recv": {
+                "transfer_id": tid, "side": "recv", "status": "loaded", "bytes": 5,
+                "duration_s": 0.5, "tail_s": 0.002, "wire_s": 0.001, "gbps": 5e-6}})
         if name == "p1":
             return web.json_response(PREFILL_OK)
         return await sse_reply(req, [chunk("b", 11), chunk("c", 12, "length")])

@@ -5,11 +5,14 @@ second connector scripted here (the swap point: `Flow` names no connector)."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from typing import Any
 
 import pytest
 from aiohttp import web
 
+from splitserve.common.vocab import TransferStatus
+from splitserve.common.wire import SideRecord
 from splitserve.router.config import RouterConfig
 from splitserve.router.health import Worker
 from splitserve.router.http import new_session
@@ -113,7 +116,8 @@ async def test_splitserve_release_is_one_delete_and_record_reads_d() -> None:
     async def handler(name: str, req: web.Request) -> web.StreamResponse:
         seen.append((req.method, req.path))
         if req.method == "GET" and req.path.endswith("/known"):
-            return web.json_response({"recv": {"status": "loading", "bytes": 7}})
+            return web.json_response({"transfer_id": "known", "recv": {
+                "transfer_id": "known", "side": "recv", "status": "complete", "bytes": 7}})
         if req.method == "GET":
             return web.json_response({"error": {"message": "unknown"}}, status=404)
         return web.json_response({"discarded": True})
@@ -128,8 +132,9 @@ async def test_splitserve_release_is_one_delete_and_record_reads_d() -> None:
             tr = legs.open(p, d, "known")
             assert tr is not None
             record = await legs.record(tr, d.url)
-            assert record == {"status": "loading", "bytes": 7}
-            assert not legs.record_final(record) and legs.record_final({"status": "loaded"})
+            assert record == SideRecord("known", "recv", TransferStatus.COMPLETE, bytes=7)
+            assert not legs.record_final(record)
+            assert legs.record_final(replace(record, status=TransferStatus.LOADED))
             legs.release(tr)
             legs.release(tr)  # idempotent
             for _ in range(100):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from splitserve.common.load import parse_metrics as parse_gauges
+from splitserve.common.wire import WorkerLoad
 from splitserve.router.health import Worker
 from splitserve.router.policy import NoWorker, Overloaded, Picker
 
@@ -65,7 +66,7 @@ def test_parse_vllm_gauges() -> None:
             'vllm:num_requests_running{engine="0",model_name="m"} 3.0\n'
             'vllm:num_requests_waiting{engine="0",model_name="m"} 1.0\n'
             'vllm:num_requests_waiting_by_reason{reason="x"} 9.0\n')
-    assert parse_gauges(text) == {"kv_usage": 0.25, "running": 3.0, "waiting": 1.0}
+    assert parse_gauges(text) == WorkerLoad(kv_usage=0.25, running=3.0, waiting=1.0)
 
 
 def test_queue_limit_skips_full_workers_then_refuses_with_overloaded() -> None:

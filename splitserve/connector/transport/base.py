@@ -16,11 +16,12 @@ Contract (the swap point between transports):
   (`CopiedLayer`) and the sender thread waits for it before it checksums and sends, so the
   forward thread never waits for a device-to-host copy. The sender waits for a queued copy
   even when its transfer was settled meanwhile, before any later ABORT lets D free the region.
-- Every transfer ends in exactly one of: `acked` (D verified it), `failed` (refused, peer gone,
-  D reported a failure, or no ACK in time), or `cancelled`. `is_settled` tells the worker when
-  P's blocks may be freed: once settled, the channel never writes them and never copies from
-  them again. Copies on the forward thread need no hand-over: `cancel` is called on that
-  thread too (a device copy it queued before may still read the blocks; its bytes are dropped).
+- Every transfer ends in exactly one `TransferStatus`: `complete` (D acknowledged it,
+  verified), `failed` (refused, peer gone, D reported a failure, or no ACK in time), or
+  `cancelled`. `SendState.settled` tells the worker when P's blocks may be freed: once settled,
+  the channel never writes them and never copies from them again. Copies on the forward
+  thread need no hand-over: `cancel` is called on that thread too (a device copy it queued
+  before may still read the blocks; its bytes are dropped).
 """
 
 from __future__ import annotations
@@ -33,10 +34,8 @@ import ssl
 import threading
 import time
 from abc import ABC, abstractmethod
-from typing import Any
 
-import xxhash
-
+from splitserve.common.vocab import TransferStatus
 from splitserve.connector.devcopy import Copier, InlineCopies
 from splitserve.connector.faults import Faults
 from splitserve.connector.framing import ProtocolError, send_parts
@@ -54,19 +53,21 @@ from splitserve.connector.messages import (
     recv,
     send,
 )
-from splitserve.connector.protocol import Fingerprint, connect
+from splitserve.connector.protocol import Fingerprint, PeerRefused, connect
 from splitserve.connector.stats import ConnectorStats
 from splitserve.connector.tls import Conn
-from splitserve.connector.transport.items import CopiedLayer, LayerItem, ReadyLayer, SendState
+from splitserve.connector.transport.items import (
+    AbortItem,
+    BeginItem,
+    CopiedLayer,
+    EndItem,
+    LayerItem,
+    QueueItem,
+    ReadyLayer,
+    SendState,
+)
 
-# ("begin", SendState) | ("layer", LayerItem) | ("send", ReadyLayer) | ("copied", CopiedLayer)
-# | ("end"|"abort", id)
-Item = tuple[str, Any]
 log = logging.getLogger(__name__)
-
-
-def checksum(data: memoryview) -> str:
-    return xxhash.xxh3_64_hexdigest(data)
 
 
 class PushChannel(ABC):
@@ -84,7 +85,7 @@ class PushChannel(ABC):
         self.shape = shape
         self._connect_timeout_s = connect_timeout_s
         self._begin_timeout_s = begin_timeout_s
-        self._queue: queue.SimpleQueue[Item | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[QueueItem | None] = queue.SimpleQueue()
         self._states: dict[str, SendState] = {}
         self._lock = threading.Lock()
         self._busy_with: str | None = None  # transfer id the sender is touching right now
@@ -102,7 +103,7 @@ class PushChannel(ABC):
         st = SendState(transfer_id, num_tokens, rec, time.monotonic() + ack_timeout_s)
         with self._lock:
             self._states[transfer_id] = st
-        self._queue.put(("begin", st))
+        self._queue.put(BeginItem(st))
         return st
 
     def push_layer(self, item: LayerItem) -> None:
@@ -117,22 +118,22 @@ class PushChannel(ABC):
             except Exception:
                 log.exception("KV copy of transfer %s failed", item.transfer_id)
                 self._fail(st, "internal_error")
-                self._queue.put(("abort", item.transfer_id))  # D frees its region now
+                self._queue.put(AbortItem(item.transfer_id))  # D frees its region now
                 return
-        self._queue.put(("layer", item))
+        self._queue.put(item)
 
     def queue_ready(self, ready: ReadyLayer) -> None:
-        self._queue.put(("send", ready))
+        self._queue.put(ready)
 
     def queue_copied(self, copied: CopiedLayer) -> None:
-        self._queue.put(("copied", copied))
+        self._queue.put(copied)
 
     def end(self, transfer_id: str) -> None:
         """After the forward pass that computed the transfer's last chunk (every layer done)."""
         st = self._states.get(transfer_id)
         if st is not None:
             st.record.last_layer_s = time.time()  # the end of P's last layer
-        self._queue.put(("end", transfer_id))
+        self._queue.put(EndItem(transfer_id))
 
     def cancel(self, transfer_id: str) -> None:
         """Stop touching the transfer's blocks; returns once the sender thread is off them,
@@ -140,27 +141,27 @@ class PushChannel(ABC):
         with self._lock:
             st = self._states.get(transfer_id)
             if st is not None and not st.settled:
-                st.status = "cancelled"
+                st.status = TransferStatus.CANCELLED
             if st is not None:
                 st.began.set()  # a sender waiting for D's BEGIN_OK lets go of it now
             while self._busy_with == transfer_id:
                 self._idle.wait(0.05)
         if st is not None:
-            self._stats.close(st.record, "failed", "cancelled")
-            self._queue.put(("abort", transfer_id))
+            self._stats.close(st.record, TransferStatus.FAILED, "cancelled")
+            self._queue.put(AbortItem(transfer_id))
 
     def poll(self, transfer_id: str) -> SendState | None:
         """The transfer's state; a pending one past its ACK deadline is failed here."""
         with self._lock:
             st = self._states.get(transfer_id)
             if st is not None and not st.settled and time.monotonic() > st.deadline:
-                st.status = "failed"
+                st.status = TransferStatus.FAILED
                 st.began.set()
                 timed_out = True
             else:
                 timed_out = False
         if timed_out and st is not None:
-            self._stats.close(st.record, "failed", "ack_timeout")
+            self._stats.close(st.record, TransferStatus.FAILED, "ack_timeout")
         return st
 
     def forget(self, transfer_id: str) -> None:
@@ -215,9 +216,9 @@ class PushChannel(ABC):
         with self._lock:
             if st.settled:
                 return
-            st.status = "failed"
+            st.status = TransferStatus.FAILED
         st.began.set()
-        self._stats.close(st.record, "failed", cause)
+        self._stats.close(st.record, TransferStatus.FAILED, cause)
 
     def _connection_lost(self, cause: str, sock: Conn | None) -> None:
         """`sock` (None: a connect that failed) ended: fail what is pending on it. The end of
@@ -246,32 +247,26 @@ class PushChannel(ABC):
 
     def _drain_queue(self) -> None:
         while (item := self._queue.get()) is not None:
-            kind, payload = item
-            if kind == "abort":
-                self._abort(payload)
+            if isinstance(item, AbortItem):
+                self._abort(item.transfer_id)
                 continue
-            tid = payload if isinstance(payload, str) else payload.transfer_id
             with self._lock:
-                st = self._states.get(tid)
+                st = self._states.get(item.transfer_id)
                 skip = st is None or st.settled
-                if not skip and kind != "copied":  # a queued device copy: no host read here
-                    self._busy_with = tid
+                if not skip and not isinstance(item, CopiedLayer):  # a device copy: no host read
+                    self._busy_with = item.transfer_id
             if skip:
-                if kind == "copied":  # the copy may still write its region: let it finish
-                    self._settle_copy(payload)
-                elif kind == "send":
-                    payload.release()
+                if isinstance(item, CopiedLayer):  # the copy may still write its region
+                    item.settle()
+                elif isinstance(item, ReadyLayer):
+                    item.release()
                 continue
             assert st is not None
             try:
-                self._handle(kind, payload, st)
-            except (OSError, ProtocolError) as exc:
-                if isinstance(exc, ssl.SSLError):
-                    cause = "tls_failed"  # untrusted certificate, wrong host, or not TLS
-                elif "refused by peer" in str(exc):
-                    cause = "peer_refused"
-                else:
-                    cause = "peer_unreachable"
+                self._handle(item, st)
+            except (OSError, ProtocolError) as exc:  # TLS: untrusted cert, wrong host, not TLS
+                cause = ("tls_failed" if isinstance(exc, ssl.SSLError) else
+                         "peer_refused" if isinstance(exc, PeerRefused) else "peer_unreachable")
                 self._connection_lost(cause, self._sock)
             finally:
                 with self._lock:
@@ -296,80 +291,75 @@ class PushChannel(ABC):
         except OSError:
             self._connection_lost("peer_unreachable", self._sock)
 
-    def _handle(self, kind: str, payload: Any, st: SendState) -> None:
-        if kind == "begin":
-            if self._faults.drop(st.transfer_id):
-                self._fail(st, "fault_drop")
-                return
-            sock = self._ensure_connected()
-            send(sock, Begin(st.transfer_id, st.num_tokens))
-            if not st.began.wait(self._begin_timeout_s):
-                self._fail(st, "begin_timeout")
-        elif kind == "layer":
-            if st.offset < 0 or self._faults.drop(st.transfer_id):
-                return
-            if self._faults.skip_layer(st.transfer_id, payload.layer, self.shape.num_layers):
-                return
-            if delay := self._faults.delay_s(st.transfer_id):
-                time.sleep(delay)
-            self._faults.crash_if(st.transfer_id, "p-mid-push", payload.layer,
-                                  self.shape.num_layers)
-            sock = self._ensure_connected()
-            t0 = time.perf_counter()
-            self.write_payload(sock, st, payload)
-            st.record.sender_layers_s += time.perf_counter() - t0
-        elif kind == "send":
-            try:
-                if st.offset >= 0:
-                    t0 = time.perf_counter()
-                    send_parts(self._ensure_connected(), payload.parts)
-                    st.record.sender_sends_s += time.perf_counter() - t0
-            finally:
-                payload.release()
-        elif kind == "copied":
-            t0 = time.perf_counter()
-            if self._settle_copy(payload, release=False):
+    def _handle(self, item: QueueItem, st: SendState) -> None:
+        match item:
+            case BeginItem():
+                self._send_begin(st)
+            case LayerItem():
+                self._send_layer(st, item)
+            case ReadyLayer():
                 try:
-                    if st.offset >= 0 and not st.settled:
-                        self.send_copied(st, payload)
+                    if st.offset >= 0:
+                        t0 = time.perf_counter()
+                        send_parts(self._ensure_connected(), item.parts)
+                        st.record.sender_sends_s += time.perf_counter() - t0
                 finally:
-                    payload.release()
-            else:
-                self._fail(st, "internal_error")
-                self._queue.put(("abort", st.transfer_id))
-            st.record.sender_layers_s += time.perf_counter() - t0
-        elif kind == "end":
-            if st.offset >= 0:
-                rec = st.record
-                rec.wire_s = rec.copy_forward_s + rec.sender_layers_s + rec.sender_sends_s
-                if rec.last_layer_s is not None:
-                    rec.end_lag_s = max(0.0, time.time() - rec.last_layer_s)
-                end = encode(End(st.transfer_id, rec.last_layer_s, rec.end_lag_s, rec.wire_s))
-                send_parts(self._ensure_connected(), [*st.unsent, end])
-            st.unsent.clear()
+                    item.release()
+            case CopiedLayer():
+                self._send_copied(st, item)
+            case EndItem():
+                self._send_end(st)
 
-    @staticmethod
-    def _settle_copy(copied: CopiedLayer, release: bool = True) -> bool:
-        """Wait for a queued copy; whether it completed (a device error fails its transfer).
-        The buffer is released here if the copy failed or `release`."""
-        try:
-            copied.done.wait()
-        except Exception:
-            log.exception("KV copy of transfer %s failed", copied.transfer_id)
-            copied.release()
-            return False
-        if release:
-            copied.release()
-        return True
+    def _send_begin(self, st: SendState) -> None:
+        if self._faults.drop(st.transfer_id):
+            self._fail(st, "fault_drop")
+            return
+        send(self._ensure_connected(), Begin(st.transfer_id, st.num_tokens))
+        if not st.began.wait(self._begin_timeout_s):
+            self._fail(st, "begin_timeout")
+
+    def _send_layer(self, st: SendState, item: LayerItem) -> None:
+        if st.offset < 0 or self._faults.drop(st.transfer_id):
+            return
+        if self._faults.skip_layer(st.transfer_id, item.layer, self.shape.num_layers):
+            return
+        if delay := self._faults.delay_s(st.transfer_id):
+            time.sleep(delay)
+        self._faults.crash_if(st.transfer_id, "p-mid-push", item.layer, self.shape.num_layers)
+        sock = self._ensure_connected()
+        t0 = time.perf_counter()
+        self.write_payload(sock, st, item)
+        st.record.sender_layers_s += time.perf_counter() - t0
+
+    def _send_copied(self, st: SendState, copied: CopiedLayer) -> None:
+        t0 = time.perf_counter()
+        if copied.settle(release=False):
+            try:
+                if st.offset >= 0 and not st.settled:
+                    self.send_copied(st, copied)
+            finally:
+                copied.release()
+        else:
+            self._fail(st, "internal_error")
+            self._queue.put(AbortItem(st.transfer_id))
+        st.record.sender_layers_s += time.perf_counter() - t0
+
+    def _send_end(self, st: SendState) -> None:
+        if st.offset >= 0:
+            rec = st.record
+            rec.wire_s = rec.copy_forward_s + rec.sender_layers_s + rec.sender_sends_s
+            if rec.last_layer_s is not None:
+                rec.end_lag_s = max(0.0, time.time() - rec.last_layer_s)
+            end = encode(End(st.transfer_id, rec.last_layer_s, rec.end_lag_s, rec.wire_s))
+            send_parts(self._ensure_connected(), [*st.unsent, end])
+        st.unsent.clear()
 
     def layer_frame(self, item: LayerItem, payload: memoryview, inline: bool = True,
                     written_s: float | None = None) -> Layer:
-        """The LAYER message for `item`'s payload (checksummed here)."""
-        digest = checksum(payload)
-        if self._faults.corrupt_layer(item.transfer_id, item.layer):
-            digest = format(int(digest, 16) ^ 1, "016x")
-        return Layer(item.transfer_id, item.layer, item.start, item.end, len(payload), digest,
-                     inline, written_s)
+        """The LAYER message for `item`'s payload (checksummed here; wrong for a fault-marked
+        layer)."""
+        corrupt = self._faults.corrupt_layer(item.transfer_id, item.layer)
+        return item.frame(payload, inline, written_s, corrupt)
 
     def _reply_loop(self, sock: Conn) -> None:
         try:
@@ -387,7 +377,7 @@ class PushChannel(ABC):
                     if st is not None:
                         st.began.set()
                     if given_up:  # D opened it after P gave up on it
-                        self._queue.put(("abort", msg.transfer_id))
+                        self._queue.put(AbortItem(msg.transfer_id))
                     continue
                 if st is None:
                     continue
@@ -397,9 +387,9 @@ class PushChannel(ABC):
                     with self._lock:
                         acked = not st.settled
                         if acked:
-                            st.status = "acked"
+                            st.status = TransferStatus.COMPLETE
                     if acked:
-                        self._stats.close(st.record, "complete")
+                        self._stats.close(st.record, TransferStatus.COMPLETE)
                 else:
                     self._fail(st, msg.cause or "decode_rejected")
         except (OSError, ProtocolError):

@@ -31,6 +31,8 @@ from typing import Any
 import httpx
 
 from splitserve.common.procs import stop_group
+from splitserve.common.vocab import Pool
+from splitserve.common.wire import ConnectorState, WorkerLoad
 from splitserve.config import bearer_headers
 from splitserve.launch.config import DeploymentConfig
 from splitserve.launch.local import pool_worker_config
@@ -38,7 +40,6 @@ from splitserve.launch.raybackend.guard import GRACE_ENV
 from splitserve.worker.launch import wait_healthy, worker_command
 from splitserve.worker.load import LOAD_PATH
 
-ROLES = {"prefill": "prefill", "decode": "decode", "colocated": None}
 HEALTH_FAILURES = 3
 
 
@@ -93,8 +94,8 @@ class WorkerReplica:
 
         cfg, token = self.cfg, self.token
         model_dir, served_name = node_model(cfg)
-        self.wcfg = pool_worker_config(cfg, ROLES[self.kind], model_dir, served_name, node_ip,
-                                       cores)
+        self.wcfg = pool_worker_config(cfg, Pool(self.kind).worker_role, model_dir,
+                                       served_name, node_ip, cores)
         argv, env = worker_command(self.wcfg, token)
         env[GRACE_ENV] = str(self.wcfg.shutdown_timeout_s + 5)
         self.log = log_path(cfg, self.name)
@@ -138,24 +139,25 @@ class WorkerReplica:
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """This replica's autoscaling signals (see `autoscale`)."""
-        if self.kind == "prefill":
+        if self.kind == Pool.PREFILL:
             load = await self.directory.router_load.remote(self.wcfg.url)
             return {"queued_prompt_tokens": float(load.get("inflight_prefill_tokens", 0.0))}
         r = await self.client.get(f"{self.wcfg.url}{LOAD_PATH}")
-        load = r.json() if r.status_code == 200 else {}
-        return {"running": float(load.get("running", 0.0)),
-                "kv_usage": float(load.get("kv_usage", 0.0))}
+        gauges = WorkerLoad.from_json(r.json()) if r.status_code == 200 else WorkerLoad()
+        return {"running": gauges.running or 0.0, "kv_usage": gauges.kv_usage or 0.0}
 
     async def _idle(self) -> bool:
         try:
-            load = (await self.client.get(f"{self.wcfg.url}{LOAD_PATH}")).json()
-            staged = 0.0
-            if self.kind == "decode":
+            load = WorkerLoad.from_json(
+                (await self.client.get(f"{self.wcfg.url}{LOAD_PATH}")).json())
+            staged = 0
+            if self.kind == Pool.DECODE:
                 r = await self.client.get(f"{self.wcfg.url}/splitserve/state")
-                staged = float(r.json().get("staged_bytes", 0)) if r.status_code == 200 else 0.0
-        except (httpx.HTTPError, ValueError):
+                if r.status_code == 200:
+                    staged = ConnectorState.from_json(r.json()).staged_bytes
+        except (httpx.HTTPError, ValueError):  # ValueError: not JSON, or WireError
             return True  # a worker that cannot answer holds nothing we could wait for
-        return not load.get("running") and not load.get("waiting") and not staged
+        return not load.running and not load.waiting and not staged
 
     async def __del__(self) -> None:
         """Serve stops this replica (scale-down, redeploy, delete): drain, then stop."""

@@ -26,6 +26,7 @@ from typing import Any
 import httpx
 
 from splitserve.common.procs import stop_group
+from splitserve.common.vocab import Pool, values
 from splitserve.config import TOKEN_ENV, bearer_headers
 from splitserve.launch.config import DeploymentConfig
 from splitserve.launch.local import router_argv
@@ -35,18 +36,17 @@ from splitserve.router.cli import API_KEY_ENV
 from splitserve.worker.launch import wait_healthy
 
 log = logging.getLogger("splitserve.ray")
-ROLE_OF_KIND = {"prefill": "prefill", "decode": "decode", "colocated": "colocated"}
 
 
 def plan_sync(live: list[dict[str, Any]], routed: list[dict[str, Any]]
               ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(to add, to remove): live non-draining workers the router lacks or knows without their
     node (adding one of those only sets its node), and router workers that are draining or no
-    longer live."""
-    keep = {(ROLE_OF_KIND[w["kind"]], w["url"]) for w in live if not w["draining"]}
+    longer live. A live worker's `kind` is its router pool (`Pool`)."""
+    keep = {(Pool(w["kind"]), w["url"]) for w in live if not w["draining"]}
     have = {(w["role"], w["url"]) for w in routed if w.get("node")}
     add = [w for w in live if not w["draining"]
-           and (ROLE_OF_KIND[w["kind"]], w["url"]) not in have]
+           and (Pool(w["kind"]), w["url"]) not in have]
     remove = [w for w in routed if (w["role"], w["url"]) not in keep]
     return add, remove
 
@@ -92,7 +92,7 @@ class RouterHost:
         env[GRACE_ENV] = str(self.cfg.stop_timeout_s)
         self.log = log_path(self.cfg, f"{self.cfg.ray.name}-router")
         urls = {kind: [w["url"] for w in live if w["kind"] == kind]
-                for kind in ("prefill", "decode", "colocated")}
+                for kind in values(Pool)}
         argv = router_argv(self.cfg, node_model(self.cfg)[0], self.host, urls,
                            "--health-interval", "0.5")
         with open(self.log, "ab") as out:
@@ -126,7 +126,7 @@ class RouterHost:
         add, remove = plan_sync(live, routed)
         for w in add:
             r = self.client.post(f"{self.url}/admin/workers",
-                                 json={"url": w["url"], "role": ROLE_OF_KIND[w["kind"]],
+                                 json={"url": w["url"], "role": Pool(w["kind"]).value,
                                        "node": w["node_id"]})
             if r.status_code not in (200, 201, 400):  # 400: added by a round still in flight
                 log.warning("router refused worker %s: %s", w["url"], r.text)

@@ -26,10 +26,10 @@ Contract, in the order `Flow` calls it (one `Transfer` per P attempt):
    KV is the engine's from then on, freed when the request ends or is aborted (closing the
    leg's connection aborts it in vLLM). A resumed D leg never reads a transfer (it recomputes
    from the prompt and every token produced), so no connector sees a second claim.
-5. **Timings.** `record(transfer, at_url)` is the connector's record of the transfer (keys
-   `bytes`, `duration_s`, `tail_s`, `wire_s`, `gbps`, `load_s`, `status`, `first_byte_s`, all
-   optional), or None;
-   `record_final(record)` says whether it can still change. Best effort: never raises.
+5. **Timings.** `record(transfer, at_url)` is the connector's record of the transfer (a
+   `wire.SideRecord`: `bytes`, `duration_s`, `tail_s`, `wire_s`, `gbps`, `load_s`, `status`,
+   `first_byte_s`, ...), or None;
+   `record_final(record)` says whether it can no longer change. Best effort: never raises.
 
 Which implementation drives a pair: the `connector` that both workers advertise in
 `/splitserve/info` (`LegProtocols.for_pair`; an absent key is `splitserve`). A pair whose
@@ -42,6 +42,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from splitserve.common.wire import SideRecord
 from splitserve.router.health import DEFAULT_CONNECTOR, Worker, connector_of
 
 __all__ = ["DEFAULT_CONNECTOR", "connector_of"]  # re-exported: they live beside Worker.info
@@ -95,11 +96,11 @@ class LegProtocol(ABC):
         """No D leg will claim `transfer`: free its KV (background, idempotent)."""
 
     async def record(self, transfer: Transfer, at_url: str,
-                     timeout_s: float = 0.5) -> dict[str, Any] | None:
+                     timeout_s: float = 0.5) -> SideRecord | None:
         """The connector's record of the transfer, asked of the worker at `at_url`."""
         return None
 
-    def record_final(self, record: dict[str, Any]) -> bool:
+    def record_final(self, record: SideRecord) -> bool:
         """Whether `record` describes a transfer that is over."""
         return True
 

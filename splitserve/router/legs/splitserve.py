@@ -19,12 +19,14 @@ from typing import Any
 
 import aiohttp
 
+from splitserve.common.vocab import TERMINAL_STATUSES
+from splitserve.common.wire import SideRecord, TransferRecord
 from splitserve.router.health import Worker
 from splitserve.router.http import TRANSPORT_ERRORS
 from splitserve.router.legs.base import LegProtocol, Transfer
 
 log = logging.getLogger("splitserve.router")
-FINAL_STATUS = frozenset({"loaded", "failed", "expired", "discarded", "aborted"})  # D's record
+FINAL_STATUS = TERMINAL_STATUSES  # D's record can no longer change
 
 
 class SplitserveLegs(LegProtocol):
@@ -70,7 +72,9 @@ class SplitserveLegs(LegProtocol):
         task.add_done_callback(self._releases.discard)
 
     async def record(self, transfer: Transfer, at_url: str,
-                     timeout_s: float = 0.5) -> dict[str, Any] | None:
+                     timeout_s: float = 0.5) -> SideRecord | None:
+        """D's side of the transfer (`recv`), from its `TransferRecord`; None when D has none
+        or its answer is out of shape (logged)."""
         if not self.token:
             return None
         try:
@@ -80,12 +84,10 @@ class SplitserveLegs(LegProtocol):
                 raw = await r.read()
             if r.status != 200:
                 return None
-            body = json.loads(raw)
-        except (*TRANSPORT_ERRORS, ValueError) as exc:
+            return TransferRecord.from_json(json.loads(raw)).recv
+        except (*TRANSPORT_ERRORS, ValueError) as exc:  # ValueError: not JSON, or WireError
             log.info("no transfer record for %s: %s", transfer.transfer_id, exc)
             return None
-        # D's side of the transfer; the record is either flat or keyed by side
-        return body.get("recv") if isinstance(body.get("recv"), dict) else body
 
-    def record_final(self, record: dict[str, Any]) -> bool:
-        return record.get("status") in FINAL_STATUS
+    def record_final(self, record: SideRecord) -> bool:
+        return record.final
