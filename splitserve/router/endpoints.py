@@ -31,7 +31,7 @@ from splitserve.router.http import TRANSPORT_ERRORS
 from splitserve.router.params import Kind, Legs, RequestError, plan_legs, unsplittable_reason
 from splitserve.router.params import validate as validate_body
 from splitserve.router.policy import NoWorker, Overloaded
-from splitserve.router.prompt import render_chat
+from splitserve.router.prompt import completion_prompt, render_chat
 from splitserve.router.state import RouterState
 from splitserve.router.timings import Timings
 from splitserve.router.worker import Worker
@@ -149,7 +149,8 @@ def choose_mode(st: RouterState, body: dict[str, Any], kind: Kind) -> str:
 async def split(st: RouterState, request: Request, body: dict[str, Any], kind: Kind, rid: str,
                 t: Timings, admission: Admission) -> Response:
     """P's leg (t1), then D's: one JSON answer, or one stream that starts with t1."""
-    prompt = render_chat(st.tokenizer, body) if kind == "chat" else body["prompt"]
+    prompt = (render_chat(st.tokenizer, body) if kind == "chat"
+              else completion_prompt(st.tokenizer, body, st.prompt_chars_limit))
     legs = plan_legs(body, kind, prompt)
     pre = await cancellable(request, st.flow.prefill(legs, rid, t))
     joiner = Joiner(legs, rid, st.model["id"])

@@ -19,7 +19,7 @@ from splitserve.router.http import new_session
 from splitserve.router.legs import LegProtocols, leg_protocols
 from splitserve.router.metrics import RouterMetrics
 from splitserve.router.policy import Picker
-from splitserve.router.prompt import kv_bytes_per_token, load_tokenizer
+from splitserve.router.prompt import kv_bytes_per_token, load_tokenizer, prompt_chars_limit
 from splitserve.router.registry import Registry
 from splitserve.router.whole import Passthrough
 from splitserve.router.worker import Worker
@@ -41,6 +41,7 @@ class RouterState:
     whole: Passthrough
     model: dict[str, Any]
     tokenizer: Any
+    prompt_chars_limit: int | None = None  # longer string prompts go to P untokenized
     health: asyncio.Task[None] | None = None  # the health loop's task
     inflight: int = 0  # admitted client requests not finished yet (`endpoints.Admission`)
 
@@ -78,7 +79,7 @@ async def open_state(cfg: RouterConfig, token: str | None, api_key: str | None,
                 kv_bytes_per_token(model_dir), max_model_len, protocols)
     whole = Passthrough(cfg, registry, picker, metrics, session)
     st = RouterState(cfg, token, api_key, session, registry, checks, protocols, metrics, flow,
-                     whole, model, tokenizer)
+                     whole, model, tokenizer, prompt_chars_limit(tokenizer, max_model_len))
     st.health = asyncio.create_task(checks.run())
     log.info("router on %s:%d serving %s", cfg.host, cfg.port, model["id"])
     return st
