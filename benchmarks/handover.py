@@ -44,10 +44,11 @@ from _common import StreamTiming, summary, timed_stream, write_json  # noqa: E40
 from _common import random_prompt as prompt  # noqa: E402
 
 from splitserve.common.cpus import parse_cpus  # noqa: E402
+from splitserve.common.wire import WorkerInfo  # noqa: E402
 from splitserve.config import WorkerConfig, bearer_headers  # noqa: E402
 from splitserve.launch.config import DeploymentConfig  # noqa: E402
 from splitserve.launch.local import LocalDeployment  # noqa: E402
-from splitserve.router.health import kv_endpoint  # noqa: E402
+from splitserve.router.legs import push_target  # noqa: E402
 from splitserve.worker.launch import free_port, start_worker, wait_healthy  # noqa: E402
 
 Runs = dict[int, list[StreamTiming]]
@@ -229,7 +230,8 @@ def main() -> int:
         }
         d_client = httpx.Client(base_url=dep.workers[1].url, timeout=30,
                                 headers=bearer_headers(dep.token))
-        endpoint = kv_endpoint(d_client.get("/splitserve/info").json(), args.transport)
+        info = WorkerInfo.from_json(d_client.get("/splitserve/info").json())
+        endpoint = push_target(info, args.transport)
         if endpoint is None:
             raise SystemExit("the D-worker advertises no KV endpoint")
         push = PushLeg(systems["p-push"], d_client, endpoint)

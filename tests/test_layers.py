@@ -49,3 +49,15 @@ def test_bench_and_sim_borrow_no_worker_internals() -> None:
     internals = ("splitserve.worker.load", "splitserve.worker.cli")
     assert offenders("bench", internals) == {}
     assert offenders("sim", internals) == {}
+
+
+def test_routing_policies_stand_between_the_router_and_the_simulator() -> None:
+    """The shared policies import only `common`; the router and the simulator meet in them and
+    never import each other."""
+    found = imports_of("routing")
+    stray = {f: {n for n in names if not n.startswith(("splitserve.common",
+                                                       "splitserve.routing"))}
+             for f, names in found.items()}
+    assert found and all(not names for names in stray.values()), stray
+    assert offenders("router", ("splitserve.sim",)) == {}
+    assert offenders("sim", ("splitserve.router",)) == {}

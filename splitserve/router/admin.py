@@ -48,20 +48,21 @@ def add_admin_routes(app: FastAPI, state: Callable[[Request], Any],
         body = await admin_body(request)
         if isinstance(body, JSONResponse):
             return body
-        reg = state(request).registry
+        st = state(request)
+        reg = st.registry
         node = body.get("node")
         if node is not None and not isinstance(node, str):
             return JSONResponse(error_body("node must be a string", param="node"), 400)
         known = reg.find(body["url"], str(body.get("role", "")))
         if known and node is not None:
-            known[0].node = node
-            return JSONResponse(known[0].describe(), 200)
+            reg.set_node(known[0], node)
+            return JSONResponse(st.describe(known[0]), 200)
         try:
             worker = reg.add(body["url"], str(body.get("role", "")), node)
         except ValueError as exc:
             return JSONResponse(error_body(str(exc), param="url"), 400)
-        await reg.check(worker)
-        return JSONResponse(worker.describe(), 201)
+        await st.checks.check(worker)
+        return JSONResponse(st.describe(worker), 201)
 
     @app.post("/admin/workers/drain")
     async def drain_worker(request: Request) -> JSONResponse:
@@ -69,10 +70,10 @@ def add_admin_routes(app: FastAPI, state: Callable[[Request], Any],
         if isinstance(targets, JSONResponse):
             return targets
         body, found = targets
-        reg = state(request).registry
+        st = state(request)
         for worker in found:
-            reg.drain(worker, draining=not body.get("undrain", False))
-        return JSONResponse({"workers": [w.describe() for w in found]})
+            st.registry.drain(worker, draining=not body.get("undrain", False))
+        return JSONResponse({"workers": [st.describe(w) for w in found]})
 
     @app.post("/admin/workers/remove")
     async def remove_worker(request: Request) -> JSONResponse:
@@ -80,11 +81,11 @@ def add_admin_routes(app: FastAPI, state: Callable[[Request], Any],
         if isinstance(targets, JSONResponse):
             return targets
         _, found = targets
-        reg = state(request).registry
+        st = state(request)
         try:
-            removed = await asyncio.gather(*(reg.remove(w) for w in found))
+            removed = await asyncio.gather(*(st.registry.remove(w) for w in found))
         except TimeoutError:
             return JSONResponse(error_body("worker still busy after the drain timeout",
                                            "TimeoutError", "url", 504), 504)
-        return JSONResponse({"workers": [w.describe() | {"removed": True} for w in removed]})
+        return JSONResponse({"workers": [st.describe(w) | {"removed": True} for w in removed]})
 

@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.types import ASGIApp
 
+from splitserve.common.vocab import Pool
 from splitserve.router.admin import add_admin_routes
 from splitserve.router.config import RouterConfig
 from splitserve.router.endpoints import authorized, chat_completions, completions, state
@@ -55,8 +56,8 @@ async def models(request: Request) -> JSONResponse:
 async def health(request: Request) -> Response:
     """200 while a P and a D, or a colocated worker, are in rotation."""
     reg = state(request).registry
-    ok = bool(reg.routable("prefill") and reg.routable("decode")) or bool(
-        reg.routable("colocated"))
+    ok = bool(reg.routable(Pool.PREFILL) and reg.routable(Pool.DECODE)) or bool(
+        reg.routable(Pool.COLOCATED))
     return Response(status_code=200 if ok else 503)
 
 
@@ -66,5 +67,5 @@ async def metrics(request: Request) -> Response:
 
 
 async def workers(request: Request) -> JSONResponse:
-    return JSONResponse({"workers": [w.describe() for w in
-                                     state(request).registry.workers.values()]})
+    st = state(request)
+    return JSONResponse({"workers": [st.describe(w) for w in st.registry.all()]})

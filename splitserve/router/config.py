@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-PREFILL_POLICIES: tuple[str, ...] = ("load", "round_robin")
-DECODE_POLICIES: tuple[str, ...] = ("load", "round_robin")
+from splitserve.common.vocab import Pool
+from splitserve.routing import policy_names
+
+# the policy names each pool accepts: the registry's (`splitserve.routing.POLICIES`)
+PREFILL_POLICIES: tuple[str, ...] = policy_names(Pool.PREFILL)
+DECODE_POLICIES: tuple[str, ...] = policy_names(Pool.DECODE)
 UNSPLITTABLE_MODES: tuple[str, ...] = ("whole", "refuse")
-WORKER_ROLES: tuple[str, ...] = ("prefill", "decode", "colocated")
 
 
 def _check_url(url: str) -> None:

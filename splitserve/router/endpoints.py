@@ -22,18 +22,19 @@ import aiohttp
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from splitserve.common.vocab import Pool
 from splitserve.router.detok import text_stream
 from splitserve.router.failures import UpstreamError
 from splitserve.router.flow import Prefilled
 from splitserve.router.formats import DONE, Joiner, error_body, request_id, sse, sse_comment
-from splitserve.router.health import Worker
 from splitserve.router.http import TRANSPORT_ERRORS
 from splitserve.router.params import Kind, Legs, RequestError, plan_legs, unsplittable_reason
 from splitserve.router.params import validate as validate_body
 from splitserve.router.policy import NoWorker, Overloaded
-from splitserve.router.prompt import render_chat
+from splitserve.router.prompt import completion_prompt, render_chat
 from splitserve.router.state import RouterState
 from splitserve.router.timings import Timings
+from splitserve.router.worker import Worker
 
 T = TypeVar("T")
 TIMINGS_HEADER = "X-Splitserve-Timings"
@@ -128,9 +129,9 @@ def choose_mode(st: RouterState, body: dict[str, Any], kind: Kind) -> str:
     """`split` when a P and a D are in rotation and the request's parameters mean the same on
     two workers; else `whole` (or a 400 under `--unsplittable refuse`)."""
     reg = st.registry
-    split_ready = bool(reg.routable("prefill") and reg.routable("decode"))
+    split_ready = bool(reg.routable(Pool.PREFILL) and reg.routable(Pool.DECODE))
     if not split_ready:
-        if not (reg.routable("colocated") or reg.routable("decode")):
+        if not (reg.routable(Pool.COLOCATED) or reg.routable(Pool.DECODE)):
             raise NoWorker("prefill/decode or colocated")
         return "whole"
     reason = unsplittable_reason(body, kind)
@@ -148,7 +149,8 @@ def choose_mode(st: RouterState, body: dict[str, Any], kind: Kind) -> str:
 async def split(st: RouterState, request: Request, body: dict[str, Any], kind: Kind, rid: str,
                 t: Timings, admission: Admission) -> Response:
     """P's leg (t1), then D's: one JSON answer, or one stream that starts with t1."""
-    prompt = render_chat(st.tokenizer, body) if kind == "chat" else body["prompt"]
+    prompt = (render_chat(st.tokenizer, body) if kind == "chat"
+              else completion_prompt(st.tokenizer, body, st.prompt_chars_limit))
     legs = plan_legs(body, kind, prompt)
     pre = await cancellable(request, st.flow.prefill(legs, rid, t))
     joiner = Joiner(legs, rid, st.model["id"])

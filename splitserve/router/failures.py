@@ -12,9 +12,10 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from splitserve.router.config import RouterConfig
-from splitserve.router.health import Registry, Worker
 from splitserve.router.metrics import RouterMetrics
 from splitserve.router.policy import Overloaded
+from splitserve.router.registry import Registry
+from splitserve.router.worker import Worker
 
 if TYPE_CHECKING:
     from splitserve.router.timings import Timings

@@ -27,6 +27,7 @@ from typing import Any
 
 import aiohttp
 
+from splitserve.common.vocab import Pool
 from splitserve.common.wire import SideRecord
 from splitserve.router.config import RouterConfig
 from splitserve.router.failures import (
@@ -38,19 +39,20 @@ from splitserve.router.failures import (
     upstream_body,
 )
 from splitserve.router.formats import Joiner
-from splitserve.router.health import Registry, Worker
 from splitserve.router.http import TRANSPORT_ERRORS
 from splitserve.router.legs import (
     DecodeStart,
     LegProtocols,
     Transfer,
     drop_replayed,
-    leg_protocols,
 )
 from splitserve.router.metrics import RouterMetrics
 from splitserve.router.params import Legs, decode_body, prefill_body
 from splitserve.router.policy import NoWorker, Picker
+from splitserve.router.registry import Registry
 from splitserve.router.timings import Timings
+from splitserve.router.worker import Worker
+from splitserve.routing import RouteRequest
 
 log = logging.getLogger("splitserve.router")
 JSON_HEADERS = {"Content-Type": "application/json"}
@@ -80,7 +82,7 @@ class Flow:
     def __init__(self, cfg: RouterConfig, registry: Registry, picker: Picker,
                  metrics: RouterMetrics, session: aiohttp.ClientSession, model: str,
                  kv_bytes_per_token: int, max_model_len: int | None,
-                 protocols: LegProtocols | None = None) -> None:
+                 protocols: LegProtocols) -> None:
         self.cfg = cfg
         self.registry = registry
         self.picker = picker
@@ -89,21 +91,29 @@ class Flow:
         self.model = model
         self.kv_bytes_per_token = kv_bytes_per_token
         self.max_model_len = max_model_len
-        # each connector's side of the legs (default: every connector the router drives)
-        self.protocols = protocols or leg_protocols(session, registry.token, cfg.kv_transport)
+        self.protocols = protocols  # each connector's side of the legs
 
     # --- P ----------------------------------------------------------------------------------
+    def route_request(self, legs: Legs) -> RouteRequest:
+        """What the policies see of this request: P's prompt ids when the router sends ids
+        (`prompt.completion_prompt`, chat), else a length guessed from the string (characters
+        / 4 + 1) and no ids."""
+        if isinstance(legs.prompt, list):
+            return RouteRequest.of_ids(legs.prompt, self.kv_bytes_per_token)
+        guess = len(legs.prompt) // 4 + 1
+        return RouteRequest(guess, None, guess * self.kv_bytes_per_token)
+
     async def prefill(self, legs: Legs, rid: str, t: Timings) -> Prefilled:
-        prompt_len = (len(legs.prompt) if isinstance(legs.prompt, list)
-                      else len(legs.prompt) // 4 + 1)
+        request = self.route_request(legs)
+        prompt_len = request.prompt_len
         retry = Retry(self.cfg, self.metrics, self.registry, "prefill",
                       self.cfg.prefill_retries, t, rid)
         for attempt in retry:
             await retry.begin(attempt)
-            pool = [w for w in self.registry.routable("prefill") if w.url not in retry.tried]
-            p = self.picker.prefill(pool or self.registry.routable("prefill"), prompt_len)
-            d = self.picker.decode(self.registry.routable("decode"),
-                                   prompt_len * self.kv_bytes_per_token)
+            routable = self.registry.routable(Pool.PREFILL)
+            pool = [w for w in routable if w.url not in retry.tried]
+            p = self.picker.prefill(pool or routable, request)
+            d = self.picker.decode(self.registry.routable(Pool.DECODE), request)
             # Named after the request (logs join up; test faults are chosen per request id),
             # fresh per attempt.
             tid = f"{rid}-{uuid.uuid4().hex[:16]}"
@@ -169,8 +179,8 @@ class Flow:
         """Where a failed decode leg resumes: a D not tried yet, else a colocated worker not
         tried yet, else any D in rotation, else any colocated worker. Each of them recomputes
         from the prompt and the tokens produced so far, so any of them is exact."""
-        decode = self.registry.routable("decode")
-        colocated = self.registry.routable("colocated")
+        decode = self.registry.routable(Pool.DECODE)
+        colocated = self.registry.routable(Pool.COLOCATED)
         groups = ((self.picker.decode, [w for w in decode if w.url not in tried]),
                   (self.picker.colocated, [w for w in colocated if w.url not in tried]),
                   (self.picker.decode, decode), (self.picker.colocated, colocated))

@@ -30,7 +30,7 @@ class WorkerCollector:
         inflight = GaugeMetricFamily("splitserve_router_worker_inflight",
                                      "The router's open legs on the worker", labels=labels)
         for w in list(self.workers()):
-            values = [w.role, w.url, w.node or ""]
+            values = [w.pool.value, w.url, w.identity.node or ""]
             routable.add_metric(values, 1.0 if w.routable else 0.0)
             inflight.add_metric(values, float(w.inflight))
         yield routable

@@ -1,23 +1,31 @@
-"""Choosing workers. Pure functions of the registry's view, plus a round-robin cursor per pool.
+"""Choosing workers: the router's side of the routing policies (`splitserve.routing`).
 
-- P (`load`): fewest queued prompt tokens the router has in flight there, counting this
-  request's own prompt, so a long prompt goes where it will wait least; ties by open legs.
-- D (`load`): lowest score of used KV fraction + used staging fraction + open legs / 16 (the
-  router's own count, current between health polls); a D whose staging area cannot hold this
-  prompt's KV is skipped while any other can.
-- Colocated: fewest open requests (plain load balancing).
-- `round_robin`: in turn, skipping workers out of rotation.
+`Picker` holds one policy instance per pool (by the names in `RouterConfig`; colocated: `load`)
+and applies, before any policy, what is the router's and not a policy's:
 - Queue limit: a worker with `max_per_worker` open legs takes no more; when every worker of a
   pool is at its limit the request is refused with `Overloaded` (the router answers 429 with
-  `Retry-After`) — back-pressure, never counted as a failure.
+  `Retry-After`) — back-pressure, never counted as a failure. An empty pool is `NoWorker`.
+- Staging fit (D): a D whose staging area cannot hold this prompt's KV is skipped while any
+  other can.
+The policies themselves (`load`, `round_robin`, `random`, `power_of_two`, `least_loaded`) are
+described in `splitserve.routing.policies`.
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 
-from splitserve.router.health import Worker
+from splitserve.common.vocab import Pool
+from splitserve.router.worker import Worker
+from splitserve.routing import (
+    DEFAULT_POLICY,
+    NO_REQUEST,
+    Draws,
+    RandomDraws,
+    RouteRequest,
+    fits_staging,
+    make_policy,
+)
 
 
 class NoWorker(Exception):
@@ -36,59 +44,39 @@ class Overloaded(NoWorker):
         self.role = role
 
 
-def prefill_score(w: Worker, prompt_tokens: int) -> tuple[float, int]:
-    return (w.inflight_prefill_tokens + w.waiting * prompt_tokens + prompt_tokens, w.inflight)
-
-
-def decode_score(w: Worker) -> float:
-    staged = w.staged_bytes / w.staging_capacity_bytes if w.staging_capacity_bytes else 0.0
-    return w.kv_usage + staged + w.inflight / 16
-
-
-def fits_staging(w: Worker, kv_bytes: int) -> bool:
-    if not w.staging_capacity_bytes:
-        return True
-    return w.staging_capacity_bytes - w.staged_bytes >= kv_bytes
-
-
 class Picker:
-    """Holds the round-robin cursors; everything else is read from the workers."""
+    """One policy per pool (each keeps its own cursor or random source)."""
 
-    def __init__(self, prefill_policy: str, decode_policy: str,
-                 max_per_worker: int | None = None) -> None:
-        self.prefill_policy = prefill_policy
-        self.decode_policy = decode_policy
+    def __init__(self, prefill_policy: str = DEFAULT_POLICY, decode_policy: str = DEFAULT_POLICY,
+                 max_per_worker: int | None = None, colocated_policy: str = DEFAULT_POLICY,
+                 draws: Draws | None = None) -> None:
+        draws = draws if draws is not None else RandomDraws()
+        self.policies = {Pool.PREFILL: make_policy(Pool.PREFILL, prefill_policy, draws),
+                         Pool.DECODE: make_policy(Pool.DECODE, decode_policy, draws),
+                         Pool.COLOCATED: make_policy(Pool.COLOCATED, colocated_policy, draws)}
         self.max_per_worker = max_per_worker
-        self._cursors: dict[str, itertools.count[int]] = {}
 
-    def _with_room(self, role: str, candidates: Sequence[Worker]) -> Sequence[Worker]:
+    def _with_room(self, pool: Pool, candidates: Sequence[Worker]) -> Sequence[Worker]:
         if not candidates:
-            raise NoWorker(role)
+            raise NoWorker(pool.value)
         if self.max_per_worker is None:
             return candidates
         room = [w for w in candidates if w.inflight < self.max_per_worker]
         if not room:
-            raise Overloaded(role)
+            raise Overloaded(pool.value)
         return room
 
-    def _round_robin(self, pool: str, candidates: Sequence[Worker]) -> Worker:
-        cursor = self._cursors.setdefault(pool, itertools.count())
-        return candidates[next(cursor) % len(candidates)]
+    def prefill(self, candidates: Sequence[Worker], request: RouteRequest) -> Worker:
+        return self.policies[Pool.PREFILL].pick(self._with_room(Pool.PREFILL, candidates),
+                                                request)
 
-    def prefill(self, candidates: Sequence[Worker], prompt_tokens: int) -> Worker:
-        candidates = self._with_room("prefill", candidates)
-        if self.prefill_policy == "round_robin":
-            return self._round_robin("prefill", candidates)
-        return min(candidates, key=lambda w: prefill_score(w, prompt_tokens))
+    def decode(self, candidates: Sequence[Worker], request: RouteRequest = NO_REQUEST
+               ) -> Worker:
+        candidates = self._with_room(Pool.DECODE, candidates)
+        roomy = [w for w in candidates if fits_staging(w, request.kv_bytes)] or list(candidates)
+        return self.policies[Pool.DECODE].pick(roomy, request)
 
-    def decode(self, candidates: Sequence[Worker], kv_bytes: int = 0) -> Worker:
-        candidates = self._with_room("decode", candidates)
-        roomy = [w for w in candidates if fits_staging(w, kv_bytes)] or list(candidates)
-        if self.decode_policy == "round_robin":
-            return self._round_robin("decode", roomy)
-        return min(roomy, key=decode_score)
-
-    def colocated(self, candidates: Sequence[Worker]) -> Worker:
-        candidates = self._with_room("colocated", candidates)
-        least = min(w.inflight for w in candidates)
-        return self._round_robin("colocated", [w for w in candidates if w.inflight == least])
+    def colocated(self, candidates: Sequence[Worker], request: RouteRequest = NO_REQUEST
+                  ) -> Worker:
+        return self.policies[Pool.COLOCATED].pick(
+            self._with_room(Pool.COLOCATED, candidates), request)

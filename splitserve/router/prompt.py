@@ -42,3 +42,40 @@ def render_chat(tokenizer: Any, body: dict[str, Any]) -> list[int]:
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):
         ids = ids["input_ids"]
     return [int(i) for i in ids]
+
+
+# Request fields that change how vLLM tokenizes a string prompt beyond `add_special_tokens`:
+# with either, vLLM truncates inside the tokenizer call (its special tokens survive), which
+# slicing ids would not reproduce, so the engine tokenizes such a prompt itself.
+ENGINE_TOKENIZES = ("truncate_prompt_tokens", "truncation_side")
+
+
+def prompt_chars_limit(tokenizer: Any, max_model_len: int | None) -> int | None:
+    """The longest string prompt the router tokenizes: vLLM's own bound before it tokenizes
+    (`max_model_len` x the vocabulary's longest token, in characters); None: no bound known."""
+    if tokenizer is None or not max_model_len:
+        return None
+    try:
+        longest = max(len(tok) for tok in tokenizer.get_vocab())
+    except (AttributeError, TypeError, ValueError):
+        return None
+    return max_model_len * longest
+
+
+def completion_prompt(tokenizer: Any, body: dict[str, Any], chars_limit: int | None = None
+                      ) -> str | list[int]:
+    """What P is sent for a completion request: a string prompt as the token ids vLLM makes of
+    it (the model's tokenizer, `add_special_tokens` from the request, default True), so the
+    router routes by the ids P computes on and P's `prompt_token_ids` equal them.
+
+    The string itself (vLLM tokenizes it, as before) when the router has no tokenizer, when the
+    request sets a field in `ENGINE_TOKENIZES`, when `add_special_tokens` is not a boolean (vLLM
+    answers 400), or when the string is longer than `chars_limit` (vLLM refuses it before
+    tokenizing; the router does not spend its loop on it). Token-id prompts pass unchanged."""
+    prompt = body["prompt"]
+    special = body.get("add_special_tokens", True)
+    if (tokenizer is None or not isinstance(prompt, str) or not isinstance(special, bool)
+            or any(body.get(k) is not None for k in ENGINE_TOKENIZES)
+            or (chars_limit is not None and len(prompt) > chars_limit)):
+        return prompt
+    return [int(i) for i in tokenizer(prompt, add_special_tokens=special)["input_ids"]]

@@ -14,12 +14,15 @@ import aiohttp
 
 from splitserve.router.config import RouterConfig
 from splitserve.router.flow import Flow
-from splitserve.router.health import Registry
+from splitserve.router.health import HealthLoop
 from splitserve.router.http import new_session
+from splitserve.router.legs import LegProtocols, leg_protocols
 from splitserve.router.metrics import RouterMetrics
 from splitserve.router.policy import Picker
-from splitserve.router.prompt import kv_bytes_per_token, load_tokenizer
+from splitserve.router.prompt import kv_bytes_per_token, load_tokenizer, prompt_chars_limit
+from splitserve.router.registry import Registry
 from splitserve.router.whole import Passthrough
+from splitserve.router.worker import Worker
 
 log = logging.getLogger("splitserve.router")
 
@@ -31,13 +34,20 @@ class RouterState:
     api_key: str | None
     session: aiohttp.ClientSession  # the one session to workers: health loop and legs
     registry: Registry
+    checks: HealthLoop
+    protocols: LegProtocols  # each connector's side of the legs and of the health checks
     metrics: RouterMetrics
     flow: Flow
     whole: Passthrough
     model: dict[str, Any]
     tokenizer: Any
-    health: asyncio.Task[None] | None = None  # the registry's health loop
+    prompt_chars_limit: int | None = None  # longer string prompts go to P untokenized
+    health: asyncio.Task[None] | None = None  # the health loop's task
     inflight: int = 0  # admitted client requests not finished yet (`endpoints.Admission`)
+
+    def describe(self, worker: Worker) -> dict[str, Any]:
+        """`worker` in `/workers` and the admin answers."""
+        return worker.describe(self.protocols.endpoint(worker))
 
 
 async def open_state(cfg: RouterConfig, token: str | None, api_key: str | None,
@@ -45,29 +55,32 @@ async def open_state(cfg: RouterConfig, token: str | None, api_key: str | None,
     """Wait (up to `startup_timeout_s`) for a worker to name the model, check every worker
     once, load the tokenizer, and start the health loop."""
     session = new_session(cfg, token)  # sends the token on every request
-    registry = Registry(cfg, session, token)
+    registry = Registry(cfg)
+    protocols = leg_protocols(session, token, cfg.kv_transport)
+    checks = HealthLoop(cfg, registry, session, token, protocols)
     deadline = time.monotonic() + startup_timeout_s
     while True:
         try:
-            model = await registry.model()
+            model = await checks.model()
             break
         except RuntimeError:
             if time.monotonic() > deadline:
                 await session.close()
                 raise
             await asyncio.sleep(0.5)
-    await registry.check_all()
+    await checks.check_all()
     model_dir = cfg.model_dir or model.get("root")
     tokenizer = await asyncio.to_thread(load_tokenizer, model_dir)
+    max_model_len = model.get("max_model_len")
     metrics = RouterMetrics()
-    metrics.watch_workers(lambda: registry.workers.values())
+    metrics.watch_workers(registry.all)
     picker = Picker(cfg.prefill_policy, cfg.decode_policy, cfg.max_inflight_per_worker)
     flow = Flow(cfg, registry, picker, metrics, session, model["id"],
-                kv_bytes_per_token(model_dir), model.get("max_model_len"))
+                kv_bytes_per_token(model_dir), max_model_len, protocols)
     whole = Passthrough(cfg, registry, picker, metrics, session)
-    st = RouterState(cfg, token, api_key, session, registry, metrics, flow, whole,
-                     model, tokenizer)
-    st.health = asyncio.create_task(registry.run())
+    st = RouterState(cfg, token, api_key, session, registry, checks, protocols, metrics, flow,
+                     whole, model, tokenizer, prompt_chars_limit(tokenizer, max_model_len))
+    st.health = asyncio.create_task(checks.run())
     log.info("router on %s:%d serving %s", cfg.host, cfg.port, model["id"])
     return st
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import aiohttp
 from yarl import URL
 
+from splitserve.common.vocab import Pool
 from splitserve.router.config import RouterConfig
 from splitserve.router.failures import (
     RETRYABLE_STATUS,
@@ -18,11 +19,12 @@ from splitserve.router.failures import (
     Retry,
     exhausted,
 )
-from splitserve.router.health import Registry, Worker
 from splitserve.router.http import TRANSPORT_ERRORS
 from splitserve.router.metrics import RouterMetrics
 from splitserve.router.policy import Picker
+from splitserve.router.registry import Registry
 from splitserve.router.timings import Timings
+from splitserve.router.worker import Worker
 
 
 class Passthrough:
@@ -46,7 +48,7 @@ class Passthrough:
 
     def pick(self, exclude: set[str]) -> Worker:
         """A colocated worker if any is in rotation, else a decode worker."""
-        for role in ("colocated", "decode"):
+        for role in (Pool.COLOCATED, Pool.DECODE):
             pool = [w for w in self.registry.routable(role) if w.url not in exclude]
             if pool:
                 return self.picker.colocated(pool)
@@ -84,4 +86,4 @@ class Passthrough:
             except (*TRANSPORT_ERRORS, LegFailed) as exc:
                 w.release()
                 retry.failed(w, exc)
-        raise exhausted(retry.last, w.role, "request")
+        raise exhausted(retry.last, w.pool.value, "request")

@@ -7,12 +7,16 @@ from typing import Literal
 
 import numpy as np
 
+from splitserve.common.vocab import Pool
+from splitserve.routing import policy_names
+
 Mode = Literal["disagg", "colocated", "chunked"]
-Policy = Literal["round_robin", "random", "power_of_two", "least_loaded"]
+# the router's policies (`splitserve.routing.POLICIES`), which the simulator runs by name
+Policy = Literal["load", "round_robin", "random", "power_of_two", "least_loaded"]
 Connector = Literal["splitserve", "nixl"]
 MODES: tuple[str, ...] = ("disagg", "colocated", "chunked")
 CONNECTORS: tuple[str, ...] = ("splitserve", "nixl")
-POLICIES: tuple[str, ...] = ("round_robin", "random", "power_of_two", "least_loaded")
+POLICIES: tuple[str, ...] = policy_names(Pool.PREFILL)
 
 
 @dataclass(frozen=True)
@@ -48,9 +52,11 @@ class SimConfig:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.connector not in CONNECTORS:
             raise ValueError(f"connector must be one of {CONNECTORS}, got {self.connector!r}")
-        for name in ("p_policy", "d_policy"):
-            if getattr(self, name) not in POLICIES:
-                raise ValueError(f"{name} must be one of {POLICIES}")
+        pools = {"p_policy": Pool.PREFILL if self.mode == "disagg" else Pool.COLOCATED,
+                 "d_policy": Pool.DECODE}
+        for name, pool in pools.items():
+            if getattr(self, name) not in policy_names(pool):
+                raise ValueError(f"{name} must be one of {policy_names(pool)}")
         if self.mode == "disagg" and (self.n_prefill < 1 or self.n_decode < 1):
             raise ValueError("disaggregated serving needs n_prefill >= 1 and n_decode >= 1")
         if self.mode != "disagg" and self.n_workers < 1:

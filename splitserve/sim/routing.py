@@ -1,31 +1,127 @@
-"""The simulated router's choice of a worker per request (round_robin, random, power_of_two,
-least_loaded over `Worker.load`); the simulator calls these on each arrival."""
+"""The simulated router's choice of a worker per request: the router's own policies
+(`splitserve.routing`, by the same names), run over `SimWorkerView`s of the simulator's workers.
+
+The simulator calls `pick_all` once per pool at the start of a run and `pick` on each arrival.
+Randomness comes from the run's seeded generator, drawn up front in the order the simulator
+always drew it (its two `power_of_two` columns, then `random`'s), so a run is reproducible.
+A load-blind policy (`round_robin`, `random`) makes every choice at the start, one per request
+in arrival order: as in the router, whose D cursor moves for every request (it picks D before it
+knows whether the request ends at t1).
+
+The simulator's workers are always in rotation, have no queue limit, and no staging limit
+(`staging_capacity_bytes` 0: the router's staging filter keeps every D), so a pick sees the
+whole pool.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
-from splitserve.sim.workerstate import Worker
+from splitserve.common.vocab import Pool
+from splitserve.routing import POLICIES, Policy, RouteRequest
+from splitserve.sim.workerstate import COLOCATED, DECODE, PREFILL, Worker
+
+POOL_OF = {PREFILL: Pool.PREFILL, DECODE: Pool.DECODE, COLOCATED: Pool.COLOCATED}
 
 
-def pick_all(rng: np.random.Generator, pool: list[Worker], policy: str, n: int
-             ) -> list[int] | None:
-    """Choices that do not depend on load, drawn for all requests at once (None: per arrival)."""
+class SimWorkerView:
+    """A simulated worker as a policy sees it (`routing.WorkerView`), exactly current:
+
+    - `inflight`: D and colocated: the requests assigned to it and not finished (its `load`);
+      P: the prompts queued on it, not prefilled yet;
+    - `inflight_prefill_tokens`: P: their prompt tokens (its `load`); else 0;
+    - `waiting`: requests not started (P: queued behind the one prefilling; D: legs waiting
+      for KV room or a batch slot); `running`: its batch; `kv_usage`: KV tokens held over
+      capacity; no staging."""
+
+    __slots__ = ("worker", "index", "kv_capacity")
+
+    staged_bytes = 0.0
+    staging_capacity_bytes = 0.0
+
+    def __init__(self, worker: Worker, index: int, kv_capacity: int) -> None:
+        self.worker, self.index, self.kv_capacity = worker, index, kv_capacity
+
+    @property
+    def inflight(self) -> int:
+        w = self.worker
+        return len(w.queue) if w.role == PREFILL else w.load
+
+    @property
+    def inflight_prefill_tokens(self) -> int:
+        w = self.worker
+        return w.load if w.role == PREFILL else 0
+
+    @property
+    def waiting(self) -> float:
+        w = self.worker
+        return float(len(w.waiting) + max(len(w.queue) - 1, 0))
+
+    @property
+    def running(self) -> float:
+        return float(self.worker.batch)
+
+    @property
+    def kv_usage(self) -> float:
+        return self.worker.kv_used / self.kv_capacity if self.kv_capacity else 0.0
+
+
+class PreDrawn:
+    """`routing.Draws` over columns drawn up front: request i's k-th draw is `columns[k][i]`."""
+
+    def __init__(self, columns: list[list[int]]) -> None:
+        self.columns, self.i, self.k = columns, 0, 0
+
+    def at(self, i: int) -> None:
+        self.i, self.k = i, 0
+
+    def index(self, n: int) -> int:
+        value = self.columns[self.k][self.i]
+        self.k += 1
+        return value
+
+
+@dataclass
+class Choices:
+    """One pool's routing in one run: its policy, and the choices made up front (load-blind)."""
+
+    policy: Policy
+    views: list[SimWorkerView]
+    draws: PreDrawn
+    drawn: list[int] | None
+    prompt_lens: list[int]
+
+
+def pick_all(rng: np.random.Generator, pool: list[Worker], policy: str, n: int, *,
+             prompt_lens: list[int], kv_capacity: int = 0) -> Choices:
+    """Set up `pool`'s routing for a run of `n` requests (`prompt_lens`: theirs); a load-blind
+    policy's choices are all made here."""
     m = len(pool)
-    if policy == "round_robin":
-        return [i % m for i in range(n)]
-    if policy == "random":
-        return rng.integers(0, m, size=n).tolist()
-    return None
+    kind = POOL_OF[pool[0].role]
+    factory = POLICIES[kind].get(policy)
+    if factory is None:
+        raise ValueError(f"no {kind} policy {policy!r}; known: {tuple(POLICIES[kind])}")
+    draws = PreDrawn([])
+    chosen = factory(kind, draws)
+    views = [SimWorkerView(w, j, kv_capacity) for j, w in enumerate(pool)]
+    if not chosen.load_blind:
+        return Choices(chosen, views, draws, None, prompt_lens)
+    draws.columns = [rng.integers(0, m, size=n).tolist() for _ in range(chosen.draws_per_pick)]
+    nothing = RouteRequest()
+    drawn = []
+    for i in range(n):
+        draws.at(i)
+        drawn.append(chosen.pick(views, nothing).index)
+    return Choices(chosen, views, draws, drawn, prompt_lens)
 
 
-def pick(pool: list[Worker], policy: str, pre: list[int] | None, i: int,
-         two: list[list[int]]) -> int:
-    """Request i's worker: the pre-drawn choice, the less loaded of two drawn candidates, or the
-    least loaded of all."""
-    if pre is not None:
-        return pre[i]
-    if policy == "power_of_two":
-        a, b = two[0][i], two[1][i]
-        return a if pool[a].load <= pool[b].load else b
-    return min(range(len(pool)), key=lambda j: pool[j].load)
+def pick(pool: list[Worker], policy: str, pre: Choices, i: int, two: list[list[int]]) -> int:
+    """Request i's worker (an index into `pool`): made up front, or by the policy now over the
+    pool's current state (`two`: the run's two columns of draws, for `power_of_two`)."""
+    if pre.drawn is not None:
+        return pre.drawn[i]
+    pre.draws.columns = two
+    pre.draws.at(i)
+    return pre.policy.pick(pre.views, RouteRequest(pre.prompt_lens[i])).index

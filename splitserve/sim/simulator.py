@@ -334,10 +334,12 @@ class Simulation:
         cfg, n = self.cfg, len(self.arrivals)
         P, D, W, npw = self.P, self.D, self.W, self.npw
         two_p = [self.rng.integers(0, len(P), size=n).tolist() for _ in range(2)]
-        pre_p = pick_all(self.rng, P, cfg.p_policy, n)
+        pre_p = pick_all(self.rng, P, cfg.p_policy, n, prompt_lens=self.prompt_lens,
+                         kv_capacity=self.cap)
         if D:
             two_d = [self.rng.integers(0, len(D), size=n).tolist() for _ in range(2)]
-            pre_d = pick_all(self.rng, D, cfg.d_policy, n)
+            pre_d = pick_all(self.rng, D, cfg.d_policy, n, prompt_lens=self.prompt_lens,
+                             kv_capacity=self.cap)
         heap, arrivals = self.heap, self.arrivals
         prompt_lens, output_lens = self.prompt_lens, self.output_lens
         pop = heapq.heappop

@@ -20,6 +20,7 @@ from tests.support.scripted import (
     PREFILL_OK,
     chunk,
     closed_port,
+    identify,
     make_flow,
     sse_reply,
     started,
@@ -147,7 +148,8 @@ async def test_request_ending_at_t1_needs_no_decode_and_moves_no_kv() -> None:
     async with workers(handler, ("p1", "p2", "d1", "d2")) as urls, make_flow(
             urls, token="tok") as (flow, _):
         for w in flow.registry.workers.values():
-            w.info = {"kv_host": "127.0.0.1", "kv_port": 5, "engine_id": "e", "transport": "tcp"}
+            identify(w, {"kv_host": "127.0.0.1", "kv_port": 5, "engine_id": "e",
+                         "transport": "tcp"})
         one = plan_legs({"model": "m", "prompt": "x", "max_tokens": 1}, "completion", "x")
         pre = await flow.prefill(one, "rid", Timings())
         assert pre.decode is None and pre.finish_reason == "length" and not pre.reserved
@@ -202,7 +204,8 @@ async def test_transfer_record_is_fetched_while_d_streams() -> None:
 
     async with workers(handler, ("p1", "d1")) as urls, make_flow(urls, token="tok") as (flow, _):
         for w in flow.registry.workers.values():
-            w.info = {"kv_host": "127.0.0.1", "kv_port": 5, "engine_id": "e", "transport": "tcp"}
+            identify(w, {"kv_host": "127.0.0.1", "kv_port": 5, "engine_id": "e",
+                         "transport": "tcp"})
         legs = plan_legs({"model": "m", "prompt": "x", "max_tokens": 3, "stream": True},
                          "completion", "x")
         pre = await flow.prefill(legs, "rid", t := Timings())

@@ -1,21 +1,52 @@
-"""The registry's health loop against scripted workers: circuit breaking, KV endpoints, load."""
+"""The health loop and the registry against scripted workers: circuit breaking, identity, load,
+KV endpoints, and the events the registry announces (one test per kind)."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
 
+import pytest
 from aiohttp import web
 
+from splitserve.common.vocab import Connector, Role
+from splitserve.common.wire import ConnectorState, WorkerInfo
 from splitserve.router.config import RouterConfig
-from splitserve.router.health import Registry, kv_endpoint
+from splitserve.router.health import HealthLoop
 from splitserve.router.http import new_session
-from tests.support.scripted import workers
+from splitserve.router.legs import leg_protocols
+from splitserve.router.registry import EventKind, Registry, WorkerEvent
+from splitserve.router.worker import Worker
+from tests.support.scripted import identify, workers
 
 P = "http://p:1"
 METRICS = ('vllm:kv_cache_usage_perc{engine="0"} 0.5\n'
            'vllm:num_requests_running{engine="0"} 2.0\n')
 INFO = {"role": "decode", "transport": "shm", "kv_host": "127.0.0.1", "kv_port": 7001,
         "engine_id": "e1"}
+STATE = ConnectorState(WorkerInfo.from_json(INFO), staged_bytes=10,
+                       staging_capacity_bytes=100).to_json()
+
+
+@asynccontextmanager
+async def checked(cfg: RouterConfig, token: str | None = "tok"
+                  ) -> AsyncIterator[tuple[Registry, HealthLoop, list[WorkerEvent]]]:
+    """A registry over `cfg`'s workers, its health loop (not running: call `check_all`), and
+    every event it announces."""
+    session = new_session(cfg, None)  # the health loop authenticates each request itself
+    try:
+        reg = Registry(cfg)
+        events: list[WorkerEvent] = []
+        reg.subscribe(events.append)
+        yield reg, HealthLoop(cfg, reg, session, token, leg_protocols(session, token)), events
+    finally:
+        await session.close()
+
+
+def kinds(events: list[WorkerEvent], worker: Worker | None = None) -> list[EventKind]:
+    return [e.kind for e in events if worker is None or e.worker is worker]
 
 
 async def test_circuit_breaker_endpoints_and_load() -> None:
@@ -39,26 +70,24 @@ async def test_circuit_breaker_endpoints_and_load() -> None:
             return web.Response(status=401)
         if req.path == "/splitserve/info":
             return web.json_response(INFO) if name == "d" else web.Response(status=404)
-        return web.json_response({"staged_bytes": 10, "staging_capacity_bytes": 100})
+        return web.json_response(STATE)
 
     async with workers(handler, ("p", "d")) as urls:
         cfg = RouterConfig(prefill=(urls["p"],), decode=(urls["d"],), unhealthy_after=3,
                            healthy_after=2)
-        session = new_session(cfg, None)  # the registry authenticates each request itself
-        try:
-            reg = Registry(cfg, session, "tok")
-            await reg.check_all()
-            (p,), (d,) = reg.by_role("prefill"), reg.by_role("decode")
+        async with checked(cfg) as (reg, checks, events):
+            await checks.check_all()
+            (p,), (d,) = reg.by_pool("prefill"), reg.by_pool("decode")
             assert p.healthy and d.healthy  # a worker that answers at start is in at once
-            assert d.kv_endpoint() == {"remote_host": "127.0.0.1", "remote_port": 7001,
-                                       "remote_engine_id": "e1", "transport": "shm"}
-            assert d.kv_endpoint("tcp")["transport"] == "tcp"
-            assert p.info == {} and p.kv_endpoint() is None  # plain vLLM: no KV endpoint
+            endpoints = checks.protocols
+            assert endpoints.endpoint(d) == {"remote_host": "127.0.0.1", "remote_port": 7001,
+                                             "remote_engine_id": "e1", "transport": "shm"}
+            assert p.identity.plain and p.info is None and endpoints.endpoint(p) is None
             assert (d.kv_usage, d.running, d.waiting, d.staged_bytes,
                     d.staging_capacity_bytes) == (0.25, 3.0, 1.0, 10.0, 100.0)
             assert (p.kv_usage, p.running) == (0.5, 2.0)  # parsed out of a plain /metrics
-            await reg.check_all()
-            assert asked.count("d/splitserve/info") == 1  # the endpoint is read once
+            await checks.check_all()
+            assert asked.count("d/splitserve/info") == 1  # the identity is read once
             # a splitserve worker's load never costs it a /metrics render; a plain worker is
             # asked for /splitserve/load once, then /metrics
             assert "d/metrics" not in asked
@@ -66,33 +95,122 @@ async def test_circuit_breaker_endpoints_and_load() -> None:
 
             up["d"] = False
             for _ in range(2):
-                await reg.check_all()
+                await checks.check_all()
             assert d.healthy  # two failures: still in
-            await reg.check_all()
+            await checks.check_all()
             assert not d.healthy and reg.routable("decode") == []
             up["d"] = True
-            await reg.check_all()
+            await checks.check_all()
             assert not d.healthy  # one good check after failures is not enough
-            await reg.check_all()
+            await checks.check_all()
             assert d.healthy and d.describe()["healthy"]
-        finally:
-            await session.close()
+            # back after failures: its identity was read again, and was the same
+            assert asked.count("d/splitserve/info") == 2
+            assert kinds(events, d) == [EventKind.HEALTHY, EventKind.UNHEALTHY,
+                                        EventKind.HEALTHY]
+
+
+async def test_a_worker_that_comes_back_as_another_engine_is_announced_restarted() -> None:
+    engine = {"id": "e1", "up": True}
+
+    async def handler(name: str, req: web.Request) -> web.StreamResponse:
+        if not engine["up"]:
+            return web.Response(status=503)
+        if req.path == "/splitserve/info":
+            return web.json_response(INFO | {"engine_id": engine["id"]})
+        if req.path == "/splitserve/state":
+            return web.json_response(STATE)
+        if req.path == "/splitserve/load":
+            return web.json_response({})
+        return web.Response()
+
+    async with workers(handler, ("d",)) as urls:
+        cfg = RouterConfig(prefill=(P,), decode=(urls["d"],), unhealthy_after=1,
+                           healthy_after=1)
+        async with checked(cfg) as (reg, checks, events):
+            (d,) = reg.by_pool("decode")
+            await checks.check(d)
+            assert d.info is not None and d.info.engine_id == "e1"
+            engine.update(up=False, id="e2")  # the engine restarts: its checks fail meanwhile
+            await checks.check(d)
+            engine["up"] = True
+            await checks.check(d)
+            assert d.info is not None and d.info.engine_id == "e2"
+            restarted = [e for e in events if e.kind == EventKind.RESTARTED]
+            assert len(restarted) == 1 and restarted[0].worker is d
+            assert restarted[0].previous is not None and restarted[0].previous.engine_id == "e1"
+            # in order: restarted before it is back in rotation
+            assert kinds(events, d) == [EventKind.HEALTHY, EventKind.UNHEALTHY,
+                                        EventKind.RESTARTED, EventKind.HEALTHY]
+
+
+def test_identity_changes_and_request_failures_follow_the_restart_rule() -> None:
+    reg = Registry(RouterConfig(prefill=(P,), decode=("http://d:1",)))
+    events: list[WorkerEvent] = []
+    reg.subscribe(events.append)
+    (d,) = reg.by_pool("decode")
+    first = WorkerInfo.from_json(INFO)
+    assert d.identity.stale  # never read
+    reg.identified(d, first)
+    assert not d.identity.stale and events == []  # the first read is no restart
+    reg.failed(d, "connection reset")  # one request failure: not out of rotation, but...
+    assert d.identity.stale  # ...its identity is read again at the next good check
+    reg.identified(d, first)
+    assert events == []  # the same worker
+    reg.identified(d, WorkerInfo.from_json(INFO | {"kv_port": 7002}))
+    assert kinds(events) == [EventKind.RESTARTED]  # any other field counts too
+    reg.identified(d, None)  # it now answers 404: not the worker it was
+    assert kinds(events) == [EventKind.RESTARTED] * 2 and d.identity.plain
+
+
+async def test_added_draining_undrained_and_removed_are_announced() -> None:
+    reg = Registry(RouterConfig(colocated=(P,)))
+    events: list[WorkerEvent] = []
+    replayed: list[WorkerEvent] = []
+    reg.subscribe(events.append)
+    unsubscribe = reg.subscribe(replayed.append, replay=True)
+    assert [(e.kind, e.worker.url) for e in replayed] == [(EventKind.ADDED, P)]
+    added = reg.add("http://c2:1", "colocated")
+    reg.drain(added)
+    reg.drain(added)  # already draining: no second event
+    reg.drain(added, draining=False)
+    unsubscribe()
+    assert await reg.remove(added) is added and reg.find("http://c2:1") == []
+    assert [(e.kind, e.worker) for e in events] == [
+        (EventKind.ADDED, added), (EventKind.DRAINING, added), (EventKind.UNDRAINED, added),
+        (EventKind.DRAINING, added), (EventKind.REMOVED, added)]
+    assert len(replayed) == 4  # the replayed ADDED, then three; unsubscribed before removal
+
+
+def test_a_listener_that_raises_does_not_break_the_writer() -> None:
+    reg = Registry(RouterConfig(colocated=(P,)))
+    seen: list[EventKind] = []
+
+    def bad(event: WorkerEvent) -> None:
+        raise RuntimeError("listener bug")
+
+    reg.subscribe(bad)
+    reg.subscribe(lambda e: seen.append(e.kind))
+    reg.add("http://c2:1", "colocated")
+    assert seen == [EventKind.ADDED]
 
 
 async def test_remove_waits_for_open_legs() -> None:
-    cfg = RouterConfig(colocated=(P,))
-    session = new_session(cfg, None)
-    try:
-        reg = Registry(cfg, session, None)
-        (w,) = reg.find(P)
-        w.acquire()
-        removal = asyncio.ensure_future(reg.remove(w))
-        await asyncio.sleep(0.01)
-        assert not removal.done() and w.draining and not w.routable
-        w.release()
-        assert await removal is w and reg.find(P) == []
-    finally:
-        await session.close()
+    reg = Registry(RouterConfig(colocated=(P,)))
+    (w,) = reg.find(P)
+    w.acquire()
+    removal = asyncio.ensure_future(reg.remove(w))
+    await asyncio.sleep(0.01)
+    assert not removal.done() and w.draining and not w.routable
+    w.release()
+    assert await removal is w and reg.find(P) == []
+
+
+def test_add_checks_the_role_and_url() -> None:
+    reg = Registry(RouterConfig(colocated=(P,)))
+    for url, role in ((P, "colocated"), ("http://x:1", "both"), ("x:1", "decode")):
+        with pytest.raises(ValueError):
+            reg.add(url, role)
 
 
 async def test_a_workers_node_is_shown_and_labels_its_metrics() -> None:
@@ -100,33 +218,43 @@ async def test_a_workers_node_is_shown_and_labels_its_metrics() -> None:
 
     from splitserve.router.metrics import RouterMetrics
 
-    cfg = RouterConfig(prefill=(P,), decode=("http://d:1",))
-    session = new_session(cfg, None)
-    try:
-        reg = Registry(cfg, session, None)
-        added = reg.add("http://d2:1", "decode", node="node-b")
-        added.healthy = True
-        assert added.describe()["node"] == "node-b"
-        assert reg.find(P)[0].describe()["node"] is None
-        metrics = RouterMetrics()
-        metrics.watch_workers(lambda: reg.workers.values())
-        text = generate_latest(metrics.registry).decode()
-    finally:
-        await session.close()
+    reg = Registry(RouterConfig(prefill=(P,), decode=("http://d:1",)))
+    added = reg.add("http://d2:1", "decode", node="node-b")
+    added.health.healthy = True
+    assert added.describe()["node"] == "node-b"
+    assert reg.find(P)[0].describe()["node"] is None
+    metrics = RouterMetrics()
+    metrics.watch_workers(reg.all)
+    text = generate_latest(metrics.registry).decode()
     assert ('splitserve_router_worker_routable{node="node-b",role="decode",url="http://d2:1"} 1.0'
             in text)
     assert 'splitserve_router_worker_inflight{node="",role="prefill",url="http://p:1"} 0.0' in text
 
 
+def test_describe_keeps_the_workers_keys() -> None:
+    worker = Worker(P, "prefill")
+    assert set(worker.describe()) == {
+        "url", "role", "node", "healthy", "draining", "inflight", "inflight_prefill_tokens",
+        "kv_usage", "running", "waiting", "staged_bytes", "staging_capacity_bytes",
+        "kv_endpoint", "last_error", "checked_age_s"}
+
+
 def test_kv_endpoint_is_the_advertised_one_whatever_the_connector() -> None:
     """The connector that drives a pair is `LegProtocols.for_pair`'s choice (tests/router/
     test_legs_nixl.py: a mixed pair moves no KV); the endpoint only says where a worker listens."""
-    info = {"role": "decode", "kv_host": "127.0.0.1", "kv_port": 9100, "engine_id": "e"}
-    assert kv_endpoint(info)["remote_port"] == 9100
-    assert kv_endpoint(info | {"connector": "splitserve"})["remote_port"] == 9100
-    nixl = kv_endpoint(info | {"connector": "nixl", "transport": "nixl"})
-    assert nixl is not None and (nixl["remote_port"], nixl["transport"]) == (9100, "nixl")
-    assert kv_endpoint(info | {"kv_port": None}) is None
+    protocols = leg_protocols(None, None)  # type: ignore[arg-type]  # no HTTP here
+    info: dict[str, Any] = {"kv_host": "127.0.0.1", "kv_port": 9100, "engine_id": "e"}
+    for extra in ({}, {"connector": "splitserve"}, {"connector": "nixl", "transport": "nixl"}):
+        d = Worker("http://d:1", "decode")
+        identify(d, info | extra)
+        endpoint = protocols.endpoint(d)
+        assert endpoint is not None and endpoint["remote_port"] == 9100
+        assert endpoint.get("transport") == extra.get("transport")
+    d = Worker("http://d:1", "decode")
+    identify(d, info | {"kv_port": None})
+    assert protocols.endpoint(d) is None
+    assert d.info is not None and (d.info.connector, d.info.role) == (Connector.SPLITSERVE,
+                                                                      Role.DECODE)
 
 
 async def test_a_nixl_decode_worker_is_not_asked_for_splitserve_staging() -> None:
@@ -141,19 +269,14 @@ async def test_a_nixl_decode_worker_is_not_asked_for_splitserve_staging() -> Non
         if req.path == "/splitserve/info":
             return web.json_response(INFO | {"connector": "nixl", "transport": "nixl"})
         if req.path == "/splitserve/state":
-            return web.json_response({"staged_bytes": 10, "staging_capacity_bytes": 100})
+            return web.json_response(STATE)
         return web.Response()
 
     async with workers(handler, ("d",)) as urls:
-        cfg = RouterConfig(prefill=(P,), decode=(urls["d"],))
-        session = new_session(cfg, None)
-        try:
-            reg = Registry(cfg, session, "tok")
+        async with checked(RouterConfig(prefill=(P,), decode=(urls["d"],))) as (reg, checks, _):
             for _ in range(2):
-                await reg.check(reg.by_role("decode")[0])
-            (d,) = reg.by_role("decode")
-            assert d.healthy and d.info is not None and d.info["connector"] == "nixl"
+                await checks.check(reg.by_pool("decode")[0])
+            (d,) = reg.by_pool("decode")
+            assert d.healthy and d.info is not None and d.info.connector == Connector.NIXL
             assert asked.count("/splitserve/info") == 1 and "/splitserve/state" not in asked
             assert d.staged_bytes == 0.0
-        finally:
-            await session.close()

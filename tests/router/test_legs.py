@@ -11,10 +11,9 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from splitserve.common.vocab import TransferStatus
+from splitserve.common.vocab import Connector, TransferStatus
 from splitserve.common.wire import SideRecord
 from splitserve.router.config import RouterConfig
-from splitserve.router.health import Worker
 from splitserve.router.http import new_session
 from splitserve.router.legs import (
     DecodeStart,
@@ -22,27 +21,37 @@ from splitserve.router.legs import (
     LegProtocols,
     SplitserveLegs,
     Transfer,
-    connector_of,
     drop_replayed,
     leg_protocols,
 )
 from splitserve.router.params import plan_legs
 from splitserve.router.timings import Timings
-from tests.support.scripted import PREFILL_OK, chunk, make_flow, sse_reply, started, workers
+from splitserve.router.worker import Worker
+from tests.support.scripted import (
+    PREFILL_OK,
+    chunk,
+    identify,
+    make_flow,
+    sse_reply,
+    started,
+    workers,
+)
 
 INFO = {"kv_host": "127.0.0.1", "kv_port": 5, "engine_id": "e", "transport": "tcp"}
 
 
 def pair(p_info: dict[str, Any] | None, d_info: dict[str, Any] | None) -> tuple[Worker, Worker]:
     p, d = Worker("http://127.0.0.1:1", "prefill"), Worker("http://127.0.0.1:2", "decode")
-    p.info, d.info = p_info, d_info
+    identify(p, p_info)
+    identify(d, d_info)
     return p, d
 
 
 class Replaying(LegProtocol):
-    """A connector whose D is sent the prompt alone and generates t1 again."""
+    """A connector whose D is sent the prompt alone and generates t1 again (registered here in
+    NIXL's place: a connector's name is one of `Connector`)."""
 
-    connector = "replaying"
+    connector = Connector.NIXL
 
     def __init__(self) -> None:
         self.released: list[str] = []
@@ -74,14 +83,15 @@ async def test_the_advertised_connector_selects_the_protocol() -> None:
         ours = protocols.by_connector["splitserve"]
         assert protocols.for_pair(*pair(INFO, INFO)) is ours  # no `connector` key: ours
         assert protocols.for_pair(*pair(INFO, INFO | {"connector": "splitserve"})) is ours
-        both = INFO | {"connector": "replaying"}
-        assert protocols.for_pair(*pair(both, both)) is protocols.by_connector["replaying"]
+        both = INFO | {"connector": "nixl"}
+        assert protocols.for_pair(*pair(both, both)) is protocols.by_connector["nixl"]
         assert protocols.for_pair(*pair(INFO, both)) is None  # P and D speak different ones
-        assert protocols.for_pair(*pair(both | {"connector": "x"},
-                                        both | {"connector": "x"})) is None  # none for it here
+        only_ours = LegProtocols(SplitserveLegs(session, None))
+        assert only_ours.for_pair(*pair(both, both)) is None  # no implementation here
         assert protocols.for_pair(*pair({}, INFO)) is None  # plain vLLM P
         assert protocols.for_pair(*pair(INFO, None)) is None  # D's info not read yet
-        assert connector_of(None) is None and connector_of({}) is None
+        p, d = pair({}, None)
+        assert protocols.for_worker(p) is None and protocols.for_worker(d) is None
         assert set(leg_protocols(session, None).by_connector) == {"splitserve", "nixl"}
     finally:
         await session.close()
@@ -128,7 +138,7 @@ async def test_splitserve_release_is_one_delete_and_record_reads_d() -> None:
         try:
             legs = SplitserveLegs(session, "tok")
             p, d = Worker(urls["p1"], "prefill"), Worker(urls["d1"], "decode")
-            d.info = INFO
+            identify(d, INFO)
             tr = legs.open(p, d, "known")
             assert tr is not None
             record = await legs.record(tr, d.url)
@@ -171,12 +181,12 @@ async def test_flow_drives_another_connector_through_the_protocol() -> None:
     async with workers(handler, ("p1", "d1")) as urls, make_flow(
             urls, protocols=replaying_protocols) as (flow, _):
         for w in flow.registry.workers.values():
-            w.info = INFO | {"connector": "replaying"}
+            identify(w, INFO | {"connector": "nixl"})
         legs = plan_legs({"model": "m", "prompt": "x", "max_tokens": 3, "stream": True,
                           "min_tokens": 3}, "completion", "x")
         pre = await flow.prefill(legs, "rid", t := Timings())
         assert pre.transfer is not None and pre.transfer.via is flow.protocols.by_connector[
-            "replaying"]
+            "nixl"]
         joiner = started(legs, pre)
         out = [c async for c in flow.decode(legs, "rid", pre, joiner, t)]
         assert all(w.inflight == 0 for w in flow.registry.workers.values())
@@ -188,7 +198,7 @@ async def test_flow_drives_another_connector_through_the_protocol() -> None:
     assert [c["choices"][0]["token_ids"] for c in out] == [None, None]  # no return_token_ids
     assert "".join(c["choices"][0]["text"] for c in out) == "bc"
     assert joiner.produced == [10, 11, 12] and joiner.finish_reason == "length"
-    assert flow.protocols.by_connector["replaying"].released == []  # type: ignore[attr-defined]
+    assert flow.protocols.by_connector["nixl"].released == []  # type: ignore[attr-defined]
 
 
 async def test_a_wrong_replay_fails_the_leg_and_resumes_by_recomputation() -> None:
@@ -205,7 +215,7 @@ async def test_a_wrong_replay_fails_the_leg_and_resumes_by_recomputation() -> No
     async with workers(handler, ("p1", "d1", "d2")) as urls, make_flow(
             urls, protocols=replaying_protocols) as (flow, metrics):
         for w in flow.registry.workers.values():
-            w.info = INFO | {"connector": "replaying"}
+            identify(w, INFO | {"connector": "nixl"})
         legs = plan_legs({"model": "m", "prompt": "x", "max_tokens": 3, "stream": True},
                          "completion", "x")
         pre = await flow.prefill(legs, "rid", t := Timings())

@@ -7,11 +7,19 @@ from typing import Any
 
 from aiohttp import web
 
-from splitserve.router.health import Worker
 from splitserve.router.legs import DecodeStart, NixlLegs
 from splitserve.router.params import plan_legs
 from splitserve.router.timings import Timings
-from tests.support.scripted import PREFILL_OK, chunk, make_flow, sse_reply, started, workers
+from splitserve.router.worker import Worker
+from tests.support.scripted import (
+    PREFILL_OK,
+    chunk,
+    identify,
+    make_flow,
+    sse_reply,
+    started,
+    workers,
+)
 
 INFO = {"connector": "nixl", "kv_host": "127.0.0.1", "kv_port": 5600}
 # what P's NixlConnector answers with (vLLM 0.32, pull mode)
@@ -49,7 +57,7 @@ async def test_flow_splits_over_nixl() -> None:
 
     async with workers(handler, ("p1", "d1")) as urls, make_flow(urls) as (flow, _):
         for w in flow.registry.workers.values():
-            w.info = INFO
+            identify(w, INFO)
         legs = plan_legs({"model": "m", "prompt": "x", "max_tokens": 3, "stream": True},
                          "completion", "x")
         pre = await flow.prefill(legs, "rid", t := Timings())
@@ -75,8 +83,8 @@ async def test_a_mixed_pair_moves_no_kv_and_d_recomputes() -> None:
 
     async with workers(handler, ("p1", "d1")) as urls, make_flow(urls) as (flow, _):
         for w in flow.registry.workers.values():
-            w.info = INFO if w.role == "prefill" else {"connector": "splitserve",
-                                                       "kv_host": "127.0.0.1", "kv_port": 9}
+            identify(w, INFO if w.pool == "prefill" else {"connector": "splitserve",
+                                                          "kv_host": "127.0.0.1", "kv_port": 9})
         legs = plan_legs({"model": "m", "prompt": "x", "max_tokens": 3, "stream": True},
                          "completion", "x")
         pre = await flow.prefill(legs, "rid", t := Timings())
@@ -105,7 +113,7 @@ async def test_a_failed_p_is_retried_under_fresh_params_and_d_reads_the_retrys_b
 
     async with workers(handler, ("p1", "p2", "d1")) as urls, make_flow(urls) as (flow, _):
         for w in flow.registry.workers.values():
-            w.info = INFO
+            identify(w, INFO)
         legs = plan_legs({"model": "m", "prompt": "x", "max_tokens": 3, "stream": True},
                          "completion", "x")
         pre = await flow.prefill(legs, "rid", t := Timings())

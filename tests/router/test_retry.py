@@ -12,12 +12,13 @@ from aiohttp import web
 from splitserve.router.cli import add_router_arguments, config_from_args
 from splitserve.router.config import RouterConfig
 from splitserve.router.failures import LegFailed, Retry
-from splitserve.router.health import Registry, Worker
 from splitserve.router.http import new_session
 from splitserve.router.metrics import RouterMetrics
 from splitserve.router.policy import Overloaded, Picker
+from splitserve.router.registry import Registry
 from splitserve.router.timings import Timings
 from splitserve.router.whole import Passthrough
+from splitserve.router.worker import Worker
 from tests.support.scripted import workers
 
 
@@ -40,9 +41,10 @@ async def test_retry_counts_each_retry_and_remembers_the_workers_tried() -> None
     cfg = RouterConfig(colocated=("http://c:1",), retry_backoff_s=0.0)
     session = new_session(cfg, None)
     try:
-        reg, metrics, t = Registry(cfg, session, None), RouterMetrics(), Timings()
+        reg, metrics, t = Registry(cfg), RouterMetrics(), Timings()
         retry = Retry(cfg, metrics, reg, "whole", 2, t, "rid")
-        w = Worker("http://c:1", "colocated", healthy=True)
+        w = Worker("http://c:1", "colocated")
+        w.health.healthy = True
         attempts = []
         for attempt in retry:
             await retry.begin(attempt)
@@ -73,10 +75,11 @@ async def test_the_whole_path_retries_up_to_whole_retries() -> None:
                                prefill_retries=5, whole_retries=limit)
             session = new_session(cfg, None)
             try:
-                reg = Registry(cfg, session, None)
-                for w in reg.workers.values():
-                    w.healthy = True
-                    w.inflight = 0 if w.url == urls["c1"] else 1  # c1 is picked first
+                reg = Registry(cfg)
+                for w in reg.all():
+                    w.health.healthy = True
+                    if w.url != urls["c1"]:
+                        w.acquire()  # c1 is picked first
                 whole = Passthrough(cfg, reg, Picker("load", "load"), RouterMetrics(), session)
                 if limit:
                     status, body, _ = await whole.complete("/v1/completions", b"{}", "rid",

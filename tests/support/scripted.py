@@ -12,20 +12,30 @@ from typing import Any
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+from splitserve.common.wire import WorkerInfo
 from splitserve.router.config import RouterConfig
 from splitserve.router.flow import Flow
 from splitserve.router.formats import Joiner
-from splitserve.router.health import Registry
 from splitserve.router.http import new_session
-from splitserve.router.legs import LegProtocols
+from splitserve.router.legs import LegProtocols, leg_protocols
 from splitserve.router.metrics import RouterMetrics
 from splitserve.router.params import Legs
 from splitserve.router.policy import Picker
+from splitserve.router.registry import Registry
+from splitserve.router.worker import Worker
 
 Handler = Callable[[str, web.Request], Awaitable[web.StreamResponse]]
 PREFILL_OK = {"choices": [{"text": "a", "token_ids": [10], "prompt_token_ids": [1, 2, 3],
                            "finish_reason": "length", "stop_reason": None}],
               "system_fingerprint": "fp"}
+
+
+def identify(worker: Worker, raw: dict[str, Any] | None) -> None:
+    """Give `worker` the `/splitserve/info` answer `raw` (role: its pool's), as the health loop
+    would: `{}` is a plain vLLM worker (404), None one not read yet."""
+    role = "prefill" if worker.pool == "prefill" else "decode"
+    worker.identity.plain = raw == {}
+    worker.identity.info = WorkerInfo.from_json({"role": role} | raw) if raw else None
 
 
 def chunk(text: str, tok: int, finish: str | None = None) -> bytes:
@@ -91,11 +101,12 @@ async def make_flow(urls: dict[str, str], token: str | None = None,
                        colocated=by_role["colocated"], retry_backoff_s=0.0)
     session = new_session(cfg, token)
     try:
-        reg = Registry(cfg, session, token=token)  # its health loop is not run here
-        for w in reg.workers.values():
-            w.healthy = True
+        reg = Registry(cfg)  # its health loop is not run here
+        for w in reg.all():
+            w.health.healthy = True
         metrics = RouterMetrics()
-        legs = protocols(session) if protocols is not None else None
+        legs = (protocols(session) if protocols is not None
+                else leg_protocols(session, token, cfg.kv_transport))
         yield Flow(cfg, reg, Picker("load", "load"), metrics, session, "m", 0, 2048,
                    legs), metrics
     finally:

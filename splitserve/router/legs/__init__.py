@@ -7,17 +7,19 @@ import aiohttp
 
 from splitserve.router.legs.base import (
     DecodeStart,
+    Getter,
     LegProtocol,
     LegProtocols,
     Transfer,
-    connector_of,
+    advertised_endpoint,
     drop_replayed,
 )
 from splitserve.router.legs.nixl import NixlLegs
-from splitserve.router.legs.splitserve import SplitserveLegs
+from splitserve.router.legs.splitserve import SplitserveLegs, push_target
 
 __all__ = ["DecodeStart", "LegProtocol", "LegProtocols", "NixlLegs", "SplitserveLegs",
-           "Transfer", "connector_of", "drop_replayed", "leg_protocols"]
+           "Getter", "Transfer", "advertised_endpoint", "drop_replayed", "leg_protocols",
+           "push_target"]
 
 
 def leg_protocols(session: aiohttp.ClientSession, token: str | None,

@@ -31,21 +31,33 @@ Contract, in the order `Flow` calls it (one `Transfer` per P attempt):
    `first_byte_s`, ...), or None;
    `record_final(record)` says whether it can no longer change. Best effort: never raises.
 
+6. **What the health loop asks of a worker.** `endpoint(info)` is the worker as a KV target,
+   from its `/splitserve/info` (shown in `/workers`; None: it has no KV endpoint).
+   `poll_staging(get)` is called on every good check of a D that speaks this connector, with
+   `get(path) -> (status, body)` over the router's session to that worker; it returns the
+   connector's staging (`worker.Staging`, which the `load` policy reads) or None (none kept, or
+   not readable now). It may raise the transport errors and `ValueError`: the check logs them
+   and stays good.
+
 Which implementation drives a pair: the `connector` that both workers advertise in
-`/splitserve/info` (`LegProtocols.for_pair`; an absent key is `splitserve`). A pair whose
-connectors differ, or that the router has no implementation for, moves no KV.
+`/splitserve/info` (`LegProtocols.for_pair`; `WorkerInfo` reads an absent key as
+`splitserve`). A pair whose connectors differ, or that the router has no implementation for,
+moves no KV; nor does a worker whose info is not known (a plain vLLM worker).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from splitserve.common.wire import SideRecord
-from splitserve.router.health import DEFAULT_CONNECTOR, Worker, connector_of
+from splitserve.common.vocab import Connector
+from splitserve.common.wire import SideRecord, WorkerInfo
+from splitserve.router.worker import Staging, Worker
 
-__all__ = ["DEFAULT_CONNECTOR", "connector_of"]  # re-exported: they live beside Worker.info
+# GET one route of the worker being checked: (status, body)
+Getter = Callable[[str], Awaitable[tuple[int, bytes]]]
 
 
 @dataclass
@@ -74,10 +86,30 @@ class DecodeStart:
             raise ValueError("replayed must not be negative")
 
 
+def advertised_endpoint(info: WorkerInfo) -> dict[str, Any] | None:
+    """A worker's KV host, port, engine id and transport as its info advertises them (the P
+    leg's `kv_transfer_params`, less the transfer's own fields); None without a KV endpoint."""
+    if not info.kv_port:
+        return None
+    endpoint: dict[str, Any] = {"remote_host": info.kv_host, "remote_port": info.kv_port,
+                                "remote_engine_id": info.engine_id}
+    if info.transport:
+        endpoint["transport"] = info.transport
+    return endpoint
+
+
 class LegProtocol(ABC):
     """One connector's side of the two legs (see the module docstring for the contract)."""
 
-    connector: ClassVar[str]
+    connector: ClassVar[Connector]
+
+    def endpoint(self, info: WorkerInfo) -> dict[str, Any] | None:
+        """The worker as the target of a KV push or pull (default: `advertised_endpoint`)."""
+        return advertised_endpoint(info)
+
+    async def poll_staging(self, get: Getter) -> Staging | None:
+        """The connector's staging on a D, read on each good check; None: it keeps none."""
+        return None
 
     @abstractmethod
     def open(self, p: Worker, d: Worker, transfer_id: str) -> Transfer | None:
@@ -109,14 +141,25 @@ class LegProtocols:
     """The implementations the router has, by connector name; picks one per P/D pair."""
 
     def __init__(self, *protocols: LegProtocol) -> None:
-        self.by_connector = {proto.connector: proto for proto in protocols}
+        self.by_connector: dict[str, LegProtocol] = {
+            proto.connector: proto for proto in protocols}
+
+    def for_worker(self, w: Worker) -> LegProtocol | None:
+        """The protocol of the connector `w` advertises; None when its info is not known (a
+        plain vLLM worker) or the router has no implementation of that connector."""
+        connector = w.identity.connector
+        return None if connector is None else self.by_connector.get(connector)
 
     def for_pair(self, p: Worker, d: Worker) -> LegProtocol | None:
         """The protocol both workers speak, or None (D recomputes)."""
-        connector = connector_of(d.info)
-        if connector is None or connector_of(p.info) != connector:
+        if p.identity.connector != d.identity.connector:
             return None
-        return self.by_connector.get(connector)
+        return self.for_worker(d)
+
+    def endpoint(self, w: Worker) -> dict[str, Any] | None:
+        """`w` as a KV target, as its connector's protocol reads its info (`/workers`)."""
+        proto = self.for_worker(w)
+        return None if proto is None or w.info is None else proto.endpoint(w.info)
 
 
 def drop_replayed(token_ids: list[int], produced: list[int], pending: int) -> list[int]:

@@ -16,12 +16,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from splitserve.router.health import Worker
+from splitserve.common.vocab import Connector
 from splitserve.router.legs.base import DecodeStart, LegProtocol, Transfer
+from splitserve.router.worker import Worker
 
 
 class NixlLegs(LegProtocol):
-    connector = "nixl"
+    connector = Connector.NIXL
 
     def open(self, p: Worker, d: Worker, transfer_id: str) -> Transfer | None:
         return Transfer(self, transfer_id, p, d, {"do_remote_decode": True})

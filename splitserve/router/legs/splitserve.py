@@ -8,6 +8,7 @@
 - Release: `DELETE /splitserve/transfers/{id}` on D frees the staged KV (or refuses a push not
   begun); D's lease frees it anyway if that request is lost.
 - Record: `GET /splitserve/transfers/{id}` on D.
+- Staging: `GET /splitserve/state` on D (`ConnectorState`), polled by the health loop.
 """
 
 from __future__ import annotations
@@ -19,18 +20,27 @@ from typing import Any
 
 import aiohttp
 
-from splitserve.common.vocab import TERMINAL_STATUSES
-from splitserve.common.wire import SideRecord, TransferRecord
-from splitserve.router.health import Worker
+from splitserve.common.vocab import TERMINAL_STATUSES, Connector
+from splitserve.common.wire import ConnectorState, SideRecord, TransferRecord, WorkerInfo
 from splitserve.router.http import TRANSPORT_ERRORS
-from splitserve.router.legs.base import LegProtocol, Transfer
+from splitserve.router.legs.base import Getter, LegProtocol, Transfer, advertised_endpoint
+from splitserve.router.worker import Staging, Worker
 
 log = logging.getLogger("splitserve.router")
 FINAL_STATUS = TERMINAL_STATUSES  # D's record can no longer change
 
 
+def push_target(info: WorkerInfo, transport: str | None = None) -> dict[str, Any] | None:
+    """Where P pushes to D (`info`: D's): its KV listener, over `transport` when one is chosen
+    per transfer (else what D advertises); None when D has no KV endpoint."""
+    endpoint = advertised_endpoint(info)
+    if endpoint is not None and transport:
+        endpoint["transport"] = transport
+    return endpoint
+
+
 class SplitserveLegs(LegProtocol):
-    connector = "splitserve"
+    connector = Connector.SPLITSERVE
 
     def __init__(self, session: aiohttp.ClientSession, token: str | None,
                  transport: str | None = None) -> None:
@@ -40,7 +50,7 @@ class SplitserveLegs(LegProtocol):
         self._releases: set[asyncio.Task[None]] = set()  # in-flight DELETEs (kept referenced)
 
     def open(self, p: Worker, d: Worker, transfer_id: str) -> Transfer | None:
-        endpoint = d.kv_endpoint(self.transport)
+        endpoint = None if d.info is None else push_target(d.info, self.transport)
         if endpoint is None:
             return None
         return Transfer(self, transfer_id, p, d, {"do_remote_decode": True,
@@ -49,6 +59,13 @@ class SplitserveLegs(LegProtocol):
     def received(self, transfer: Transfer, answer: dict[str, Any]) -> None:
         transfer.decode_params = {"do_remote_prefill": True,
                                   "transfer_id": transfer.transfer_id}
+
+    async def poll_staging(self, get: Getter) -> Staging | None:
+        status, raw = await get("/splitserve/state")
+        if status != 200:
+            return None
+        state = ConnectorState.from_json(json.loads(raw))
+        return Staging(state.staged_bytes, state.staging_capacity_bytes)
 
     def release(self, transfer: Transfer) -> None:
         if transfer.released:
