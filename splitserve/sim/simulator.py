@@ -335,11 +335,11 @@ class Simulation:
         P, D, W, npw = self.P, self.D, self.W, self.npw
         two_p = [self.rng.integers(0, len(P), size=n).tolist() for _ in range(2)]
         pre_p = pick_all(self.rng, P, cfg.p_policy, n, prompt_lens=self.prompt_lens,
-                         kv_capacity=self.cap)
+                         kv_capacity=self.limits.kv_capacity)
         if D:
             two_d = [self.rng.integers(0, len(D), size=n).tolist() for _ in range(2)]
             pre_d = pick_all(self.rng, D, cfg.d_policy, n, prompt_lens=self.prompt_lens,
-                             kv_capacity=self.cap)
+                             kv_capacity=self.limits.kv_capacity)
         heap, arrivals = self.heap, self.arrivals
         prompt_lens, output_lens = self.prompt_lens, self.output_lens
         pop = heapq.heappop

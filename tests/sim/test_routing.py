@@ -13,7 +13,7 @@ from splitserve.sim.deployment import POLICIES as SIM_POLICIES
 from splitserve.sim.deployment import SimConfig
 from splitserve.sim.model import Profile
 from splitserve.sim.routing import SimWorkerView, pick, pick_all
-from splitserve.sim.simulator import simulate
+from splitserve.sim.run import simulate
 from splitserve.sim.workerstate import COLOCATED, DECODE, PREFILL, Worker
 from splitserve.sim.workload import SimWorkload
 
