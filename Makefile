@@ -25,6 +25,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m ruff check splitserve tests benchmarks
+	$(PY) -m mypy
 	$(PY) -m pytest -x -q -p no:cacheprovider tests
 
 test-fast: $(STAMP)

@@ -31,7 +31,7 @@ FAULTS_ENV = "SPLITSERVE_FAULTS"
 E = TypeVar("E", Role, Connector)
 
 
-def _member(enum: type[E], value: Any, name: str, or_else: str = "") -> E:
+def as_member(enum: type[E], value: Any, name: str, or_else: str = "") -> E:
     """`value` as a member of `enum`; ValueError naming the choices otherwise."""
     try:
         return enum(value)
@@ -83,7 +83,7 @@ class ConnectorConfig:
     tls_ca: str | None = None  # verifies peers (and makes TLS mutual); None: the system's CAs
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "role", _member(Role, self.role, "role"))
+        object.__setattr__(self, "role", as_member(Role, self.role, "role"))
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
         _check_port("kv_port", self.kv_port, allow_zero=True)
@@ -140,10 +140,10 @@ class WorkerConfig:
 
     def __post_init__(self) -> None:
         if self.role is not None:
-            object.__setattr__(self, "role", _member(Role, self.role, "role", " or None"))
+            object.__setattr__(self, "role", as_member(Role, self.role, "role", " or None"))
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
-        object.__setattr__(self, "connector", _member(Connector, self.connector, "connector"))
+        object.__setattr__(self, "connector", as_member(Connector, self.connector, "connector"))
         if self.nixl_progress_delay_us < 0:
             raise ValueError("nixl_progress_delay_us must not be negative")
         if self.on_transfer_failure not in FAILURE_POLICIES:

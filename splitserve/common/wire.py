@@ -198,10 +198,13 @@ class ConnectorState:
     @classmethod
     def from_json(cls, raw: Any) -> Self:
         raw = _obj(raw, "state")
-        counts = {k: _count(raw, k, "state") for k in cls.COUNTS}
-        if missing := [k for k, v in counts.items() if v is None]:
-            raise WireError(f"state.{missing[0]} must be a non-negative integer, got None")
-        return cls(info=WorkerInfo.from_json(raw), **counts,  # type: ignore[arg-type]
+        counts: dict[str, int] = {}
+        for key in cls.COUNTS:
+            value = _count(raw, key, "state")
+            if value is None:
+                raise WireError(f"state.{key} must be a non-negative integer, got None")
+            counts[key] = value
+        return cls(info=WorkerInfo.from_json(raw), **counts,
                    transfers=TransferCounters.from_json(raw.get("transfers", {})))
 
     def to_json(self) -> dict[str, Any]:

@@ -30,19 +30,21 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
 
-BlockIds = Sequence[int]
+from splitserve.connector.layout.staging_format import BlockIds
+
 DEFAULT_LIMIT_BYTES = 256 * 1024**2  # device buffers (and pinned bounce buffers) in flight
 
 
 class HostCopyable(Protocol):
     """What a copier needs of a layer's layout: synchronous copies to and from host regions."""
 
-    bytes_per_token: int
+    @property
+    def bytes_per_token(self) -> int: ...
 
     def gather(self, block_ids: BlockIds, start: int, end: int, region: torch.Tensor
                ) -> None: ...

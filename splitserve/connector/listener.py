@@ -161,14 +161,15 @@ class KVListener:
                 open_transfers[tid] = st
                 send(conn, BeginOk(tid, st.offset))
             elif isinstance(msg, Layer):
-                st = open_transfers.get(msg.transfer_id)
-                if st is None or staging is None:
+                layer_of = open_transfers.get(msg.transfer_id)
+                if layer_of is None or staging is None:
                     raise ProtocolError("LAYER for a transfer that was not begun")
-                self._receive_layer(conn, staging, st, msg)
+                self._receive_layer(conn, staging, layer_of, msg)
             elif isinstance(msg, End):
-                st = open_transfers.pop(msg.transfer_id, None)
-                if st is None or staging is None:
+                ended = open_transfers.pop(msg.transfer_id, None)
+                if ended is None or staging is None:
                     continue
+                st = ended
                 st.record.end_received_s = time.time()
                 if msg.end_lag_s is not None:  # P's, for D's record
                     st.record.end_lag_s = float(msg.end_lag_s)
@@ -180,9 +181,9 @@ class KVListener:
                 staging.writer_done(st)
                 send(conn, Ack(msg.transfer_id, ok, st.failed))
             elif isinstance(msg, Abort):
-                st = open_transfers.pop(msg.transfer_id, None)
-                if st is not None and staging is not None:
-                    staging.fail(st, "aborted_by_prefill", TransferStatus.ABORTED)
+                aborted = open_transfers.pop(msg.transfer_id, None)
+                if aborted is not None and staging is not None:
+                    staging.fail(aborted, "aborted_by_prefill", TransferStatus.ABORTED)
                     staging.writer_done(st)
             else:
                 raise ProtocolError(f"unexpected op {msg.OP!r} on a push connection")

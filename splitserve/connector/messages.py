@@ -59,7 +59,8 @@ class Message:
         if not isinstance(body, dict):
             raise ProtocolError(f"{cls.OP.name} body is not an object")
         values: dict[str, Any] = {}
-        for name, hint, required in _fields(cls):
+        message_class: type = cls
+        for name, hint, required in _fields(message_class):
             if name not in body:
                 if required:
                     raise ProtocolError(f"{cls.OP.name} frame lacks {name!r}")

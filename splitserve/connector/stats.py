@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, defaultdict
 from dataclasses import asdict, dataclass, field
 
 from splitserve.common import wire
@@ -82,7 +82,8 @@ class ConnectorStats:
         self.counts: Counter[str] = Counter()  # "<side>_<status>"
         self.failures: Counter[str] = Counter()  # cause -> count
         self.bytes_total: Counter[str] = Counter()  # side -> bytes
-        self.seconds_total: Counter[str] = Counter()  # side -> seconds of completed transfers
+        # side -> seconds of completed transfers
+        self.seconds_total: defaultdict[str, float] = defaultdict(float)
 
     def open(self, transfer_id: str, side: str, tokens: int, nbytes: int) -> TransferRecord:
         rec = TransferRecord(transfer_id, side, tokens=tokens, bytes=nbytes)

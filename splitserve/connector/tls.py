@@ -19,7 +19,7 @@ from __future__ import annotations
 import socket
 import ssl
 import threading
-from typing import TypeAlias
+from typing import TypeAlias, cast
 
 from splitserve.config import ConnectorConfig
 
@@ -129,7 +129,7 @@ class TlsStream:
         while True:
             try:
                 with self._state:
-                    return self._tls.read(n, buffer)
+                    return cast(int, self._tls.read(n, buffer))  # with a buffer: a count
             except ssl.SSLWantReadError:
                 if ended:
                     return 0

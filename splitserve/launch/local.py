@@ -79,7 +79,7 @@ def pool_worker_config(cfg: DeploymentConfig, role: Role | None, model_dir: str,
         model=model_dir, port=free_port(host), role=role,
         host=host, cpus=cpus, kv_port=free_port(host) if role else 0,
         connector=cfg.connector, transport=cfg.transport,  # type: ignore[arg-type]
-        dtype=cfg.dtype, lease_s=cfg.kv_lease_s,  # type: ignore[arg-type]
+        dtype=cfg.dtype, lease_s=cfg.kv_lease_s,
         kv_cache_gib=cfg.kv_cache_gib, max_model_len=cfg.max_model_len,
         max_num_batched_tokens=cfg.max_num_batched_tokens,
         served_model_name=served_name,

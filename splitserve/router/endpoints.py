@@ -41,7 +41,8 @@ TIMINGS_HEADER = "X-Splitserve-Timings"
 
 
 def state(request: Request) -> RouterState:
-    return request.app.state.router  # type: ignore[no-any-return]
+    router: RouterState = request.app.state.router
+    return router
 
 
 def authorized(request: Request, secret: str | None) -> bool:

@@ -106,6 +106,8 @@ def nixl_transfer_config(cfg: WorkerConfig) -> dict[str, object]:
     a finished request's blocks for D's pull until D reads them or `lease_s` runs out."""
     from splitserve.worker.nixl_tuning import NixlTuning
 
+    if cfg.role is None:
+        raise ValueError("vLLM's NixlConnector runs on a prefill, decode or both worker")
     tuning = NixlTuning(role=cfg.role, progress_delay_us=cfg.nixl_progress_delay_us,
                         keep_affinity=cfg.nixl_keep_affinity)
     return {
@@ -207,7 +209,8 @@ def start_worker(cfg: WorkerConfig, token: str | None, log_path: str | None = No
                  ) -> subprocess.Popen[bytes]:
     argv, env = worker_command(cfg, token)
     out = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115
-    preexec = (lambda: os.sched_setaffinity(0, cfg.cpus)) if cfg.cpus else None
+    cpus = cfg.cpus
+    preexec = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
     return subprocess.Popen(
         argv, env=env, stdout=out, stderr=subprocess.STDOUT, preexec_fn=preexec,
         start_new_session=True,

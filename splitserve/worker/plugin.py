@@ -247,7 +247,7 @@ def _attach_metrics(app: FastAPI, collector: ConnectorCollector) -> None:
     from vllm.v1.metrics.prometheus import get_prometheus_registry
 
     registry = get_prometheus_registry()
-    registry.register(collector)  # type: ignore[arg-type]
+    registry.register(collector)
     for route in app.routes:
         if isinstance(route, Mount) and route.path == "/metrics":
             route.app = make_asgi_app(registry=registry)

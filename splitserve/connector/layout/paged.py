@@ -86,6 +86,10 @@ class PagedLayout(ABC):
     #: the name used in logs and refusal messages, e.g. "vLLM-CPU"
     name: ClassVar[str]
 
+    @abstractmethod
+    def __init__(self, kv_cache: torch.Tensor) -> None:
+        """Read one layer's cache tensor, as the engine registered it (`recognises` said yes)."""
+
     @classmethod
     @abstractmethod
     def recognises(cls, kv_cache: torch.Tensor, engine: EngineKV) -> bool:

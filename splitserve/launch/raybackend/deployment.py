@@ -20,6 +20,7 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from collections.abc import Callable
@@ -243,7 +244,7 @@ class RayDeployment(LauncherBackend):
                 attempt("the directory", lambda: ray.get(directory.router_stopped.remote(),
                                                          timeout=10))
         for app in self.apps:  # every pool drains at once
-            attempt(f"pool {app}", lambda app=app: serve.delete(app, _blocking=False))
+            attempt(f"pool {app}", functools.partial(serve.delete, app, _blocking=False))
         attempt("the pools", self._wait_deleted)
         if self.directory is not None:
             directory = self.directory

@@ -30,7 +30,7 @@ class NixlLegs(LegProtocol):
     def received(self, transfer: Transfer, answer: dict[str, Any]) -> None:
         params = answer.get("kv_transfer_params")
         ok = isinstance(params, dict) and params.get("do_remote_prefill")
-        transfer.decode_params = dict(params) if ok else None
+        transfer.decode_params = dict(params) if ok and isinstance(params, dict) else None
 
     def decode_start(self, transfer: Transfer, produced: list[int]) -> DecodeStart:
         if transfer.decode_params is None:  # P offered nothing: D recomputes after t1
