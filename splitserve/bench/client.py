@@ -7,7 +7,9 @@ for servers that reject unknown fields). Each `RequestRecord` holds the send tim
 arrival time and token count, the HTTP status, the error (cause and message), the server's
 `X-Request-Id`, and the server's per-leg timings when it reports them — in a response header
 `X-Splitserve-Timings` (JSON), an SSE comment `: splitserve-timings {json}` (splitserve's
-router) or a top-level `splitserve*` field of an SSE chunk.
+router) or a top-level `splitserve*` field of an SSE chunk, and the prompt tokens the server
+reports as cached (`usage.prompt_tokens_details.cached_tokens`, vLLM with
+`--enable-prompt-tokens-details`); where asked, the prompt's and the answer's token ids.
 
 `BusySampler` polls each worker's Prometheus `/metrics` and reports the fraction of samples in
 which the engine had requests running or waiting (its busy fraction).
@@ -47,15 +49,14 @@ class RequestRecord:
     chunk_tokens: list[int] = field(default_factory=list)
     status: int | None = None
     # None when the request succeeded; else "http_<status>", "timeout", "connect", "stream"
-    # (transport or parse error), "stream_error" (an error event), "empty" or "truncated".
+    # (transport or parse error), "stream_error" (an error event), "empty", "truncated" or
+    # "session" (multiturn: an earlier turn of its session failed, so it was not sent).
     error_cause: str | None = None
     error: str | None = None
     request_id: str | None = None
     server_timings: dict[str, Any] = field(default_factory=dict)
     usage_output_tokens: int | None = None
-    # The server's `usage.prompt_tokens_details.cached_tokens` (vLLM with
-    # --enable-prompt-tokens-details): prompt tokens it did not compute.
-    cached_tokens: int | None = None
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens (see above)
     session: int | None = None  # multiturn: the session and turn; mooncake: the prefix tree
     turn: int | None = None
     # Kept when asked for (multiturn keeps every answer's ids: the next turn resends them).

@@ -64,8 +64,7 @@ def table_rows(results: Mapping[str, dict[str, Any]]) -> list[list[str]]:
         for r in results.values()])
     if any(r.get("prompt_tokens_by_source") for r in results.values()):
         rows.append(["prompt tokens computed / cache-hit / loaded (per worker)"] + [
-            " ; ".join(f"{fmt(v.get('computed'))} / {fmt(v.get('cache_hit'))} / "
-                       f"{fmt(v.get('loaded'))}"
+            " ; ".join(" / ".join(f"{v.get(k, 0):.0f}" for k in ("computed", "cache_hit", "loaded"))
                        for v in r.get("prompt_tokens_by_source", {}).values()) or "–"
             for r in results.values()])
     for key, label in (("busy_fraction", "busy fraction"), ("queued_fraction", "queued fraction")):

@@ -160,6 +160,14 @@ def test_cache_figures_the_servers_report() -> None:
     before = {"w": {"computed": 20.0, "cache_hit": 0.0, "loaded": 0.0}}
     assert source_deltas(before, {"w": after, "new": after}) == {
         "w": {"computed": 100.0, "cache_hit": 64.0, "loaded": 16.0, "hit_rate": 64 / 180}}
+    from splitserve.bench.report import table_rows
+
+    result = prefix_cache_stats([rec, told]) | {"ideal_reuse": 0.75, "prompt_tokens_by_source":
+                                                source_deltas(before, {"w": after})}
+    rows = {row[0]: row[1] for row in table_rows({"a": result})}
+    assert rows["ideal reuse (workload: unbounded single cache)"] == "0.750"
+    assert rows["prefix hit rate (server-reported)"] == "0.600"
+    assert rows["prompt tokens computed / cache-hit / loaded (per worker)"] == "100 / 64 / 16"
 
 
 def test_requests_carry_their_session() -> None:
