@@ -127,6 +127,8 @@ async def run_sessions(cfg: ClientConfig, spec: WorkloadSpec, plan: list[Request
             for k, planned in enumerate(reqs):
                 if k and not records[reqs[k - 1].index].ok:
                     records[planned.index] = _skipped(planned, time.perf_counter() - t0)
+                    if on_done is not None:
+                        on_done(records[planned.index])
                     continue
                 delay = due - (time.perf_counter() - t0)
                 if delay > 0:

@@ -120,8 +120,10 @@ async def test_a_failed_turn_ends_its_session() -> None:
     plan = build_stream(SPEC)
     victim = next(r for r in plan if r.session == 1 and r.turn == 1)
     transport, _ = server(fail=(victim.prompt_token_ids[12], victim.input_len))
+    done: list[RequestRecord] = []
     records, _, _ = await run_sessions(ClientConfig("http://server"), SPEC, plan, [],
-                                       transport=transport)
+                                       done.append, transport=transport)
+    assert sorted(r.index for r in done) == list(range(9))  # the progress bar ends
     by = {(r.session, r.turn): r for r in records}
     assert by[1, 1].error_cause == "http_503" and by[1, 2].error_cause == "session"
     assert by[1, 0].ok and all(by[s, k].ok for s in (0, 2) for k in range(3))
