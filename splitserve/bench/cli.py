@@ -4,6 +4,7 @@
     splitserve bench compare --url NAME=URL --url NAME=URL --out DIR [same options]
     splitserve bench compare --deploy a=colocated:8192 --deploy b=disagg --out DIR
     splitserve bench report A.json B.json --out DIR
+    splitserve bench make-trace --out trace.jsonl [--sessions N --max-turns T …]
 
 `compare` sends the identical stream (same seed, prompts, lengths, arrival times) to every
 endpoint in turn — running ones given by URL, and deployments it starts itself one at a time on
@@ -28,6 +29,8 @@ import httpx
 from splitserve.bench.client import ClientConfig
 from splitserve.bench.deploy import Arm, deployment, parse_arm
 from splitserve.bench.metrics import SLO
+from splitserve.bench.mooncake import TraceShape, make_trace, write_mooncake
+from splitserve.bench.repeat import MooncakeOptions, MultiturnOptions
 from splitserve.bench.report import print_summary, progress_bars, save_result, write_report
 from splitserve.bench.runner import RunOptions, compare_streams, run_bench
 from splitserve.bench.verdict import verdict
@@ -55,7 +58,8 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("workload")
     g.add_argument("--workload", choices=SOURCES, default="synthetic")
     g.add_argument("--spec-json", help="a WorkloadSpec as JSON (overrides the options below)")
-    g.add_argument("--dataset-path", help="ShareGPT JSON (--workload sharegpt) or trace CSV")
+    g.add_argument("--dataset-path", help="ShareGPT JSON (--workload sharegpt), trace CSV "
+                   "(trace) or Mooncake-format JSONL (mooncake)")
     g.add_argument("--num-prompts", type=int, default=100)
     for side, mean in (("input", 128), ("output", 64)):
         g.add_argument(f"--{side}-dist", choices=LENGTH_KINDS, default="fixed")
@@ -74,6 +78,31 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--interference-short-rate", type=float, default=INTERFERENCE.short_rate)
     g.add_argument("--interference-long-period", type=float,
                    default=INTERFERENCE.long_period_s)
+    mc, mt = MooncakeOptions(), MultiturnOptions()
+    m = p.add_argument_group("mooncake trace (--workload mooncake)")
+    m.add_argument("--trace-block-tokens", type=int, default=mc.block_tokens,
+                   help="tokens per hash block in the trace")
+    m.add_argument("--token-scale", type=float, default=mc.token_scale,
+                   help="scale every length by this, keeping hash blocks whole")
+    m.add_argument("--time-scale", type=float, default=mc.time_scale,
+                   help="arrivals this many times faster")
+    m.add_argument("--max-requests", type=int, default=None, help="keep the first N requests")
+    m.add_argument("--sample-sessions", type=float, default=None, metavar="FRACTION",
+                   help="keep this fraction of prefix trees (seeded)")
+    m.add_argument("--shared-block-fraction", type=float, default=mc.shared_fraction,
+                   help="a hash id in more than this fraction of requests is shared (not a "
+                   "tree of its own)")
+    t = p.add_argument_group("multi-turn sessions (--workload multiturn)")
+    t.add_argument("--sessions", type=int, default=mt.sessions)
+    t.add_argument("--turns", type=int, default=mt.turns, help="turns per session")
+    t.add_argument("--system-prompt-tokens", type=int, default=mt.system_tokens,
+                   help="the system prompt every session shares")
+    t.add_argument("--user-tokens", type=int, default=mt.user_tokens, help="new tokens a turn")
+    t.add_argument("--turn-output-tokens", type=int, default=mt.output_tokens)
+    t.add_argument("--think-time", type=float, default=mt.think_time_s,
+                   help="seconds between an answer's end and the next turn")
+    t.add_argument("--session-rate", type=float, default=None,
+                   help="sessions per second (default: --request-rate)")
 
     r = p.add_argument_group("measurement")
     r.add_argument("--model", default=None, help="model name (default: the endpoint's first)")
@@ -88,6 +117,8 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--cores", type=int, default=None, help="total cores (goodput per core)")
     r.add_argument("--no-vllm-extras", action="store_true",
                    help="omit ignore_eos/return_token_ids (for non-vLLM servers)")
+    r.add_argument("--save-token-ids", action="store_true",
+                   help="keep every prompt's and answer's token ids in the result's requests")
 
 
 def spec_from_args(args: argparse.Namespace) -> WorkloadSpec:
@@ -106,11 +137,20 @@ def spec_from_args(args: argparse.Namespace) -> WorkloadSpec:
                           short_output=INTERFERENCE.short_output,
                           long_input=INTERFERENCE.long_input,
                           long_output=INTERFERENCE.long_output)
-    arrival = ArrivalSpec(args.arrival, args.request_rate, args.burstiness, args.ramp_end_rate,
+    rate = args.request_rate
+    if args.workload == "multiturn" and args.session_rate is not None:
+        rate = args.session_rate
+    arrival = ArrivalSpec(args.arrival, rate, args.burstiness, args.ramp_end_rate,
                           args.max_concurrency)
+    mooncake = MooncakeOptions(args.trace_block_tokens, args.token_scale, args.time_scale,
+                               args.max_requests, args.sample_sessions,
+                               args.shared_block_fraction)
+    multiturn = MultiturnOptions(args.sessions, args.turns, args.system_prompt_tokens,
+                                 args.user_tokens, args.turn_output_tokens, args.think_time)
     return WorkloadSpec(source=args.workload, num_requests=args.num_prompts, input=dist("input"),
                         output=dist("output"), arrival=arrival, interference=mix,
-                        path=args.dataset_path, seed=args.seed, warmup=args.warmup)
+                        path=args.dataset_path, seed=args.seed, warmup=args.warmup,
+                        mooncake=mooncake, multiturn=multiturn)
 
 
 def options_from_args(args: argparse.Namespace) -> RunOptions:
@@ -155,7 +195,8 @@ async def _bench_one(name: str, url: str, args: argparse.Namespace,
     if workers is not None:
         deployment = deployment | {"workers": workers}
     client = ClientConfig(url=url, model=args.model, api_key=args.api_key,
-                          vllm_extras=not args.no_vllm_extras, run_tag=name)
+                          vllm_extras=not args.no_vllm_extras, run_tag=name,
+                          save_token_ids=args.save_token_ids)
     # Workers' /metrics need the deployment token: the one we started, else the environment's;
     # an endpoint that is itself the worker takes the key that lets us use it.
     token = worker_token or load_token(False) or (args.api_key if workers is None else None)
@@ -252,6 +293,23 @@ def run_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def _pair(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition(",")
+    return int(lo), int(hi or lo)
+
+
+def run_make_trace(args: argparse.Namespace) -> int:
+    shape = TraceShape(sessions=args.sessions, max_turns=args.max_turns,
+                       system_blocks=args.system_blocks, session_rate=args.session_rate,
+                       think_s=args.think_time, user_min=args.user_tokens[0],
+                       user_max=args.user_tokens[1], output_min=args.output_tokens[0],
+                       output_max=args.output_tokens[1], block_tokens=args.block_tokens)
+    rows = make_trace(shape, args.seed)
+    path = write_mooncake(rows, args.out)
+    print(f"wrote {len(rows)} requests of {shape.sessions} sessions to {path}")
+    return 0
+
+
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     bench = sub.add_parser("bench", help="benchmark an OpenAI-compatible endpoint",
                            allow_abbrev=False)
@@ -292,3 +350,23 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     rep.add_argument("results", nargs="+")
     rep.add_argument("--out", default="bench-results")
     rep.set_defaults(func=run_report)
+
+    mk = bsub.add_parser("make-trace", help="write a seeded Mooncake-format trace of "
+                         "conversations (see mooncake.TraceShape)", allow_abbrev=False)
+    shape = TraceShape()
+    mk.add_argument("--out", required=True, help="the JSONL file to write")
+    mk.add_argument("--seed", type=int, default=0)
+    mk.add_argument("--sessions", type=int, default=shape.sessions)
+    mk.add_argument("--max-turns", type=int, default=shape.max_turns)
+    mk.add_argument("--system-blocks", type=int, default=shape.system_blocks,
+                    help="shared blocks every prompt starts with")
+    mk.add_argument("--session-rate", type=float, default=shape.session_rate,
+                    help="sessions per second")
+    mk.add_argument("--think-time", type=float, default=shape.think_s,
+                    help="mean seconds between a session's turns")
+    mk.add_argument("--user-tokens", type=_pair, default=(shape.user_min, shape.user_max),
+                    metavar="MIN,MAX", help="new tokens a turn")
+    mk.add_argument("--output-tokens", type=_pair,
+                    default=(shape.output_min, shape.output_max), metavar="MIN,MAX")
+    mk.add_argument("--block-tokens", type=int, default=shape.block_tokens)
+    mk.set_defaults(func=run_make_trace)

@@ -7,7 +7,9 @@ for servers that reject unknown fields). Each `RequestRecord` holds the send tim
 arrival time and token count, the HTTP status, the error (cause and message), the server's
 `X-Request-Id`, and the server's per-leg timings when it reports them — in a response header
 `X-Splitserve-Timings` (JSON), an SSE comment `: splitserve-timings {json}` (splitserve's
-router) or a top-level `splitserve*` field of an SSE chunk.
+router) or a top-level `splitserve*` field of an SSE chunk, and the prompt tokens the server
+reports as cached (`usage.prompt_tokens_details.cached_tokens`, vLLM with
+`--enable-prompt-tokens-details`); where asked, the prompt's and the answer's token ids.
 
 `BusySampler` polls each worker's Prometheus `/metrics` and reports the fraction of samples in
 which the engine had requests running or waiting (its busy fraction).
@@ -48,12 +50,19 @@ class RequestRecord:
     chunk_tokens: list[int] = field(default_factory=list)
     status: int | None = None
     # None when the request succeeded; else "http_<status>", "timeout", "connect", "stream"
-    # (transport or parse error), "stream_error" (an error event), "empty" or "truncated".
+    # (transport or parse error), "stream_error" (an error event), "empty", "truncated" or
+    # "session" (multiturn: an earlier turn of its session failed, so it was not sent).
     error_cause: str | None = None
     error: str | None = None
     request_id: str | None = None
     server_timings: dict[str, Any] = field(default_factory=dict)
     usage_output_tokens: int | None = None
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens (see above)
+    session: int | None = None  # multiturn: the session and turn; mooncake: the prefix tree
+    turn: int | None = None
+    # Kept when asked for (multiturn keeps every answer's ids: the next turn resends them).
+    prompt_token_ids: list[int] | None = None
+    output_token_ids: list[int] | None = None
 
     @property
     def ok(self) -> bool:
@@ -82,6 +91,7 @@ class ClientConfig:
     read_timeout_s: float = 120.0  # longest silence between two reads of one response
     vllm_extras: bool = True
     run_tag: str = "bench"
+    save_token_ids: bool = False  # records keep every prompt's and answer's token ids
 
     def __post_init__(self) -> None:
         if not self.url.startswith(("http://", "https://")):
@@ -117,12 +127,20 @@ def _absorb_chunk(rec: RequestRecord, data: dict[str, Any], now: float) -> None:
     for key, value in data.items():
         if key.startswith("splitserve") and isinstance(value, dict):
             rec.server_timings.update(value)
-    if data.get("usage"):
-        rec.usage_output_tokens = data["usage"].get("completion_tokens")
+    if usage := data.get("usage"):
+        rec.usage_output_tokens = usage.get("completion_tokens")
+        details = usage.get("prompt_tokens_details")
+        if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+            rec.cached_tokens = details["cached_tokens"]
     if "error" in data:
         rec.error_cause = rec.error_cause or "stream_error"
         rec.error = json.dumps(data["error"])[:500]
-    n = sum(_chunk_tokens(c) for c in data.get("choices", []))
+    choices = data.get("choices", [])
+    if rec.output_token_ids is not None:
+        for c in choices:
+            if isinstance(c.get("token_ids"), list):
+                rec.output_token_ids.extend(int(t) for t in c["token_ids"])
+    n = sum(_chunk_tokens(c) for c in choices)
     if n:
         rec.chunk_times.append(now)
         rec.chunk_tokens.append(n)
@@ -187,9 +205,23 @@ async def send_one(client: httpx.AsyncClient, cfg: ClientConfig, model: str, req
         rec.error_cause, rec.error = "truncated", "stream closed before [DONE]"
 
 
-def new_record(req: Request) -> RequestRecord:
+def new_record(req: Request, keep_output: bool = False, keep_prompt: bool = False
+               ) -> RequestRecord:
+    """An empty record of `req`; `keep_output` / `keep_prompt`: it keeps the answer's token
+    ids (vLLM's `return_token_ids`) / the prompt's."""
     return RequestRecord(index=req.index, kind=req.kind, input_len=req.input_len,
-                         requested_output_len=req.output_len, scheduled_s=req.arrival_s)
+                         requested_output_len=req.output_len, scheduled_s=req.arrival_s,
+                         session=req.session, turn=req.turn,
+                         prompt_token_ids=list(req.prompt_token_ids) if keep_prompt else None,
+                         output_token_ids=[] if keep_output else None)
+
+
+async def warm_up(client: httpx.AsyncClient, cfg: ClientConfig, warmup: list[Request]) -> str:
+    """Resolve the model name and send the `warmup` requests (awaited, not recorded)."""
+    model = await resolve_model(client, cfg)
+    w0 = time.perf_counter()
+    await asyncio.gather(*(send_one(client, cfg, model, w, new_record(w), w0) for w in warmup))
+    return model
 
 
 async def run_stream(cfg: ClientConfig, requests: list[Request], warmup: list[Request],
@@ -204,12 +236,10 @@ async def run_stream(cfg: ClientConfig, requests: list[Request], warmup: list[Re
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     timeout = httpx.Timeout(cfg.timeout_s, connect=30.0, read=cfg.read_timeout_s)
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
-        model = await resolve_model(client, cfg)
-        w0 = time.perf_counter()
-        await asyncio.gather(*(send_one(client, cfg, model, w, new_record(w), w0)
-                               for w in warmup))
+        model = await warm_up(client, cfg, warmup)
         sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
-        records = [new_record(r) for r in requests]
+        keep = cfg.save_token_ids
+        records = [new_record(r, keep, keep) for r in requests]
         t0 = time.perf_counter()
 
         async def one(req: Request, rec: RequestRecord) -> None:

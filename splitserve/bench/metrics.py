@@ -17,6 +17,8 @@ window, so only other requests' prefills count. `itl_interference_p{50,99}_ratio
 during / outside of the gaps' p50 and p99: 1.0 means decode runs as fast during a long prefill
 as outside one.
 
+Prompt tokens cached against computed, as the server reports them: cachestats.py.
+
 Failed requests (any error) are counted in `failed` and `errors`, and count as SLO misses; they
 never vanish from the denominators of attainment. Percentiles use numpy's linear interpolation
 (as vLLM does). Keys follow vLLM's result JSON where the meaning is the same; ours add p90,
@@ -34,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from splitserve.bench.cachestats import prefix_cache_stats
 from splitserve.bench.client import RequestRecord
 
 STATS = ("mean", "median", "std", "p90", "p99", "p999", "max")
@@ -267,6 +270,7 @@ def compute_metrics(records: Sequence[RequestRecord], duration_s: float,
     # Diagnostic: the pooled ITL without each request's first gap (the handover when split).
     result |= stats_ms([g for r in ok for g in itls_s(r)[1:]], "itl_after_first")
     result |= interference(records)
+    result |= prefix_cache_stats(records)
     result["by_kind"] = _kind_stats(records)
     result["server_timings"] = server_timing_stats(records)
     # splitserve's router: kv_transfer_s is BEGIN -> END, kv_tail_s the exposed tail

@@ -32,6 +32,10 @@ TABLE_ROWS: tuple[tuple[str, str], ...] = (
     ("median_handover_ms", "handover p50 ms"),
     ("median_kv_transfer_ms", "KV transfer BEGIN->END p50 ms"),
     ("median_kv_tail_ms", "KV exposed tail p50 ms"),
+    ("ideal_reuse", "ideal reuse (workload: unbounded single cache)"),
+    ("prefix_hit_rate", "prefix hit rate (server-reported)"),
+    ("cached_prompt_tokens", "prompt tokens cached (server)"),
+    ("computed_prompt_tokens", "prompt tokens computed (server)"),
     ("slo_attainment", "SLO attainment"), ("request_goodput", "goodput req/s"),
     ("distserve_goodput", "DistServe goodput req/s"),
 )
@@ -58,6 +62,11 @@ def table_rows(results: Mapping[str, dict[str, Any]]) -> list[list[str]]:
     rows.append(["stream digest"] + [
         str(r.get("run_sheet", {}).get("stream", {}).get("digest", "–"))[:8]
         for r in results.values()])
+    if any(r.get("prompt_tokens_by_source") for r in results.values()):
+        rows.append(["prompt tokens computed / cache-hit / loaded (per worker)"] + [
+            " ; ".join(" / ".join(f"{v.get(k, 0):.0f}" for k in ("computed", "cache_hit", "loaded"))
+                       for v in r.get("prompt_tokens_by_source", {}).values()) or "–"
+            for r in results.values()])
     for key, label in (("busy_fraction", "busy fraction"), ("queued_fraction", "queued fraction")):
         rows.append([f"{label} (per worker)"] + [
             " / ".join(fmt(v) for v in r.get(key, {}).values()) or "–" for r in results.values()])

@@ -9,6 +9,11 @@ vLLM's `bench serve` keys at the top level (see metrics.py), plus `system`, `bus
 running or waiting / with a request waiting (see client.BusySampler). `nixl_transfers` (only
 when vLLM's NixlConnector moved KV): per worker, its transfers' count, mean duration, post time
 and bytes over the run, from vLLM's `vllm:nixl_*` histograms.
+Prefix reuse: `ideal_reuse` (+ `ideal_reused_tokens`, `ideal_computed_tokens`; repeat.py) for
+the `mooncake` (over the stream) and `multiturn` (over the prompts sent) workloads, null for the
+others (their prompts are random: nothing repeats); the server-reported `prefix_hit_rate`,
+`cached_prompt_tokens`, `computed_prompt_tokens` (metrics via cachestats.py) and, per worker,
+`prompt_tokens_by_source` (computed / cache_hit / loaded over the run, and its hit rate).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from typing import Any
 
 import httpx
 
+from splitserve.bench.cachestats import read_prompt_sources, source_deltas
 from splitserve.bench.client import (
     BusySampler,
     ClientConfig,
@@ -27,8 +33,9 @@ from splitserve.bench.client import (
     run_stream,
 )
 from splitserve.bench.metrics import SLO, compute_metrics, distserve_goodput, spread
+from splitserve.bench.repeat import IdealReuse, ideal_reuse_blocks
 from splitserve.bench.runsheet import run_sheet
-from splitserve.bench.workload import WorkloadSpec, build_stream, build_warmup
+from splitserve.bench.workload import Request, WorkloadSpec, build_stream, build_warmup
 
 SCHEMA = "splitserve.bench/1"
 ProgressFactory = Callable[[str, int], Callable[[RequestRecord], None]]
@@ -69,15 +76,29 @@ async def run_once(client: ClientConfig, spec: WorkloadSpec, system: str,
         model = await resolve_model(http, client)
     client = replace(client, model=model)
     on_done = progress(system, len(requests)) if progress else None
+    sources_before = await read_prompt_sources(worker_metrics, opts.worker_token)
     sampler = BusySampler(worker_metrics, opts.busy_sample_s, opts.worker_token)
     sampler.start()
+    ideal: IdealReuse | None = None
     try:
-        records, duration = await run_stream(client, requests, warmup,
-                                             spec.arrival.max_concurrency, on_done)
+        if spec.source == "multiturn":
+            from splitserve.bench.multiturn import run_sessions
+
+            records, duration, ideal = await run_sessions(client, spec, requests, warmup,
+                                                          on_done)
+        else:
+            records, duration = await run_stream(client, requests, warmup,
+                                                 spec.arrival.max_concurrency, on_done)
+            ideal = stream_ideal_reuse(spec, requests)
     finally:
         busy = await sampler.stop()
+    sources = source_deltas(sources_before,
+                            await read_prompt_sources(worker_metrics, opts.worker_token))
     result: dict[str, Any] = {"schema": SCHEMA, "system": system}
     result |= compute_metrics(records, duration, opts.slo)
+    result |= ideal.to_result() if ideal is not None else dict.fromkeys(
+        ("ideal_reuse", "ideal_reused_tokens", "ideal_computed_tokens"))
+    result["prompt_tokens_by_source"] = sources
     result["busy_fraction"] = busy
     result["queued_fraction"] = sampler.queued()
     if nixl := sampler.nixl_transfers():
@@ -85,6 +106,15 @@ async def run_once(client: ClientConfig, spec: WorkloadSpec, system: str,
     result["run_sheet"] = run_sheet(spec, requests, model, deployment)
     result["requests"] = [r.to_dict() for r in records]
     return result
+
+
+def stream_ideal_reuse(spec: WorkloadSpec, requests: list[Request]) -> IdealReuse | None:
+    """The ideal reuse of an open-loop stream: by hash blocks for `mooncake`, None for the
+    sources whose prompts are random."""
+    if spec.source != "mooncake":
+        return None
+    return ideal_reuse_blocks(((r.hash_ids, r.input_len) for r in requests),
+                              spec.mooncake.scaled_block_tokens)
 
 
 async def run_bench(client: ClientConfig, spec: WorkloadSpec, system: str,

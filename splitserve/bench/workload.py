@@ -7,8 +7,12 @@ input lengths are exact on any server that accepts token-id prompts (vLLM's `/v1
 
 Sources of lengths: `fixed`, `uniform`, `normal` (per `LengthDist`), a ShareGPT JSON file
 (lengths taken from its conversations, approximated as ~4 characters per token), a CSV trace
-(`arrival_s,input_len,output_len` — its arrival times are replayed as they are), and the
-`interference` mix defined once here (`INTERFERENCE`, also stated in the README).
+(`arrival_s,input_len,output_len` — its arrival times are replayed as they are), the
+`interference` mix defined once here (`INTERFERENCE`, also stated in the README), and two
+sources whose prompts repeat prefixes (repeat.py): a Mooncake-format trace (`mooncake`, see
+mooncake.py) and chat sessions (`multiturn`, see multiturn.py: closed-loop when run; its
+`build_stream` is the open-loop plan). Their requests carry their prefix identity (`hash_ids`,
+`session`, `turn`).
 
 Arrivals (`ArrivalSpec`): `poisson`; `gamma` with a burstiness factor k (gaps ~
 Gamma(shape=k, scale=1/(rate·k)); k = 1 is Poisson, k < 1 burstier); `constant`; `ramp` (rate
@@ -35,13 +39,16 @@ from typing import Any, Literal
 
 import numpy as np
 
+from splitserve.bench.repeat import MooncakeOptions, MultiturnOptions
+
 LengthKind = Literal["fixed", "uniform", "normal"]
 ArrivalKind = Literal["poisson", "gamma", "constant", "ramp", "closed"]
-Source = Literal["synthetic", "interference", "sharegpt", "trace"]
+Source = Literal["synthetic", "interference", "sharegpt", "trace", "mooncake", "multiturn"]
 
 LENGTH_KINDS: tuple[str, ...] = ("fixed", "uniform", "normal")
 ARRIVAL_KINDS: tuple[str, ...] = ("poisson", "gamma", "constant", "ramp", "closed")
-SOURCES: tuple[str, ...] = ("synthetic", "interference", "sharegpt", "trace")
+SOURCES: tuple[str, ...] = ("synthetic", "interference", "sharegpt", "trace", "mooncake",
+                            "multiturn")
 # Token ids used for synthetic prompts: above the special tokens, below any small vocabulary.
 _TOKEN_LOW, _TOKEN_HIGH = 10, 500
 
@@ -144,8 +151,13 @@ class Request:
     arrival_s: float
     prompt_token_ids: tuple[int, ...]
     output_len: int
-    kind: str = "normal"  # "short", "long" (interference), or "normal"
+    kind: str = "normal"  # "short", "long" (interference), "first-turn", "follow-up"
     warmup: bool = False
+    # Prefix identity. mooncake: the trace's hash ids (blocks of spec.mooncake's
+    # scaled_block_tokens) and the prefix tree's number; multiturn: the session and turn.
+    hash_ids: tuple[int, ...] = ()
+    session: int | None = None
+    turn: int | None = None
 
     @property
     def input_len(self) -> int:
@@ -155,7 +167,8 @@ class Request:
 @dataclass(frozen=True)
 class WorkloadSpec:
     """Everything that fixes a request stream. `num_requests` is ignored for `interference`
-    (its duration decides) and `trace` (its rows decide)."""
+    (its duration decides), `trace` and `mooncake` (their rows decide) and `multiturn`
+    (sessions × turns). `mooncake` / `multiturn` read their own parts only."""
 
     source: Source = "synthetic"
     num_requests: int = 100
@@ -163,14 +176,16 @@ class WorkloadSpec:
     output: LengthDist = LengthDist("fixed", 64)
     arrival: ArrivalSpec = ArrivalSpec()
     interference: InterferenceMix = INTERFERENCE
-    path: str | None = None  # ShareGPT JSON or trace CSV
+    path: str | None = None  # ShareGPT JSON, trace CSV or Mooncake JSONL
     seed: int = 0
     warmup: int = 2
+    mooncake: MooncakeOptions = MooncakeOptions()
+    multiturn: MultiturnOptions = MultiturnOptions()
 
     def __post_init__(self) -> None:
         if self.source not in SOURCES:
             raise ValueError(f"source must be one of {SOURCES}, got {self.source!r}")
-        if self.source in ("sharegpt", "trace") and not self.path:
+        if self.source in ("sharegpt", "trace", "mooncake") and not self.path:
             raise ValueError(f"source {self.source!r} needs a path")
         if self.num_requests < 1:
             raise ValueError("num_requests must be >= 1")
@@ -191,6 +206,8 @@ class WorkloadSpec:
             input=LengthDist(**d.get("input", {})), output=LengthDist(**d.get("output", {})),
             arrival=ArrivalSpec(**d.get("arrival", {})), interference=InterferenceMix(**mix),
             path=d.get("path"), seed=d.get("seed", 0), warmup=d.get("warmup", 2),
+            mooncake=MooncakeOptions(**d.get("mooncake", {})),
+            multiturn=MultiturnOptions(**d.get("multiturn", {})),
         )
 
     def with_rate(self, rate: float) -> WorkloadSpec:
@@ -292,6 +309,14 @@ def build_stream(spec: WorkloadSpec) -> list[Request]:
         return _sharegpt(spec, rng)
     if spec.source == "trace":
         return _trace(spec, rng)
+    if spec.source == "mooncake":
+        from splitserve.bench.mooncake import build_mooncake
+
+        return build_mooncake(spec)
+    if spec.source == "multiturn":
+        from splitserve.bench.multiturn import build_multiturn
+
+        return build_multiturn(spec)
     return _synthetic(spec, rng, spec.num_requests)
 
 
