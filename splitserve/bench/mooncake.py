@@ -101,7 +101,7 @@ def tree_keys(rows: Sequence[TraceRow], shared_fraction: float) -> list[tuple[in
     """Each row's prefix tree (see the module docstring); rows without ids get (−1 − row,)."""
     counts = Counter(h for r in rows for h in set(r.hash_ids))
     limit = shared_fraction * len(rows)
-    keys = []
+    keys: list[tuple[int, ...]] = []
     for i, r in enumerate(rows):
         cut = next((j for j, h in enumerate(r.hash_ids) if counts[h] <= limit), None)
         if not r.hash_ids:

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from splitserve.bench.deploy import stop_process
 from splitserve.cli import main
+from splitserve.common.procs import stop_group
 from splitserve.config import WorkerConfig
 from splitserve.demo_model import ModelSpec, build_checkpoint
 from splitserve.worker.launch import free_port, start_worker, wait_healthy
@@ -36,7 +36,7 @@ def worker_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         wait_healthy(cfg.url, proc, timeout_s=600, token=TOKEN, log=log)
         yield cfg.url
     finally:
-        stop_process(proc)
+        stop_group(proc, 20.0, reap_s=None)
 
 
 @pytest.mark.integration
