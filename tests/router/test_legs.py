@@ -56,7 +56,8 @@ class Replaying(LegProtocol):
     def __init__(self) -> None:
         self.released: list[str] = []
 
-    def open(self, p: Worker, d: Worker, transfer_id: str) -> Transfer | None:
+    def open(self, p: Worker, d: Worker, transfer_id: str, d_cached: int = 0
+             ) -> Transfer | None:
         return Transfer(self, transfer_id, p, d, {"do_remote_decode": True, "lease": transfer_id})
 
     def received(self, transfer: Transfer, answer: dict[str, Any]) -> None:

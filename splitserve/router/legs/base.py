@@ -112,8 +112,13 @@ class LegProtocol(ABC):
         return None
 
     @abstractmethod
-    def open(self, p: Worker, d: Worker, transfer_id: str) -> Transfer | None:
-        """P's `kv_transfer_params` for pushing or offering this prompt's KV to `d`."""
+    def open(self, p: Worker, d: Worker, transfer_id: str, d_cached: int = 0
+             ) -> Transfer | None:
+        """P's `kv_transfer_params` for pushing or offering this prompt's KV to `d`.
+        `d_cached`: the prompt tokens the router expects D's prefix cache to hold (a multiple of
+        D's block size; 0: none). A connector that can move only the KV D lacks uses it; the
+        expectation may be stale, so D must recompute, never misread, what it turns out to
+        lack."""
 
     @abstractmethod
     def received(self, transfer: Transfer, answer: dict[str, Any]) -> None:

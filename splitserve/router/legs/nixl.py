@@ -24,7 +24,8 @@ from splitserve.router.worker import Worker
 class NixlLegs(LegProtocol):
     connector = Connector.NIXL
 
-    def open(self, p: Worker, d: Worker, transfer_id: str) -> Transfer | None:
+    def open(self, p: Worker, d: Worker, transfer_id: str, d_cached: int = 0
+             ) -> Transfer | None:
         return Transfer(self, transfer_id, p, d, {"do_remote_decode": True})
 
     def received(self, transfer: Transfer, answer: dict[str, Any]) -> None:

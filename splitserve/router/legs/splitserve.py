@@ -49,7 +49,8 @@ class SplitserveLegs(LegProtocol):
         self.transport = transport  # per-transfer transport; None: what D advertises
         self._releases: set[asyncio.Task[None]] = set()  # in-flight DELETEs (kept referenced)
 
-    def open(self, p: Worker, d: Worker, transfer_id: str) -> Transfer | None:
+    def open(self, p: Worker, d: Worker, transfer_id: str, d_cached: int = 0
+             ) -> Transfer | None:
         endpoint = None if d.info is None else push_target(d.info, self.transport)
         if endpoint is None:
             return None
