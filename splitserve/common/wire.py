@@ -225,8 +225,9 @@ class SideRecord:
     transfer_id: str
     side: str
     status: TransferStatus
-    tokens: int = 0
-    bytes: int = 0
+    tokens: int = 0  # prompt tokens moved
+    bytes: int = 0  # KV bytes moved
+    skipped_tokens: int = 0  # the prompt's prefix not moved (D's prefix cache was to hold it)
     cause: str | None = None
     started_s: float | None = None
     first_byte_s: float | None = None

@@ -3,7 +3,10 @@
 A decode request's load is registered in `start` and completed in `poll` once its transfer is
 staged complete and verified: its KV is copied into the blocks vLLM allocated — never blocking
 the running batch — or the load is reported failed (late, short, corrupt, refused, peer gone),
-which vLLM's `kv_load_failure_policy` turns into a recompute or an error. A synchronous load
+which vLLM's `kv_load_failure_policy` turns into a recompute or an error. A load is copied from
+D's own prefix-cache hit (the spec's start) to the prompt's end; a transfer whose first token lies
+beyond that hit (P skipped a prefix D no longer holds, or never held) cannot fill the gap and
+fails at once as `prefix_not_cached`. A synchronous load
 (the transfer was complete when the request was scheduled) is copied before the forward pass,
 or its blocks are reported as load errors. The copies into the blocks go through the
 worker's `Copier` (`devcopy`): on a CUDA engine they run on a side stream while the engine
@@ -117,7 +120,7 @@ class DecodeLoads:
                 continue  # D already had these tokens in its prefix cache
             nbytes = (end - start) * shape.bytes_per_token_layer
             for layer, layout in enumerate(self._layouts):
-                base = st.offset + region_offset(shape, start, end, layer)
+                base = st.offset + region_offset(shape, start, end, layer, st.skip)
                 region = seg[base:base + nbytes]
                 done = self._copier.load(layout, spec.block_ids, lo, end, region, start)
                 if done is None:  # the copier's buffers are all in flight: drain ours, retry
@@ -177,7 +180,10 @@ class DecodeLoads:
             return "load_timeout" if now > load.deadline else None
         if load.copies is not None:
             return self._copied(load, st)
-        if st.failed:
+        if st.skip > spec.start:
+            # P skipped tokens D's cache does not hold: [spec.start, st.skip) is nowhere
+            cause = "prefix_not_cached"
+        elif st.failed:
             cause = st.failed
         elif st.complete:
             if st.num_tokens != spec.end:

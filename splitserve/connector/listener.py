@@ -154,7 +154,7 @@ class KVListener:
                     continue
                 self._faults.crash_if(tid, "d-begin")
                 try:
-                    st = staging.begin(tid, msg.tokens)
+                    st = staging.begin(tid, msg.tokens, msg.skip)
                 except StagingRefused as exc:
                     send(conn, BeginRefused(tid, exc.cause))
                     continue
@@ -192,13 +192,13 @@ class KVListener:
                        msg: Layer) -> None:
         shape = staging.shape
         layer, start, end = msg.layer, msg.start, msg.end
-        valid = 0 <= layer < shape.num_layers and 0 <= start < end <= st.num_tokens
+        valid = 0 <= layer < shape.num_layers and st.skip <= start < end <= st.num_tokens
         nbytes = (end - start) * shape.bytes_per_token_layer
         if not valid or msg.nbytes != nbytes:
             raise ProtocolError("LAYER frame does not match the transfer's shape")
         if st.chunks.setdefault(start, end) != end:
             raise ProtocolError("LAYER chunks overlap")
-        view = staging.region(st, region_offset(shape, start, end, layer), nbytes)
+        view = staging.region(st, region_offset(shape, start, end, layer, st.skip), nbytes)
         if msg.inline:
             recv_exact_into(conn, view)
         if xxhash.xxh3_64_hexdigest(view) != msg.checksum:

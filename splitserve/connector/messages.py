@@ -124,9 +124,15 @@ class StagingInfo:
 # -- a push connection -------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Begin(Message):
+    """A transfer of the prompt tokens [skip, tokens): `tokens` is the prompt's length, `skip`
+    the prefix P does not send because D's prefix cache is expected to hold it (0: the whole
+    prompt). D stages exactly `tokens - skip` tokens; a D that predates `skip` reads the
+    frame without it and fails the transfer as short (never a misread)."""
+
     OP = Op.BEGIN
     transfer_id: str
     tokens: int
+    skip: int = 0
 
 
 @dataclass(frozen=True)

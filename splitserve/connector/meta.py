@@ -19,10 +19,12 @@ class SaveSpec:
     start: int
     end: int
     prompt_len: int
+    skip: int = 0  # the transfer's first token: D's prefix cache is to hold [0, skip)
 
     @property
     def first(self) -> bool:
-        return self.start == 0
+        """The transfer's first chunk (its BEGIN goes out with it)."""
+        return self.start == self.skip
 
     @property
     def last(self) -> bool:

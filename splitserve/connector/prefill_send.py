@@ -92,8 +92,9 @@ class PrefillSends:
 
     def _open(self, spec: SaveSpec) -> _Send:
         ch = self._channel(spec.host, spec.port, spec.transport)
-        nbytes = self._shape.transfer_bytes(spec.prompt_len)
-        state = ch.begin(spec.transfer_id, spec.prompt_len, nbytes, self._cfg.ack_timeout_s)
+        nbytes = self._shape.transfer_bytes(spec.prompt_len - spec.skip)
+        state = ch.begin(spec.transfer_id, spec.prompt_len, nbytes, self._cfg.ack_timeout_s,
+                         spec.skip)
         send = self._sends[spec.request_id] = _Send(ch, state)
         return send
 

@@ -3,12 +3,18 @@ to load.
 
 Per step it hands the worker side a `SplitserveMeta`:
 - saves: for each prefill-leg request (`do_remote_decode`) scheduled this step, the token range to
-  push after each layer. The first range starts at 0, so tokens P had in its prefix cache are sent.
+  push after each layer. The first range starts at the request's `skip_tokens` (the prefix the
+  router expects D's prefix cache to hold; 0 when absent), at most the prompt's length - 1, so at
+  least one token moves: P sends only [skip, prompt_len), including tokens P itself had in its
+  prefix cache. A step whose tokens all lie in the skipped prefix pushes nothing; the push
+  (BEGIN) opens with the first chunk that reaches past it.
 - loads: for each decode-leg request (`do_remote_prefill`) that got blocks, the staged transfer
   to copy into them — synchronously, before this step's forward, if the transfer was already
   complete when the request was scheduled (the DoneTable says so); asynchronously otherwise.
   Start is D's local prefix-cache hit (block-aligned), end is the prompt length P computed
-  (decode prompt = P's prompt + [t1]; t1's KV is computed by D itself).
+  (decode prompt = P's prompt + [t1]; t1's KV is computed by D itself). The scheduler does not
+  know what P skipped: a hit short of the staged transfer's first token (D evicted the prefix,
+  or never had it) fails at the worker side as a load error, which vLLM recomputes.
 - cancels: prefill requests preempted mid-transfer (their blocks are about to be reused).
 
 Invariants: `get_num_new_matched_tokens` has no side effects beyond a memo of its last answer
@@ -41,12 +47,22 @@ class _Prefill:
     port: int
     transport: str
     prompt_len: int
+    skip: int = 0  # the first token pushed
     block_ids: list[int] = field(default_factory=list)
-    sent_upto: int = 0
+    sent_upto: int = 0  # starts at `skip`
 
 
 def transfer_params(request: Request) -> dict[str, Any]:
     return request.kv_transfer_params or {}
+
+
+def skip_tokens(params: dict[str, Any], prompt_len: int) -> int:
+    """The prompt tokens P does not push (`skip_tokens`): a non-negative int, at most
+    `prompt_len - 1` so that the transfer is never empty; 0 when absent or malformed."""
+    raw = params.get("skip_tokens", 0)
+    if not isinstance(raw, int) or isinstance(raw, bool) or raw <= 0:
+        return 0
+    return max(0, min(raw, prompt_len - 1))
 
 
 def decode_transfer_id(request: Request) -> str | None:
@@ -71,12 +87,14 @@ class SchedulerSide:
     def on_new_request(self, request: Request) -> None:
         p = transfer_params(request)
         if p.get("do_remote_decode") and p.get("transfer_id") and p.get("remote_port"):
+            prompt_len = len(request.prompt_token_ids or ())
+            skip = skip_tokens(p, prompt_len)
             self._prefills[request.request_id] = _Prefill(
                 transfer_id=str(p["transfer_id"]), host=str(p.get("remote_host", "127.0.0.1")),
                 port=int(p["remote_port"]),
                 transport=(str(p["transport"]) if p.get("transport") in TRANSPORTS
                            else self._default_transport),
-                prompt_len=len(request.prompt_token_ids or ()),
+                prompt_len=prompt_len, skip=skip, sent_upto=skip,
             )
 
     # -- decode (D) side ---------------------------------------------------------------------
@@ -126,10 +144,14 @@ class SchedulerSide:
             pf = self._prefills.get(rid)
             if pf is None or pf.sent_upto >= pf.prompt_len:
                 continue
-            if rid in cached.resumed_req_ids:  # preempted and resumed: the push was cancelled
-                continue
             new_blocks = cached.new_block_ids[i]
-            if new_blocks is not None:
+            if rid in cached.resumed_req_ids:
+                if rid in self._saving:  # preempted mid-push: the push was cancelled
+                    continue
+                # preempted before its push began (every chunk so far lay in the skipped
+                # prefix): resumed with a new block table, which vLLM hands over whole
+                pf.block_ids = list(new_blocks[0]) if new_blocks is not None else []
+            elif new_blocks is not None:
                 pf.block_ids.extend(new_blocks[0])
             self._emit_save(meta, rid, pf,
                             cached.num_computed_tokens[i] + so.num_scheduled_tokens[rid])
@@ -144,7 +166,8 @@ class SchedulerSide:
         if end <= pf.sent_upto:
             return
         meta.saves.append(SaveSpec(rid, pf.transfer_id, pf.host, pf.port, pf.transport,
-                                   tuple(pf.block_ids), pf.sent_upto, end, pf.prompt_len))
+                                   tuple(pf.block_ids), pf.sent_upto, end, pf.prompt_len,
+                                   pf.skip))
         pf.sent_upto = end
         self._saving.add(rid)
 
@@ -163,7 +186,9 @@ class SchedulerSide:
                 self._pending.loads.append(LoadSpec(rid, tid, (), 0, 0))
         if pf is None:
             return False, None
-        params = {"transfer_id": pf.transfer_id, "pushed_tokens": pf.sent_upto}
+        params = {"transfer_id": pf.transfer_id, "pushed_tokens": pf.sent_upto - pf.skip}
+        if pf.skip:
+            params["skipped_tokens"] = pf.skip
         if rid in self._saving:
             self._awaiting_send.add(rid)
             return True, params

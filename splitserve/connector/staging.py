@@ -2,7 +2,9 @@
 
 Contract (the swap point between transports and the loader):
 - `begin` reserves a region for a whole transfer or refuses (full, duplicate, too large) before
-  any KV moves; P never stalls mid-prefill on a D that cannot take the transfer.
+  any KV moves; P never stalls mid-prefill on a D that cannot take the transfer. A transfer
+  holds the prompt tokens [skip, num_tokens): the prefix P skipped is never staged, and a load
+  that would need it fails (`decode_load`).
 - A region is written only by its transfer's connection (tcp: `recv_into`; shm: P's memcpy),
   and read only by the loader after the transfer is `complete` (every layer of every token
   received and its checksum verified, and the END marker seen).
@@ -71,13 +73,14 @@ class RegionAllocator:
 @dataclass
 class StagedTransfer:
     transfer_id: str
-    num_tokens: int
+    num_tokens: int  # the prompt's length: the transfer ends there
     offset: int
     nbytes: int
     record: TransferRecord
     lease_deadline: float
     tokens_per_layer: list[int] = field(default_factory=list)
     chunks: dict[int, int] = field(default_factory=dict)  # start -> end, as P computed them
+    skip: int = 0  # the first token staged: P did not send [0, skip)
     ended: bool = False
     claimed: bool = False
     writer_done: bool = False  # the pushing connection will not write again
@@ -88,10 +91,10 @@ class StagedTransfer:
     def complete(self) -> bool:
         if not self.ended or self.failed is not None:
             return False
-        if any(n != self.num_tokens for n in self.tokens_per_layer):
+        if any(n != self.num_tokens - self.skip for n in self.tokens_per_layer):
             return False
-        t = 0
-        for s in sorted(self.chunks):  # chunks must tile [0, num_tokens) exactly
+        t = self.skip
+        for s in sorted(self.chunks):  # chunks must tile [skip, num_tokens) exactly
             if s != t:
                 return False
             t = self.chunks[s]
@@ -115,21 +118,24 @@ class StagingArea:
         self._done: dict[str, TransferStatus] = {}
 
     # -- receiving side (listener threads) --------------------------------------------------
-    def begin(self, transfer_id: str, num_tokens: int) -> StagedTransfer:
-        nbytes = self.shape.transfer_bytes(num_tokens)
+    def begin(self, transfer_id: str, num_tokens: int, skip: int = 0) -> StagedTransfer:
+        """Reserve the region of the prompt tokens [skip, num_tokens) of a transfer."""
+        nbytes = self.shape.transfer_bytes(num_tokens - skip)
         with self._lock:
             if transfer_id in self._transfers or transfer_id in self._done:
                 raise StagingRefused("duplicate_transfer_id")
-            if num_tokens <= 0:
+            if skip < 0:
+                raise StagingRefused("bad_skip")
+            if num_tokens - skip <= 0:
                 raise StagingRefused("empty_transfer")
             offset = self._alloc.alloc(nbytes)
             if offset is None:
                 self._remember(transfer_id, TransferStatus.REFUSED)
                 raise StagingRefused("staging_full")
-            rec = self.stats.open(transfer_id, "recv", num_tokens, nbytes)
+            rec = self.stats.open(transfer_id, "recv", num_tokens - skip, nbytes, skip)
             st = StagedTransfer(transfer_id, num_tokens, offset, nbytes, rec,
                                 time.monotonic() + self.lease_s,
-                                tokens_per_layer=[0] * self.shape.num_layers)
+                                tokens_per_layer=[0] * self.shape.num_layers, skip=skip)
             self._transfers[transfer_id] = st
             return st
 

@@ -25,8 +25,9 @@ class TransferRecord:
 
     transfer_id: str
     side: str
-    tokens: int = 0
-    bytes: int = 0
+    tokens: int = 0  # prompt tokens moved (sent on P, staged on D)
+    bytes: int = 0  # KV bytes moved
+    skipped_tokens: int = 0  # the prompt's prefix not moved: D's prefix cache was to hold it
     status: TransferStatus = TransferStatus.OPEN  # open -> complete -> a terminal status
     cause: str | None = None
     started_s: float = field(default_factory=time.time)
@@ -85,8 +86,11 @@ class ConnectorStats:
         # side -> seconds of completed transfers
         self.seconds_total: defaultdict[str, float] = defaultdict(float)
 
-    def open(self, transfer_id: str, side: str, tokens: int, nbytes: int) -> TransferRecord:
-        rec = TransferRecord(transfer_id, side, tokens=tokens, bytes=nbytes)
+    def open(self, transfer_id: str, side: str, tokens: int, nbytes: int, skipped: int = 0
+             ) -> TransferRecord:
+        """A new record: `tokens` and `nbytes` moved, after `skipped` prompt tokens not moved."""
+        rec = TransferRecord(transfer_id, side, tokens=tokens, bytes=nbytes,
+                             skipped_tokens=skipped)
         with self._lock:
             self._records[(side, transfer_id)] = rec
             while len(self._records) > MAX_RECORDS:

@@ -51,7 +51,8 @@ class Timings:
         }
         kv = self.kv or {}
         if kv:
-            out.update(kv_bytes=kv.get("bytes"), kv_transfer_s=kv.get("duration_s"),
+            out.update(kv_bytes=kv.get("bytes"), kv_skipped_tokens=kv.get("skipped_tokens"),
+                       kv_transfer_s=kv.get("duration_s"),
                        kv_tail_s=kv.get("tail_s"), kv_wire_s=kv.get("wire_s"),
                        kv_gbps=kv.get("gbps"), kv_load_s=kv.get("load_s"),
                        kv_status=kv.get("status"))

@@ -110,6 +110,10 @@ async def test_splitserve_legs_name_the_transfer_and_d_endpoint() -> None:
                                      "remote_engine_id": "e", "transport": "tcp"}
         shm = SplitserveLegs(session, None, "shm").open(p, d, "rid-2")
         assert shm is not None and shm.prefill_params["transport"] == "shm"
+        # D is expected to hold the prompt's first 256 tokens: P pushes only the rest
+        delta = SplitserveLegs(session, None).open(p, d, "rid-3", d_cached=256)
+        assert delta is not None and delta.prefill_params == {
+            **tr.prefill_params, "transfer_id": "rid-3", "skip_tokens": 256}
         assert SplitserveLegs(session, None).open(*pair(INFO, {"engine_id": "e"}), "t") is None
         tr.via.received(tr, PREFILL_OK)
         assert tr.decode_params == {"do_remote_prefill": True, "transfer_id": "rid-1"}

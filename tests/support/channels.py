@@ -26,8 +26,10 @@ FP = Fingerprint("cafe", "float32", 2, 2, 32, "0.32.0")
 
 def push(ch: PushChannel, tid: str, caches: list[torch.Tensor], blocks: tuple[int, ...],
          chunks: list[tuple[int, int]]) -> None:
-    n = chunks[-1][1]
-    ch.begin(tid, n, SHAPE.transfer_bytes(n), ack_timeout_s=5.0)
+    """Push the prompt tokens [chunks[0][0], chunks[-1][1]) chunk by chunk: a first chunk that
+    starts after 0 skips the prefix before it, as P does when D's cache holds it."""
+    skip, n = chunks[0][0], chunks[-1][1]
+    ch.begin(tid, n, SHAPE.transfer_bytes(n - skip), ack_timeout_s=5.0, skip=skip)
     for s, e in chunks:
         for layer, cache in enumerate(caches):
             ch.push_layer(LayerItem(tid, layer, s, e, VllmCpuLayout(cache), blocks))
@@ -44,10 +46,11 @@ def settle(ch: PushChannel, tid: str, timeout_s: float = 8.0) -> str:
     raise AssertionError("transfer never settled")
 
 
-def staged_region(staging: StagingArea, offset: int, start: int, end: int, layer: int
-                  ) -> torch.Tensor:
-    """D's staging bytes (uint8) of chunk [start, end) of `layer`, for a transfer at `offset`."""
-    base = offset + region_offset(SHAPE, start, end, layer)
+def staged_region(staging: StagingArea, offset: int, start: int, end: int, layer: int,
+                  skip: int = 0) -> torch.Tensor:
+    """D's staging bytes (uint8) of chunk [start, end) of `layer`, for a transfer at `offset`
+    whose first token is `skip`."""
+    base = offset + region_offset(SHAPE, start, end, layer, skip)
     return staging.segment.tensor[base:base + (end - start) * SHAPE.bytes_per_token_layer]
 
 
@@ -57,7 +60,7 @@ def assert_staged_equals(staging: StagingArea, st: StagedTransfer, caches: list[
     for layer, cache in enumerate(caches):
         layout = VllmCpuLayout(cache)
         for s, e in chunks:
-            staged = staged_region(staging, st.offset, s, e, layer)
+            staged = staged_region(staging, st.offset, s, e, layer, st.skip)
             ref = torch.empty_like(staged)
             layout.gather(blocks, s, e, ref)
             assert torch.equal(staged, ref)
@@ -88,10 +91,10 @@ class FakeChannel:
         self.closed = False
         self.connected = True  # the test sets False: the connection to D was lost
 
-    def begin(self, transfer_id: str, num_tokens: int, nbytes: int, ack_timeout_s: float
-              ) -> SendState:
-        rec = self.stats.open(transfer_id, "send", num_tokens, nbytes)
-        st = SendState(transfer_id, num_tokens, rec, time.monotonic() + ack_timeout_s)
+    def begin(self, transfer_id: str, num_tokens: int, nbytes: int, ack_timeout_s: float,
+              skip: int = 0) -> SendState:
+        rec = self.stats.open(transfer_id, "send", num_tokens - skip, nbytes, skip)
+        st = SendState(transfer_id, num_tokens, rec, time.monotonic() + ack_timeout_s, skip)
         self.transfers[transfer_id] = FakeTransfer(st)
         return st
 

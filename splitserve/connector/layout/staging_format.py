@@ -1,15 +1,17 @@
 """The staging format: how one transfer's KV bytes are laid out in flight and in D's staging.
 
-A transfer of `num_tokens` tokens is chunk-major, then layer-major. A chunk is the token range
-one prefill step computed; chunks partition [0, num_tokens) in order and every layer sees the
-same chunks. The region of (layer, chunk [s, e)), n = e - s tokens, holds 2 * H * D * n
-elements of the KV dtype, contiguous:
+A transfer of the prompt tokens [first, num_tokens) is chunk-major, then layer-major (`first`
+> 0: D's prefix cache already holds tokens [0, first), so P sends only the rest). A chunk is the
+token range one prefill step computed, less the skipped prefix; chunks partition
+[first, num_tokens) in order and every layer sees the same chunks. The region of (layer,
+chunk [s, e)), n = e - s tokens, holds 2 * H * D * n elements of the KV dtype, contiguous:
 
 - K as `[H, D, n]` (dimension-major: element (h, d, t) at `(h * D + d) * n + t`), then
 - V as `[H, n, D]` (token-major: element (h, t, d) at `H * D * n + (h * n + t) * D + d`),
 
 where t counts from s. Rows are token-contiguous, so P and D need not share a block size,
-a paged layout or a device. `region_offset` gives where (layer, chunk) starts.
+a paged layout or a device. `region_offset` gives where (layer, chunk) starts, and
+`transfer_bytes(num_tokens - first)` the size of the whole region.
 """
 
 from __future__ import annotations
@@ -44,12 +46,17 @@ class KVShape:
 BlockIds = list[int] | tuple[int, ...]
 
 
-def region_offset(shape: KVShape, start: int, end: int, layer: int) -> int:
-    """Byte offset of (layer, chunk [start, end)) in a transfer's staging region.
+def region_offset(shape: KVShape, start: int, end: int, layer: int, first: int = 0) -> int:
+    """Byte offset of (layer, chunk [start, end)) in the staging region of a transfer whose
+    first token is `first` (the tokens before it are not sent).
 
-    Valid because chunks partition [0, num_tokens) in order and every layer sees the same chunks.
+    Valid because chunks partition [first, num_tokens) in order and every layer sees the same
+    chunks.
     """
-    return (start * shape.num_layers + layer * (end - start)) * shape.bytes_per_token_layer
+    if start < first:
+        raise ValueError(f"chunk [{start}, {end}) starts before the transfer's token {first}")
+    return ((start - first) * shape.num_layers + layer * (end - start)
+            ) * shape.bytes_per_token_layer
 
 
 def chunk_views(region: torch.Tensor, heads: int, head_dim: int, n: int

@@ -97,10 +97,11 @@ class PushChannel(ABC):
         self._sender.start()
 
     # -- called from the worker's main thread ----------------------------------------------
-    def begin(self, transfer_id: str, num_tokens: int, nbytes: int, ack_timeout_s: float
-              ) -> SendState:
-        rec = self._stats.open(transfer_id, "send", num_tokens, nbytes)
-        st = SendState(transfer_id, num_tokens, rec, time.monotonic() + ack_timeout_s)
+    def begin(self, transfer_id: str, num_tokens: int, nbytes: int, ack_timeout_s: float,
+              skip: int = 0) -> SendState:
+        """Open a transfer of the prompt tokens [skip, num_tokens) (`nbytes` of them)."""
+        rec = self._stats.open(transfer_id, "send", num_tokens - skip, nbytes, skip)
+        st = SendState(transfer_id, num_tokens, rec, time.monotonic() + ack_timeout_s, skip)
         with self._lock:
             self._states[transfer_id] = st
         self._queue.put(BeginItem(st))
@@ -314,7 +315,7 @@ class PushChannel(ABC):
         if self._faults.drop(st.transfer_id):
             self._fail(st, "fault_drop")
             return
-        send(self._ensure_connected(), Begin(st.transfer_id, st.num_tokens))
+        send(self._ensure_connected(), Begin(st.transfer_id, st.num_tokens, st.skip))
         if not st.began.wait(self._begin_timeout_s):
             self._fail(st, "begin_timeout")
 

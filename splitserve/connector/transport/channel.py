@@ -13,8 +13,10 @@ class TransferChannel(Protocol):
     on the engine's worker thread. `PushChannel` implements it over a socket; the unit tests'
     fake (tests/support/channels.py) in memory."""
 
-    def begin(self, transfer_id: str, num_tokens: int, nbytes: int, ack_timeout_s: float
-              ) -> SendState: ...
+    def begin(self, transfer_id: str, num_tokens: int, nbytes: int, ack_timeout_s: float,
+              skip: int = 0) -> SendState:
+        """Open a transfer of the prompt tokens [skip, num_tokens), `nbytes` in all."""
+        ...
 
     def push_layer(self, item: LayerItem) -> None: ...
 

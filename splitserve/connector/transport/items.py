@@ -30,9 +30,10 @@ class SendState:
     acknowledged it, verified), `failed` or `cancelled`."""
 
     transfer_id: str
-    num_tokens: int
+    num_tokens: int  # the prompt's length
     record: TransferRecord
     deadline: float  # no ACK by then -> failed
+    skip: int = 0  # the first token sent: D's prefix cache is to hold [0, skip)
     status: TransferStatus = TransferStatus.OPEN
     offset: int = -1  # D's staging offset (from BEGIN_OK)
     began: threading.Event = field(default_factory=threading.Event)

@@ -64,7 +64,7 @@ class ShmPushChannel(PushChannel):
         segment = self._segment  # a reconnect may map a new one; this copy keeps its own
         assert segment is not None
         nbytes = (item.end - item.start) * self.shape.bytes_per_token_layer
-        base = st.offset + region_offset(self.shape, item.start, item.end, item.layer)
+        base = st.offset + region_offset(self.shape, item.start, item.end, item.layer, st.skip)
         return segment.tensor[base:base + nbytes]
 
     def _hold_frame(self, st: SendState, item: LayerItem, region: torch.Tensor) -> None:

@@ -2,7 +2,9 @@
 
 - P's leg names the transfer and D's KV endpoint (from D's `/splitserve/info`):
   `{"do_remote_decode": true, "transfer_id", "remote_host", "remote_port", "remote_engine_id",
-  "transport"}`.
+  "transport"}`, and `"skip_tokens": d_cached` when the router expects D's prefix cache to hold
+  the prompt's first `d_cached` tokens: P then pushes only the rest. D loads from its own hit; a
+  hit short of `skip_tokens` (the expectation was stale) fails D's load, which D recomputes.
 - D's leg claims the transfer: `{"do_remote_prefill": true, "transfer_id"}`; D is sent
   prompt + [t1]. Nothing of P's answer is needed beyond its tokens.
 - Release: `DELETE /splitserve/transfers/{id}` on D frees the staged KV (or refuses a push not
@@ -54,8 +56,11 @@ class SplitserveLegs(LegProtocol):
         endpoint = None if d.info is None else push_target(d.info, self.transport)
         if endpoint is None:
             return None
-        return Transfer(self, transfer_id, p, d, {"do_remote_decode": True,
-                                                  "transfer_id": transfer_id, **endpoint})
+        params: dict[str, Any] = {"do_remote_decode": True, "transfer_id": transfer_id,
+                                  **endpoint}
+        if d_cached > 0:
+            params["skip_tokens"] = d_cached
+        return Transfer(self, transfer_id, p, d, params)
 
     def received(self, transfer: Transfer, answer: dict[str, Any]) -> None:
         transfer.decode_params = {"do_remote_prefill": True,
