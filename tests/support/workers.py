@@ -249,15 +249,20 @@ def model_name(worker: Worker) -> str:
 
 
 def two_legs(p: Worker, d: Worker, prompt: list[int], max_tokens: int, transfer_id: str,
-             transport: str = "tcp") -> tuple[list[int], httpx.Response, httpx.Response | None]:
+             transport: str = "tcp", skip: int = 0
+             ) -> tuple[list[int], httpx.Response, httpx.Response | None]:
     """Drive the two legs by hand: prefill leg to P (max_tokens 1), decode leg to D with
-    prompt + [t1]. Returns (all generated tokens, P's response, D's response)."""
+    prompt + [t1]. `skip`: P pushes only the prompt's tokens after the first `skip` (D's prefix
+    cache is expected to hold them), as the router asks when it predicts D's cache. Returns
+    (all generated tokens, P's response, D's response)."""
     name = model_name(p)
+    params: dict[str, object] = {"do_remote_decode": True, "transfer_id": transfer_id,
+                                 "remote_host": "127.0.0.1", "remote_port": d.kv_port,
+                                 "transport": transport}
+    if skip:
+        params["skip_tokens"] = skip
     body = {"model": name, "prompt": prompt, "max_tokens": 1, "temperature": 0,
-            "return_token_ids": True,
-            "kv_transfer_params": {"do_remote_decode": True, "transfer_id": transfer_id,
-                                   "remote_host": "127.0.0.1", "remote_port": d.kv_port,
-                                   "transport": transport}}
+            "return_token_ids": True, "kv_transfer_params": params}
     rp = httpx.post(f"{p.url}/v1/completions", json=body, headers=auth_headers(), timeout=120)
     rp.raise_for_status()
     t1 = rp.json()["choices"][0]["token_ids"][0]
