@@ -7,12 +7,9 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from typing import Any
 
 import pytest
 import torch
-from vllm.v1.core.sched.output import CachedRequestData
 
 from splitserve.common.wire import SideRecord
 from splitserve.config import ConnectorConfig
@@ -33,6 +30,7 @@ from splitserve.connector.transport.tcp import TcpPushChannel
 from splitserve.connector.worker_side import WorkerSide
 from splitserve.router.timings import Timings
 from tests.support.channels import FP, SHAPE, assert_staged_equals, push, settle
+from tests.support.scheduler import NewReq, Request, Step, cached, prefill_request
 
 TOKEN = "delta-test-token-0123456789abcdef"
 H, D, BS = SHAPE.num_kv_heads, SHAPE.head_dim, 16
@@ -55,44 +53,8 @@ def test_regions_of_a_skipped_prefix_tile_only_the_suffix() -> None:
 
 
 # -- P's scheduler side ----------------------------------------------------------------------
-@dataclass
-class Request:
-    request_id: str
-    prompt_token_ids: list[int]
-    kv_transfer_params: dict[str, Any] | None = None
-
-
-@dataclass
-class NewReq:
-    req_id: str
-    block_ids: tuple[list[int], ...]
-    num_computed_tokens: int = 0
-
-
-@dataclass
-class Step:
-    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
-    scheduled_new_reqs: list[NewReq] = field(default_factory=list)
-    scheduled_cached_reqs: CachedRequestData = field(default_factory=CachedRequestData.make_empty)
-    preempted_req_ids: set[str] = field(default_factory=set)
-
-    @property
-    def total_num_scheduled_tokens(self) -> int:
-        return sum(self.num_scheduled_tokens.values())
-
-
-def cached(rid: str, computed: int, new_blocks: list[int] | None, resumed: bool = False
-           ) -> CachedRequestData:
-    return CachedRequestData(req_ids=[rid], resumed_req_ids={rid} if resumed else set(),
-                             new_token_ids=[], all_token_ids={},
-                             new_block_ids=[(new_blocks,) if new_blocks is not None else None],
-                             num_computed_tokens=[computed], num_output_tokens=[0])
-
-
 def prefill(rid: str, n: int, skip: object) -> Request:
-    return Request(rid, list(range(n)), {"do_remote_decode": True, "transfer_id": f"t-{rid}",
-                                         "remote_host": "10.0.0.2", "remote_port": 7001,
-                                         "skip_tokens": skip})
+    return prefill_request(rid, n, skip_tokens=skip)
 
 
 @pytest.fixture
