@@ -1,9 +1,10 @@
 """vLLM endpoint plugin: splitserve's routes and metrics on a worker's OpenAI server.
 
 Loaded by vLLM in the API-server process (entry point `vllm.endpoint_plugins`). It guards the
-server when a deployment token is set, and adds routes and metrics only when the server runs
-splitserve's connector (a worker running vLLM's NixlConnector gets `/splitserve/info` alone:
-its connector, role and NIXL side channel). The connector's state lives in the worker process,
+server when a deployment token is set, and adds the connector's routes and metrics only when
+the server runs splitserve's connector (a worker running vLLM's NixlConnector gets
+`/splitserve/info` alone: its connector, role and NIXL side channel; the cache report below is
+on every worker). The connector's state lives in the worker process,
 so every route and the metrics collector ask the connector's listener over its authenticated
 control channel — which works while the engine is idle.
 
