@@ -108,3 +108,28 @@ def test_idle_nixl_worker_does_not_spin(nixl_pd: tuple[Worker, Worker],
     nixl_p, nixl_d, plain_p, plain_d = idle_cpu([*nixl_pd, *llama_pair], 4.0)
     plain = max(plain_p, plain_d, 0.01)
     assert max(nixl_p, nixl_d) < 5 * plain, (nixl_p, nixl_d, plain_p, plain_d)
+
+
+def test_p_and_d_report_their_prefix_cache(nixl_pd: tuple[Worker, Worker]) -> None:
+    """NIXL workers report their cache like splitserve's (issue 24): P the blocks it computed,
+    D the blocks it pulled."""
+    from splitserve.kvindex.keys import prefix_keys
+    from splitserve.kvindex.messages import SNAPSHOT_PATH, KvSnapshot
+
+    def keys(w: Worker) -> set[int]:
+        r = httpx.get(f"{w.url}{SNAPSHOT_PATH}", headers=auth_headers(), timeout=10)
+        snap = KvSnapshot.from_json(r.json())
+        assert snap.exact and snap.block_size == 128
+        return set(snap.keys)
+
+    p, d = nixl_pd
+    for w in (p, d):
+        info = httpx.get(f"{w.url}/splitserve/info", headers=auth_headers(), timeout=5).json()
+        assert (info["kv_events"], info["block_size"]) == (True, 128)
+    prompt = prompt_of(300, 2024)
+    two_legs(p, d, prompt, 2)
+    want = set(prefix_keys(prompt, 128))
+    deadline = time.monotonic() + 20
+    while not (want <= keys(p) and want <= keys(d)):
+        assert time.monotonic() < deadline, "the prompt's blocks were not reported"
+        time.sleep(0.2)
