@@ -34,6 +34,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
+from urllib.parse import quote
 
 import aiohttp
 
@@ -251,8 +252,9 @@ class CacheView:
         needed (410, a gap, a new epoch: the view is then forgotten)."""
         wait = self.follow.wait_s
         while True:
-            status, raw = await self._get(f, f"{EVENTS_PATH}?after={f.seq}&wait_s={wait:g}",
-                                          wait + self.follow.timeout_s)
+            status, raw = await self._get(
+                f, f"{EVENTS_PATH}?after={f.seq}&wait_s={wait:g}&epoch={quote(f.epoch or '')}",
+                wait + self.follow.timeout_s)
             if status == 410:
                 self._resync(f, "gone")
                 return

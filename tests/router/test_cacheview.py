@@ -116,12 +116,21 @@ async def test_a_new_epoch_or_a_restart_forgets_the_worker() -> None:
         p, cache = s.urls["p0"], s.caches["p0"]
         cache.store(PROMPT)
         await until(lambda: s.view.predict(PROMPT, [p]) == {p: 28})
-        cache.restart("e2")  # the relay started over: a new epoch, nothing cached
+        cache.restart("e2")  # the relay started over: a new epoch, nothing cached: 410
+        await until(lambda: s.sample("splitserve_router_kv_resyncs_total", url=p,
+                                     reason="gone") == 1)
+        await until(lambda: s.view.synced(p) and s.view.predict(PROMPT, [p]) == {p: 0})
+        cache.store(PROMPT)
+        await until(lambda: s.view.predict(PROMPT, [p]) == {p: 28})
+        cache.check_epoch = False  # a worker that answers with its new epoch instead
+        cache.restart("e2b")
+        cache.store(PROMPT[:12])
         await until(lambda: s.sample("splitserve_router_kv_resyncs_total", url=p,
                                      reason="epoch") == 1)
-        await until(lambda: s.view.synced(p) and s.view.predict(PROMPT, [p]) == {p: 0})
+        await until(lambda: s.view.synced(p) and s.view.predict(PROMPT, [p]) == {p: 12})
+        cache.check_epoch = True
         # the registry says the worker restarted (a new engine_id): forgotten, read again
-        cache.store(PROMPT[:8])
+        cache.change(cleared=True, stored=prefix_keys(PROMPT[:8], 4))
         await until(lambda: s.view.predict(PROMPT, [p]) == {p: 8})
         cache.restart("e3")
         cache.store(PROMPT[:4])

@@ -150,11 +150,15 @@ class ScriptedCache:
     """One scripted worker's cache report: the two routes of `kvindex.messages` over a key set
     the test changes (`store`, `remove`, `clear`, `restart`), with the faults a router must
     survive: `gone` (the next events read answers 410), `skip` (the next change's seq jumps,
-    a gap), `reporting=False` (404 on both routes), `down` (the connection is cut).
+    a gap), `reporting=False` (404 on both routes), `down` (the connection is cut). With
+    `check_epoch` (the workers' contract), a reader of another epoch, or ahead of the worker,
+    gets 410; without it, the answer's own epoch tells the reader.
     `handle(request)` answers the two routes (None for any other path)."""
 
-    def __init__(self, block_size: int = 4, epoch: str = "e1", retain: int = 1000) -> None:
+    def __init__(self, block_size: int = 4, epoch: str = "e1", retain: int = 1000,
+                 check_epoch: bool = True) -> None:
         self.block_size, self.epoch, self.retain = block_size, epoch, retain
+        self.check_epoch = check_epoch  # 410 to a reader of another epoch, or ahead
         self.keys: set[int] = set()
         self.changes: list[KvChange] = []
         self.seq = 0
@@ -213,11 +217,18 @@ class ScriptedCache:
         if self.gone:
             self.gone = False
             return web.Response(status=410)
-        if self.seq == after and wait_s > 0:  # nothing new yet (a reader ahead: another life)
+        epoch = request.query.get("epoch")
+
+        def other_life() -> bool:
+            return self.check_epoch and (after > self.seq or epoch not in (None, self.epoch))
+
+        if other_life():
+            return web.Response(status=410)
+        if self.seq == after and wait_s > 0:  # nothing new yet
             self._changed = self._changed or asyncio.Event()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), wait_s)
-        if self.changes and after < self.changes[0].seq - 1:
+        if other_life() or (self.changes and after < self.changes[0].seq - 1):
             return web.Response(status=410)
         out = KvEvents(self.epoch, max(self.seq, after), self.block_size,
                        tuple(c for c in self.changes if c.seq > after))
