@@ -174,6 +174,13 @@ class CacheView:
         bs = known.block_size
         return min(cached, (prompt_len - 1) // bs * bs)
 
+    def summary(self) -> dict[str, Any]:
+        """The index in `/workers`: distinct blocks, bytes (measured per block), and the
+        seconds from the router's start until every reporting worker's view was synced."""
+        n = len(self.index)
+        return {"blocks": n, "bytes": n * INDEX_BYTES_PER_BLOCK,
+                "all_synced_after_s": self.all_synced_after_s}
+
     def describe(self, url: str) -> dict[str, Any] | None:
         """The worker's cache in `/workers`: sync state, blocks and tokens held."""
         f = self.followers.get(url)
