@@ -9,10 +9,10 @@ loop: take a snapshot, then long-poll `events?after=SEQ&wait_s=W`, applying each
 forgets the worker's view and takes a new snapshot on `410 Gone` (it fell behind), on a change
 that does not continue the view (a sequence gap) and on a new epoch (the engine restarted, or
 its relay started over), and on the registry's `RESTARTED`. A worker that answers 404 on the
-snapshot route does not report its cache: asked again every `recheck_s`, and at once when it
-comes back into rotation or restarts. A transport error or a malformed answer forgets the view
-and retries after a backoff (0.1 s doubling to 5 s, jittered), or at once when the worker
-comes back into rotation.
+snapshot route does not report its cache (401 or 403: not to this router, which has no
+deployment token): asked again every `recheck_s`, and at once when it comes back into rotation
+or restarts. A transport error or a malformed answer forgets the view and retries after a
+backoff (0.1 s doubling to 5 s, jittered), or at once when the worker comes back into rotation.
 
 Only a synced view is in the index: a worker whose view is not synced (starting, lost,
 resyncing, not reporting) is left out of `predict`, so `cache` scores it as holding nothing,
@@ -209,13 +209,15 @@ class CacheView:
                 backoff = self.follow.backoff_min_s
                 await self._tail(f)  # returns when a new snapshot is needed
             except (*TRANSPORT_ERRORS, ValueError) as exc:  # WireError, JSON: ValueErrors
-                if f.state == ViewState.SYNCED:
+                was = f.state
+                if was == ViewState.SYNCED:
                     self._resync(f, "lost")
                 f.state = ViewState.LOST
                 f.last_error = f"{type(exc).__name__}: {exc}"
                 self.index.forget(f.url)
-                log.info("worker %s: cache report lost (%s); routed by load until rebuilt",
-                         f.url, f.last_error)
+                log.log(logging.WARNING if was == ViewState.SYNCED else logging.DEBUG,
+                        "worker %s: cache report lost (%s); routed by load until rebuilt",
+                        f.url, f.last_error)
                 await self._pause(f, backoff * random.uniform(0.8, 1.2))
                 backoff = min(backoff * 2, self.follow.backoff_max_s)
 
@@ -232,7 +234,8 @@ class CacheView:
     async def _snapshot(self, f: Follower) -> bool:
         """Read and apply a snapshot; False when the worker does not report (404)."""
         status, raw = await self._get(f, SNAPSHOT_PATH, self.follow.timeout_s)
-        if status == 404:
+        if status in (401, 403, 404):  # no such route, or not for us (no deployment token)
+            f.last_error = None if status == 404 else f"snapshot answered {status}"
             return False
         if status != 200:
             raise ValueError(f"snapshot answered {status}")
