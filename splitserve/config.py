@@ -29,6 +29,23 @@ FAULTS_ENV = "SPLITSERVE_FAULTS"
 
 
 E = TypeVar("E", Role, Connector)
+KV_EVENTS_FLAG = "--kv-events-config"
+
+
+def check_kv_events_passthrough(args: tuple[str, ...] | list[str], kv_events: bool) -> None:
+    """A worker that reports its cache configures vLLM's KV events itself (a private socket its
+    relay reads): refuse the user's own `--kv-events-config` (or an abbreviation vLLM's argparse
+    would expand to it) among the arguments passed to vLLM, naming `--no-kv-events`."""
+    if not kv_events:
+        return
+    for arg in args:
+        flag = arg.split("=", 1)[0].split(".", 1)[0].replace("_", "-")
+        if flag.startswith("--kv-e") and KV_EVENTS_FLAG.startswith(flag):
+            raise ValueError(
+                f"{arg.split('=', 1)[0]}: splitserve configures vLLM's KV cache events itself "
+                "(published on a private socket that the worker relays to routers, behind the "
+                "deployment token); to publish them your own way, turn splitserve's off with "
+                "--no-kv-events (YAML: kv_events: false)")
 
 
 def as_member(enum: type[E], value: Any, name: str, or_else: str = "") -> E:
@@ -136,9 +153,13 @@ class WorkerConfig:
     kv_tls_cert: str | None = None  # TLS on the KV channel (see ConnectorConfig)
     kv_tls_key: str | None = None
     kv_tls_ca: str | None = None
+    # publish the engine's KV cache events to the worker's relay (`worker.kvrelay`), which
+    # serves them to routers; needs the deployment token (a worker without one never reports)
+    kv_events: bool = True
     extra_args: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
+        check_kv_events_passthrough(self.extra_args, self.kv_events)
         if self.role is not None:
             object.__setattr__(self, "role", as_member(Role, self.role, "role", " or None"))
         if self.transport not in TRANSPORTS:

@@ -14,11 +14,13 @@ suite's hooks (tests/README.md says more):
 
 from __future__ import annotations
 
+import os
 from collections.abc import Generator, Iterator
 from pathlib import Path
 
 import pytest
 
+from splitserve.worker.kvrelay import RUNTIME_DIR_ENV
 from tests.support import cores
 from tests.support.integration import check_drained, is_integration, no_server_processes
 from tests.support.workers import Worker, launch, make_checkpoint
@@ -53,6 +55,22 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, object, object]:
     if item.get_closest_marker("integration") is not None:
         check_drained(item)  # only once the body passed: its own failure comes first
     return result
+
+
+@pytest.fixture(scope="session", autouse=True)
+def runtime_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Where `worker_command` makes each worker's private directory for its engine's KV event
+    sockets (`worker.kvrelay.private_dir`): this session's temporary directory, which pytest
+    removes, since many tests build a worker's command without starting it."""
+    path = tmp_path_factory.getbasetemp() / "run"
+    path.mkdir(exist_ok=True)
+    saved = os.environ.get(RUNTIME_DIR_ENV)
+    os.environ[RUNTIME_DIR_ENV] = str(path)
+    yield path
+    if saved is None:
+        os.environ.pop(RUNTIME_DIR_ENV, None)
+    else:
+        os.environ[RUNTIME_DIR_ENV] = saved
 
 
 @pytest.fixture(scope="session")

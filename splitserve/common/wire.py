@@ -93,12 +93,20 @@ class WorkerInfo:
     model_fingerprint: dict[str, Any] | None = None  # splitserve: what P and D must share
     vllm_version: str | None = None
     progress_delay_us: int | None = None  # nixl: the progress thread's poll timeout
+    # the worker reports its prefix cache (`kvindex.messages`' routes) in blocks of block_size
+    # tokens; whether its view is exact right now is the snapshot's `exact`
+    kv_events: bool = False
+    block_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.kv_port is not None and not 0 < self.kv_port < 65536:
             raise WireError(f"info.kv_port must be a port number, got {self.kv_port}")
         if self.progress_delay_us is not None and self.progress_delay_us < 0:
             raise WireError("info.progress_delay_us must not be negative")
+        if self.block_size is not None and self.block_size < 1:
+            raise WireError("info.block_size must be positive")
+        if self.kv_events and self.block_size is None:
+            raise WireError("info.kv_events needs info.block_size")
 
     @classmethod
     def from_json(cls, raw: Any) -> Self:
@@ -115,12 +123,16 @@ class WorkerInfo:
                    kv_tls=_bool(raw, "kv_tls", "info"),
                    engine_id=_str(raw, "engine_id", "info"),
                    model_fingerprint=fp, vllm_version=_str(raw, "vllm_version", "info"),
-                   progress_delay_us=_count(raw, "progress_delay_us", "info", None))
+                   progress_delay_us=_count(raw, "progress_delay_us", "info", None),
+                   kv_events=_bool(raw, "kv_events", "info"),
+                   block_size=_count(raw, "block_size", "info", None))
 
     def to_json(self) -> dict[str, Any]:
-        """Every field set, plus `kv_host` and `kv_port` always (None: no endpoint)."""
+        """Every field set, plus `kv_host` and `kv_port` always (None: no endpoint);
+        `kv_events` only when true."""
         out = {k: v for k, v in asdict(self).items()
-               if v is not None or k in ("kv_host", "kv_port")}
+               if (v is not None or k in ("kv_host", "kv_port"))
+               and not (k == "kv_events" and not v)}
         out.update(connector=self.connector.value, role=self.role.value)
         return out
 

@@ -5,13 +5,18 @@ Routes (on every worker that reports its cache; behind the deployment token like
 route):
 - `GET /splitserve/kv/snapshot` -> `KvSnapshot`: every block key the engine holds now, and the
   sequence number of the last change it includes.
-- `GET /splitserve/kv/events?after=SEQ&wait_s=W` -> `KvEvents`: the changes after `SEQ`, in
-  order, waiting up to `W` seconds for one when there is none yet. `410 Gone` when changes after
-  `SEQ` are no longer retained (the reader fell behind): take a new snapshot.
+- `GET /splitserve/kv/events?after=SEQ&wait_s=W[&epoch=E]` -> `KvEvents`: the changes after
+  `SEQ`, in order, waiting up to `W` seconds (at most `MAX_WAIT_S`) for one when there is none
+  yet. `410 Gone` when changes after `SEQ` are no longer retained (the reader fell behind), when
+  `SEQ` is ahead of the worker, when `E` is given and is not the worker's epoch, and whenever
+  the worker's view is not exact: take a new snapshot.
 
 Contract: applying a snapshot and then every change after its `seq` gives exactly the set of
-keys the engine holds. `epoch` names one life of the engine: a new epoch (the worker restarted,
-or its relay lost the engine's stream and started over) invalidates everything read before.
+keys the engine holds. `epoch` names one exact view of the engine: a new epoch (the worker
+restarted, or its relay lost the engine's stream and started over) invalidates everything read
+before. A snapshot with `exact: false` says the worker cannot vouch for what its engine holds
+(prefix caching is off, or the relay lost events it could not replay); its keys are empty and
+the reader routes that worker by load until a snapshot is exact again.
 Keys are `kvindex.keys` block keys of `block_size`-token blocks.
 """
 
@@ -24,6 +29,7 @@ from splitserve.common.wire import WireError
 
 SNAPSHOT_PATH = "/splitserve/kv/snapshot"
 EVENTS_PATH = "/splitserve/kv/events"
+MAX_WAIT_S = 30.0  # the longest long poll a worker holds open (a larger wait_s is clamped)
 
 
 def _obj(raw: Any, what: str) -> dict[str, Any]:
@@ -56,27 +62,42 @@ def _epoch(raw: dict[str, Any], what: str) -> str:
 
 @dataclass(frozen=True)
 class KvSnapshot:
-    """Every block key the worker's engine holds, as of change `seq` (0: none yet)."""
+    """Every block key the worker's engine holds, as of change `seq` (0: none yet). `exact`
+    False: the worker cannot say what its engine holds (`reason` says why); `keys` is empty."""
 
     epoch: str
     seq: int
     block_size: int
     keys: tuple[int, ...] = ()
+    exact: bool = True
+    reason: str | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.seq < 0:
             raise WireError("snapshot needs block_size >= 1 and seq >= 0")
+        if not self.exact and self.keys:
+            raise WireError("a snapshot that is not exact has no keys")
 
     @classmethod
     def from_json(cls, raw: Any) -> Self:
         raw = _obj(raw, "snapshot")
+        exact = raw.get("exact", True)
+        if not isinstance(exact, bool):
+            raise WireError("snapshot.exact must be a boolean")
+        reason = raw.get("reason")
+        if reason is not None and not isinstance(reason, str):
+            raise WireError("snapshot.reason must be a string")
         return cls(epoch=_epoch(raw, "snapshot"), seq=_nonneg(raw, "seq", "snapshot"),
                    block_size=_nonneg(raw, "block_size", "snapshot"),
-                   keys=_keys(raw, "keys", "snapshot"))
+                   keys=_keys(raw, "keys", "snapshot"), exact=exact, reason=reason)
 
     def to_json(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "seq": self.seq, "block_size": self.block_size,
-                "keys": list(self.keys)}
+        out: dict[str, Any] = {"epoch": self.epoch, "seq": self.seq,
+                               "block_size": self.block_size, "keys": list(self.keys),
+                               "exact": self.exact}
+        if self.reason is not None:
+            out["reason"] = self.reason
+        return out
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from splitserve.launch.config import DeploymentConfig, from_mapping, load_yaml
 from splitserve.launch.local import LocalDeployment
 from splitserve.router.config import DECODE_POLICIES, PREFILL_POLICIES
 from splitserve.secretflags import add_secret_guards
-from splitserve.worker.cli import add_tls_arguments
+from splitserve.worker.cli import add_kv_events_argument, add_tls_arguments
 
 
 def overrides_from_args(args: argparse.Namespace) -> dict[str, object]:
@@ -38,6 +38,7 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, object]:
         "kv_tls_key": args.kv_tls_key, "kv_tls_ca": args.kv_tls_ca,
         "backend": "ray" if args.ray is not None else None,
         "ray_address": args.ray or None,
+        "kv_events": args.kv_events,  # None unless --no-kv-events: the YAML's value stands
     }
 
 
@@ -158,6 +159,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
                    help="run on Ray: the cluster at ADDRESS (host:port of its GCS), or a local "
                         "one started for the deployment when ADDRESS is omitted")
+    add_kv_events_argument(p, default=None)
     add_tls_arguments(p)
     add_secret_guards(p)
     p.set_defaults(func=run, vllm_args=[])

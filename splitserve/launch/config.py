@@ -10,6 +10,7 @@ YAML keys are the field names below; `router:` holds the router's policy fields.
     connector: splitserve    # or nixl: vLLM's NixlConnector (D pulls P's blocks over UCX)
     port: 8000
     router: {decode_policy: round_robin, local_prefill_max_tokens: 0}
+    kv_events: false         # optional: workers do not report their prefix cache (default true)
     kv_tls_cert: certs/kv.pem  # optional: TLS on the KV channel; one cert for every worker,
     kv_tls_key: certs/kv.key   # valid for `host`; kv_tls_ca verifies it (and makes TLS mutual)
     kv_tls_ca: certs/ca.pem
@@ -25,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from splitserve.common.vocab import Connector, values
-from splitserve.config import TRANSPORTS, check_tls_files
+from splitserve.config import TRANSPORTS, check_kv_events_passthrough, check_tls_files
 from splitserve.hub import check_model_name
 from splitserve.launch.rayconfig import RayOptions, ray_options
 from splitserve.router.config import (
@@ -74,6 +75,8 @@ class DeploymentConfig:
     kv_tls_cert: str | None = None  # TLS on the KV channel: shared by every P and D worker
     kv_tls_key: str | None = None
     kv_tls_ca: str | None = None
+    # every worker reports its prefix cache to routers (worker.kvrelay); false: none does
+    kv_events: bool = True
     worker_args: tuple[str, ...] = field(default_factory=tuple)  # passed to vLLM unchanged
     backend: str = "local"  # local processes, or a Ray cluster
     ray_address: str | None = None  # backend ray: the cluster's address; None starts one
@@ -123,6 +126,9 @@ class DeploymentConfig:
         elif self.files_here:  # on a remote Ray cluster the model lives on its nodes
             check_model_name(self.model, self.revision)
         check_passthrough(self.worker_args)
+        if not isinstance(self.kv_events, bool):
+            raise ValueError(f"kv_events must be true or false, got {self.kv_events!r}")
+        check_kv_events_passthrough(self.worker_args, self.kv_events)
         check_tls_files(self.kv_tls_cert, self.kv_tls_key, self.kv_tls_ca, prefix="kv_tls_",
                         must_exist=self.files_here)
         if self.kv_tls_cert is not None and not self.prefill:

@@ -11,13 +11,17 @@ that does not continue the view (a sequence gap) and on a new epoch (the engine 
 its relay started over), and on the registry's `RESTARTED`. A worker that answers 404 on the
 snapshot route does not report its cache (401 or 403: not to this router, which has no
 deployment token): asked again every `recheck_s`, and at once when it comes back into rotation
-or restarts. A transport error or a malformed answer forgets the view and retries after a
+or restarts; so is one whose `/splitserve/info` says `kv_events: false`, without asking. A
+snapshot with `exact: false` (the worker reports but cannot vouch for its engine's cache: prefix
+caching off, events it could not replay) leaves the view out, asked again after 1 s doubling
+to `recheck_s`. A transport error or a malformed answer forgets the view and retries after a
 backoff (0.1 s doubling to 5 s, jittered), or at once when the worker comes back into rotation.
 
 Only a synced view is in the index: a worker whose view is not synced (starting, lost,
-resyncing, not reporting) is left out of `predict`, so `cache` scores it as holding nothing,
-as `load` does, and `splitserve_router_worker_kv_synced` is 0 for it. The index is only ever a
-prediction: every request is exact whatever it says (a worker recomputes what it lacks).
+resyncing, not reporting, inexact) is left out of `predict`, so `cache` scores it as holding
+nothing, as `load` does, and `splitserve_router_worker_kv_synced` is 0 for it. The index is
+only ever a prediction: every request is exact whatever it says (a worker recomputes what it
+lacks).
 
 Requests go over the app's one session, whose default headers carry the deployment token.
 """
@@ -56,7 +60,8 @@ class ViewState(StrEnum):
     SYNCED = "synced"  # snapshot + every change since: exact
     RESYNCING = "resyncing"  # forgotten; a new snapshot is on its way (410, gap, epoch)
     LOST = "lost"  # the stream failed; retrying after a backoff
-    NOT_REPORTING = "not_reporting"  # 404 on the snapshot route
+    NOT_REPORTING = "not_reporting"  # 404 on the snapshot route, or its info says it does not
+    INEXACT = "inexact"  # it reports, but cannot vouch for its engine's cache (`exact: false`)
 
 
 @dataclass(frozen=True)
@@ -66,6 +71,7 @@ class Follow:
     wait_s: float = 10.0  # the long poll's wait; the request's timeout adds `timeout_s`
     timeout_s: float = 5.0
     recheck_s: float = 30.0  # a worker that does not report is asked again after this
+    inexact_min_s: float = 1.0  # a report not exact: asked again after this, doubling to recheck
     backoff_min_s: float = 0.1
     backoff_max_s: float = 5.0
 
@@ -124,8 +130,8 @@ class CacheView:
             self._resync(f, "restart")
             self._stop(f)
             self._start(f)
-        elif event.kind == EventKind.HEALTHY and f.state in (ViewState.LOST,
-                                                             ViewState.NOT_REPORTING):
+        elif event.kind == EventKind.HEALTHY and f.state in (
+                ViewState.LOST, ViewState.NOT_REPORTING, ViewState.INEXACT):
             f.wake.set()  # back in rotation: try now, not after the backoff
 
     def _start(self, f: Follower) -> None:
@@ -197,16 +203,29 @@ class CacheView:
                 "last_error": f.last_error}
 
     # --- one worker's follower --------------------------------------------------------------
+    def _says_it_reports(self, f: Follower) -> bool:
+        """False when the worker's `/splitserve/info`, once read, says it keeps no report."""
+        infos = [w.info for w in self.registry.find(f.url) if w.info is not None]
+        return not infos or any(i.kv_events for i in infos)
+
     async def _run(self, f: Follower) -> None:
         backoff = self.follow.backoff_min_s
+        inexact = self.follow.inexact_min_s
         while True:
             try:
-                if not await self._snapshot(f):
+                got = await self._snapshot(f) if self._says_it_reports(f) else None
+                if got is None:
                     f.state = ViewState.NOT_REPORTING
                     self.index.forget(f.url)
                     await self._pause(f, self.follow.recheck_s)
                     continue
-                backoff = self.follow.backoff_min_s
+                if not got.exact:  # asked again, less and less often, until it is exact
+                    f.state, f.last_error = ViewState.INEXACT, got.reason or "not exact"
+                    self.index.forget(f.url)
+                    await self._pause(f, inexact)
+                    inexact = min(inexact * 2, self.follow.recheck_s)
+                    continue
+                backoff, inexact = self.follow.backoff_min_s, self.follow.inexact_min_s
                 await self._tail(f)  # returns when a new snapshot is needed
             except (*TRANSPORT_ERRORS, ValueError) as exc:  # WireError, JSON: ValueErrors
                 was = f.state
@@ -231,27 +250,30 @@ class CacheView:
                                     timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
             return r.status, await r.read()
 
-    async def _snapshot(self, f: Follower) -> bool:
-        """Read and apply a snapshot; False when the worker does not report (404)."""
+    async def _snapshot(self, f: Follower) -> KvSnapshot | None:
+        """Read a snapshot and apply it when it is exact; None when the worker does not report
+        (404)."""
         status, raw = await self._get(f, SNAPSHOT_PATH, self.follow.timeout_s)
         if status in (401, 403, 404):  # no such route, or not for us (no deployment token)
             f.last_error = None if status == 404 else f"snapshot answered {status}"
-            return False
+            return None
         if status != 200:
             raise ValueError(f"snapshot answered {status}")
         snap = KvSnapshot.from_json(json.loads(raw))
+        if not snap.exact:
+            return snap
         self.index.apply_snapshot(f.url, snap)
         f.state, f.seq, f.epoch, f.last_error = ViewState.SYNCED, snap.seq, snap.epoch, None
         now = time.monotonic()
         if f.synced_after_s is None:
             f.synced_after_s = round(now - f.started, 6)
             self._check_all_synced(now)
-        return True
+        return snap
 
     def _check_all_synced(self, now: float) -> None:
         if self.all_synced_after_s is not None:
             return
-        if all(f.state in (ViewState.SYNCED, ViewState.NOT_REPORTING)
+        if all(f.state in (ViewState.SYNCED, ViewState.NOT_REPORTING, ViewState.INEXACT)
                for f in self.followers.values()):
             self.all_synced_after_s = round(now - self.started, 6)
             log.info("kv index: every reporting worker synced %.3f s after the router started",

@@ -86,8 +86,18 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds a decode request waits for its KV before recomputing (or failing)")
     p.add_argument("--kv-lease", type=float, default=60.0,
                    help="seconds staged KV waits for its decode request before it is freed")
+    add_kv_events_argument(p)
     add_tls_arguments(p)
     add_secret_guards(p)
+
+
+def add_kv_events_argument(p: argparse.ArgumentParser, default: bool | None = True) -> None:
+    """`--no-kv-events`: the worker does not report its prefix cache to routers."""
+    p.add_argument("--no-kv-events", dest="kv_events", action="store_false", default=default,
+                   help="do not publish the engine's KV cache events to routers (by default "
+                        "every worker reports the blocks it caches on /splitserve/kv/*, behind "
+                        "the deployment token; this also lets a --kv-events-config of your "
+                        "own pass to vLLM)")
 
 
 def config_from_args(args: argparse.Namespace, extra: list[str]) -> WorkerConfig:
@@ -108,7 +118,7 @@ def config_from_args(args: argparse.Namespace, extra: list[str]) -> WorkerConfig
         served_model_name=source.name,
         staging_bytes=args.staging_mib * 1024**2, load_timeout_s=args.kv_load_timeout,
         lease_s=args.kv_lease, kv_tls_cert=args.kv_tls_cert, kv_tls_key=args.kv_tls_key,
-        kv_tls_ca=args.kv_tls_ca, extra_args=tuple(extra),
+        kv_tls_ca=args.kv_tls_ca, kv_events=args.kv_events, extra_args=tuple(extra),
     )
 
 

@@ -34,6 +34,7 @@ from splitserve.config import (
     bearer_headers,
 )
 from splitserve.worker.diagnose import explain_log
+from splitserve.worker.kvrelay import KV_EVENTS_DIR_ENV, events_config, private_dir
 
 PR_SET_PDEATHSIG = 1
 CONNECTOR_CLASS = "SplitserveConnector"
@@ -135,7 +136,12 @@ def kv_transfer_config(cfg: WorkerConfig) -> dict[str, object]:
 
 
 def worker_command(cfg: WorkerConfig, token: str | None) -> tuple[list[str], dict[str, str]]:
-    """argv and environment for one worker process. The token travels only in the environment."""
+    """argv and environment for one worker process. The token travels only in the environment.
+    A worker that reports its cache (`cfg.kv_events`, with a token) gets a private directory
+    for its engine's event sockets, made here (`kvrelay.private_dir`): call this where the
+    worker runs, right before starting it."""
+    if cfg.role is not None and not token:
+        raise RuntimeError("a worker with a connector needs the deployment token")
     argv = [
         sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry",
         "--model", cfg.model,
@@ -155,6 +161,10 @@ def worker_command(cfg: WorkerConfig, token: str | None) -> tuple[list[str], dic
         argv += ["--max-num-batched-tokens", str(cfg.max_num_batched_tokens)]
     if cfg.role is not None:
         argv += ["--kv-transfer-config", json.dumps(kv_transfer_config(cfg))]
+    events_dir = None
+    if cfg.kv_events and token:  # the relay's routes are behind the token: none, no report
+        events_dir = private_dir()
+        argv += ["--kv-events-config", json.dumps(events_config(events_dir))]
     argv += list(cfg.extra_args)
 
     env = dict(os.environ)
@@ -175,14 +185,15 @@ def worker_command(cfg: WorkerConfig, token: str | None) -> tuple[list[str], dic
     if cfg.cpus is not None:
         env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(str(c) for c in cfg.cpus)
         env["OMP_NUM_THREADS"] = str(len(cfg.cpus))
-    if cfg.role is not None and not token:
-        raise RuntimeError("a worker with a connector needs the deployment token")
     # A worker holding a token requires it on every HTTP path (worker.plugin); one started
     # without never inherits a token from our own environment.
     env.pop(TOKEN_FILE_ENV, None)
     env.pop(TOKEN_ENV, None)
+    env.pop(KV_EVENTS_DIR_ENV, None)
     if token:
         env[TOKEN_ENV] = token
+    if events_dir is not None:  # the plugin relays the events published there
+        env[KV_EVENTS_DIR_ENV] = events_dir
     return argv, env
 
 

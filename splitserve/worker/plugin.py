@@ -1,9 +1,10 @@
 """vLLM endpoint plugin: splitserve's routes and metrics on a worker's OpenAI server.
 
 Loaded by vLLM in the API-server process (entry point `vllm.endpoint_plugins`). It guards the
-server when a deployment token is set, and adds routes and metrics only when the server runs
-splitserve's connector (a worker running vLLM's NixlConnector gets `/splitserve/info` alone:
-its connector, role and NIXL side channel). The connector's state lives in the worker process,
+server when a deployment token is set, and adds the connector's routes and metrics only when
+the server runs splitserve's connector (a worker running vLLM's NixlConnector gets
+`/splitserve/info` alone: its connector, role and NIXL side channel; the cache report below is
+on every worker). The connector's state lives in the worker process,
 so every route and the metrics collector ask the connector's listener over its authenticated
 control channel — which works while the engine is idle.
 
@@ -20,20 +21,32 @@ core), `/splitserve/info` (`WorkerInfo`), `/splitserve/state` (`ConnectorState`)
 decode request will claim). The connector's answers are parsed into those types here, so a
 malformed one is a 502, never passed on. Metrics: `splitserve_kv_*` families in the worker's
 `/metrics`.
+
+Every worker that `worker_command` started to report its cache (P, D and plain; either
+connector) also relays its engine's KV cache events (`worker.kvrelay`): `GET
+/splitserve/kv/snapshot` (`KvSnapshot`) and `GET /splitserve/kv/events` (`KvEvents`, a long
+poll; 410 when the reader must take a new snapshot), the `splitserve_kv_events_*` metrics, and
+`kv_events`/`block_size` in `/splitserve/info` (a plain worker has no `/splitserve/info`: the
+router reads its 404 as "no connector"; it probes the snapshot route instead).
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
+import dataclasses
 import hashlib
 import hmac
 import json
+import logging
+import os
 from argparse import Namespace
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from fastapi import FastAPI
-from fastapi.responses import JSONResponse
+from fastapi import Query as Param
+from fastapi.responses import JSONResponse, Response
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from starlette.datastructures import Headers, State
 from starlette.routing import Mount
@@ -46,8 +59,19 @@ from splitserve.connector.framing import ProtocolError
 from splitserve.connector.messages import Query
 from splitserve.connector.protocol import query
 from splitserve.connector.tls import client_context
+from splitserve.kvindex.blockset import BlockSet, Gone
+from splitserve.kvindex.messages import EVENTS_PATH, SNAPSHOT_PATH
+from splitserve.worker.kvrelay import (
+    KV_EVENTS_DIR_ENV,
+    Relay,
+    RelayCollector,
+    endpoints,
+    remove_private_dir,
+)
 from splitserve.worker.load import LOAD_PATH, read_load
 from splitserve.worker.nixl_tuning import NixlTuning
+
+log = logging.getLogger("splitserve.plugin")
 
 GAUGES = {
     "staged_bytes": "KV bytes staged on this worker, not yet loaded",
@@ -142,6 +166,86 @@ class ConnectorCollector:
         yield secs
 
 
+class KvReport:
+    """The worker's cache report: made when the plugin attaches its routes (the event sockets'
+    directory is in the environment), started in `init_state` with the engine's block size."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        self.relay: Relay | None = None
+
+    def start(self, engine_client: Any) -> None:
+        cache = getattr(getattr(engine_client, "vllm_config", None), "cache_config", None)
+        block_size = int(getattr(cache, "block_size", 0) or 0)
+        if block_size < 1:
+            self.relay = Relay.not_reporting(1, "the engine's block size is unknown")
+        elif not getattr(cache, "enable_prefix_caching", False):
+            # e.g. an MLA model on CPU: vLLM turns prefix caching off and stores no events
+            self.relay = Relay.not_reporting(block_size, "the engine's prefix caching is off")
+        else:
+            pub, replay = endpoints(self.directory)
+            self.relay = Relay(BlockSet(block_size), pub, replay)
+        self.relay.start(asyncio.get_running_loop())
+        atexit.register(self.close)
+
+    def close(self) -> None:
+        if self.relay is not None:
+            self.relay.stop()
+        remove_private_dir(self.directory)
+
+    @property
+    def reporting(self) -> bool:
+        return self.relay is not None and self.relay.reporting
+
+    def info_fields(self) -> dict[str, Any]:
+        """`WorkerInfo`'s `kv_events` and `block_size`."""
+        if self.relay is None or not self.relay.reporting:
+            return {"kv_events": False}
+        return {"kv_events": True, "block_size": self.relay.blocks.block_size}
+
+    def collector(self) -> RelayCollectorProxy:
+        return RelayCollectorProxy(self)
+
+
+class RelayCollectorProxy:
+    """The relay's metrics once it runs (the registry is built before `init_state`)."""
+
+    def __init__(self, report: KvReport) -> None:
+        self.report = report
+
+    def collect(self) -> Iterator[Metric]:
+        if self.report.relay is not None:
+            yield from RelayCollector(self.report.relay).collect()
+
+
+def _attach_kv_routes(app: FastAPI, report: KvReport) -> None:
+    """The two routes of `kvindex.messages` (TokenGuard checked the caller)."""
+
+    def relay() -> Relay | None:
+        return report.relay
+
+    @app.get(SNAPSHOT_PATH)
+    async def kv_snapshot() -> Response:
+        r = relay()
+        if r is None:
+            return _error("the KV event relay is not started yet", "service_unavailable", 503)
+        snap = r.snapshot()
+        body = await asyncio.to_thread(lambda: json.dumps(snap.to_json()).encode())
+        return Response(body, media_type="application/json")
+
+    @app.get(EVENTS_PATH)
+    async def kv_events(after: int = Param(ge=0), wait_s: float = Param(0.0, ge=0.0),
+                        epoch: str | None = None) -> Response:
+        r = relay()
+        if r is None:
+            return _error("the KV event relay is not started yet", "service_unavailable", 503)
+        try:
+            events = await r.events(after, wait_s, epoch)
+        except Gone as exc:
+            return _error(f"take a new snapshot: {exc}", "gone", 410)
+        return JSONResponse(events.to_json())
+
+
 class TokenGuard:
     """ASGI middleware: every HTTP request must carry the deployment token (constant-time check);
     anything else gets 401 with an OpenAI-style body before it reaches vLLM."""
@@ -166,6 +270,9 @@ class SplitserveEndpointPlugin:
     name = "splitserve"
     required_tasks = None
 
+    def __init__(self) -> None:
+        self.kv: KvReport | None = None
+
     def attach_router(self, app: FastAPI) -> None:
         token = load_token(required=False)
         if token:
@@ -175,22 +282,31 @@ class SplitserveEndpointPlugin:
         async def load() -> JSONResponse:
             return JSONResponse(read_load().to_json())
 
+        kv_dir = os.environ.get(KV_EVENTS_DIR_ENV)
+        if kv_dir and not token:
+            log.warning("KV cache events are not relayed: this worker has no deployment token")
+        elif kv_dir:
+            self.kv = KvReport(kv_dir)
+            _attach_kv_routes(app, self.kv)
+        kv = self.kv
+
         args = getattr(app.state, "args", None)
         nixl = nixl_info(args)
         if nixl is not None:
-            nixl_json = nixl.to_json()
-
             @app.get("/splitserve/info")
             async def nixl_worker_info() -> JSONResponse:
-                return JSONResponse(nixl_json)
+                assert nixl is not None
+                return JSONResponse(_with_kv(nixl, kv).to_json())
+            _attach_metrics(app, *([kv.collector()] if kv else []))
             return
         cfg = connector_config(args)
         if cfg is None:
+            _attach_metrics(app, *([kv.collector()] if kv else []))
             return
         if not token:
             raise RuntimeError("a worker with splitserve's connector needs the deployment token")
         collector = ConnectorCollector(cfg, token)
-        _attach_metrics(app, collector)
+        _attach_metrics(app, collector, *([kv.collector()] if kv else []))
 
         async def ask_connector(question: Query,
                                 respond: Callable[[dict[str, Any]], JSONResponse] = JSONResponse
@@ -211,7 +327,7 @@ class SplitserveEndpointPlugin:
         @app.get("/splitserve/info")
         async def info() -> JSONResponse:
             return await ask_connector(Query("state"), lambda raw: JSONResponse(
-                ConnectorState.from_json(raw).info.to_json()))
+                _with_kv(ConnectorState.from_json(raw).info, kv).to_json()))
 
         @app.get("/splitserve/state")
         async def state() -> JSONResponse:
@@ -233,7 +349,13 @@ class SplitserveEndpointPlugin:
             return await ask_connector(Query("discard", transfer_id))
 
     async def init_state(self, engine_client: Any, state: State, args: Namespace) -> None:
-        return None
+        if self.kv is not None and engine_client is not None:
+            self.kv.start(engine_client)
+
+
+def _with_kv(info: WorkerInfo, kv: KvReport | None) -> WorkerInfo:
+    """`info` with the worker's cache report (`kv_events`, `block_size`)."""
+    return info if kv is None else dataclasses.replace(info, **kv.info_fields())
 
 
 def _error(message: str, kind: str, code: int) -> JSONResponse:
@@ -241,13 +363,17 @@ def _error(message: str, kind: str, code: int) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": kind, "code": code}}, code)
 
 
-def _attach_metrics(app: FastAPI, collector: ConnectorCollector) -> None:
-    """Serve vLLM's registry plus the connector's families at the existing /metrics mount."""
+def _attach_metrics(app: FastAPI, *collectors: Any) -> None:
+    """Serve vLLM's registry plus our families (the connector's, the KV event relay's) at the
+    existing /metrics mount."""
+    if not collectors:
+        return
     from prometheus_client import make_asgi_app
     from vllm.v1.metrics.prometheus import get_prometheus_registry
 
     registry = get_prometheus_registry()
-    registry.register(collector)
+    for collector in collectors:
+        registry.register(collector)
     for route in app.routes:
         if isinstance(route, Mount) and route.path == "/metrics":
             route.app = make_asgi_app(registry=registry)

@@ -188,7 +188,8 @@ async def routed(names: tuple[str, ...] = ("p0", "p1", "d0", "d1"), cached_token
         reg = Registry(cfg)
         for worker in reg.all():
             worker.health.healthy = True
-            identify(worker, {"kv_host": "127.0.0.1", "kv_port": 5, "engine_id": worker.url})
+            identify(worker, {"kv_host": "127.0.0.1", "kv_port": 5, "engine_id": worker.url,
+                              "kv_events": True, "block_size": 4})
         metrics = RouterMetrics()
         view = CacheView(reg, session, metrics, FAST)
         legs = Recording()

@@ -135,10 +135,9 @@ async def test_a_new_epoch_or_a_restart_forgets_the_worker() -> None:
         cache.restart("e3")
         cache.store(PROMPT[:4])
         (worker,) = s.registry.find(p)
-        s.registry.identified(worker, WorkerInfo.from_json({"role": "prefill",
-                                                            "engine_id": "a"}))
-        s.registry.identified(worker, WorkerInfo.from_json({"role": "prefill",
-                                                            "engine_id": "b"}))
+        reports = {"role": "prefill", "kv_events": True, "block_size": 4}
+        s.registry.identified(worker, WorkerInfo.from_json(reports | {"engine_id": "a"}))
+        s.registry.identified(worker, WorkerInfo.from_json(reports | {"engine_id": "b"}))
         assert s.sample("splitserve_router_kv_resyncs_total", url=p, reason="restart") == 1
         await until(lambda: s.view.synced(p) and s.view.predict(PROMPT, [p]) == {p: 4})
 
@@ -228,3 +227,34 @@ async def test_a_router_restarted_mid_stream_has_the_same_index() -> None:
             assert restarted.all_synced_after_s is not None
         finally:
             await restarted.close()
+
+
+async def test_a_report_that_is_not_exact_is_routed_by_load_until_it_is() -> None:
+    async with followed() as s:
+        p, d = s.urls["p0"], s.urls["d0"]
+        s.caches["p0"].store(PROMPT)
+        await until(lambda: s.view.predict(PROMPT, [p, d]) == {p: 28, d: 0})
+        s.caches["p0"].exact = False  # the relay lost events it could not replay
+        s.caches["p0"].change(stored=[1])
+        await until(lambda: s.view.followers[p].state == ViewState.INEXACT)
+        assert s.view.predict(PROMPT, [p, d]) == {d: 0}
+        described = s.view.describe(p)
+        assert described is not None and described["last_error"] == "events lost"
+        s.caches["p0"].restart("e2")  # the engine cleared its cache: a new exact epoch
+        s.caches["p0"].exact = True
+        s.caches["p0"].store(PROMPT[:8])
+        await until(lambda: s.view.predict(PROMPT, [p, d]) == {p: 8, d: 0}, timeout_s=5)
+
+
+async def test_a_worker_whose_info_says_it_does_not_report_is_not_asked() -> None:
+    async with followed() as s:
+        p = s.urls["p0"]
+        await until(synced(s.view, p))
+        (worker,) = s.registry.find(p)
+        info = {"role": "prefill", "engine_id": "x", "kv_events": False}
+        s.registry.identified(worker, WorkerInfo.from_json(info))
+        s.registry.identified(worker, WorkerInfo.from_json(info | {"engine_id": "y"}))
+        await until(lambda: s.view.followers[p].state == ViewState.NOT_REPORTING)
+        asked = len(s.caches["p0"].asked)
+        await asyncio.sleep(0.5)  # longer than recheck_s: still not asked
+        assert len(s.caches["p0"].asked) == asked

@@ -134,8 +134,8 @@ def started(legs: Legs, pre: Any) -> Joiner:
 
 
 # The cache view's pace for tests: short long polls, quick retries.
-FAST_FOLLOW = Follow(wait_s=0.2, timeout_s=2.0, recheck_s=0.2, backoff_min_s=0.02,
-                     backoff_max_s=0.1)
+FAST_FOLLOW = Follow(wait_s=0.2, timeout_s=2.0, recheck_s=0.2, inexact_min_s=0.05,
+                     backoff_min_s=0.02, backoff_max_s=0.1)
 
 
 async def until(cond: Callable[[], bool], timeout_s: float = 5.0) -> None:
@@ -152,7 +152,8 @@ class ScriptedCache:
     survive: `gone` (the next events read answers 410), `skip` (the next change's seq jumps,
     a gap), `reporting=False` (404 on both routes), `down` (the connection is cut). With
     `check_epoch` (the workers' contract), a reader of another epoch, or ahead of the worker,
-    gets 410; without it, the answer's own epoch tells the reader.
+    gets 410; without it, the answer's own epoch tells the reader. `exact=False`: the report
+    cannot vouch for the engine's cache (`exact: false` snapshots, 410 on events).
     `handle(request)` answers the two routes (None for any other path)."""
 
     def __init__(self, block_size: int = 4, epoch: str = "e1", retain: int = 1000,
@@ -165,6 +166,7 @@ class ScriptedCache:
         self.gone = False
         self.skip = False
         self.reporting = True
+        self.exact = True  # False: the report cannot vouch (empty snapshot, 410 on events)
         self.down = False
         self.asked: list[str] = []
         self._changed: asyncio.Event | None = None
@@ -198,6 +200,8 @@ class ScriptedCache:
         self._notify()
 
     def snapshot(self) -> KvSnapshot:
+        if not self.exact:
+            return KvSnapshot(self.epoch, self.seq, self.block_size, (), False, "events lost")
         return KvSnapshot(self.epoch, self.seq, self.block_size, tuple(sorted(self.keys)))
 
     async def handle(self, request: web.Request) -> web.StreamResponse | None:
@@ -222,13 +226,14 @@ class ScriptedCache:
         def other_life() -> bool:
             return self.check_epoch and (after > self.seq or epoch not in (None, self.epoch))
 
-        if other_life():
+        if other_life() or not self.exact:
             return web.Response(status=410)
         if self.seq == after and wait_s > 0:  # nothing new yet
             self._changed = self._changed or asyncio.Event()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), wait_s)
-        if other_life() or (self.changes and after < self.changes[0].seq - 1):
+        if other_life() or not self.exact or (self.changes
+                                               and after < self.changes[0].seq - 1):
             return web.Response(status=410)
         out = KvEvents(self.epoch, max(self.seq, after), self.block_size,
                        tuple(c for c in self.changes if c.seq > after))

@@ -12,7 +12,9 @@ import pytest
 from splitserve.cli import main
 from splitserve.common import engine
 from splitserve.common.cpus import parse_cpus
+from splitserve.common.vocab import Connector, Role
 from splitserve.config import TOKEN_ENV, TOKEN_FILE_ENV, WorkerConfig, load_token
+from splitserve.worker.kvrelay import KV_EVENTS_DIR_ENV, events_config
 from splitserve.worker.launch import check_vllm_version, kv_buffer_device, worker_command
 from tests.support.workers import TOKEN, Worker
 
@@ -205,3 +207,68 @@ def test_vllms_own_queues_advertise_the_address_the_worker_binds(
     monkeypatch.setenv("VLLM_HOST_IP", "10.9.9.9")  # the operator's own choice wins
     _, env = worker_command(WorkerConfig(model="m", port=8000, host=host), None)
     assert env["VLLM_HOST_IP"] == "10.9.9.9"
+
+
+@pytest.mark.parametrize(("role", "connector"), [
+    (Role.PREFILL, Connector.SPLITSERVE), (Role.DECODE, Connector.NIXL),
+    (None, Connector.SPLITSERVE)])
+def test_every_worker_publishes_its_kv_events_on_a_private_socket(
+        role: Role | None, connector: Connector) -> None:
+    cfg = WorkerConfig(model="m", port=8000, role=role, kv_port=9000 if role else 0,
+                       connector=connector)
+    argv, env = worker_command(cfg, TOKEN)
+    events = json.loads(argv[argv.index("--kv-events-config") + 1])
+    directory = env[KV_EVENTS_DIR_ENV]
+    assert events == events_config(directory)
+    assert events["endpoint"].startswith("ipc://") and "tcp" not in json.dumps(events)
+    assert os.stat(directory).st_mode & 0o777 == 0o700
+
+
+def test_kv_events_need_the_token_and_can_be_turned_off() -> None:
+    argv, env = worker_command(WorkerConfig(model="m", port=8000), None)
+    assert "--kv-events-config" not in argv and KV_EVENTS_DIR_ENV not in env
+    argv, env = worker_command(WorkerConfig(model="m", port=8000, kv_events=False), TOKEN)
+    assert "--kv-events-config" not in argv and KV_EVENTS_DIR_ENV not in env
+
+
+@pytest.mark.parametrize("arg", ["--kv-events-config", "--kv-events-config={}",
+                                 "--kv_events_config", "--kv-events", "--kv-events-config.topic"])
+def test_a_users_own_kv_events_config_is_refused_unless_ours_is_off(arg: str) -> None:
+    with pytest.raises(ValueError, match="--no-kv-events"):
+        WorkerConfig(model="m", port=8000, extra_args=(arg, "{}"))
+    cfg = WorkerConfig(model="m", port=8000, kv_events=False, extra_args=(arg, "{}"))
+    argv, _ = worker_command(cfg, TOKEN)
+    assert argv[-2:] == [arg, "{}"]
+
+
+def test_no_kv_events_flag_reaches_the_worker_and_the_deployment(tmp_path: Path) -> None:
+    import argparse
+
+    from splitserve.launch import cli as serve_cli
+    from splitserve.launch.config import from_mapping
+    from splitserve.launch.local import LocalDeployment
+    from splitserve.worker import cli as worker_cli
+
+    p = argparse.ArgumentParser()
+    worker_cli.add_worker_arguments(p)
+    on = p.parse_args(["--model", str(tmp_path), "--port", "8000"])
+    off = p.parse_args(["--model", str(tmp_path), "--port", "8000", "--no-kv-events"])
+    assert worker_cli.config_from_args(on, []).kv_events
+    assert not worker_cli.config_from_args(off, []).kv_events
+
+    sub = argparse.ArgumentParser().add_subparsers()
+    serve_cli.register(sub)
+    serve = sub.choices["serve"]
+    dep = serve_cli.config_from_args(serve.parse_args(["--colocated", "1"]))
+    assert dep.kv_events
+    dep = serve_cli.config_from_args(serve.parse_args(["--colocated", "1", "--no-kv-events"]))
+    assert not dep.kv_events
+    assert not any(w.kv_events for _, w in LocalDeployment(dep).plan_workers())
+    f = tmp_path / "d.yaml"
+    f.write_text("prefill: 1\ndecode: 1\ncpus: [0, 1]\nkv_events: false\n")
+    dep = serve_cli.config_from_args(serve.parse_args(["--config", str(f)]))
+    assert [w.kv_events for _, w in LocalDeployment(dep).plan_workers()] == [False, False]
+    with pytest.raises(ValueError, match="--no-kv-events"):
+        from_mapping({"colocated": 1, "worker_args": ["--kv-events-config", "{}"]})
+    assert from_mapping({"colocated": 1, "kv_events": False,
+                         "worker_args": ["--kv-events-config", "{}"]}).worker_args
