@@ -13,7 +13,8 @@ DECODE_POLICIES: tuple[str, ...] = policy_names(Pool.DECODE)
 UNSPLITTABLE_MODES: tuple[str, ...] = ("whole", "refuse")
 # Prefill on D: a request whose chosen D holds all but at most this many prompt tokens runs
 # whole on that D. 128 tokens (one vLLM-CPU block): such a prefill stalls D's other streams
-# for about one handover's worth (see router/README.md, "Prefill on D").
+# once, by ~0.1 s on the demo model (benchmarks/local_prefill_stall.py; router/README.md,
+# "Cache-aware routing").
 LOCAL_PREFILL_MAX_TOKENS = 128
 
 
