@@ -228,6 +228,9 @@ async def whole(st: RouterState, request: Request, body: dict[str, Any], raw: by
         status, content, ctype = await cancellable(
             request, st.whole.complete(path, raw, rid, t, first))
         t.first_sent = time.monotonic()
+        if first is not None:  # prefill on D: say so, as the split path does
+            t.end = t.first_sent
+            headers[TIMINGS_HEADER] = json.dumps(t.as_dict())
         return Response(content, status, headers=headers, media_type=ctype)
     r, w = await cancellable(request, st.whole.open(path, raw, rid, t, first))
     if r.status != 200:
