@@ -34,7 +34,9 @@ def prompt_of(length: int, seed: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def second_p(llama_ckpt: Path) -> Iterator[Worker]:
-    p2 = launch(llama_ckpt, "llama-cache-p2", "prefill", cpus=cores.spare_cores("prefill", 0))
+    # its answers carry the engine's count of cached prompt tokens, for the router to compare
+    p2 = launch(llama_ckpt, "llama-cache-p2", "prefill", cpus=cores.spare_cores("prefill", 0),
+                extra_args=("--enable-prompt-tokens-details",))
     yield p2
     p2.stop()
 
@@ -124,8 +126,12 @@ def test_a_repeated_prefix_goes_to_the_p_that_holds_it(
     assert got == hf_greedy(llama_ckpt, prompt, MAX_TOKENS)
     assert t["mode"] == "split" and t["prefill"] == proxied_p2.url, t
     assert t["p_cached"] == 2 * BLOCK and t["kv_status"] == "loaded", t
-    assert metric(cache_router, "splitserve_router_cached_predicted_tokens_total",
-                  url=proxied_p2.url) >= 2 * BLOCK
+    # the prediction against the engine's own count (this P reports it)
+    reported = metric(cache_router, "splitserve_router_cached_reported_tokens_total",
+                      url=proxied_p2.url)
+    predicted = metric(cache_router, "splitserve_router_cached_predicted_reported_tokens_total",
+                       url=proxied_p2.url)
+    assert reported == predicted == 2 * BLOCK
 
 
 def test_prefill_on_the_d_that_holds_all_but_a_few_tokens(
