@@ -16,6 +16,7 @@ from splitserve.connector.tls import client_context, server_context
 from splitserve.launch.backend import LauncherBackend
 from splitserve.launch.config import DeploymentConfig, from_mapping, load_yaml
 from splitserve.launch.local import LocalDeployment
+from splitserve.router.config import DECODE_POLICIES, PREFILL_POLICIES
 from splitserve.secretflags import add_secret_guards
 from splitserve.worker.cli import add_kv_events_argument, add_tls_arguments
 
@@ -30,7 +31,9 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, object]:
         "port": args.port, "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_model_len": args.max_model_len, "kv_cache_gib": args.kv_cache_gib,
         "cpus": args.cpus, "router_cpus": args.router_cpus, "log_dir": args.log_dir,
-        "unsplittable": args.unsplittable,
+        "unsplittable": args.unsplittable, "prefill_policy": args.prefill_policy,
+        "decode_policy": args.decode_policy,
+        "local_prefill_max_tokens": args.local_prefill_max_tokens,
         "worker_args": tuple(args.vllm_args) or None, "kv_tls_cert": args.kv_tls_cert,
         "kv_tls_key": args.kv_tls_key, "kv_tls_ca": args.kv_tls_ca,
         "backend": "ray" if args.ray is not None else None,
@@ -146,6 +149,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "cores than workers, else it shares all of them)")
     p.add_argument("--log-dir", default=None)
     p.add_argument("--unsplittable", choices=("whole", "refuse"), default=None)
+    p.add_argument("--prefill-policy", choices=PREFILL_POLICIES, default=None,
+                   help="the router's choice of P (default cache)")
+    p.add_argument("--decode-policy", choices=DECODE_POLICIES, default=None,
+                   help="the router's choice of D (default cache)")
+    p.add_argument("--local-prefill-max-tokens", type=int, default=None, metavar="N",
+                   help="prefill on D when the chosen D holds all but at most N prompt "
+                        "tokens (default 128; 0: never)")
     p.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
                    help="run on Ray: the cluster at ADDRESS (host:port of its GCS), or a local "
                         "one started for the deployment when ADDRESS is omitted")

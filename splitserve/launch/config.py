@@ -9,7 +9,7 @@ YAML keys are the field names below; `router:` holds the router's policy fields.
     transport: tcp
     connector: splitserve    # or nixl: vLLM's NixlConnector (D pulls P's blocks over UCX)
     port: 8000
-    router: {decode_policy: round_robin}
+    router: {decode_policy: round_robin, local_prefill_max_tokens: 0}
     kv_events: false         # optional: workers do not report their prefix cache (default true)
     kv_tls_cert: certs/kv.pem  # optional: TLS on the KV channel; one cert for every worker,
     kv_tls_key: certs/kv.key   # valid for `host`; kv_tls_ca verifies it (and makes TLS mutual)
@@ -29,10 +29,17 @@ from splitserve.common.vocab import Connector, values
 from splitserve.config import TRANSPORTS, check_kv_events_passthrough, check_tls_files
 from splitserve.hub import check_model_name
 from splitserve.launch.rayconfig import RayOptions, ray_options
-from splitserve.router.config import DECODE_POLICIES, PREFILL_POLICIES, UNSPLITTABLE_MODES
+from splitserve.router.config import (
+    DECODE_POLICIES,
+    LOCAL_PREFILL_MAX_TOKENS,
+    PREFILL_POLICIES,
+    UNSPLITTABLE_MODES,
+)
+from splitserve.routing import DEFAULT_POLICY
 from splitserve.secretflags import check_passthrough
 
-ROUTER_KEYS = ("prefill_policy", "decode_policy", "unsplittable", "max_inflight")
+ROUTER_KEYS = ("prefill_policy", "decode_policy", "unsplittable", "max_inflight",
+               "local_prefill_max_tokens")
 BACKENDS = ("local", "ray")
 
 
@@ -60,8 +67,9 @@ class DeploymentConfig:
     log_dir: str | None = None
     startup_timeout_s: float = 600.0
     stop_timeout_s: float = 20.0
-    prefill_policy: str = "load"
-    decode_policy: str = "load"
+    prefill_policy: str = DEFAULT_POLICY
+    decode_policy: str = DEFAULT_POLICY
+    local_prefill_max_tokens: int = LOCAL_PREFILL_MAX_TOKENS  # prefill on D (0: off)
     unsplittable: str = "whole"
     max_inflight: int = 4096
     kv_tls_cert: str | None = None  # TLS on the KV channel: shared by every P and D worker
@@ -107,6 +115,8 @@ class DeploymentConfig:
             raise ValueError(f"decode_policy must be one of {DECODE_POLICIES}")
         if self.unsplittable not in UNSPLITTABLE_MODES:
             raise ValueError(f"unsplittable must be one of {UNSPLITTABLE_MODES}")
+        if self.local_prefill_max_tokens < 0:
+            raise ValueError("local_prefill_max_tokens must not be negative (0 turns it off)")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError("max_model_len must be positive (omit it for the model's own)")
         if self.model == "embedded":

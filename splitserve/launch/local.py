@@ -36,6 +36,7 @@ def router_argv(cfg: DeploymentConfig, model_dir: str, host: str,
     argv = [sys.executable, "-m", "splitserve.cli", "router", "--host", host,
             "--port", str(cfg.port), "--model", model_dir,
             "--prefill-policy", cfg.prefill_policy, "--decode-policy", cfg.decode_policy,
+            "--local-prefill-max-tokens", str(cfg.local_prefill_max_tokens),
             "--unsplittable", cfg.unsplittable, "--max-inflight", str(cfg.max_inflight),
             "--log-level", "warning", *extra]
     for kind in values(Pool):

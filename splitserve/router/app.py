@@ -67,5 +67,7 @@ async def metrics(request: Request) -> Response:
 
 
 async def workers(request: Request) -> JSONResponse:
+    """Every worker (`RouterState.describe`), and the cache index's size and rebuild time."""
     st = state(request)
-    return JSONResponse({"workers": [st.describe(w) for w in st.registry.all()]})
+    return JSONResponse({"workers": [st.describe(w) for w in st.registry.all()],
+                         "kv_index": None if st.cache is None else st.cache.summary()})

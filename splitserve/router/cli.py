@@ -14,10 +14,12 @@ import sys
 from splitserve.config import load_token
 from splitserve.router.config import (
     DECODE_POLICIES,
+    LOCAL_PREFILL_MAX_TOKENS,
     PREFILL_POLICIES,
     UNSPLITTABLE_MODES,
     RouterConfig,
 )
+from splitserve.routing import DEFAULT_POLICY
 from splitserve.secretflags import API_KEY_ENV, add_secret_guards
 
 
@@ -33,8 +35,23 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
                         "template (default: the workers' model directory)")
     p.add_argument("--revision", default=None,
                    help="branch, tag or commit of a Hugging Face --model (default: main)")
-    p.add_argument("--prefill-policy", choices=PREFILL_POLICIES, default="load")
-    p.add_argument("--decode-policy", choices=DECODE_POLICIES, default="load")
+    p.add_argument("--prefill-policy", choices=PREFILL_POLICIES, default=DEFAULT_POLICY,
+                   help="how P is chosen (default cache: the prompt tokens it would still "
+                        "compute after its cached prefix, plus those queued on it)")
+    p.add_argument("--decode-policy", choices=DECODE_POLICIES, default=DEFAULT_POLICY,
+                   help="how D is chosen (default cache: load, less its cached prefix of "
+                        "the prompt)")
+    p.add_argument("--prefill-hit-weight", type=float, default=1.0, metavar="W",
+                   help="cache policy, P: a cached prompt token counts as W tokens not to "
+                        "compute, against the tokens queued there (default 1)")
+    p.add_argument("--decode-hit-weight", type=float, default=1.0, metavar="W",
+                   help="cache policy, D: a whole prompt cached is worth W of load's score "
+                        "(KV fraction + staging fraction + open legs / 16; default 1)")
+    p.add_argument("--local-prefill-max-tokens", type=int, default=LOCAL_PREFILL_MAX_TOKENS,
+                   metavar="N",
+                   help="prefill on D: a request whose chosen D holds all but at most N of "
+                        "its prompt tokens runs whole on that D, with no P leg and no "
+                        f"transfer (default {LOCAL_PREFILL_MAX_TOKENS}; 0: never)")
     p.add_argument("--unsplittable", choices=UNSPLITTABLE_MODES, default="whole",
                    help="requests the two-leg flow cannot honour exactly: run whole on one "
                         "worker, or refuse with 400")
@@ -73,6 +90,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         prefill=tuple(args.prefill), decode=tuple(args.decode), colocated=tuple(args.colocated),
         host=args.host, port=args.port, model_dir=model_dir,
         prefill_policy=args.prefill_policy, decode_policy=args.decode_policy,
+        prefill_hit_weight=args.prefill_hit_weight, decode_hit_weight=args.decode_hit_weight,
+        local_prefill_max_tokens=args.local_prefill_max_tokens,
         unsplittable=args.unsplittable, kv_transport=args.kv_transport,
         health_interval_s=args.health_interval, health_timeout_s=args.health_timeout,
         unhealthy_after=args.unhealthy_after, healthy_after=args.healthy_after,

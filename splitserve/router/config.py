@@ -5,12 +5,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from splitserve.common.vocab import Pool
-from splitserve.routing import policy_names
+from splitserve.routing import DEFAULT_POLICY, CacheWeights, policy_names
 
 # the policy names each pool accepts: the registry's (`splitserve.routing.POLICIES`)
 PREFILL_POLICIES: tuple[str, ...] = policy_names(Pool.PREFILL)
 DECODE_POLICIES: tuple[str, ...] = policy_names(Pool.DECODE)
 UNSPLITTABLE_MODES: tuple[str, ...] = ("whole", "refuse")
+# Prefill on D: a request whose chosen D holds all but at most this many prompt tokens runs
+# whole on that D. 128 tokens (one vLLM-CPU block): such a prefill stalls D's other streams
+# once, by ~0.1 s on the demo model (benchmarks/local_prefill_stall.py; router/README.md,
+# "Cache-aware routing").
+LOCAL_PREFILL_MAX_TOKENS = 128
 
 
 def _check_url(url: str) -> None:
@@ -34,8 +39,13 @@ class RouterConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     model_dir: str | None = None  # tokenizer for chat templates; default: the workers' model root
-    prefill_policy: str = "load"
-    decode_policy: str = "load"
+    prefill_policy: str = DEFAULT_POLICY
+    decode_policy: str = DEFAULT_POLICY
+    # `cache`'s weights: a cached token against a queued one (P); a whole prompt cached
+    # against `load`'s score (D) — see `routing.CacheWeights`
+    prefill_hit_weight: float = 1.0
+    decode_hit_weight: float = 1.0
+    local_prefill_max_tokens: int = LOCAL_PREFILL_MAX_TOKENS  # 0: never prefill on D
     unsplittable: str = "whole"
     kv_transport: str | None = None  # per-transfer transport; None: what D advertises
     health_interval_s: float = 1.0
@@ -69,6 +79,9 @@ class RouterConfig:
             raise ValueError(f"prefill_policy must be one of {PREFILL_POLICIES}")
         if self.decode_policy not in DECODE_POLICIES:
             raise ValueError(f"decode_policy must be one of {DECODE_POLICIES}")
+        if self.local_prefill_max_tokens < 0:
+            raise ValueError("local_prefill_max_tokens must not be negative (0 turns it off)")
+        CacheWeights(self.prefill_hit_weight, self.decode_hit_weight)  # validates them
         if self.kv_transport not in (None, "tcp", "shm"):
             raise ValueError("kv_transport must be tcp, shm or unset")
         if self.unsplittable not in UNSPLITTABLE_MODES:
@@ -85,3 +98,8 @@ class RouterConfig:
         if min(self.prefill_retries, self.decode_retries, self.whole_retries,
                self.retry_backoff_s) < 0:
             raise ValueError("retries and backoff must not be negative")
+
+    @property
+    def cache_weights(self) -> CacheWeights:
+        return CacheWeights(prefill_hit=self.prefill_hit_weight,
+                            decode_hit=self.decode_hit_weight)

@@ -107,7 +107,7 @@ async def serve_request(st: RouterState, request: Request, kind: Kind) -> Respon
         admission.mode = choose_mode(st, body, kind)
         t = Timings(mode=admission.mode)
         if admission.mode == "split":
-            response = await split(st, request, body, kind, rid, t, admission)
+            response = await split(st, request, body, raw, kind, rid, t, admission)
         else:
             response = await whole(st, request, body, raw, kind, rid, t, admission)
         if isinstance(response, GuardedStream):
@@ -147,13 +147,21 @@ def choose_mode(st: RouterState, body: dict[str, Any], kind: Kind) -> str:
 
 
 # --- the two legs -------------------------------------------------------------------------
-async def split(st: RouterState, request: Request, body: dict[str, Any], kind: Kind, rid: str,
-                t: Timings, admission: Admission) -> Response:
-    """P's leg (t1), then D's: one JSON answer, or one stream that starts with t1."""
+async def split(st: RouterState, request: Request, body: dict[str, Any], raw: bytes,
+                kind: Kind, rid: str, t: Timings, admission: Admission) -> Response:
+    """P's leg (t1), then D's: one JSON answer, or one stream that starts with t1. Or, when
+    the chosen D holds all but a few of the prompt's tokens (`Flow.plan`), the request whole
+    on that D: prefill on D, counted as mode `local`."""
     prompt = (render_chat(st.tokenizer, body) if kind == "chat"
               else completion_prompt(st.tokenizer, body, st.prompt_chars_limit))
     legs = plan_legs(body, kind, prompt)
-    pre = await cancellable(request, st.flow.prefill(legs, rid, t))
+    plan = st.flow.plan(legs)
+    if plan.local:
+        admission.mode = t.mode = "local"
+        t.cached = {"d_cached": plan.local_reused}
+        st.flow.count_local(plan)
+        return await whole(st, request, body, raw, kind, rid, t, admission, plan.decode)
+    pre = await cancellable(request, st.flow.prefill(legs, rid, t, plan))
     joiner = Joiner(legs, rid, st.model["id"])
     joiner.text_stream = text_stream(st.tokenizer, pre.prompt_ids, body)
     start = joiner.start(pre.prompt_ids, pre.fingerprint)
@@ -210,15 +218,21 @@ async def split_events(st: RouterState, legs: Legs, rid: str, pre: Prefilled, jo
 
 # --- the whole request on one worker ------------------------------------------------------
 async def whole(st: RouterState, request: Request, body: dict[str, Any], raw: bytes, kind: Kind,
-                rid: str, t: Timings, admission: Admission) -> Response:
-    """The request unchanged (its very bytes) on one worker."""
+                rid: str, t: Timings, admission: Admission, first: Worker | None = None
+                ) -> Response:
+    """The request unchanged (its very bytes) on one worker (`first`, when given and in
+    rotation, for its first attempt)."""
     path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
     headers = {"X-Request-Id": rid}
     if not body.get("stream"):
-        status, content, ctype = await cancellable(request, st.whole.complete(path, raw, rid, t))
+        status, content, ctype = await cancellable(
+            request, st.whole.complete(path, raw, rid, t, first))
         t.first_sent = time.monotonic()
+        if first is not None:  # prefill on D: say so, as the split path does
+            t.end = t.first_sent
+            headers[TIMINGS_HEADER] = json.dumps(t.as_dict())
         return Response(content, status, headers=headers, media_type=ctype)
-    r, w = await cancellable(request, st.whole.open(path, raw, rid, t))
+    r, w = await cancellable(request, st.whole.open(path, raw, rid, t, first))
     if r.status != 200:
         try:
             content = await r.read()

@@ -12,6 +12,12 @@ that request in vLLM, so cancelling the client's task aborts whichever leg is op
 Both legs go over the app's one aiohttp session (`http.new_session`), whose default headers
 carry the deployment token: every request to a worker is authenticated. The unsplit path (one
 worker, the request unchanged) is `whole.Passthrough`.
+
+Cache (`plan`): with the router's cache view (`cacheview.CacheView`), the policies see each
+synced worker's cached prefix of the prompt (`RouteRequest.cached`); D is chosen first, and
+when it holds all but at most `local_prefill_max_tokens` of the prompt the request runs whole
+on it (prefill on D: the caller's `whole` path). Otherwise P's leg counts only the tokens P
+still computes as queued there, and the leg protocol is told D's cached prefix (`d_cached`).
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import aiohttp
 
 from splitserve.common.vocab import Pool
 from splitserve.common.wire import SideRecord
+from splitserve.router.cacheview import CacheView
 from splitserve.router.config import RouterConfig
 from splitserve.router.failures import (
     RETRYABLE_STATUS,
@@ -63,6 +70,20 @@ def encode(body: dict[str, Any]) -> bytes:
 
 
 @dataclass
+class Plan:
+    """Where a request that may be split goes: the request as the policies see it, the D
+    chosen for it, D's cached prefix of the prompt (as the index predicts: a multiple of D's
+    block size; 0: none or not known), and whether it runs whole on that D (`local`: prefill
+    on D) and then how many prompt tokens D reuses."""
+
+    request: RouteRequest
+    decode: Worker
+    d_cached: int = 0
+    local: bool = False
+    local_reused: int = 0
+
+
+@dataclass
 class Prefilled:
     """P's answer. While `reserved`, this request holds one open leg on `decode` (taken when D
     was chosen); `Flow.decode` takes the reservation over, `Flow.release` drops it unused."""
@@ -82,7 +103,7 @@ class Flow:
     def __init__(self, cfg: RouterConfig, registry: Registry, picker: Picker,
                  metrics: RouterMetrics, session: aiohttp.ClientSession, model: str,
                  kv_bytes_per_token: int, max_model_len: int | None,
-                 protocols: LegProtocols) -> None:
+                 protocols: LegProtocols, cache: CacheView | None = None) -> None:
         self.cfg = cfg
         self.registry = registry
         self.picker = picker
@@ -92,6 +113,7 @@ class Flow:
         self.kv_bytes_per_token = kv_bytes_per_token
         self.max_model_len = max_model_len
         self.protocols = protocols  # each connector's side of the legs
+        self.cache = cache  # every worker's cached blocks, as their reports say (None: blind)
 
     # --- P ----------------------------------------------------------------------------------
     def route_request(self, legs: Legs) -> RouteRequest:
@@ -99,30 +121,88 @@ class Flow:
         (`prompt.completion_prompt`, chat), else a length guessed from the string (characters
         / 4 + 1) and no ids."""
         if isinstance(legs.prompt, list):
-            return RouteRequest.of_ids(legs.prompt, self.kv_bytes_per_token)
+            cached = None
+            if self.cache is not None:
+                urls = [w.url for pool in (Pool.PREFILL, Pool.DECODE)
+                        for w in self.registry.routable(pool)]
+                cached = self.cache.predict(legs.prompt, urls)
+            return RouteRequest.of_ids(legs.prompt, self.kv_bytes_per_token, cached)
         guess = len(legs.prompt) // 4 + 1
         return RouteRequest(guess, None, guess * self.kv_bytes_per_token)
 
-    async def prefill(self, legs: Legs, rid: str, t: Timings) -> Prefilled:
+    def _note_unsynced(self, pool: Pool, candidates: list[Worker], request: RouteRequest
+                       ) -> None:
+        """Count a pick that scored some candidate by load alone (its view not synced)."""
+        if self.cache is not None and request.token_ids is not None and any(
+                request.cached is None or w.url not in request.cached for w in candidates):
+            self.metrics.kv_unsynced_picks.labels(pool.value).inc()
+
+    def plan(self, legs: Legs) -> Plan:
+        """The request as the policies see it and its D (see `Plan`); NoWorker or Overloaded
+        when no D can take it."""
         request = self.route_request(legs)
-        prompt_len = request.prompt_len
+        decode = self.registry.routable(Pool.DECODE)
+        self._note_unsynced(Pool.DECODE, decode, request)
+        d = self.picker.decode(decode, request)
+        plan = Plan(request, d, request.cached_on(d.url))
+        n = self.cfg.local_prefill_max_tokens
+        if n and self.cache is not None and plan.d_cached:
+            reused = self.cache.reusable(d.url, plan.d_cached, request.prompt_len)
+            if reused and request.prompt_len - reused <= n:
+                plan.local, plan.local_reused = True, reused
+        return plan
+
+    def count_local(self, plan: Plan) -> None:
+        """A request run whole on its D (prefill on D), in the metrics."""
+        url = plan.decode.url
+        self.metrics.local_prefills.labels(url).inc()
+        self.metrics.local_prefill_tokens.labels(url).inc(
+            plan.request.prompt_len - plan.local_reused)
+        self.metrics.cached_predicted.labels(Pool.DECODE.value, url).inc(plan.local_reused)
+
+    def _p_reused(self, p: Worker, request: RouteRequest) -> int:
+        """The prompt tokens P's engine is predicted to reuse from its cache."""
+        if self.cache is None:
+            return 0
+        return self.cache.reusable(p.url, request.cached_on(p.url), request.prompt_len)
+
+    def _p_cache_report(self, p: Worker, predicted: int, answer: dict[str, Any]) -> None:
+        """P's predicted cached tokens, and the engine's count when its usage reports one."""
+        self.metrics.cached_predicted.labels(Pool.PREFILL.value, p.url).inc(predicted)
+        details = (answer.get("usage") or {}).get("prompt_tokens_details")
+        told = details.get("cached_tokens") if isinstance(details, dict) else None
+        if isinstance(told, int) and not isinstance(told, bool):
+            self.metrics.cached_reported.labels(Pool.PREFILL.value, p.url).inc(told)
+            self.metrics.cached_predicted_reported.labels(Pool.PREFILL.value, p.url).inc(
+                predicted)
+
+    async def prefill(self, legs: Legs, rid: str, t: Timings, plan: Plan | None = None
+                      ) -> Prefilled:
+        plan = plan if plan is not None else self.plan(legs)
+        request = plan.request
         retry = Retry(self.cfg, self.metrics, self.registry, "prefill",
                       self.cfg.prefill_retries, t, rid)
         for attempt in retry:
             await retry.begin(attempt)
             routable = self.registry.routable(Pool.PREFILL)
-            pool = [w for w in routable if w.url not in retry.tried]
-            p = self.picker.prefill(pool or routable, request)
-            d = self.picker.decode(self.registry.routable(Pool.DECODE), request)
+            pool = [w for w in routable if w.url not in retry.tried] or routable
+            self._note_unsynced(Pool.PREFILL, pool, request)
+            p = self.picker.prefill(pool, request)
+            d = plan.decode if attempt == 0 and plan.decode.routable else self.picker.decode(
+                self.registry.routable(Pool.DECODE), request)
             # Named after the request (logs join up; test faults are chosen per request id),
             # fresh per attempt.
             tid = f"{rid}-{uuid.uuid4().hex[:16]}"
             # A request that is known to end at t1 moves no KV: D is never involved.
             proto = self.protocols.for_pair(p, d) if legs.max_tokens != 1 else None
-            tr = proto.open(p, d, tid) if proto is not None else None
+            d_cached = request.cached_on(d.url)
+            tr = proto.open(p, d, tid, d_cached=d_cached) if proto is not None else None
             body = prefill_body(legs, self.model, None if tr is None else tr.prefill_params)
             t.prefill_url, t.decode_url = p.url, d.url
             t.transfer_id, t.transfer = (tid, tr) if tr else (None, None)
+            p_reused = self._p_reused(p, request)
+            prompt_len = request.prompt_len - p_reused  # what P still computes
+            t.cached = {"p_cached": p_reused, "d_cached": d_cached}
             t.p_sent, t.p_sent_wall = time.monotonic(), time.time()
             p.acquire(prompt_len)
             d.acquire()  # reserved now, so a burst spreads over D before any decode leg starts
@@ -150,6 +230,7 @@ class Flow:
                 if not reserved:
                     d.release()
             self.registry.succeeded(p)
+            self._p_cache_report(p, p_reused, out)
             t.t1_back = time.monotonic()
             choice = out["choices"][0]
             prompt_ids = list(choice.get("prompt_token_ids") or [])

@@ -37,6 +37,54 @@ class WorkerCollector:
         yield inflight
 
 
+class CacheCollector:
+    """The cache view's families, read at scrape time: per worker (labels `role`, `url`,
+    `node`) `splitserve_router_worker_kv_synced` (1 while its view is exact; 0: routed by
+    load), `..._kv_blocks` and `..._kv_tokens` (what the index holds of it), and
+    `..._kv_lag_seconds` (its last change: applied at the router - stamped by the worker);
+    the whole index's `splitserve_router_kv_index_blocks` (distinct) and `..._bytes`
+    (blocks x the measured bytes per block)."""
+
+    def __init__(self, workers: Callable[[], Iterable[Any]],
+                 describe: Callable[[str], dict[str, Any] | None],
+                 size: Callable[[], tuple[int, int]]) -> None:
+        self.workers, self.view_of, self.size = workers, describe, size
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["role", "url", "node"]
+        synced = GaugeMetricFamily("splitserve_router_worker_kv_synced",
+                                   "1 while the router's view of the worker's cache is exact "
+                                   "(0: its cached tokens are unknown, it is routed by load)",
+                                   labels=labels)
+        blocks = GaugeMetricFamily("splitserve_router_worker_kv_blocks",
+                                   "Cached prefix blocks the router's index holds for the "
+                                   "worker", labels=labels)
+        tokens = GaugeMetricFamily("splitserve_router_worker_kv_tokens",
+                                   "Cached prefix tokens the router's index holds for the "
+                                   "worker", labels=labels)
+        lag = GaugeMetricFamily("splitserve_router_worker_kv_lag_seconds",
+                                "The worker's last cache change: applied here - stamped there",
+                                labels=labels)
+        for w in list(self.workers()):
+            values = [w.pool.value, w.url, w.identity.node or ""]
+            view = self.view_of(w.url) or {}
+            synced.add_metric(values, 1.0 if view.get("synced") else 0.0)
+            blocks.add_metric(values, float(view.get("blocks") or 0))
+            tokens.add_metric(values, float(view.get("tokens") or 0))
+            if view.get("lag_s") is not None:
+                lag.add_metric(values, float(view["lag_s"]))
+        n, nbytes = self.size()
+        yield synced
+        yield blocks
+        yield tokens
+        yield lag
+        yield GaugeMetricFamily("splitserve_router_kv_index_blocks",
+                                "Distinct blocks in the router's cache index", value=n)
+        yield GaugeMetricFamily("splitserve_router_kv_index_bytes",
+                                "The cache index's memory (blocks x measured bytes per block)",
+                                value=nbytes)
+
+
 class RouterMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -78,10 +126,53 @@ class RouterMetrics:
                               registry=r)
         self.e2e = Histogram("splitserve_router_e2e_seconds", "Request received -> last byte",
                              buckets=LATENCY_BUCKETS, registry=r)
+        # --- the cache view and cache-aware routing ---------------------------------------
+        self.kv_event_lag = Histogram(
+            "splitserve_router_kv_event_lag_seconds",
+            "A worker's cache change: applied to the router's index - stamped by the worker",
+            buckets=LATENCY_BUCKETS, registry=r)
+        self.kv_resyncs = Counter(
+            "splitserve_router_kv_resyncs",
+            "Views of a worker's cache forgotten and rebuilt from a snapshot, by reason (gone: "
+            "410, the router fell behind; gap; epoch; restart; lost: the stream failed)",
+            ["url", "reason"], registry=r)
+        self.kv_unsynced_picks = Counter(
+            "splitserve_router_kv_unsynced_picks",
+            "Picks (by pool) where a candidate's cache was unknown (its view not synced): it "
+            "was scored by load", ["pool"], registry=r)
+        self.cached_predicted = Counter(
+            "splitserve_router_cached_predicted_tokens",
+            "Prompt tokens the router predicted the worker's prefix cache would serve, per leg "
+            "sent (P legs; D's whole requests under prefill on D)", ["role", "url"],
+            registry=r)
+        self.cached_reported = Counter(
+            "splitserve_router_cached_reported_tokens",
+            "Prompt tokens the engine reported served from its cache (usage.prompt_tokens_"
+            "details.cached_tokens: workers run with --enable-prompt-tokens-details)",
+            ["role", "url"], registry=r)
+        self.cached_predicted_reported = Counter(
+            "splitserve_router_cached_predicted_reported_tokens",
+            "The router's prediction for the legs whose engine reported its cached tokens: "
+            "compare with splitserve_router_cached_reported_tokens", ["role", "url"],
+            registry=r)
+        self.local_prefills = Counter(
+            "splitserve_router_local_prefills",
+            "Requests run whole on the D that held all but --local-prefill-max-tokens of the "
+            "prompt (prefill on D: no P leg, no transfer)", ["url"], registry=r)
+        self.local_prefill_tokens = Counter(
+            "splitserve_router_local_prefill_tokens",
+            "Prompt tokens D computed itself under prefill on D (prompt - its cached prefix)",
+            ["url"], registry=r)
 
     def watch_workers(self, workers: Callable[[], Iterable[Any]]) -> None:
         """Export the per-worker families of `WorkerCollector` over `workers()`."""
         self.registry.register(WorkerCollector(workers))
+
+    def watch_cache(self, workers: Callable[[], Iterable[Any]],
+                    describe: Callable[[str], dict[str, Any] | None],
+                    size: Callable[[], tuple[int, int]]) -> None:
+        """Export the cache view's families (`CacheCollector`)."""
+        self.registry.register(CacheCollector(workers, describe, size))
 
     def observe_timings(self, t: dict[str, Any]) -> None:
         """Record one request's per-leg timings (keys as in `flow.Timings.as_dict`)."""

@@ -1,14 +1,15 @@
 """Choosing workers: the router's side of the routing policies (`splitserve.routing`).
 
-`Picker` holds one policy instance per pool (by the names in `RouterConfig`; colocated: `load`)
-and applies, before any policy, what is the router's and not a policy's:
+`Picker` holds one policy instance per pool (by the names in `RouterConfig`, with `cache`'s
+weights; colocated: `load`, as the unsplit path knows no token ids) and applies, before any
+policy, what is the router's and not a policy's:
 - Queue limit: a worker with `max_per_worker` open legs takes no more; when every worker of a
   pool is at its limit the request is refused with `Overloaded` (the router answers 429 with
   `Retry-After`) — back-pressure, never counted as a failure. An empty pool is `NoWorker`.
 - Staging fit (D): a D whose staging area cannot hold this prompt's KV is skipped while any
   other can.
-The policies themselves (`load`, `round_robin`, `random`, `power_of_two`, `least_loaded`) are
-described in `splitserve.routing.policies`.
+The policies themselves (`cache`, `load`, `round_robin`, `random`, `power_of_two`,
+`least_loaded`) are described in `splitserve.routing.policies`.
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ from collections.abc import Sequence
 from splitserve.common.vocab import Pool
 from splitserve.router.worker import Worker
 from splitserve.routing import (
+    COLOCATED_POLICY,
     DEFAULT_POLICY,
     NO_REQUEST,
+    CacheWeights,
     Draws,
     RandomDraws,
     RouteRequest,
@@ -48,12 +51,13 @@ class Picker:
     """One policy per pool (each keeps its own cursor or random source)."""
 
     def __init__(self, prefill_policy: str = DEFAULT_POLICY, decode_policy: str = DEFAULT_POLICY,
-                 max_per_worker: int | None = None, colocated_policy: str = DEFAULT_POLICY,
-                 draws: Draws | None = None) -> None:
+                 max_per_worker: int | None = None, colocated_policy: str = COLOCATED_POLICY,
+                 draws: Draws | None = None, weights: CacheWeights | None = None) -> None:
         draws = draws if draws is not None else RandomDraws()
-        self.policies = {Pool.PREFILL: make_policy(Pool.PREFILL, prefill_policy, draws),
-                         Pool.DECODE: make_policy(Pool.DECODE, decode_policy, draws),
-                         Pool.COLOCATED: make_policy(Pool.COLOCATED, colocated_policy, draws)}
+        self.policies = {
+            Pool.PREFILL: make_policy(Pool.PREFILL, prefill_policy, draws, weights),
+            Pool.DECODE: make_policy(Pool.DECODE, decode_policy, draws, weights),
+            Pool.COLOCATED: make_policy(Pool.COLOCATED, colocated_policy, draws, weights)}
         self.max_per_worker = max_per_worker
 
     def _with_room(self, pool: Pool, candidates: Sequence[Worker]) -> Sequence[Worker]:

@@ -12,6 +12,7 @@ from typing import Any
 
 import aiohttp
 
+from splitserve.router.cacheview import INDEX_BYTES_PER_BLOCK, CacheView
 from splitserve.router.config import RouterConfig
 from splitserve.router.flow import Flow
 from splitserve.router.health import HealthLoop
@@ -44,10 +45,14 @@ class RouterState:
     prompt_chars_limit: int | None = None  # longer string prompts go to P untokenized
     health: asyncio.Task[None] | None = None  # the health loop's task
     inflight: int = 0  # admitted client requests not finished yet (`endpoints.Admission`)
+    cache: CacheView | None = None  # every worker's cached blocks (`cacheview`)
 
     def describe(self, worker: Worker) -> dict[str, Any]:
-        """`worker` in `/workers` and the admin answers."""
-        return worker.describe(self.protocols.endpoint(worker))
+        """`worker` in `/workers` and the admin answers (with its cache: sync state, blocks
+        and tokens the index holds for it)."""
+        out = worker.describe(self.protocols.endpoint(worker))
+        out["cache"] = None if self.cache is None else self.cache.describe(worker.url)
+        return out
 
 
 async def open_state(cfg: RouterConfig, token: str | None, api_key: str | None,
@@ -58,6 +63,12 @@ async def open_state(cfg: RouterConfig, token: str | None, api_key: str | None,
     registry = Registry(cfg)
     protocols = leg_protocols(session, token, cfg.kv_transport)
     checks = HealthLoop(cfg, registry, session, token, protocols)
+    metrics = RouterMetrics()
+    metrics.watch_workers(registry.all)
+    # follows every worker's cache report from now on, while the rest starts
+    cache = CacheView(registry, session, metrics)
+    metrics.watch_cache(registry.all, cache.describe,
+                        lambda: (len(cache.index), len(cache.index) * INDEX_BYTES_PER_BLOCK))
     deadline = time.monotonic() + startup_timeout_s
     while True:
         try:
@@ -65,6 +76,7 @@ async def open_state(cfg: RouterConfig, token: str | None, api_key: str | None,
             break
         except RuntimeError:
             if time.monotonic() > deadline:
+                await cache.close()
                 await session.close()
                 raise
             await asyncio.sleep(0.5)
@@ -72,20 +84,22 @@ async def open_state(cfg: RouterConfig, token: str | None, api_key: str | None,
     model_dir = cfg.model_dir or model.get("root")
     tokenizer = await asyncio.to_thread(load_tokenizer, model_dir)
     max_model_len = model.get("max_model_len")
-    metrics = RouterMetrics()
-    metrics.watch_workers(registry.all)
-    picker = Picker(cfg.prefill_policy, cfg.decode_policy, cfg.max_inflight_per_worker)
+    picker = Picker(cfg.prefill_policy, cfg.decode_policy, cfg.max_inflight_per_worker,
+                    weights=cfg.cache_weights)
     flow = Flow(cfg, registry, picker, metrics, session, model["id"],
-                kv_bytes_per_token(model_dir), max_model_len, protocols)
+                kv_bytes_per_token(model_dir), max_model_len, protocols, cache)
     whole = Passthrough(cfg, registry, picker, metrics, session)
     st = RouterState(cfg, token, api_key, session, registry, checks, protocols, metrics, flow,
-                     whole, model, tokenizer, prompt_chars_limit(tokenizer, max_model_len))
+                     whole, model, tokenizer, prompt_chars_limit(tokenizer, max_model_len),
+                     cache=cache)
     st.health = asyncio.create_task(checks.run())
     log.info("router on %s:%d serving %s", cfg.host, cfg.port, model["id"])
     return st
 
 
 async def close_state(st: RouterState) -> None:
+    if st.cache is not None:
+        await st.cache.close()
     if st.health is not None:
         st.health.cancel()
         with contextlib.suppress(asyncio.CancelledError):

@@ -31,6 +31,7 @@ class Timings:
     end: float | None = None
     retries: int = 0
     kv: dict[str, Any] | None = None  # the connector's record of the transfer
+    cached: dict[str, int] | None = None  # the index's prediction: p_cached, d_cached tokens
     transfer: Transfer | None = field(default=None, repr=False)  # the last P attempt's
     # the transfer's record, fetched while D streams (started at its first token: by then the KV
     # is loaded), so the record costs the end of the request no round trip
@@ -49,6 +50,8 @@ class Timings:
             "d_queue_s": gap(self.d_sent, self.d_first),
             "e2e_s": gap(self.received, self.end),
         }
+        if self.cached:
+            out.update(self.cached)
         kv = self.kv or {}
         if kv:
             out.update(kv_bytes=kv.get("bytes"), kv_skipped_tokens=kv.get("skipped_tokens"),

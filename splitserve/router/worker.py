@@ -121,6 +121,11 @@ class Worker:
 
     # --- the WorkerView signals (splitserve.routing.view) -------------------------------------
     @property
+    def worker_id(self) -> str:
+        """Its name in `RouteRequest.cached` and the cache index: its URL (one engine)."""
+        return self.identity.url
+
+    @property
     def inflight(self) -> int:
         return self.accounting.inflight
 

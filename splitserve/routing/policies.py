@@ -21,6 +21,16 @@ The policies:
 - `random`: uniformly at random.
 - `power_of_two`: the less loaded of two drawn at random (with replacement; ties: the first).
 - `least_loaded`: the least loaded (ties: the first).
+- `cache` (the router's default for P and D): `load`, with each worker's cached prefix of
+  this prompt (`RouteRequest.cached`, the router's exact index) taken off what it costs.
+  P: the prompt tokens it would still compute (prompt - `prefill_hit` x its cached prefix)
+  plus the prefill tokens queued there, counted as `load` counts them; ties by open legs.
+  D: `load`'s score less `decode_hit` x the fraction of the prompt it holds (a follow-up turn
+  on the D that holds the conversation), so a full hit is worth `decode_hit` of KV fraction,
+  or 16 x `decode_hit` open legs. Colocated: open requests less `colocated_hit` x the
+  fraction held; ties in turn. Weights: `CacheWeights`. With nothing cached (a worker whose
+  view is not synced, a request without ids, the simulator) each score is `load`'s, so
+  `cache` then picks exactly as `load` does.
 `power_of_two` and `least_loaded` compare the pool's queue (`queued`): P by queued prompt
 tokens, D and colocated by open legs.
 """
@@ -29,6 +39,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import ClassVar, Protocol, TypeVar
 
@@ -161,18 +172,84 @@ class LoadColocated(_Base):
         return self._ties.pick([w for w in candidates if w.inflight == least], request)
 
 
-def _table(load: PolicyFactory) -> Mapping[str, PolicyFactory]:
-    return MappingProxyType({"load": load, "round_robin": RoundRobin, "random": Random,
-                             "power_of_two": PowerOfTwo, "least_loaded": LeastLoaded})
+@dataclass(frozen=True)
+class CacheWeights:
+    """How much a cached prefix counts in `cache`'s scores (1.0: what it saves, no more).
+    `prefill_hit`: P, per cached token, against a prompt token queued or to compute.
+    `decode_hit`: D, for the whole prompt cached, against `load`'s score (KV fraction +
+    staging fraction + open legs / 16). `colocated_hit`: the same against open requests."""
+
+    prefill_hit: float = 1.0
+    decode_hit: float = 1.0
+    colocated_hit: float = 1.0
+
+    def __post_init__(self) -> None:
+        if min(self.prefill_hit, self.decode_hit, self.colocated_hit) < 0:
+            raise ValueError("cache weights must not be negative")
+
+
+def prefill_cost(w: WorkerView, request: RouteRequest, hit_weight: float = 1.0
+                 ) -> tuple[float, int]:
+    """P's `cache` score: `prefill_score` less `hit_weight` x the prompt tokens `w` holds."""
+    queued_tokens, legs = prefill_score(w, request.prompt_len)
+    return (queued_tokens - hit_weight * request.cached_on(w.worker_id), legs)
+
+
+def held_fraction(w: WorkerView, request: RouteRequest) -> float:
+    """The fraction of the prompt `w` is known to hold."""
+    n = request.prompt_len
+    return request.cached_on(w.worker_id) / n if n else 0.0
+
+
+class _Cached(_Base):
+    """A `cache` policy: its weights are set by whoever makes it (`make_policy`)."""
+
+    name = "cache"
+
+    def __init__(self, pool: Pool, draws: Draws) -> None:
+        super().__init__(pool, draws)
+        self.weights = CacheWeights()
+
+
+class CachePrefill(_Cached):
+    def pick(self, candidates: Sequence[W], request: RouteRequest) -> W:
+        hit = self.weights.prefill_hit
+        return min(candidates, key=lambda w: prefill_cost(w, request, hit))
+
+
+class CacheDecode(_Cached):
+    def pick(self, candidates: Sequence[W], request: RouteRequest) -> W:
+        hit = self.weights.decode_hit
+        return min(candidates, key=lambda w: decode_score(w) - hit * held_fraction(w, request))
+
+
+class CacheColocated(_Cached):
+    def __init__(self, pool: Pool, draws: Draws) -> None:
+        super().__init__(pool, draws)
+        self._ties = RoundRobin(pool, draws)
+
+    def pick(self, candidates: Sequence[W], request: RouteRequest) -> W:
+        hit = self.weights.colocated_hit
+        scores = [w.inflight - hit * held_fraction(w, request) for w in candidates]
+        least = min(scores)
+        return self._ties.pick([w for w, s in zip(candidates, scores, strict=True)
+                                if s == least], request)
+
+
+def _table(load: PolicyFactory, cache: PolicyFactory) -> Mapping[str, PolicyFactory]:
+    return MappingProxyType({"cache": cache, "load": load, "round_robin": RoundRobin,
+                             "random": Random, "power_of_two": PowerOfTwo,
+                             "least_loaded": LeastLoaded})
 
 
 # Every policy, by pool and name: what the router's flags and the simulator's config accept.
 POLICIES: Mapping[Pool, Mapping[str, PolicyFactory]] = MappingProxyType({
-    Pool.PREFILL: _table(LoadPrefill),
-    Pool.DECODE: _table(LoadDecode),
-    Pool.COLOCATED: _table(LoadColocated),
+    Pool.PREFILL: _table(LoadPrefill, CachePrefill),
+    Pool.DECODE: _table(LoadDecode, CacheDecode),
+    Pool.COLOCATED: _table(LoadColocated, CacheColocated),
 })
-DEFAULT_POLICY = "load"
+DEFAULT_POLICY = "cache"  # P and D; the router's colocated pool: `load` (`COLOCATED_POLICY`)
+COLOCATED_POLICY = "load"  # the unsplit path sends the request's bytes: it knows no token ids
 
 
 def policy_names(pool: Pool) -> tuple[str, ...]:
@@ -180,9 +257,14 @@ def policy_names(pool: Pool) -> tuple[str, ...]:
     return tuple(POLICIES[pool])
 
 
-def make_policy(pool: Pool, name: str, draws: Draws | None = None) -> Policy:
-    """A fresh instance of policy `name` for `pool`; ValueError naming the choices."""
+def make_policy(pool: Pool, name: str, draws: Draws | None = None,
+                weights: CacheWeights | None = None) -> Policy:
+    """A fresh instance of policy `name` for `pool` (`weights`: a `cache` policy's; default
+    `CacheWeights()`); ValueError naming the choices."""
     factory = POLICIES[Pool(pool)].get(name)
     if factory is None:
         raise ValueError(f"{pool} policy must be one of {policy_names(Pool(pool))}, got {name!r}")
-    return factory(Pool(pool), draws if draws is not None else RandomDraws())
+    policy = factory(Pool(pool), draws if draws is not None else RandomDraws())
+    if weights is not None and isinstance(policy, _Cached):
+        policy.weights = weights
+    return policy

@@ -8,7 +8,7 @@ The router's `router.worker.Worker` and the simulator's `sim.routing.SimWorkerVi
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -29,7 +29,13 @@ class WorkerView(Protocol):
     - `staged_bytes`, `staging_capacity_bytes`: KV staged on a splitserve-connector D ahead of
       its decode legs, and the staging area's size (0: no staging limit known).
     A signal the worker has not reported yet reads 0.
+
+    `worker_id`: the worker's name in `RouteRequest.cached` (the router: its URL; one engine
+    serving in two pools has one id).
     """
+
+    @property
+    def worker_id(self) -> str: ...
 
     @property
     def inflight(self) -> int: ...
@@ -62,11 +68,17 @@ class RouteRequest:
     known (no tokenizer, or a request whose tokenization the engine must do itself, e.g. with
     `truncate_prompt_tokens`, or the simulator, whose requests have lengths only).
     `prompt_len`: its length in tokens (`len(token_ids)` when they are known, else an estimate).
-    `kv_bytes`: the KV the prompt takes on D (0: unknown; the staging fit is then skipped)."""
+    `kv_bytes`: the KV the prompt takes on D (0: unknown; the staging fit is then skipped).
+    `cached`: by `WorkerView.worker_id`, the prompt tokens each worker's prefix cache is known
+    to hold (the router's exact index: a multiple of the worker's block size, at most what the
+    engine would reuse); a worker left out is not known (its view is not synced) and is scored
+    as holding nothing, as `load` scores it. None: nothing is known (no index, no ids, the
+    simulator)."""
 
     prompt_len: int = 0
     token_ids: Sequence[int] | None = None
     kv_bytes: int = 0
+    cached: Mapping[str, int] | None = None
 
     def __post_init__(self) -> None:
         if self.prompt_len < 0 or self.kv_bytes < 0:
@@ -76,9 +88,16 @@ class RouteRequest:
                              f"{len(self.token_ids)} token ids")
 
     @classmethod
-    def of_ids(cls, token_ids: Sequence[int], kv_bytes_per_token: int = 0) -> RouteRequest:
+    def of_ids(cls, token_ids: Sequence[int], kv_bytes_per_token: int = 0,
+               cached: Mapping[str, int] | None = None) -> RouteRequest:
         """A request whose prompt ids are known."""
-        return cls(len(token_ids), token_ids, len(token_ids) * kv_bytes_per_token)
+        return cls(len(token_ids), token_ids, len(token_ids) * kv_bytes_per_token, cached)
+
+    def cached_on(self, worker_id: str) -> int:
+        """The prompt tokens `worker_id` is known to hold (0: none, or not known)."""
+        if self.cached is None:
+            return 0
+        return min(self.cached.get(worker_id, 0), self.prompt_len)
 
 
 NO_REQUEST = RouteRequest()  # for picks that concern no prompt (a resumed decode leg)

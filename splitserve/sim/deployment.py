@@ -11,8 +11,10 @@ from splitserve.common.vocab import Pool
 from splitserve.routing import policy_names
 
 Mode = Literal["disagg", "colocated", "chunked"]
-# the router's policies (`splitserve.routing.POLICIES`), which the simulator runs by name
-Policy = Literal["load", "round_robin", "random", "power_of_two", "least_loaded"]
+# the router's policies (`splitserve.routing.POLICIES`), which the simulator runs by name.
+# `cache`: the simulator has no prefix identity yet (its requests are lengths), so nothing is
+# ever cached and `cache` picks exactly as `load` does (as on prompts that never repeat).
+Policy = Literal["cache", "load", "round_robin", "random", "power_of_two", "least_loaded"]
 Connector = Literal["splitserve", "nixl"]
 MODES: tuple[str, ...] = ("disagg", "colocated", "chunked")
 CONNECTORS: tuple[str, ...] = ("splitserve", "nixl")

@@ -10,7 +10,9 @@ knows whether the request ends at t1).
 
 The simulator's workers are always in rotation, have no queue limit, and no staging limit
 (`staging_capacity_bytes` 0: the router's staging filter keeps every D), so a pick sees the
-whole pool.
+whole pool. Its requests are lengths with no prefix identity (`RouteRequest.cached` None), so
+`cache` runs with nothing cached: it picks exactly as `load` does, which is what it would do
+on prompts that never repeat.
 """
 
 from __future__ import annotations
@@ -43,6 +45,10 @@ class SimWorkerView:
 
     def __init__(self, worker: Worker, index: int, kv_capacity: int) -> None:
         self.worker, self.index, self.kv_capacity = worker, index, kv_capacity
+
+    @property
+    def worker_id(self) -> str:
+        return str(self.index)
 
     @property
     def inflight(self) -> int:

@@ -82,3 +82,42 @@ def test_yaml_connector_reaches_every_connector_worker(tmp_path: Path) -> None:
     assert DeploymentConfig(colocated=1).connector == "splitserve"
     with pytest.raises(ValueError, match="connector"):
         DeploymentConfig(colocated=1, connector="mooncake")
+
+
+def test_cache_routing_is_the_default_and_reaches_the_router(tmp_path: Path) -> None:
+    """`cache` for P and D and prefill on D up to 128 tokens, unless the YAML's `router:` or
+    `splitserve serve`'s flags say otherwise; the router's command line carries them (local
+    and Ray: both start the router with `router_argv`)."""
+    from splitserve.launch.cli import config_from_args, register
+    from splitserve.launch.local import router_argv
+    from splitserve.router.cli import add_router_arguments
+    from splitserve.router.cli import config_from_args as router_config
+
+    cfg = DeploymentConfig(prefill=1, decode=1)
+    assert (cfg.prefill_policy, cfg.decode_policy, cfg.local_prefill_max_tokens) == (
+        "cache", "cache", 128)
+    f = tmp_path / "d.yaml"
+    f.write_text("prefill: 1\ndecode: 1\n"
+                 "router: {prefill_policy: load, local_prefill_max_tokens: 0}\n")
+    from_yaml = load_yaml(f)
+    assert (from_yaml.prefill_policy, from_yaml.local_prefill_max_tokens) == ("load", 0)
+    with pytest.raises(ValueError, match="local_prefill_max_tokens"):
+        DeploymentConfig(prefill=1, decode=1, local_prefill_max_tokens=-1)
+
+    import argparse
+    top = argparse.ArgumentParser()
+    register(top.add_subparsers())
+    args = top.parse_args(["serve", "--prefill", "1", "--decode", "1", "--decode-policy",
+                           "load", "--local-prefill-max-tokens", "64"])
+    served = config_from_args(args)
+    assert (served.prefill_policy, served.decode_policy, served.local_prefill_max_tokens) == (
+        "cache", "load", 64)
+
+    argv = router_argv(served, str(tmp_path), "127.0.0.1",
+                       {"prefill": ["http://p:1"], "decode": ["http://d:1"]})
+    p = argparse.ArgumentParser()
+    add_router_arguments(p)
+    rcfg = router_config(p.parse_args(argv[argv.index("router") + 1:]))
+    assert (rcfg.prefill_policy, rcfg.decode_policy, rcfg.local_prefill_max_tokens) == (
+        "cache", "load", 64)
+    assert (rcfg.prefill_hit_weight, rcfg.decode_hit_weight) == (1.0, 1.0)

@@ -92,6 +92,11 @@ def ray_mapping(model: Path, address: str) -> dict[str, Any]:
         "backend": "ray", "ray_address": address, "model": str(model), "prefill": 1,
         "decode": 1, "port": free_port(), "max_model_len": 1024, "stop_timeout_s": 10,
         "log_dir": str(LOG_DIR / "ray"),
+        # these tests repeat prompts (streamed and not; the scaling load) and count split
+        # requests and P's queue: routing by cache and prefill on D would take repeats off P
+        # (tests/router/test_cache_e2e.py covers those; the router is the same on Ray)
+        "router": {"prefill_policy": "load", "decode_policy": "load",
+                   "local_prefill_max_tokens": 0},
         "ray": {"prefill_resources": {"prefill_node": 1},
                 "decode_resources": {"decode_node": 1},
                 "prefill_max": 2, "decode_max": 2, "prefill_queued_tokens": 60,

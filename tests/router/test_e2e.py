@@ -91,7 +91,9 @@ def test_greedy_tokens_match_colocated_and_transformers(
 def test_every_split_request_moved_its_kv(router_pd: Router, llama_pair: tuple[Worker, Worker]
                                           ) -> None:
     model = str(llama_pair[0].cfg.model)
-    body = {"model": model, "prompt": prompt_of(200, 7), "max_tokens": 4, "temperature": 0}
+    # prompts no other test sends, nor a prefix of one (prompt_of(400, 7) starts with
+    # prompt_of(200, 7)): a D holding all but 128 tokens of a prompt would prefill it itself
+    body = {"model": model, "prompt": prompt_of(200, 907), "max_tokens": 4, "temperature": 0}
     r = httpx.post(f"{router_pd.url}/v1/completions", json=body,
                    headers={"X-Request-Id": "kv-check-1"}, timeout=60)
     assert r.status_code == 200 and r.headers["x-request-id"] == "kv-check-1"
@@ -100,7 +102,7 @@ def test_every_split_request_moved_its_kv(router_pd: Router, llama_pair: tuple[W
     assert timings["kv_bytes"] > 0 and timings["p_leg_s"] > 0
     # a different prompt of the same length: D has none of it cached, so all of it moves
     events, comments = sse_events(router_pd.url, "/v1/completions",
-                                  body | {"stream": True, "prompt": prompt_of(200, 8)})
+                                  body | {"stream": True, "prompt": prompt_of(200, 908)})
     streamed = json.loads(comments[-1].split(" ", 2)[2])
     assert streamed["kv_bytes"] == timings["kv_bytes"] and streamed["handover_s"] >= 0
     assert events[-1] == "[DONE]"

@@ -131,7 +131,7 @@ def test_the_router_offers_every_registered_policy_by_name() -> None:
                      decode_policy=policy)
         Picker(policy, policy)
     with pytest.raises(ValueError):
-        RouterConfig(colocated=("http://c:1",), prefill_policy="cache")
+        RouterConfig(colocated=("http://c:1",), prefill_policy="no_such_policy")
     with pytest.raises(ValueError, match="prefill policy must be one of"):
         Picker("nope", "load")
 

@@ -38,7 +38,7 @@ def test_every_router_policy_has_its_simulated_twin(profile: Profile) -> None:
     for name in PREFILL_POLICIES:
         assert SimConfig(p_policy=name, d_policy=name).p_policy == name  # type: ignore[arg-type]
     with pytest.raises(ValueError):
-        SimConfig(p_policy="cache")  # type: ignore[arg-type]
+        SimConfig(p_policy="no_such_policy")  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("policy", SIM_POLICIES)
@@ -75,3 +75,20 @@ def test_a_simulated_worker_is_a_worker_view(profile: Profile) -> None:
     assert isinstance(view, WorkerView)
     assert (view.inflight, view.inflight_prefill_tokens, view.waiting, view.running,
             view.kv_usage, view.staging_capacity_bytes) == (2, 0, 1.0, 1.0, 0.25, 0.0)
+
+
+def test_cache_runs_as_load_in_the_simulator(profile: Profile) -> None:
+    """The simulator has no prefix identity: `cache` sees nothing cached and makes `load`'s
+    every choice, so a run is the same run."""
+    rng = np.random.default_rng(4)
+    n = 80
+    wl = SimWorkload.of(np.cumsum(rng.exponential(0.03, n)), rng.integers(8, 800, n),
+                        rng.integers(1, 20, n))
+    for mode in ("disagg", "colocated"):
+        runs = [simulate(profile, SimConfig(
+            mode=mode, n_prefill=2, n_decode=2, n_workers=3,  # type: ignore[arg-type]
+            p_policy=policy, d_policy=policy), wl)  # type: ignore[arg-type]
+            for policy in ("cache", "load")]
+        for a, b in zip(runs[0].finish, runs[1].finish, strict=True):
+            assert a == b
+        assert np.array_equal(runs[0].decode_worker, runs[1].decode_worker)

@@ -1,11 +1,15 @@
 """Scripted workers (small aiohttp servers on loopback) and a `Flow` over them, for the tests
-of the two legs that pin failure paths down exactly."""
+of the two legs that pin failure paths down exactly, and a scripted cache report
+(`ScriptedCache`) for the tests of the router's cache view."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -13,6 +17,15 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from splitserve.common.wire import WorkerInfo
+from splitserve.kvindex.keys import prefix_keys
+from splitserve.kvindex.messages import (
+    EVENTS_PATH,
+    SNAPSHOT_PATH,
+    KvChange,
+    KvEvents,
+    KvSnapshot,
+)
+from splitserve.router.cacheview import Follow
 from splitserve.router.config import RouterConfig
 from splitserve.router.flow import Flow
 from splitserve.router.formats import Joiner
@@ -118,3 +131,110 @@ def started(legs: Legs, pre: Any) -> Joiner:
     joiner.start(pre.prompt_ids, pre.fingerprint)
     joiner.tokens(pre.t1_text, pre.t1_ids, None, None)
     return joiner
+
+
+# The cache view's pace for tests: short long polls, quick retries.
+FAST_FOLLOW = Follow(wait_s=0.2, timeout_s=2.0, recheck_s=0.2, inexact_min_s=0.05,
+                     backoff_min_s=0.02, backoff_max_s=0.1)
+
+
+async def until(cond: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    """Wait until `cond()` holds (AssertionError after `timeout_s`)."""
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)
+
+
+class ScriptedCache:
+    """One scripted worker's cache report: the two routes of `kvindex.messages` over a key set
+    the test changes (`store`, `remove`, `clear`, `restart`), with the faults a router must
+    survive: `gone` (the next events read answers 410), `skip` (the next change's seq jumps,
+    a gap), `reporting=False` (404 on both routes), `down` (the connection is cut). With
+    `check_epoch` (the workers' contract), a reader of another epoch, or ahead of the worker,
+    gets 410; without it, the answer's own epoch tells the reader. `exact=False`: the report
+    cannot vouch for the engine's cache (`exact: false` snapshots, 410 on events).
+    `handle(request)` answers the two routes (None for any other path)."""
+
+    def __init__(self, block_size: int = 4, epoch: str = "e1", retain: int = 1000,
+                 check_epoch: bool = True) -> None:
+        self.block_size, self.epoch, self.retain = block_size, epoch, retain
+        self.check_epoch = check_epoch  # 410 to a reader of another epoch, or ahead
+        self.keys: set[int] = set()
+        self.changes: list[KvChange] = []
+        self.seq = 0
+        self.gone = False
+        self.skip = False
+        self.reporting = True
+        self.exact = True  # False: the report cannot vouch (empty snapshot, 410 on events)
+        self.down = False
+        self.asked: list[str] = []
+        self._changed: asyncio.Event | None = None
+
+    def _notify(self) -> None:
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = None
+
+    def change(self, stored: Iterable[int] = (), removed: Iterable[int] = (),
+               cleared: bool = False) -> KvChange:
+        self.seq += 2 if self.skip else 1
+        self.skip = False
+        c = KvChange(self.seq, time.time(), tuple(stored), tuple(removed), cleared)
+        if cleared:
+            self.keys.clear()
+        self.keys.difference_update(c.removed)
+        self.keys.update(c.stored)
+        self.changes = [*self.changes, c][-self.retain:]
+        self._notify()
+        return c
+
+    def store(self, token_ids: list[int]) -> KvChange:
+        """The engine cached every full block of `token_ids`."""
+        return self.change(stored=prefix_keys(token_ids, self.block_size))
+
+    def restart(self, epoch: str) -> None:
+        """A new life of the engine: nothing cached, changes start over."""
+        self.epoch, self.seq, self.changes = epoch, 0, []
+        self.keys.clear()
+        self._notify()
+
+    def snapshot(self) -> KvSnapshot:
+        if not self.exact:
+            return KvSnapshot(self.epoch, self.seq, self.block_size, (), False, "events lost")
+        return KvSnapshot(self.epoch, self.seq, self.block_size, tuple(sorted(self.keys)))
+
+    async def handle(self, request: web.Request) -> web.StreamResponse | None:
+        if request.path not in (SNAPSHOT_PATH, EVENTS_PATH):
+            return None
+        self.asked.append(request.path_qs)
+        if self.down:
+            assert request.transport is not None
+            request.transport.close()
+            return web.Response(status=500)
+        if not self.reporting:
+            return web.Response(status=404)
+        if request.path == SNAPSHOT_PATH:
+            return web.json_response(self.snapshot().to_json())
+        after = int(request.query["after"])
+        wait_s = float(request.query.get("wait_s", "0"))
+        if self.gone:
+            self.gone = False
+            return web.Response(status=410)
+        epoch = request.query.get("epoch")
+
+        def other_life() -> bool:
+            return self.check_epoch and (after > self.seq or epoch not in (None, self.epoch))
+
+        if other_life() or not self.exact:
+            return web.Response(status=410)
+        if self.seq == after and wait_s > 0:  # nothing new yet
+            self._changed = self._changed or asyncio.Event()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), wait_s)
+        if other_life() or not self.exact or (self.changes
+                                               and after < self.changes[0].seq - 1):
+            return web.Response(status=410)
+        out = KvEvents(self.epoch, max(self.seq, after), self.block_size,
+                       tuple(c for c in self.changes if c.seq > after))
+        return web.json_response(out.to_json())
