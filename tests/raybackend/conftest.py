@@ -97,6 +97,10 @@ def ray_mapping(model: Path, address: str) -> dict[str, Any]:
         # (tests/router/test_cache_e2e.py covers those; the router is the same on Ray)
         "router": {"prefill_policy": "load", "decode_policy": "load",
                    "local_prefill_max_tokens": 0},
+        # P scales on the prompt tokens it still has to compute: with the workers' cache known
+        # to the router, the scaling load's four repeated prompts would leave P nothing queued
+        # after their first round, so these workers do not report their cache
+        "kv_events": False,
         "ray": {"prefill_resources": {"prefill_node": 1},
                 "decode_resources": {"decode_node": 1},
                 "prefill_max": 2, "decode_max": 2, "prefill_queued_tokens": 60,
