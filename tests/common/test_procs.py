@@ -70,11 +70,17 @@ def test_a_leader_that_exits_on_sigterm_is_not_killed(cleanup: list[int]) -> Non
 
 
 def test_a_leader_that_ignores_sigterm_is_killed_after_the_grace(cleanup: list[int]) -> None:
-    proc, _ = leader(IGNORE_TERM + "said = 'up'\n")
+    """SIGTERM first (the leader says it got it, and goes on), SIGKILL only once the grace is
+    over: never before it, and not long after."""
+    noted = ("import signal, sys\n"
+             "signal.signal(signal.SIGTERM, lambda *_: print('term', flush=True))\n")
+    proc, _ = leader(noted + "said = 'up'\n")
     cleanup.append(proc.pid)
     start = time.monotonic()
     assert stop_group(proc, 1.0) == -signal.SIGKILL
-    assert 1.0 <= time.monotonic() - start < 6
+    elapsed = time.monotonic() - start
+    assert proc.stdout is not None and proc.stdout.read().decode().split() == ["term"]
+    assert 1.0 <= elapsed < 6
 
 
 def test_sigterm_reaches_the_whole_group_and_sigkill_the_members_that_ignore_it(
