@@ -34,7 +34,6 @@ from typing import Any
 import aiohttp
 
 from splitserve.common.vocab import Pool
-from splitserve.common.wire import SideRecord
 from splitserve.router.cacheview import CacheView
 from splitserve.router.config import RouterConfig
 from splitserve.router.failures import (
@@ -393,7 +392,7 @@ class Flow:
             return
         if t.record_fetch is not None:
             await t.record_fetch  # never raises: `record` logs and swallows
-            if t.kv and tr.via.record_final(SideRecord.from_json(t.kv)):
+            if t.kv is not None and tr.via.record_final(t.kv):
                 return
         await self._fetch_record(t, tr, t.decode_url, timeout_s)
 
@@ -401,4 +400,4 @@ class Flow:
                             timeout_s: float = 0.5) -> None:
         record = await tr.via.record(tr, at_url, timeout_s)
         if record is not None:
-            t.kv = record.to_json()
+            t.kv = record

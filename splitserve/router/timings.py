@@ -8,6 +8,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from splitserve.common.wire import SideRecord
+
 if TYPE_CHECKING:
     from splitserve.router.legs import Transfer
 
@@ -30,7 +32,7 @@ class Timings:
     t2_sent: float | None = None
     end: float | None = None
     retries: int = 0
-    kv: dict[str, Any] | None = None  # the connector's record of the transfer
+    kv: SideRecord | None = None  # D's record of the transfer (its connector's)
     cached: dict[str, int] | None = None  # the index's prediction: p_cached, d_cached tokens
     transfer: Transfer | None = field(default=None, repr=False)  # the last P attempt's
     # the transfer's record, fetched while D streams (started at its first token: by then the KV
@@ -52,14 +54,11 @@ class Timings:
         }
         if self.cached:
             out.update(self.cached)
-        kv = self.kv or {}
-        if kv:
-            out.update(kv_bytes=kv.get("bytes"), kv_skipped_tokens=kv.get("skipped_tokens"),
-                       kv_transfer_s=kv.get("duration_s"),
-                       kv_tail_s=kv.get("tail_s"), kv_wire_s=kv.get("wire_s"),
-                       kv_gbps=kv.get("gbps"), kv_load_s=kv.get("load_s"),
-                       kv_status=kv.get("status"))
-            first = kv.get("first_byte_s")
-            if isinstance(first, int | float) and self.p_sent_wall is not None:
-                out["p_queue_s"] = round(first - self.p_sent_wall, 6)
+        kv = self.kv
+        if kv is not None:
+            out.update(kv_bytes=kv.bytes, kv_skipped_tokens=kv.skipped_tokens,
+                       kv_transfer_s=kv.duration_s, kv_tail_s=kv.tail_s, kv_wire_s=kv.wire_s,
+                       kv_gbps=kv.gbps, kv_load_s=kv.load_s, kv_status=kv.status.value)
+            if kv.first_byte_s is not None and self.p_sent_wall is not None:
+                out["p_queue_s"] = round(kv.first_byte_s - self.p_sent_wall, 6)
         return out

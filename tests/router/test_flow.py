@@ -212,7 +212,7 @@ async def test_transfer_record_is_fetched_while_d_streams() -> None:
         assert pre.transfer is not None
         _ = [c async for c in flow.decode(legs, "rid", pre, started(legs, pre), t)]
         await flow.transfer_record(t)
-    assert gets == ["d1"] and t.kv is not None and t.kv["status"] == "loaded"
+    assert gets == ["d1"] and t.kv is not None and t.kv.status == "loaded"
     d = t.as_dict()
     assert (d["kv_bytes"], d["kv_transfer_s"], d["kv_tail_s"], d["kv_wire_s"], d["kv_gbps"]) == (
         5, 0.5, 0.002, 0.001, 5e-6)
