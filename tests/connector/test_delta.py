@@ -298,5 +298,5 @@ def test_the_record_and_the_timings_carry_the_skipped_prefix_and_the_bytes_moved
     rec = SideRecord.from_json(raw)
     assert (rec.skipped_tokens, rec.bytes) == (256, 45056)
     assert SideRecord.from_json({**raw, "skipped_tokens": None}).skipped_tokens == 0
-    timings = Timings(kv=rec.to_json()).as_dict()
+    timings = Timings(kv=rec).as_dict()
     assert (timings["kv_bytes"], timings["kv_skipped_tokens"]) == (45056, 256)
