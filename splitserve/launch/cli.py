@@ -28,7 +28,8 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, object]:
         "model": model, "revision": args.revision, "dtype": args.dtype,
         "transport": args.transport, "connector": args.connector, "kv_lease_s": args.kv_lease,
         "host": args.host,
-        "port": args.port, "max_num_batched_tokens": args.max_num_batched_tokens,
+        "port": args.port, "routers": args.routers,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_model_len": args.max_model_len, "kv_cache_gib": args.kv_cache_gib,
         "cpus": args.cpus, "router_cpus": args.router_cpus, "log_dir": args.log_dir,
         "unsplittable": args.unsplittable, "prefill_policy": args.prefill_policy,
@@ -85,6 +86,8 @@ def run(args: argparse.Namespace) -> int:
         deployment.start()
         print("splitserve: Ctrl-C to stop", flush=True)
         while not stop.wait(1.0):
+            for line in deployment.tend():
+                print(f"splitserve: {line}", file=sys.stderr, flush=True)
             dead = deployment.failures()
             if dead:
                 names = ", ".join(dead)
@@ -138,6 +141,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", choices=("float32", "bfloat16", "auto"), default=None)
     p.add_argument("--host", default=None)
     p.add_argument("--port", type=int, default=None, help="router port (default 8000)")
+    p.add_argument("--routers", type=int, default=None, metavar="N",
+                   help="N routers over the same workers, on ports PORT .. PORT+N-1; each "
+                        "follows every worker's cache and counts the others' open requests "
+                        "(default 1)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None,
                    help="longest sequence, prompt and output (default: the model's own length)")

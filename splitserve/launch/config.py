@@ -9,6 +9,7 @@ YAML keys are the field names below; `router:` holds the router's policy fields.
     transport: tcp
     connector: splitserve    # or nixl: vLLM's NixlConnector (D pulls P's blocks over UCX)
     port: 8000
+    routers: 2               # optional: routers over the same workers, on ports 8000 and 8001
     router: {decode_policy: round_robin, local_prefill_max_tokens: 0}
     kv_events: false         # optional: workers do not report their prefix cache (default true)
     kv_tls_cert: certs/kv.pem  # optional: TLS on the KV channel; one cert for every worker,
@@ -56,6 +57,7 @@ class DeploymentConfig:
     connector: str = Connector.SPLITSERVE.value
     host: str = "127.0.0.1"
     port: int = 8000  # the router's port; workers get free loopback ports
+    routers: int = 1  # routers over the same workers, on ports port .. port + routers - 1
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None  # None: the model's own length
     kv_cache_gib: int = 1
@@ -101,6 +103,10 @@ class DeploymentConfig:
             raise ValueError("dtype must be float32, bfloat16 or auto")
         if not 1 <= self.port <= 65535:
             raise ValueError(f"port must be a TCP port, got {self.port}")
+        if not isinstance(self.routers, int) or self.routers < 1:
+            raise ValueError(f"routers must be at least 1, got {self.routers!r}")
+        if self.port + self.routers - 1 > 65535:
+            raise ValueError(f"{self.routers} routers from port {self.port} run past 65535")
         if self.kv_lease_s <= 0:
             raise ValueError("kv_lease_s must be positive")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
@@ -147,6 +153,11 @@ class DeploymentConfig:
     def files_here(self) -> bool:
         """Whether the workers read their files (model, TLS) on this machine."""
         return self.backend == "local" or self.ray_address is None
+
+    @property
+    def router_ports(self) -> tuple[int, ...]:
+        """Each router's port: `port`, `port + 1`, ..."""
+        return tuple(range(self.port, self.port + self.routers))
 
     @property
     def n_workers(self) -> int:

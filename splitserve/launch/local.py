@@ -7,6 +7,9 @@ Invariants:
   `stop_timeout_s`, so no process outlives the deployment.
 - Each worker gets its own cores when there are enough; otherwise cores are spread evenly and
   `LocalDeployment.core_note` says so.
+- With several routers (`routers: N`), router i listens on `port + i` and names the others its
+  peers; one that exits is started again on its port (`tend`), up to `ROUTER_RESTARTS` times,
+  while the others serve. A single router that exits ends the deployment.
 """
 
 from __future__ import annotations
@@ -28,13 +31,17 @@ from splitserve.launch.backend import LauncherBackend
 from splitserve.launch.config import DeploymentConfig
 from splitserve.worker.launch import child_preexec, free_port, wait_healthy, worker_command
 
+ROUTER_RESTARTS = 5  # a router of several that exits more often than this ends the deployment
+
 
 def router_argv(cfg: DeploymentConfig, model_dir: str, host: str,
-                urls: dict[str, list[str]], *extra: str) -> list[str]:
+                urls: dict[str, list[str]], *extra: str, port: int | None = None,
+                peers: tuple[str, ...] = ()) -> list[str]:
     """The router's command line for a deployment: `urls` maps each pool ("prefill", "decode",
-    "colocated") to its workers' URLs; `extra` are further router flags."""
+    "colocated") to its workers' URLs; `port` (default `cfg.port`); `peers`, the other routers'
+    URLs; `extra` are further router flags."""
     argv = [sys.executable, "-m", "splitserve.cli", "router", "--host", host,
-            "--port", str(cfg.port), "--model", model_dir,
+            "--port", str(cfg.port if port is None else port), "--model", model_dir,
             "--prefill-policy", cfg.prefill_policy, "--decode-policy", cfg.decode_policy,
             "--local-prefill-max-tokens", str(cfg.local_prefill_max_tokens),
             "--unsplittable", cfg.unsplittable, "--max-inflight", str(cfg.max_inflight),
@@ -42,6 +49,8 @@ def router_argv(cfg: DeploymentConfig, model_dir: str, host: str,
     for kind in values(Pool):
         if urls.get(kind):
             argv += [f"--{kind}", *urls[kind]]
+    if peers:
+        argv += ["--peer", *peers]
     return argv
 
 
@@ -98,6 +107,14 @@ class Child:
     url: str
     proc: subprocess.Popen[bytes]
     log: Path
+    argv: list[str]
+    env: dict[str, str]
+    cpus: tuple[int, ...] | None
+    restarts: int = 0
+
+    @property
+    def is_router(self) -> bool:
+        return self.name.startswith("router")
 
 
 class LocalDeployment(LauncherBackend):
@@ -117,15 +134,22 @@ class LocalDeployment(LauncherBackend):
 
     @property
     def url(self) -> str:
-        return f"http://{self.cfg.host}:{self.cfg.port}"
+        return self.urls[0]
+
+    @property
+    def urls(self) -> tuple[str, ...]:
+        return tuple(f"http://{self.cfg.host}:{port}" for port in self.cfg.router_ports)
+
+    def _popen(self, argv: list[str], env: dict[str, str], cpus: tuple[int, ...] | None,
+               log: Path) -> subprocess.Popen[bytes]:
+        with open(log, "ab") as out:
+            return subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                    preexec_fn=child_preexec(cpus), start_new_session=True)
 
     def _spawn(self, name: str, url: str, argv: list[str], env: dict[str, str],
                cpus: tuple[int, ...] | None) -> Child:
         log = self.log_dir / f"{name}.log"
-        with open(log, "ab") as out:
-            proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                    preexec_fn=child_preexec(cpus), start_new_session=True)
-        child = Child(name, url, proc, log)
+        child = Child(name, url, self._popen(argv, env, cpus, log), log, argv, env, cpus)
         self.children.append(child)
         return child
 
@@ -174,30 +198,53 @@ class LocalDeployment(LauncherBackend):
                 list(pool.map(lambda c: wait_healthy(c.url, c.proc, cfg.startup_timeout_s,
                                                       self.token, c.log),
                               list(self.children)))
-            self._start_router(planned)
-            wait_healthy(self.url, self.children[-1].proc, cfg.startup_timeout_s,
-                         log=self.children[-1].log)
+            routers = self._start_routers(planned)
+            for r in routers:
+                wait_healthy(r.url, r.proc, cfg.startup_timeout_s, log=r.log)
         except BaseException:
             self.stop()
             raise
         shape = "+".join(f"{n}{k}" for n, k in ((cfg.prefill, "P"), (cfg.decode, "D"),
                                                  (cfg.colocated, " colocated")) if n)
         self.say(f"splitserve: ready — OpenAI endpoint {self.url}/v1 ({shape}, "
-                 f"model {self.served_name or self.model_dir})")
+                 f"model {self.served_name or self.model_dir})"
+                 + (f"; also {', '.join(u + '/v1' for u in self.urls[1:])}"
+                    if len(self.urls) > 1 else ""))
         return self.url
 
-    def _start_router(self, planned: list[tuple[str, WorkerConfig]]) -> None:
+    def _start_routers(self, planned: list[tuple[str, WorkerConfig]]) -> list[Child]:
         urls = {kind: [w.url for name, w in planned if name.startswith(kind)]
                 for kind in values(Pool)}
-        argv = router_argv(self.cfg, self.model_dir, self.cfg.host, urls)
         env = dict(os.environ)
         env[TOKEN_ENV] = self.token
-        child = self._spawn("router", self.url, argv, env, self.router_cpus)
-        self.say(f"splitserve: router {self.url} cpus {','.join(map(str, self.router_cpus))} "
-                 f"(log {child.log})")
+        out = []
+        for i, (port, url) in enumerate(zip(self.cfg.router_ports, self.urls, strict=True)):
+            peers = tuple(u for u in self.urls if u != url)
+            argv = router_argv(self.cfg, self.model_dir, self.cfg.host, urls, port=port,
+                               peers=peers)
+            name = "router" if self.cfg.routers == 1 else f"router{i}"
+            child = self._spawn(name, url, argv, env, self.router_cpus)
+            self.say(f"splitserve: {name} {url} cpus {','.join(map(str, self.router_cpus))} "
+                     f"(log {child.log})")
+            out.append(child)
+        return out
 
     def dead(self) -> list[Child]:
         return [c for c in self.children if c.proc.poll() is not None]
+
+    def tend(self) -> list[str]:
+        """Start a router of several that exited again, on its port, with its peers."""
+        if self.cfg.routers == 1:
+            return []
+        lines = []
+        for c in self.dead():
+            if c.is_router and c.restarts < ROUTER_RESTARTS:
+                code = c.proc.returncode
+                c.proc = self._popen(c.argv, c.env, c.cpus, c.log)
+                c.restarts += 1
+                lines.append(f"{c.name} {c.url} exited ({code}); started again "
+                             f"({c.restarts} of {ROUTER_RESTARTS}; log {c.log})")
+        return lines
 
     def failures(self) -> list[str]:
         return [f"{c.name} (exit {c.proc.returncode}, log {c.log})" for c in self.dead()]
@@ -207,7 +254,7 @@ class LocalDeployment(LauncherBackend):
         in-flight requests (it takes no new ones), then SIGTERM the workers, which drain what
         is left; SIGKILL whatever outlives the timeout."""
         deadline = time.monotonic() + self.cfg.stop_timeout_s
-        front = [c for c in self.children if c.name == "router"]
+        front = [c for c in self.children if c.is_router]
         for stage in (front, [c for c in self.children if c not in front]):
             # sweep: a group may hold engine processes even after its leader exited
             stop_groups([c.proc for c in stage], deadline - time.monotonic(), sweep=True,

@@ -1,4 +1,5 @@
-"""The admin endpoint: add, drain and remove workers at runtime (deployment token required).
+"""The admin endpoint: add, drain and remove workers at runtime, set the peer routers, and
+serve this router's open legs to its peers (deployment token required on every route).
 
 Removal drains first and waits for the worker's open legs, so no request is lost. Adding a worker
 may name its `node`; adding one already registered in that role with a `node` only sets the
@@ -16,6 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from splitserve.router.formats import error_body
+from splitserve.router.peers import LOAD_ROUTE, RouterLoad
 
 
 def add_admin_routes(app: FastAPI, state: Callable[[Request], Any],
@@ -89,3 +91,29 @@ def add_admin_routes(app: FastAPI, state: Callable[[Request], Any],
                                            "TimeoutError", "url", 504), 504)
         return JSONResponse({"workers": [st.describe(w) | {"removed": True} for w in removed]})
 
+
+    @app.get(LOAD_ROUTE)
+    async def router_load(request: Request) -> JSONResponse:
+        """This router's open legs per worker, for its peers (`router.peers`)."""
+        st = state(request)
+        if not authorized(request, st.token):
+            return JSONResponse(error_body("the router's load needs the deployment token",
+                                           "AuthenticationError", None, 401), 401)
+        return JSONResponse(RouterLoad.of(st.registry.all()).to_json())
+
+    @app.put("/admin/peers")
+    async def set_peers(request: Request) -> JSONResponse:
+        """`{"peers": [URL, ...]}`: the other routers over these workers, from now on."""
+        st = state(request)
+        if not authorized(request, st.token):
+            return JSONResponse(error_body("the admin endpoint needs the deployment token",
+                                           "AuthenticationError", None, 401), 401)
+        try:
+            body = json.loads(await request.body())
+            urls = body.get("peers") if isinstance(body, dict) else None
+            if not isinstance(urls, list) or not all(isinstance(u, str) for u in urls):
+                raise ValueError("expected {\"peers\": [URL, ...]}")
+            st.peers.set(urls)
+        except ValueError as exc:
+            return JSONResponse(error_body(str(exc), param="peers"), 400)
+        return JSONResponse({"peers": st.peers.describe()})

@@ -67,7 +67,9 @@ async def metrics(request: Request) -> Response:
 
 
 async def workers(request: Request) -> JSONResponse:
-    """Every worker (`RouterState.describe`), and the cache index's size and rebuild time."""
+    """Every worker (`RouterState.describe`), the cache index's size and rebuild time, and the
+    peer routers whose open legs this one counts."""
     st = state(request)
     return JSONResponse({"workers": [st.describe(w) for w in st.registry.all()],
-                         "kv_index": None if st.cache is None else st.cache.summary()})
+                         "kv_index": None if st.cache is None else st.cache.summary(),
+                         "peers": [] if st.peers is None else st.peers.describe()})

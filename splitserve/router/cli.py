@@ -28,6 +28,10 @@ def add_router_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode", nargs="+", default=[], metavar="URL", help="decode workers")
     p.add_argument("--colocated", nargs="+", default=[], metavar="URL",
                    help="colocated workers (plain load balancing; also run unsplittable requests)")
+    p.add_argument("--peer", action="extend", nargs="+", default=[], metavar="URL",
+                   dest="peers",
+                   help="the other routers in front of the same workers: each one's open "
+                        "legs count in this router's balance (repeatable)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--model", default=None,
@@ -88,7 +92,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     model_dir = resolve_model(args.model, args.revision).path if args.model else None
     return RouterConfig(
         prefill=tuple(args.prefill), decode=tuple(args.decode), colocated=tuple(args.colocated),
-        host=args.host, port=args.port, model_dir=model_dir,
+        peers=tuple(args.peers), host=args.host, port=args.port, model_dir=model_dir,
         prefill_policy=args.prefill_policy, decode_policy=args.decode_policy,
         prefill_hit_weight=args.prefill_hit_weight, decode_hit_weight=args.decode_hit_weight,
         local_prefill_max_tokens=args.local_prefill_max_tokens,

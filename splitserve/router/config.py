@@ -36,6 +36,7 @@ class RouterConfig:
     prefill: tuple[str, ...] = ()
     decode: tuple[str, ...] = ()
     colocated: tuple[str, ...] = ()
+    peers: tuple[str, ...] = ()  # the other routers over the same workers (`router.peers`)
     host: str = "127.0.0.1"
     port: int = 8000
     model_dir: str | None = None  # tokenizer for chat templates; default: the workers' model root
@@ -68,6 +69,10 @@ class RouterConfig:
     def __post_init__(self) -> None:
         for url in (*self.prefill, *self.decode, *self.colocated):
             _check_url(url)
+        for url in self.peers:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"peer router URL must start with http:// or https://, "
+                                 f"got {url!r}")
         if bool(self.prefill) != bool(self.decode):
             raise ValueError("a disaggregated deployment needs at least one prefill and one "
                              "decode worker")

@@ -32,7 +32,7 @@ class WorkerCollector:
         for w in list(self.workers()):
             values = [w.pool.value, w.url, w.identity.node or ""]
             routable.add_metric(values, 1.0 if w.routable else 0.0)
-            inflight.add_metric(values, float(w.inflight))
+            inflight.add_metric(values, float(w.accounting.inflight))
         yield routable
         yield inflight
 

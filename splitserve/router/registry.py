@@ -149,7 +149,7 @@ class Registry:
         """Drain, wait for the worker's open legs to finish, then forget it. TimeoutError after
         the drain timeout (the worker stays, draining)."""
         self.drain(worker)
-        if worker.inflight:
+        if worker.accounting.inflight:
             await asyncio.wait_for(worker.drained.wait(), self.cfg.drain_timeout_s)
         if self._workers.pop((worker.pool, worker.url), None) is not None:
             self._announce(EventKind.REMOVED, worker)

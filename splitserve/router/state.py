@@ -19,6 +19,7 @@ from splitserve.router.health import HealthLoop
 from splitserve.router.http import new_session
 from splitserve.router.legs import LegProtocols, leg_protocols
 from splitserve.router.metrics import RouterMetrics
+from splitserve.router.peers import Peers
 from splitserve.router.policy import Picker
 from splitserve.router.prompt import kv_bytes_per_token, load_tokenizer, prompt_chars_limit
 from splitserve.router.registry import Registry
@@ -46,6 +47,7 @@ class RouterState:
     health: asyncio.Task[None] | None = None  # the health loop's task
     inflight: int = 0  # admitted client requests not finished yet (`endpoints.Admission`)
     cache: CacheView | None = None  # every worker's cached blocks (`cacheview`)
+    peers: Peers | None = None  # the other routers' open legs (`peers`)
 
     def describe(self, worker: Worker) -> dict[str, Any]:
         """`worker` in `/workers` and the admin answers (with its cache: sync state, blocks
@@ -92,12 +94,16 @@ async def open_state(cfg: RouterConfig, token: str | None, api_key: str | None,
     st = RouterState(cfg, token, api_key, session, registry, checks, protocols, metrics, flow,
                      whole, model, tokenizer, prompt_chars_limit(tokenizer, max_model_len),
                      cache=cache)
+    st.peers = Peers(registry, session, cfg.peers, cfg.health_interval_s, cfg.health_timeout_s)
+    st.peers.start()
     st.health = asyncio.create_task(checks.run())
     log.info("router on %s:%d serving %s", cfg.host, cfg.port, model["id"])
     return st
 
 
 async def close_state(st: RouterState) -> None:
+    if st.peers is not None:
+        await st.peers.close()
     if st.cache is not None:
         await st.cache.close()
     if st.health is not None:

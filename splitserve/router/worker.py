@@ -6,11 +6,13 @@
 - `Health` (the registry's breaker methods): the circuit breaker over consecutive outcomes.
 - `Load` (the health loop): the engine's last `WorkerLoad` and the connector's staging.
 - `Accounting` (the request path: `acquire`/`release`): the router's own open legs.
+- `PeerShare` (`router.peers`): the open legs the other routers in front of it last reported.
 
 Invariants:
 - A worker takes new requests only while `routable` (healthy, not draining).
-- `inflight` counts the router's own open legs on a worker; `drained` is set exactly while it
-  is zero, so a removal can wait for it and lose no request.
+- `accounting.inflight` counts the router's own open legs on a worker; `drained` is set exactly
+  while it is zero, so a removal can wait for it and lose no request. The policies' `inflight`
+  adds the peers' share (`PeerShare`) to it.
 - Mutated only on the router's event loop. The `WorkerView` signals a policy reads
   (`splitserve.routing.view`) are read-only properties over these parts.
 """
@@ -86,6 +88,14 @@ class Accounting:
             self.drained.set()
 
 
+@dataclass(frozen=True)
+class PeerShare:
+    """The other routers' open legs on the worker, summed (`router.peers`; 0 without peers)."""
+
+    inflight: int = 0
+    inflight_prefill_tokens: int = 0
+
+
 class Worker:
     """One worker: its four parts, `routable`, the leg accounting, and its `/workers` view."""
 
@@ -94,6 +104,7 @@ class Worker:
         self.health = Health()
         self.load = Load()
         self.accounting = Accounting()
+        self.peers = PeerShare()
         self.draining = False  # the operator's: no new requests, open legs finish
 
     def __repr__(self) -> str:
@@ -127,11 +138,12 @@ class Worker:
 
     @property
     def inflight(self) -> int:
-        return self.accounting.inflight
+        """Open legs on the worker: this router's and its peers'."""
+        return self.accounting.inflight + self.peers.inflight
 
     @property
     def inflight_prefill_tokens(self) -> int:
-        return self.accounting.inflight_prefill_tokens
+        return self.accounting.inflight_prefill_tokens + self.peers.inflight_prefill_tokens
 
     @property
     def waiting(self) -> float:
@@ -178,8 +190,11 @@ class Worker:
         protocol of its connector gives it (`legs.LegProtocols.endpoint`)."""
         h = self.health
         return {"url": self.url, "role": self.pool.value, "node": self.identity.node,
-                "healthy": h.healthy, "draining": self.draining, "inflight": self.inflight,
-                "inflight_prefill_tokens": self.inflight_prefill_tokens,
+                "healthy": h.healthy, "draining": self.draining,
+                "inflight": self.accounting.inflight,
+                "inflight_prefill_tokens": self.accounting.inflight_prefill_tokens,
+                "peer_inflight": self.peers.inflight,
+                "peer_inflight_prefill_tokens": self.peers.inflight_prefill_tokens,
                 "kv_usage": self.kv_usage, "running": self.running, "waiting": self.waiting,
                 "staged_bytes": self.staged_bytes,
                 "staging_capacity_bytes": self.staging_capacity_bytes,

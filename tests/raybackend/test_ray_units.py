@@ -143,11 +143,19 @@ def test_directory_claims_cores_per_machine_and_waits_for_the_router() -> None:
     assert d.claim_cores("10.0.0.1", [0, 1, 2, 3], 1, "e") == (0,)  # all taken: shared
     d.register({"replica": "a", "kind": "decode", "url": "http://a", "node_id": "n",
                 "node_ip": "10.0.0.1", "cores": (0, 1)})
-    d.router_report({"http://a": {"inflight": 1.0, "inflight_prefill_tokens": 0.0}})
+    d.router_report("http://r0", {"http://a": {"inflight": 1.0, "inflight_prefill_tokens": 9.0}})
+    d.router_report("http://r1", {"http://a": {"inflight": 2.0, "inflight_prefill_tokens": 0.0}})
+    assert d.router_load("http://a") == {"inflight": 3.0, "inflight_prefill_tokens": 9.0}
+    assert sorted(d.routers()) == ["http://r0", "http://r1"]
     d.drain("a")
-    assert not d.drained("a")  # the router still holds it
-    d.released("a")
+    assert not d.drained("a")  # both routers still hold it
+    d.released("a", "http://r0")
+    assert not d.drained("a")  # r1 still does
+    d.released("a", "http://r1")
     assert d.drained("a")
+    d.router_stopped("http://r1")
+    assert d.routers() == ["http://r0"]
+    assert d.router_load("http://a") == {"inflight": 1.0, "inflight_prefill_tokens": 9.0}
     d.deregister("a")
     assert d.claim_cores("10.0.0.1", [0, 1, 2, 3], 2, "f") == (0, 1)  # a's cores are free
     assert [h.get("decode", 0) for h in d.history()] == [1, 0, 0]

@@ -2,7 +2,8 @@
 them, token-exact greedy output against transformers when a repeated prefix goes to the P that
 holds it, when a request is prefilled on the D that holds most of it, and for a multi-turn chat;
 a worker whose event stream is lost is routed by load; a router started later (a restarted
-router) rebuilds the same index within seconds.
+router) rebuilds the same index within seconds; two routers over the pool hit the cache as one
+does, and killing one of them costs only the requests it held.
 
 Workers: the session's llama P and D, and one more P (behind a proxy that can cut its cache
 report). Prompts are fresh per test (their own seeds), so no earlier test's cache hits them.
@@ -11,14 +12,17 @@ report). Prompts are fresh per test (their own seeds), so no earlier test's cach
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
+from splitserve.worker.launch import free_port
 from tests.support import cores
 from tests.support.proxy import Proxy
 from tests.support.routers import Router, start_router
@@ -235,3 +239,98 @@ def test_a_router_started_later_rebuilds_the_same_index_within_seconds(
             assert (a["epoch"], a["seq"], a["blocks"]) == (b["epoch"], b["seq"], b["blocks"])
     finally:
         later.stop()
+
+
+def hit_rate(routers: list[Router], model: str, seed: int) -> float:
+    """Send one stream (3 prefixes of 2 blocks, each asked 3 times with a new tail) in turn
+    through `routers`; the share of prompt tokens the computing worker found cached (P's for a
+    split request, D's for one prefilled on D), as each router's timings tell it."""
+    hit = total = 0
+    for turn in range(3):
+        for k in range(3):
+            prompt = prompt_of(2 * BLOCK, seed + k) + prompt_of(150, seed + 10 * turn + k + 50)
+            router = routers[(3 * turn + k) % len(routers)]
+            _, t = complete(router, model, prompt)
+            hit += t["d_cached"] if t["mode"] == "local" else t["p_cached"]
+            total += len(prompt)
+            time.sleep(0.2)  # a user's think time: the cache reports of this turn arrive
+    return hit / total
+
+
+def test_two_routers_over_one_pool_hit_as_often_as_one(
+        cache_router: Router, llama_pair: tuple[Worker, Worker], proxied_p2: Proxy,
+        llama_ckpt: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    p1, d = llama_pair
+    other = start_router(tmp_path_factory.mktemp("router-peer"), "--prefill", p1.url,
+                         proxied_p2.url, "--decode", d.url, "--peer", cache_router.url)
+    try:
+        wait_synced(other)
+        one = hit_rate([cache_router], str(llama_ckpt), 700)
+        two = hit_rate([cache_router, other], str(llama_ckpt), 800)  # same shape, fresh ids
+        print(f"\nprefix hit rate: one router {one:.3f}, two routers {two:.3f}")
+        assert one > 0.3  # the stream does repeat itself, and cache routing finds it
+        assert abs(two - one) <= 0.02
+        assert [p["url"] for p in workers_view(other)["peers"]] == [cache_router.url]
+    finally:
+        other.stop()
+
+
+def stream_ids(router: Router, model: str, prompt: list[int], max_tokens: int,
+               first: threading.Event | None = None) -> list[int]:
+    """A streamed completion's token ids; sets `first` at the first token."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True, "stream": True}
+    ids: list[int] = []
+    with httpx.stream("POST", f"{router.url}/v1/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                for c in json.loads(line[6:])["choices"]:
+                    ids += c.get("token_ids") or []
+                if ids and first is not None:
+                    first.set()
+    return ids
+
+
+def test_killing_one_router_costs_only_its_own_requests(
+        llama_pair: tuple[Worker, Worker], proxied_p2: Proxy, llama_ckpt: Path,
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    p1, d = llama_pair
+    model = str(llama_ckpt)
+    logs = tmp_path_factory.mktemp("router-kill")
+    ports = [free_port(), free_port()]
+    urls = [f"http://127.0.0.1:{port}" for port in ports]
+    a, b = (start_router(logs, "--prefill", p1.url, proxied_p2.url, "--decode", d.url,
+                         "--peer", urls[1 - i], port=ports[i]) for i in range(2))
+    try:
+        prompts = [prompt_of(200, 900 + i) for i in range(4)]
+        lengths = (400, 400, 160, 160)  # a's two outlive the kill; b's two are exact
+        wants = {i: hf_greedy(llama_ckpt, prompts[i], lengths[i]) for i in (2, 3)}
+        started = [threading.Event() for _ in prompts]
+        with ThreadPoolExecutor(4) as pool:
+            futures = [pool.submit(stream_ids, (a, a, b, b)[i], model, prompts[i], lengths[i],
+                                   started[i]) for i in range(4)]
+            for e in started:
+                assert e.wait(60)
+            # b counts a's open streams on D in its balance (a counts them as its `inflight`)
+            deadline = time.monotonic() + 10
+            while not any(w["peer_inflight"] >= 2 for w in b.workers() if w["url"] == d.url):
+                assert time.monotonic() < deadline and not futures[0].done(), b.workers()
+                time.sleep(0.1)
+            a.proc.kill()  # its clients lose their streams; b's go on
+            for i in (2, 3):
+                assert futures[i].result() == wants[i]
+            for f in futures[:2]:
+                with pytest.raises(httpx.TransportError):
+                    f.result()
+        deadline = time.monotonic() + 15
+        while any(p["counted"] for p in workers_view(b)["peers"]) or any(
+                w["peer_inflight"] for w in b.workers()):
+            assert time.monotonic() < deadline, workers_view(b)
+            time.sleep(0.2)
+        # after it, b serves exactly; the workers' drain is checked after every test
+        got, _ = complete(b, model, prompts[2])
+        assert got == wants[2][:MAX_TOKENS]
+    finally:
+        a.stop()
+        b.stop()

@@ -235,7 +235,8 @@ def test_describe_keeps_the_workers_keys() -> None:
     worker = Worker(P, "prefill")
     assert set(worker.describe()) == {
         "url", "role", "node", "healthy", "draining", "inflight", "inflight_prefill_tokens",
-        "kv_usage", "running", "waiting", "staged_bytes", "staging_capacity_bytes",
+        "peer_inflight", "peer_inflight_prefill_tokens", "kv_usage", "running", "waiting",
+        "staged_bytes", "staging_capacity_bytes",
         "kv_endpoint", "last_error", "checked_age_s"}
 
 

@@ -51,8 +51,9 @@ class Router:
 
 
 @starts_processes
-def start_router(log_dir: Path, *args: str, env: dict[str, str] | None = None) -> Router:
-    port = free_port()
+def start_router(log_dir: Path, *args: str, env: dict[str, str] | None = None,
+                 port: int | None = None) -> Router:
+    port = port or free_port()
     log = log_dir / f"router-{port}.log"
     with open(log, "ab") as out:
         proc = subprocess.Popen(

@@ -1,7 +1,7 @@
 """`RayDeployment`: a deployment on a Ray cluster. Each pool (P, D, colocated) is one Ray Serve
 application whose replicas are `WorkerReplica`s, placed by the pool's custom resources and
-autoscaled by its own policy; the router is a `RouterHost` actor; a `WorkerDirectory` actor
-joins them.
+autoscaled by its own policy; each router (`routers: N`) is a `RouterHost` actor; a
+`WorkerDirectory` actor joins them.
 
 Invariants:
 - Without an address, a single-node Ray cluster is started for the deployment, on 127.0.0.1,
@@ -106,18 +106,24 @@ class RayDeployment(LauncherBackend):
         self.say = say
         self.token = new_token()
         self.api_key = os.environ.get("SPLITSERVE_API_KEY") or None
-        self.names = {"directory": f"{cfg.ray.name}-directory",
-                      "router": f"{cfg.ray.name}-router"}
+        self.names = {"directory": f"{cfg.ray.name}-directory"}
+        self.router_names = [f"{cfg.ray.name}-router" + (str(i) if i else "")
+                             for i in range(cfg.routers)]
         self.apps = [f"{cfg.ray.name}-{kind}" for kind in pool_sizes(cfg)]
         self.started_cluster = False
         self.directory: Any = None
-        self.router: Any = None
-        self._url = f"http://{cfg.host}:{cfg.port}"
+        self.routers: list[Any] = []
+        self._urls = tuple(f"http://{cfg.host}:{port}" for port in cfg.router_ports)
+        self.lost: set[int] = set()  # routers of several that were found gone
         self.startup_s: dict[str, float] = {}
 
     @property
     def url(self) -> str:
-        return self._url
+        return self._urls[0]
+
+    @property
+    def urls(self) -> tuple[str, ...]:
+        return self._urls
 
     def _connect(self) -> None:
         cfg = self.cfg
@@ -182,15 +188,15 @@ class RayDeployment(LauncherBackend):
                    for kind, n in pool_sizes(cfg).items()]
         serve.run_many(targets)
         self.startup_s["workers"] = time.monotonic() - t0
-        router_opts: dict[str, Any] = {"name": self.names["router"],
-                                       "namespace": cfg.ray.namespace, "num_cpus": 0}
+        router_opts: dict[str, Any] = {"namespace": cfg.ray.namespace, "num_cpus": 0}
         if cfg.ray.router_resources:
             router_opts["resources"] = cfg.ray.resources("router")
         else:
             router_opts.update(pinned)
-        self.router = ray.remote(RouterHost).options(**router_opts).remote(
-            cfg, self.names["directory"])
-        self._url = ray.get(self.router.start.remote(cfg.startup_timeout_s))
+        self.routers = [ray.remote(RouterHost).options(name=name, **router_opts).remote(
+            cfg, self.names["directory"], i) for i, name in enumerate(self.router_names)]
+        self._urls = tuple(ray.get([r.start.remote(cfg.startup_timeout_s)
+                                    for r in self.routers]))
         self.startup_s["ready"] = time.monotonic() - t0
 
     def workers(self) -> list[dict[str, Any]]:
@@ -204,15 +210,39 @@ class RayDeployment(LauncherBackend):
 
         return list(ray.get(self.directory.history.remote()))
 
-    def failures(self) -> list[str]:
+    def _router_down(self, i: int) -> str | None:
+        """Why router `i` no longer serves; None while it does."""
         import ray
 
         try:
-            if ray.get(self.router.alive.remote(), timeout=10):
-                return []
-            return ["the router process exited"]
+            return None if ray.get(self.routers[i].alive.remote(), timeout=10) else \
+                "its process exited"
         except Exception as exc:  # the actor or its node is gone
-            return [f"the router actor is gone: {type(exc).__name__}"]
+            return f"its actor is gone: {type(exc).__name__}"
+
+    def tend(self) -> list[str]:
+        """A router of several that is gone is told once; its peers serve on (the clients of
+        its URL move to theirs). It is not started again."""
+        if len(self.routers) < 2:
+            return []
+        lines = []
+        for i in sorted(set(range(len(self.routers))) - self.lost):
+            why = self._router_down(i)
+            if why is not None and len(self.lost) + 1 < len(self.routers):
+                self.lost.add(i)
+                lines.append(f"router {self._urls[i]} stopped ({why}); "
+                             f"{len(self.routers) - len(self.lost)} router(s) serve on")
+        return lines
+
+    def failures(self) -> list[str]:
+        """The last router standing stopped (a router of several is `tend`'s)."""
+        down = []
+        for i in sorted(set(range(len(self.routers))) - self.lost):
+            why = self._router_down(i)
+            if why is None:
+                return []
+            down.append(f"the router {self._urls[i]}: {why}")
+        return down
 
     def stop(self) -> None:
         import ray
@@ -233,12 +263,12 @@ class RayDeployment(LauncherBackend):
                 problems.append(f"{what}: {type(exc).__name__}: {exc}")
                 self.say(f"splitserve: stopping {what} failed: {type(exc).__name__}: {exc}")
 
-        if self.router is not None:
-            router = self.router
-            attempt("the router", lambda: ray.get(router.stop.remote(),
-                                                  timeout=self.cfg.stop_timeout_s + 15))
-            attempt("the router actor", lambda: ray.kill(router))
-            self.router = None
+        if self.routers:
+            routers, self.routers = self.routers, []
+            attempt("the routers", lambda: ray.get([r.stop.remote() for r in routers],
+                                                   timeout=self.cfg.stop_timeout_s + 15))
+            for router in routers:
+                attempt("a router actor", functools.partial(ray.kill, router))
             if self.directory is not None:
                 directory = self.directory
                 attempt("the directory", lambda: ray.get(directory.router_stopped.remote(),

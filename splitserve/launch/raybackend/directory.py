@@ -2,9 +2,12 @@
 to. It is the Ray-side source of truth the router's registry follows.
 
 Contract:
-- A replica `register`s once its worker answers `/health`, and `drain`s before it stops; the
-  router host takes a draining (or vanished) worker out of the router and then calls
-  `released`, which the draining replica waits for.
+- A replica `register`s once its worker answers `/health`, and `drain`s before it stops; every
+  router host takes a draining (or vanished) worker out of its router and then calls
+  `released`; the draining replica waits until every live router host has.
+- Router hosts (one per router) are known by their router's URL: each `router_report`s its
+  open legs per worker every round, which is also its proof of life; one silent for
+  `ROUTER_STALE_S` no longer counts (its load, its peers' list, the drains it holds).
 - `snapshot()` lists only live workers: an entry whose replica actor no longer exists (its
   process or its node died) is dropped there, together with its cores; so are the cores of a
   replica that died before it registered. A replica whose start fails deregisters itself.
@@ -35,7 +38,7 @@ class Entry:
     node_ip: str
     cores: tuple[int, ...]
     draining: bool = False
-    released: bool = False
+    released_by: frozenset[str] = frozenset()  # the routers that let it go
     registered_at: float = 0.0
 
 
@@ -51,8 +54,8 @@ class WorkerDirectory:
         self._api_key: str | None = None
         self._entries: dict[str, Entry] = {}
         self._claims: dict[str, dict[str, tuple[int, ...]]] = {}  # node_ip -> replica -> cores
-        self._router_loads: dict[str, dict[str, float]] = {}
-        self._router_seen = 0.0
+        # router URL -> (its open legs by worker URL, when it last reported)
+        self._routers: dict[str, tuple[dict[str, dict[str, float]], float]] = {}
         self._log: list[dict[str, Any]] = []  # (time, kind, replicas) after every change
 
     # --- secrets ------------------------------------------------------------------------------
@@ -92,15 +95,16 @@ class WorkerDirectory:
             self._entries[replica].draining = True
             self._note()
 
-    def released(self, replica: str) -> None:
+    def released(self, replica: str, router: str) -> None:
+        """The router at URL `router` no longer routes to `replica`'s worker."""
         if replica in self._entries:
-            self._entries[replica].released = True
+            e = self._entries[replica]
+            e.released_by = e.released_by | {router}
 
     def drained(self, replica: str) -> bool:
-        """Whether a draining replica may stop: the router let it go, or no router is left."""
+        """Whether a draining replica may stop: every live router let it go (or none is left)."""
         entry = self._entries.get(replica)
-        return entry is None or entry.released or (
-            time.time() - self._router_seen > ROUTER_STALE_S)
+        return entry is None or set(self.routers()) <= entry.released_by
 
     def deregister(self, replica: str) -> None:
         self._entries.pop(replica, None)
@@ -137,13 +141,25 @@ class WorkerDirectory:
         return list(self._log)
 
     # --- the router's view of load, for the autoscaling signals -------------------------------
-    def router_report(self, loads: dict[str, dict[str, float]]) -> None:
-        self._router_loads = loads
-        self._router_seen = time.time()
+    def router_report(self, router: str, loads: dict[str, dict[str, float]]) -> None:
+        """The router at URL `router`: its open legs (`inflight`, `inflight_prefill_tokens`)
+        by worker URL, now."""
+        self._routers[router] = (loads, time.time())
 
-    def router_stopped(self) -> None:
-        """No router is left: draining replicas stop waiting to be let go."""
-        self._router_seen = 0.0
+    def router_stopped(self, router: str | None = None) -> None:
+        """That router (None: every one) is gone: its load and the drains it held are dropped."""
+        for url in [router] if router is not None else list(self._routers):
+            self._routers.pop(url, None)
+
+    def routers(self) -> list[str]:
+        """The URLs of the routers that reported within `ROUTER_STALE_S`."""
+        now = time.time()
+        return [u for u, (_, seen) in self._routers.items() if now - seen <= ROUTER_STALE_S]
 
     def router_load(self, url: str) -> dict[str, float]:
-        return dict(self._router_loads.get(url, {}))
+        """The worker at `url`'s open legs, summed over the live routers."""
+        out: dict[str, float] = {}
+        for router in self.routers():
+            for key, value in self._routers[router][0].get(url, {}).items():
+                out[key] = out.get(key, 0.0) + value
+        return out

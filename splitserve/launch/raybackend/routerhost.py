@@ -10,6 +10,8 @@ Invariants:
   The router never holds a static URL list beyond the workers it started with.
 - The router's per-worker view (open legs, queued prompt tokens) goes to the directory on each
   round: it is P's autoscaling signal, and the directory's proof that a router is alive.
+- With several routers (`routers: N`), host i runs router i on `port + i`; each round it sets
+  its router's peers (`PUT /admin/peers`) to the other routers the directory knows alive.
 """
 
 from __future__ import annotations
@@ -54,10 +56,13 @@ def plan_sync(live: list[dict[str, Any]], routed: list[dict[str, Any]]
 class RouterHost:
     """Made a Ray actor by the driver; `start` returns the router's URL."""
 
-    def __init__(self, cfg: DeploymentConfig, directory: str) -> None:
+    def __init__(self, cfg: DeploymentConfig, directory: str, index: int = 0) -> None:
         import ray
 
         self.cfg = cfg
+        self.index = index
+        self.port = cfg.router_ports[index]
+        self.peers: list[str] | None = None  # as last set on the router
         self.directory = ray.get_actor(directory, namespace=cfg.ray.namespace)
         self.proc: subprocess.Popen[bytes] | None = None
         self.stopping = threading.Event()
@@ -66,7 +71,7 @@ class RouterHost:
         self.host = cfg.host
         node_ip = ray.util.get_node_ip_address()
         self.public_host = node_ip if cfg.host in ("0.0.0.0", "::") else cfg.host
-        self.url = f"http://{self.public_host}:{cfg.port}"
+        self.url = f"http://{self.public_host}:{self.port}"
         self.token: str | None = None
 
     def start(self, timeout_s: float) -> str:
@@ -90,11 +95,12 @@ class RouterHost:
         if api_key:
             env[API_KEY_ENV] = api_key
         env[GRACE_ENV] = str(self.cfg.stop_timeout_s)
-        self.log = log_path(self.cfg, f"{self.cfg.ray.name}-router")
+        self.log = log_path(self.cfg, f"{self.cfg.ray.name}-router"
+                            + (str(self.index) if self.index else ""))
         urls = {kind: [w["url"] for w in live if w["kind"] == kind]
                 for kind in values(Pool)}
         argv = router_argv(self.cfg, node_model(self.cfg)[0], self.host, urls,
-                           "--health-interval", "0.5")
+                           "--health-interval", "0.5", port=self.port)
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "splitserve.launch.raybackend.guard", *argv], env=env,
@@ -119,10 +125,11 @@ class RouterHost:
 
         live = ray.get(self.directory.snapshot.remote())
         routed = self.client.get(f"{self.url}/workers").json()["workers"]
-        self.directory.router_report.remote({
+        ray.get(self.directory.router_report.remote(self.url, {
             w["url"]: {"inflight": float(w.get("inflight", 0)),
                        "inflight_prefill_tokens": float(w.get("inflight_prefill_tokens", 0))}
-            for w in routed})
+            for w in routed}))
+        self._set_peers(ray.get(self.directory.routers.remote()))
         add, remove = plan_sync(live, routed)
         for w in add:
             r = self.client.post(f"{self.url}/admin/workers",
@@ -138,7 +145,17 @@ class RouterHost:
                 self.pool.submit(self._remove, w, by_url.get(w["url"]), key)
         for w in live:  # a draining worker the router never had (or let go already)
             if w["draining"] and not any(r["url"] == w["url"] for r in routed):
-                self.directory.released.remote(w["replica"])
+                self.directory.released.remote(w["replica"], self.url)
+
+    def _set_peers(self, routers: list[str]) -> None:
+        """The router's peers := the other live routers, when that changed."""
+        peers = sorted(u for u in routers if u != self.url)
+        if peers != self.peers:
+            r = self.client.put(f"{self.url}/admin/peers", json={"peers": peers})
+            if r.status_code == 200:
+                self.peers = peers
+            else:
+                log.warning("router refused its peers %s: %s", peers, r.text)
 
     def _remove(self, routed: dict[str, Any], entry: dict[str, Any] | None, key: str) -> None:
         try:
@@ -149,7 +166,7 @@ class RouterHost:
                 log.warning("router kept worker %s: %s", routed["url"], r.text)
         finally:
             if entry is not None:
-                self.directory.released.remote(entry["replica"])
+                self.directory.released.remote(entry["replica"], self.url)
             self.removing.discard(key)
 
     def stop(self) -> None:

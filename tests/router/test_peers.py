@@ -1,0 +1,86 @@
+"""The peer routers' share of the load (`router.peers`): the message each router serves, the sums
+a router keeps per worker, when a peer's share stops counting, and what the policies see."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import aiohttp
+import pytest
+
+from splitserve.common.wire import WireError
+from splitserve.router.config import RouterConfig
+from splitserve.router.peers import STALE_INTERVALS, LegLoad, PeerRead, Peers, RouterLoad, shares
+from splitserve.router.registry import Registry
+from splitserve.router.worker import PeerShare
+from splitserve.worker.launch import free_port
+
+P, D = "http://p:1", "http://d:1"
+
+
+def registry() -> Registry:
+    return Registry(RouterConfig(prefill=(P,), decode=(D,)))
+
+
+def test_the_router_load_message_round_trips_and_refuses_bad_counts() -> None:
+    reg = registry()
+    p = reg.find(P)[0]
+    p.acquire(300)
+    p.peers = PeerShare(5, 900)  # a peer's share is never served on: only this router's legs
+    load = RouterLoad.of(reg.all())
+    assert RouterLoad.from_json(load.to_json()) == load
+    assert LegLoad(P, "prefill", 1, 300) in load.workers
+    for bad in ({}, {"workers": {}}, {"workers": [{"url": P}]},
+                {"workers": [{"url": P, "pool": "prefill", "inflight": -1}]},
+                {"workers": [{"url": P, "pool": "prefill", "inflight": True}]}):
+        with pytest.raises(WireError):
+            RouterLoad.from_json(bad)
+
+
+def test_shares_sum_over_peers_by_pool_and_url() -> None:
+    a = RouterLoad((LegLoad(P, "prefill", 2, 100), LegLoad(D, "decode", 1, 0)))
+    b = RouterLoad((LegLoad(P + "/", "prefill", 1, 50),))
+    assert shares([a, b]) == {("prefill", P): PeerShare(3, 150), ("decode", D): PeerShare(1, 0)}
+
+
+def test_a_policy_sees_its_own_legs_plus_the_peers_and_drains_count_its_own() -> None:
+    reg = registry()
+    p = reg.find(P)[0]
+    p.acquire(100)
+    p.peers = PeerShare(2, 400)
+    assert (p.inflight, p.inflight_prefill_tokens) == (3, 500)
+    assert p.describe()["inflight"] == 1 and p.describe()["peer_inflight"] == 2
+    p.release(100)
+    assert p.drained.is_set()  # the peers' legs are theirs to drain
+
+
+def test_a_peer_share_counts_while_fresh_and_is_dropped_when_stale_or_unreachable() -> None:
+    async def run() -> None:
+        reg = registry()
+        async with aiohttp.ClientSession() as session:
+            dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+            peers = Peers(reg, session, [dead, "http://r2:1/"], interval_s=0.5, timeout_s=1.0)
+            assert peers.urls == (dead, "http://r2:1")
+            load = RouterLoad((LegLoad(D, "decode", 4, 0),))
+            now = time.monotonic()
+            peers.reads[dead] = PeerRead(load, now)
+            peers.reads["http://r2:1"] = PeerRead(load, now - STALE_INTERVALS * 0.5 - 0.1)
+            peers.apply(now)
+            d = reg.find(D)[0]
+            assert d.peers == PeerShare(4, 0)  # the stale one does not count
+            await peers._read(dead)  # connection refused: its share goes at once
+            peers.apply(time.monotonic())
+            assert d.peers == PeerShare() and peers.errors[dead]
+            assert [p["counted"] for p in peers.describe()] == [False, False]
+            peers.set(["http://r3:1"])
+            assert peers.urls == ("http://r3:1",) and not peers.reads
+            with pytest.raises(ValueError, match="http"):
+                peers.set(["r4:1"])
+
+    asyncio.run(run())
+
+
+def test_peer_urls_are_checked_in_the_config() -> None:
+    with pytest.raises(ValueError, match="peer router URL"):
+        RouterConfig(prefill=(P,), decode=(D,), peers=("localhost:8001",))
