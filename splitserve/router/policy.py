@@ -77,7 +77,8 @@ class Picker:
     def decode(self, candidates: Sequence[Worker], request: RouteRequest = NO_REQUEST
                ) -> Worker:
         candidates = self._with_room(Pool.DECODE, candidates)
-        roomy = [w for w in candidates if fits_staging(w, request.kv_bytes)] or list(candidates)
+        roomy = [w for w in candidates if fits_staging(w, request.kv_bytes_on(w.worker_id))
+                 ] or list(candidates)
         return self.policies[Pool.DECODE].pick(roomy, request)
 
     def colocated(self, candidates: Sequence[Worker], request: RouteRequest = NO_REQUEST

@@ -99,6 +99,13 @@ class RouteRequest:
             return 0
         return min(self.cached.get(worker_id, 0), self.prompt_len)
 
+    def kv_bytes_on(self, worker_id: str) -> int:
+        """The KV a transfer to D `worker_id` stages: the prompt's, less the prefix D is known
+        to hold (a delta transfer skips it)."""
+        if not self.prompt_len:
+            return self.kv_bytes
+        return self.kv_bytes * (self.prompt_len - self.cached_on(worker_id)) // self.prompt_len
+
 
 NO_REQUEST = RouteRequest()  # for picks that concern no prompt (a resumed decode leg)
 

@@ -64,25 +64,34 @@ def check_vllm_version() -> str:
 _HANDED_OUT: deque[int] = deque(maxlen=512)
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port that is free now, chosen below the kernel's ephemeral range: the OS hands ports
-    in that range to outgoing connections, which could take ours before the worker binds it."""
+def free_port(host: str = "127.0.0.1", count: int = 1) -> int:
+    """A port that is free now (the first of `count` consecutive free ones), chosen below the
+    kernel's ephemeral range: the OS hands ports in that range to outgoing connections, which
+    could take ours before the worker binds it."""
     low = _ephemeral_low()
     rng = random.SystemRandom()
     for _ in range(200):
-        port = rng.randrange(max(1024, low - 12000), low)
-        if port in _HANDED_OUT:  # given to an earlier caller that may not have bound it yet
+        port = rng.randrange(max(1024, low - 12000), low - count + 1)
+        ports = range(port, port + count)
+        if any(p in _HANDED_OUT for p in ports):  # given to an earlier caller not bound yet
             continue
-        with socket.socket() as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                continue
-            _HANDED_OUT.append(port)
+        if all(_bindable(host, p) for p in ports):
+            _HANDED_OUT.extend(ports)
             return port
+    if count > 1:
+        raise RuntimeError(f"no {count} consecutive free ports on {host}")
     with socket.socket() as s:  # a crowded range: fall back to whatever the kernel gives
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+        return True
 
 
 def _ephemeral_low() -> int:

@@ -59,6 +59,9 @@ def test_yaml_with_flags_overriding(tmp_path: Path) -> None:
     ({"colocated": 1, "port": 0}, "port"),
     ({"colocated": -1}, "negative"),
     ({"colocated": 1, "router_cpus": []}, "router_cpus"),
+    ({"colocated": 1, "routers": 0}, "routers must be at least 1"),
+    ({"colocated": 1, "routers": "2"}, "routers must be at least 1"),
+    ({"colocated": 1, "routers": 3, "port": 65534}, "run past 65535"),
 ])
 def test_invalid_deployments_are_refused(data: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -121,3 +124,32 @@ def test_cache_routing_is_the_default_and_reaches_the_router(tmp_path: Path) -> 
     assert (rcfg.prefill_policy, rcfg.decode_policy, rcfg.local_prefill_max_tokens) == (
         "cache", "load", 64)
     assert (rcfg.prefill_hit_weight, rcfg.decode_hit_weight) == (1.0, 1.0)
+
+
+def test_several_routers_each_name_the_others_as_peers(tmp_path: Path) -> None:
+    """`--routers 3`: ports 9000-9002; each router's command line names the other two."""
+    import argparse
+
+    from splitserve.launch.cli import config_from_args, register
+    from splitserve.launch.local import LocalDeployment, router_argv
+    from splitserve.router.cli import add_router_arguments
+    from splitserve.router.cli import config_from_args as router_config
+
+    top = argparse.ArgumentParser()
+    register(top.add_subparsers())
+    cfg = config_from_args(top.parse_args(["serve", "--prefill", "1", "--decode", "1",
+                                           "--routers", "3", "--port", "9000"]))
+    dep = LocalDeployment(cfg, say=lambda line: None)
+    assert dep.urls == tuple(f"http://127.0.0.1:{p}" for p in (9000, 9001, 9002))
+    assert dep.url == dep.urls[0]
+    argv = router_argv(cfg, str(tmp_path), "127.0.0.1",
+                       {"prefill": ["http://p:1"], "decode": ["http://d:1"]}, port=9001,
+                       peers=(dep.urls[0], dep.urls[2]))
+    p = argparse.ArgumentParser()
+    add_router_arguments(p)
+    rcfg = router_config(p.parse_args(argv[argv.index("router") + 1:]))
+    assert rcfg.port == 9001 and rcfg.peers == (dep.urls[0], dep.urls[2])
+    assert rcfg.prefill == ("http://p:1",)  # --peer's list ends before the next flag
+    twice = router_config(p.parse_args(["--prefill", "http://p:1", "--decode", "http://d:1",
+                                        "--peer", "http://a:1", "--peer", "http://b:1"]))
+    assert twice.peers == ("http://a:1", "http://b:1")  # repeated: every one counts

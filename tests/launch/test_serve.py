@@ -1,6 +1,8 @@
 """`splitserve serve` end to end: a 1P+1D deployment over shared memory on loopback, from a YAML
-file with flags overriding it; greedy output of concurrent mixed-length requests through it equals
-Hugging Face transformers; then SIGTERM: every process gone, the token never on a command line.
+file with flags overriding it, behind two routers; greedy output of concurrent mixed-length
+requests through both equals Hugging Face transformers; each router counts the other as its peer;
+a router that is killed is started again on its port while the other serves; then SIGTERM: every
+process gone, the token never on a command line.
 (1P+1D, not 2P+2D: with the session's other workers alive, four more do not fit in this machine's
 memory; choosing among several P and D is covered by the router's policy and flow tests.)"""
 
@@ -59,9 +61,9 @@ def cmdlines() -> dict[int, str]:
 
 def test_serve_starts_answers_and_stops_without_orphans(llama_ckpt: Path, tmp_path: Path
                                                          ) -> None:
-    port = free_port()
+    port = free_port(count=2)
     cfg = tmp_path / "deploy.yaml"
-    cfg.write_text(f"prefill: 1\ndecode: 2\nmodel: {llama_ckpt}\n"
+    cfg.write_text(f"prefill: 1\ndecode: 2\nmodel: {llama_ckpt}\nrouters: 2\n"
                    "max_model_len: 2048\nport: 1\nrouter: {decode_policy: round_robin}\n")
     log_dir = tmp_path / "logs"
     out = open(tmp_path / "serve.out", "w+")  # noqa: SIM115
@@ -69,7 +71,7 @@ def test_serve_starts_answers_and_stops_without_orphans(llama_ckpt: Path, tmp_pa
         splitserve_argv("serve", "--config", str(cfg), "--port", str(port), "--decode", "1",
                         "--transport", "shm", "--log-dir", str(log_dir)),
         stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
+    url, url2 = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port + 1}"
     try:
         deadline = time.monotonic() + 300
         while "ready" not in (tmp_path / "serve.out").read_text():
@@ -77,9 +79,9 @@ def test_serve_starts_answers_and_stops_without_orphans(llama_ckpt: Path, tmp_pa
             assert time.monotonic() < deadline, "deployment not ready in time"
             time.sleep(0.5)
         said = (tmp_path / "serve.out").read_text()
-        assert f"{url}/v1" in said and "cores:" in said
+        assert f"{url}/v1" in said and f"{url2}/v1" in said and "cores:" in said
         children = descendants(proc.pid)
-        assert len(children) >= 3  # two workers (each with its engine) and the router
+        assert len(children) >= 4  # two workers (each with its engine) and two routers
         workers = [line.split()[2] for line in said.splitlines()
                    if re.match(r"splitserve: (prefill|decode)\d+ ", line)]
         assert len(workers) == 2, said
@@ -89,13 +91,13 @@ def test_serve_starts_answers_and_stops_without_orphans(llama_ckpt: Path, tmp_pa
         prompts = [[3 + (s * 29 + i * 7) % 1000 for i in range(n)]
                    for s, n in enumerate((5, 60, 200, 333, 17, 128))]
 
-        def generate(prompt: list[int]) -> httpx.Response:
-            return httpx.post(f"{url}/v1/completions", timeout=120, json={
+        def generate(prompt: list[int], front: str = url) -> httpx.Response:
+            return httpx.post(f"{front}/v1/completions", timeout=120, json={
                 "model": str(llama_ckpt), "prompt": prompt, "max_tokens": 8, "temperature": 0,
                 "ignore_eos": True, "return_token_ids": True})
 
         with ThreadPoolExecutor(len(prompts)) as pool:
-            answers = list(pool.map(generate, prompts))
+            answers = list(pool.map(generate, prompts, [url, url2] * 3))
         used = set()
         for prompt, r in zip(prompts, answers, strict=True):
             assert r.status_code == 200, r.text
@@ -108,6 +110,30 @@ def test_serve_starts_answers_and_stops_without_orphans(llama_ckpt: Path, tmp_pa
             "model": str(llama_ckpt), "prompt": prompts[0], "max_tokens": 8, "temperature": 0.7,
             "seed": 1, "ignore_eos": True, "n": 2})
         assert whole.status_code == 200 and len(whole.json()["choices"]) == 2
+        for front, peer in ((url, url2), (url2, url)):
+            assert httpx.get(f"{front}/workers").json()["peers"] == [
+                {"url": peer, "counted": True, "last_error": None}]
+        # a router that dies is started again on its port; the other serves meanwhile
+        second = next(pid for pid, cmd in cmdlines().items()
+                      if " router " in cmd and f"--port {port + 1} " in cmd and pid in children)
+        os.killpg(second, signal.SIGKILL)
+        assert generate(prompts[1]).json()["choices"][0]["token_ids"] == hf_greedy(
+            llama_ckpt, prompts[1], 8)
+        deadline = time.monotonic() + 60
+        while "router1 " + url2 + " exited" not in (tmp_path / "serve.out").read_text():
+            assert time.monotonic() < deadline, (tmp_path / "serve.out").read_text()
+            time.sleep(0.5)
+        while True:
+            try:
+                if httpx.get(f"{url2}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the restarted router is not healthy"
+            time.sleep(0.5)
+        assert generate(prompts[2], url2).json()["choices"][0]["token_ids"] == hf_greedy(
+            llama_ckpt, prompts[2], 8)
+        children |= descendants(proc.pid)
         # the generated token reaches children in their environment, never their command line
         tokens = set()
         for pid in children:

@@ -4,8 +4,9 @@ its Ray node (in `/workers` and the per-worker Prometheus families); the token i
 line; every TCP connection of the cluster's processes (`ss -tnp`) is on loopback.
 
 And 1P+1D over vLLM's NixlConnector on the same cluster (a second deployment, on the P slot and
-the D node the first leaves free, stopped before the scaling test needs them): D pulls P's
-blocks across the Ray nodes over NIXL, token-exact."""
+the D node the first leaves free, stopped before the scaling test needs them), behind two router
+replicas that know each other as peers: D pulls P's blocks across the Ray nodes over NIXL,
+token-exact through either router."""
 
 from __future__ import annotations
 
@@ -81,7 +82,7 @@ def test_1p1d_over_nixl_across_ray_nodes_matches_transformers(
     from splitserve.launch.raybackend.deployment import RayDeployment
 
     mapping = ray_mapping(llama_ckpt, ray_cluster.cluster.address)
-    mapping |= {"connector": "nixl", "port": free_port()}
+    mapping |= {"connector": "nixl", "port": free_port(count=2), "routers": 2}
     mapping["ray"] = {k: v for k, v in mapping["ray"].items() if not k.endswith("_max")}
     mapping["ray"]["name"] = "nixl"
     dep = RayDeployment(from_mapping(mapping), say=lambda line: print(line, flush=True))
@@ -91,6 +92,13 @@ def test_1p1d_over_nixl_across_ray_nodes_matches_transformers(
         assert placed["prefill"]["node_id"] != placed["decode"]["node_id"]
         routed = httpx.get(f"{dep.url}/workers", timeout=10).json()["workers"]
         assert {w["kv_endpoint"]["transport"] for w in routed} == {"nixl"}
+        assert len(dep.urls) == 2
+        deadline = time.monotonic() + 10  # each router host sets its peers in its next round
+        for front, peer in (dep.urls, dep.urls[::-1]):
+            while [p["url"] for p in httpx.get(f"{front}/workers", timeout=10).json()["peers"]
+                   ] != [peer]:
+                assert time.monotonic() < deadline
+                time.sleep(0.2)
         d_metrics = f"{placed['decode']['url']}/metrics"
 
         def pulls() -> float:
@@ -101,8 +109,8 @@ def test_1p1d_over_nixl_across_ray_nodes_matches_transformers(
         for i, length in enumerate((130, 400)):
             prompt = prompt_of(length, 20 + i)
             want = hf_greedy(llama_ckpt, prompt, MAX_TOKENS)
-            assert complete(dep.url, prompt, MAX_TOKENS, stream=True) == want
-            assert complete(dep.url, prompt, MAX_TOKENS, stream=False) == want
+            assert complete(dep.urls[i], prompt, MAX_TOKENS, stream=True) == want
+            assert complete(dep.urls[1 - i], prompt, MAX_TOKENS, stream=False) == want
         assert pulls() - before >= 2  # each new prompt's blocks came from P over NIXL
     finally:
         dep.stop()

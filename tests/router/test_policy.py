@@ -63,6 +63,10 @@ def test_decode_by_kv_staging_and_running_batch() -> None:
     assert pick.decode([full_kv, staged, idle]) is staged
     # a D whose staging cannot hold this prompt is skipped while another can
     assert pick.decode([staged, full_kv], prompt(10, kv_bytes=500)) is full_kv
+    # ... unless it holds enough of the prompt that the delta it stages fits (50 of 500 B)
+    held = RouteRequest(10, None, 500, {staged.worker_id: 9})
+    assert held.kv_bytes_on(staged.worker_id) == 50 and held.kv_bytes_on("other") == 500
+    assert pick.decode([staged, full_kv], held) is staged
 
 
 def test_round_robin_and_colocated() -> None:
