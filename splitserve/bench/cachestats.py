@@ -11,15 +11,33 @@ router passes on from the engine that answered.
 Per worker (`read_prompt_sources` at the run's start and stop, `source_deltas`): vLLM's counter
 `vllm:prompt_tokens_by_source` (always on) split into `computed` (`local_compute`), `cache_hit`
 (`local_cache_hit`) and `loaded` (`external_kv_transfer`: KV that came through a connector),
-over the run, with the worker's `hit_rate` = cache_hit / all three.
+over the run, with the worker's `hit_rate` = cache_hit / all three. `role_totals` sums them per
+role (the name's part before its first `:`, as `cli.discover_workers` names workers) and over
+all workers (`prompt_tokens_computed`, `..._cache_hit`, `..._loaded`, `worker_hit_rate`). Behind
+P/D both P's and D's prompt tokens count (D's prompt is P's plus the first token), and the
+counters include the warm-up requests.
+
+From the router (`read_router_counters` on the endpoint's `/metrics` at the run's start and
+stop, `router_deltas`; an endpoint without splitserve's router families gives nulls):
+`kv_bytes_moved` and `kv_transfers` (the sum and count of `splitserve_router_kv_bytes`: the KV
+bytes D received per request), `local_prefills` (requests run whole on D), and per worker URL
+(`cache_prediction`) the prefix tokens the router predicted cached (`predicted`: every P leg,
+and D's under prefill on D), the engine-reported cached tokens (`reported`: P legs whose answer
+carried `usage.prompt_tokens_details.cached_tokens`), the prediction for those same legs
+(`predicted_reported`) and `error` = |predicted_reported − reported| / reported; summed as
+`predicted_cached_tokens`, `reported_cached_tokens` and `prediction_error`. An error is null
+when nothing was reported (0 when neither side saw a cached token). A counter lower at the stop
+than at the start (the router restarted) counts from zero.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from splitserve.bench.client import RequestRecord
 from splitserve.config import bearer_headers
@@ -87,3 +105,113 @@ def source_deltas(before: Mapping[str, Mapping[str, float]],
         d["hit_rate"] = d["cache_hit"] / total if total > 0 else None
         out[name] = d
     return out
+
+
+def role_totals(sources: Mapping[str, Mapping[str, float]]) -> dict[str, Any]:
+    """`source_deltas`' per-worker figures summed per role (`prompt_tokens_by_role`) and over
+    every worker (see the module docstring); all null when no worker was read."""
+    by_role: dict[str, dict[str, Any]] = {}
+    for name, d in sources.items():
+        role = by_role.setdefault(name.partition(":")[0],
+                                  dict.fromkeys(SOURCE_NAMES.values(), 0.0))
+        for k in SOURCE_NAMES.values():
+            role[k] += d.get(k) or 0.0
+    totals = {k: sum(r[k] for r in by_role.values()) for k in SOURCE_NAMES.values()}
+    for r in [*by_role.values(), totals]:
+        seen = sum(r[k] for k in SOURCE_NAMES.values())
+        r["hit_rate"] = r["cache_hit"] / seen if seen > 0 else None
+    return {"prompt_tokens_by_role": by_role,
+            "prompt_tokens_computed": round(totals["computed"]) if by_role else None,
+            "prompt_tokens_cache_hit": round(totals["cache_hit"]) if by_role else None,
+            "prompt_tokens_loaded": round(totals["loaded"]) if by_role else None,
+            "worker_hit_rate": totals["hit_rate"] if by_role else None}
+
+
+ROUTER_KV_BYTES = "splitserve_router_kv_bytes"
+ROUTER_LOCAL_PREFILLS = "splitserve_router_local_prefills_total"
+ROUTER_CACHED = {"splitserve_router_cached_predicted_tokens_total": "predicted",
+                 "splitserve_router_cached_reported_tokens_total": "reported",
+                 "splitserve_router_cached_predicted_reported_tokens_total":
+                     "predicted_reported"}
+ROUTER_KEYS = ("kv_bytes_moved", "kv_transfers", "local_prefills", "cache_prediction",
+               "predicted_cached_tokens", "reported_cached_tokens", "prediction_error")
+
+
+@dataclass
+class RouterCounters:
+    """The router's counters at one moment (see the module docstring)."""
+
+    kv_bytes: float = 0.0
+    kv_transfers: float = 0.0
+    local_prefills: float = 0.0
+    # worker URL -> {"role": ..., "predicted" / "reported" / "predicted_reported": tokens}
+    cached: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+def parse_router_counters(metrics_text: str) -> RouterCounters | None:
+    """The counters in a router's Prometheus text; None when it has no
+    `splitserve_router_kv_bytes` family (not splitserve's router) or does not parse."""
+    out, found = RouterCounters(), False
+    try:
+        families = list(text_string_to_metric_families(metrics_text))
+    except ValueError:
+        return None
+    for family in families:
+        for sample in family.samples:
+            name, labels, value = sample.name, sample.labels, float(sample.value)
+            if name == ROUTER_KV_BYTES + "_sum":
+                out.kv_bytes, found = value, True
+            elif name == ROUTER_KV_BYTES + "_count":
+                out.kv_transfers = value
+            elif name == ROUTER_LOCAL_PREFILLS:
+                out.local_prefills += value
+            elif name in ROUTER_CACHED and "url" in labels:
+                worker = out.cached.setdefault(labels["url"], {"role": labels.get("role")})
+                worker[ROUTER_CACHED[name]] = worker.get(ROUTER_CACHED[name], 0.0) + value
+    return out if found else None
+
+
+async def read_router_counters(url: str, api_key: str | None = None) -> RouterCounters | None:
+    """The router's counters now (None when `url`/metrics does not answer with them)."""
+    try:
+        async with httpx.AsyncClient(timeout=5.0, headers=bearer_headers(api_key)) as client:
+            resp = await client.get(f"{url.rstrip('/')}/metrics")
+    except httpx.HTTPError:
+        return None
+    return parse_router_counters(resp.text) if resp.status_code == 200 else None
+
+
+def _delta(before: float, after: float) -> float:
+    return after - before if after >= before else after  # lower: the router restarted
+
+
+def _error(predicted: float, reported: float) -> float | None:
+    if reported > 0:
+        return abs(predicted - reported) / reported
+    return 0.0 if predicted == 0 else None
+
+
+def router_deltas(before: RouterCounters | None, after: RouterCounters | None
+                  ) -> dict[str, Any]:
+    """The result keys `ROUTER_KEYS` over the run (all null unless both reads succeeded)."""
+    if before is None or after is None:
+        return dict.fromkeys(ROUTER_KEYS)
+    per: dict[str, dict[str, Any]] = {}
+    kinds = tuple(ROUTER_CACHED.values())
+    for url, end in after.cached.items():
+        start = before.cached.get(url, {})
+        d: dict[str, Any] = {"role": end.get("role")}
+        d |= {k: _delta(start.get(k, 0.0), end.get(k, 0.0)) for k in kinds}
+        d["error"] = _error(d["predicted_reported"], d["reported"]) if "reported" in end \
+            else None
+        per[url] = d
+    predicted = sum(d["predicted_reported"] for d in per.values())
+    reported = sum(d["reported"] for d in per.values())
+    any_reported = any("reported" in end for end in after.cached.values())
+    return {"kv_bytes_moved": round(_delta(before.kv_bytes, after.kv_bytes)),
+            "kv_transfers": round(_delta(before.kv_transfers, after.kv_transfers)),
+            "local_prefills": round(_delta(before.local_prefills, after.local_prefills)),
+            "cache_prediction": per,
+            "predicted_cached_tokens": round(predicted) if any_reported else None,
+            "reported_cached_tokens": round(reported) if any_reported else None,
+            "prediction_error": _error(predicted, reported) if any_reported else None}

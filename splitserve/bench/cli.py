@@ -3,6 +3,7 @@
     splitserve bench --url URL --result-json PATH [workload, SLO, repeat/sweep options]
     splitserve bench compare --url NAME=URL --url NAME=URL --out DIR [same options]
     splitserve bench compare --deploy a=colocated:8192 --deploy b=disagg --out DIR
+    splitserve bench compare --deploy cache=disagg:2p2d:cache --deploy load=disagg:2p2d:load …
     splitserve bench report A.json B.json --out DIR
     splitserve bench make-trace --out trace.jsonl [--sessions N --max-turns T …]
 
@@ -264,7 +265,10 @@ def parse_named_url(text: str) -> tuple[str, str]:
 
 def run_compare(args: argparse.Namespace) -> int:
     endpoints = dict(args.url or [])
-    arms = [parse_arm(text, args.deploy_cores) for text in args.deploy or []]
+    try:
+        arms = [parse_arm(text, args.deploy_cores) for text in args.deploy or []]
+    except ValueError as exc:
+        raise SystemExit(f"splitserve bench compare: --deploy: {exc}") from None
     if len(endpoints) + len(arms) < 2:
         raise SystemExit("splitserve bench compare: give at least two of --url NAME=URL and "
                          "--deploy NAME=KIND")
@@ -328,9 +332,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     cmp_.add_argument("--url", type=parse_named_url, action="append", metavar="NAME=URL",
                       help="an endpoint that is already running")
     cmp_.add_argument("--deploy", action="append", metavar="NAME=KIND",
-                      help="a deployment to start here, one at a time, on --deploy-cores: "
-                      "NAME=colocated[:TOKEN_BUDGET] or NAME=disagg[:shm|tcp|nixl] (1P+1D; nixl: "
-                      "vLLM's NixlConnector)")
+                      help="a deployment to start here, fresh (cold caches), one at a time, on "
+                      "--deploy-cores: NAME=colocated[:TOKEN_BUDGET] or NAME=disagg[:FIELD...] "
+                      "with FIELDs in any order: shm|tcp|nixl (KV path; nixl: vLLM's "
+                      "NixlConnector), <P>p<D>d (default 1p1d), POLICY or PREFILL/DECODE "
+                      "policies (default cache), e.g. cache=disagg:shm:2p2d:cache "
+                      "load=disagg:shm:2p2d:load")
     cmp_.add_argument("--deploy-cores", type=parse_cpus, default=(0, 1),
                       help="cores every started deployment gets (equal total cores)")
     cmp_.add_argument("--deploy-model", "--model-dir", dest="deploy_model", default=None,

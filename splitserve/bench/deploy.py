@@ -4,9 +4,24 @@
   budget (`max_num_batched_tokens`: small = chunked prefill; at least the longest prompt = no
   chunking).
   Started with `splitserve.worker.launch`, reached directly (no router hop).
-- `disagg`: one prefill and one decode worker (half the cores each) behind splitserve's router,
-  started by the launcher (`splitserve.launch.local`), moving KV with splitserve's connector
-  (`shm` or `tcp`) or with vLLM's NixlConnector (`nixl`: D pulls P's blocks over UCX).
+- `disagg`: prefill and decode workers (default 1P+1D, half the cores each) behind splitserve's
+  router, started by the launcher (`splitserve.launch.local`), moving KV with splitserve's
+  connector (`shm` or `tcp`) or with vLLM's NixlConnector (`nixl`: D pulls P's blocks over UCX),
+  with the router's routing policies (default: the router's, `cache`). More workers than cores
+  share cores (the launcher's core plan says so in the run sheet). Its workers run with
+  `--enable-prompt-tokens-details`, so the engine's cached-token count reaches the client and
+  the router's predicted-against-reported counters.
+
+Arm spec (`parse_arm`), for `bench compare --deploy`:
+
+    NAME=colocated[:TOKEN_BUDGET]
+    NAME=disagg[:FIELD[:FIELD...]]   each FIELD at most once, in any order, known by its form:
+        shm | tcp | nixl             KV path (default shm)
+        <P>p<D>d                     shape: P prefill and D decode workers (default 1p1d)
+        POLICY | PPOLICY/DPOLICY     router policy for both pools, or prefill/decode
+                                     (default: the router's default, cache)
+
+e.g. `cache=disagg:shm:2p2d:cache`, `load=disagg:2p2d:load`, `mixed=disagg:tcp:cache/load`.
 
 `deployment(model, arm, log_dir)` (`model`: a resolved `hub.ModelSource`) is a context manager
 yielding an `Endpoint` (URL + run-sheet notes); every process it started is stopped on exit.
@@ -15,6 +30,7 @@ yielding an `Endpoint` (URL + run-sheet notes); every process it started is stop
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,11 +39,19 @@ from typing import Any
 from splitserve.common.procs import stop_group
 from splitserve.config import TRANSPORTS, WorkerConfig
 from splitserve.hub import ModelSource
+from splitserve.router.config import DECODE_POLICIES, LOCAL_PREFILL_MAX_TOKENS, PREFILL_POLICIES
+from splitserve.routing import DEFAULT_POLICY
 from splitserve.worker.launch import free_port, start_worker, wait_healthy
 
 ARM_KINDS: tuple[str, ...] = ("colocated", "disagg")
 # a disaggregated arm's KV path: splitserve's connector over a transport, or vLLM's NixlConnector
 KV_PATHS: tuple[str, ...] = (*TRANSPORTS, "nixl")
+ARM_GRAMMAR = ("NAME=colocated[:TOKEN_BUDGET] or NAME=disagg[:FIELD...] with FIELDs (each at "
+               "most once, any order): shm|tcp|nixl, <P>p<D>d (e.g. 2p2d), POLICY or "
+               "PREFILL_POLICY/DECODE_POLICY")
+_SHAPE = re.compile(r"^([0-9]+)p([0-9]+)d$")
+# what every started disaggregated arm passes to vLLM: the engine's cached-token count in usage
+DISAGG_WORKER_ARGS: tuple[str, ...] = ("--enable-prompt-tokens-details",)
 
 
 @dataclass(frozen=True)
@@ -40,6 +64,10 @@ class Arm:
     max_num_batched_tokens: int | None = None
     transport: str = "shm"  # disagg only: splitserve's connector's transport
     connector: str = "splitserve"  # disagg only: "splitserve" or "nixl"
+    prefill: int = 1  # disagg only: prefill workers
+    decode: int = 1  # disagg only: decode workers
+    prefill_policy: str = DEFAULT_POLICY  # disagg only: the router's policies
+    decode_policy: str = DEFAULT_POLICY
 
     def __post_init__(self) -> None:
         if self.kind not in ARM_KINDS:
@@ -54,6 +82,15 @@ class Arm:
             raise ValueError(f"connector must be splitserve or nixl, got {self.connector!r}")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
+        if self.prefill < 1 or self.decode < 1:
+            raise ValueError("a disaggregated arm needs at least one prefill and one decode "
+                             f"worker, got {self.prefill}p{self.decode}d")
+        if self.prefill_policy not in PREFILL_POLICIES:
+            raise ValueError(f"prefill policy must be one of {PREFILL_POLICIES}, "
+                             f"got {self.prefill_policy!r}")
+        if self.decode_policy not in DECODE_POLICIES:
+            raise ValueError(f"decode policy must be one of {DECODE_POLICIES}, "
+                             f"got {self.decode_policy!r}")
 
     def description(self, longest_prompt: int | None = None) -> dict[str, Any]:
         """The run sheet's deployment entry."""
@@ -64,29 +101,63 @@ class Arm:
                     "total_cores": len(self.cores), "transport": None,
                     "max_num_batched_tokens": budget, "chunked_prefill": chunked,
                     "router": False}
-        half = len(self.cores) // 2
-        return {"roles": ["prefill", "decode"],
-                "cores_per_worker": [half, len(self.cores) - half],
-                "total_cores": len(self.cores), "connector": self.connector,
+        from splitserve.launch.local import plan_cores
+
+        n = self.prefill + self.decode
+        plan = plan_cores(list(self.cores), n)
+        return {"roles": ["prefill"] * self.prefill + ["decode"] * self.decode,
+                "shape": f"{self.prefill}P+{self.decode}D",
+                "cores_per_worker": [len(c) for c in plan.workers],
+                "total_cores": len(self.cores), "shared_cores": len(self.cores) < n,
+                "core_plan": plan.note, "connector": self.connector,
                 "transport": self.transport if self.connector == "splitserve" else None,
-                "chunked_prefill": False, "router": True}
+                "chunked_prefill": False, "router": True,
+                "prefill_policy": self.prefill_policy, "decode_policy": self.decode_policy,
+                "local_prefill_max_tokens": LOCAL_PREFILL_MAX_TOKENS,
+                "worker_args": list(DISAGG_WORKER_ARGS)}
 
 
 def parse_arm(text: str, cores: tuple[int, ...]) -> Arm:
-    """NAME=colocated[:BUDGET] or NAME=disagg[:shm|tcp|nixl], on `cores`."""
+    """An `Arm` on `cores` from its spec (the grammar in the module docstring); ValueError
+    naming the grammar and the offending part when the spec is not one."""
     name, sep, spec = text.partition("=")
-    kind, _, arg = spec.partition(":")
+    kind, _, rest = spec.partition(":")
     if not sep or not name or kind not in ARM_KINDS:
-        raise ValueError("expected NAME=colocated[:BUDGET] or NAME=disagg[:shm|tcp|nixl], "
-                         f"got {text!r}")
+        raise ValueError(f"expected {ARM_GRAMMAR}; got {text!r}")
     if kind == "colocated":
-        return Arm(name, kind, cores, int(arg) if arg else None)
-    path = arg or "shm"
-    if path not in KV_PATHS:
-        raise ValueError(f"a disaggregated arm's KV path is one of {KV_PATHS}, got {path!r}")
-    if path == "nixl":
-        return Arm(name, kind, cores, connector="nixl")
-    return Arm(name, kind, cores, transport=path)
+        if rest and not rest.isdigit():
+            raise ValueError(f"a colocated arm takes one field, its token budget (an integer); "
+                             f"got {text!r}")
+        return Arm(name, kind, cores, int(rest) if rest else None)
+    fields: dict[str, Any] = {}
+
+    def put(key: str, value: Any, part: str) -> None:
+        if key in fields:
+            raise ValueError(f"{text!r}: {part!r} sets the {key} twice ({ARM_GRAMMAR})")
+        fields[key] = value
+
+    for part in rest.split(":") if rest else []:
+        if part in KV_PATHS:
+            put("kv path", part, part)
+        elif m := _SHAPE.match(part):
+            put("shape", (int(m.group(1)), int(m.group(2))), part)
+        elif part.partition("/")[0] in PREFILL_POLICIES:
+            pre, slash, dec = part.partition("/")
+            if slash and dec not in DECODE_POLICIES:
+                raise ValueError(f"{text!r}: decode policy {dec!r} is not one of "
+                                 f"{DECODE_POLICIES}")
+            put("policy", (pre, dec if slash else pre), part)
+        else:
+            raise ValueError(f"{text!r}: {part!r} is neither a KV path {KV_PATHS}, a shape "
+                             f"(<P>p<D>d, e.g. 2p2d) nor a policy {PREFILL_POLICIES} "
+                             f"(or PREFILL/DECODE); expected {ARM_GRAMMAR}")
+    path = fields.get("kv path", "shm")
+    prefill, decode = fields.get("shape", (1, 1))
+    p_policy, d_policy = fields.get("policy", (DEFAULT_POLICY, DEFAULT_POLICY))
+    nixl = path == "nixl"
+    return Arm(name, kind, cores, transport="shm" if nixl else path,
+               connector="nixl" if nixl else "splitserve", prefill=prefill, decode=decode,
+               prefill_policy=p_policy, decode_policy=d_policy)
 
 
 @dataclass(frozen=True)
@@ -115,19 +186,24 @@ def colocated_worker(model: ModelSource, arm: Arm, log_dir: Path) -> Iterator[En
 
 @contextlib.contextmanager
 def disagg_deployment(model: ModelSource, arm: Arm, log_dir: Path) -> Iterator[Endpoint]:
-    """1P+1D on the arm's cores through the launcher (`splitserve.launch.local`): with two
-    cores each worker gets one and the router shares them."""
+    """The arm's P and D workers (1P+1D unless it says) on its cores through the launcher
+    (`splitserve.launch.local`: with two cores and 1P+1D each worker gets one and the router
+    shares them; more workers than cores share cores round-robin), its router running the
+    arm's policies. Each call starts fresh processes: every cache starts cold."""
     from splitserve.launch.config import DeploymentConfig
     from splitserve.launch.local import LocalDeployment
 
     notes: list[str] = []
     # a hub id at its resolved commit (the colocated arm's snapshot, served under the same
     # name), else the directory
-    cfg = DeploymentConfig(prefill=1, decode=1, model=model.name or model.path,
+    cfg = DeploymentConfig(prefill=arm.prefill, decode=arm.decode,
+                           model=model.name or model.path,
                            revision=model.revision if model.name else None,
                            transport=arm.transport,
                            connector=arm.connector, port=free_port(), cpus=arm.cores,
-                           log_dir=str(log_dir / arm.name), startup_timeout_s=240.0)
+                           log_dir=str(log_dir / arm.name), startup_timeout_s=240.0,
+                           prefill_policy=arm.prefill_policy, decode_policy=arm.decode_policy,
+                           worker_args=DISAGG_WORKER_ARGS)
     with LocalDeployment(cfg, say=notes.append) as dep:
         yield Endpoint(dep.url, {"launcher": "splitserve.launch.local",
                                  "cores": dep.core_note,

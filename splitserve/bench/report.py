@@ -36,6 +36,14 @@ TABLE_ROWS: tuple[tuple[str, str], ...] = (
     ("prefix_hit_rate", "prefix hit rate (server-reported)"),
     ("cached_prompt_tokens", "prompt tokens cached (server)"),
     ("computed_prompt_tokens", "prompt tokens computed (server)"),
+    ("total_input_tokens", "prompt tokens sent"),
+    ("prompt_tokens_computed", "prompt tokens computed (all workers' counters)"),
+    ("worker_hit_rate", "hit rate (all workers' prompt tokens)"),
+    ("kv_bytes_moved", "KV bytes moved (router)"), ("kv_transfers", "KV transfers (router)"),
+    ("local_prefills", "prefills on D (router)"),
+    ("predicted_cached_tokens", "cached tokens predicted (router, reported legs)"),
+    ("reported_cached_tokens", "cached tokens reported (engine)"),
+    ("prediction_error", "prediction error |pred - reported| / reported"),
     ("slo_attainment", "SLO attainment"), ("request_goodput", "goodput req/s"),
     ("distserve_goodput", "DistServe goodput req/s"),
 )
@@ -66,6 +74,12 @@ def table_rows(results: Mapping[str, dict[str, Any]]) -> list[list[str]]:
         rows.append(["prompt tokens computed / cache-hit / loaded (per worker)"] + [
             " ; ".join(" / ".join(f"{v.get(k, 0):.0f}" for k in ("computed", "cache_hit", "loaded"))
                        for v in r.get("prompt_tokens_by_source", {}).values()) or "–"
+            for r in results.values()])
+    if any(r.get("prompt_tokens_by_role") for r in results.values()):
+        rows.append(["prompt tokens computed / cache-hit / loaded, hit rate (per role)"] + [
+            " ; ".join(f"{role} " + " / ".join(f"{v.get(k, 0):.0f}" for k in (
+                "computed", "cache_hit", "loaded")) + f", {fmt(v.get('hit_rate'))}"
+                for role, v in r.get("prompt_tokens_by_role", {}).items()) or "–"
             for r in results.values()])
     for key, label in (("busy_fraction", "busy fraction"), ("queued_fraction", "queued fraction")):
         rows.append([f"{label} (per worker)"] + [

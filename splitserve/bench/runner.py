@@ -13,7 +13,12 @@ Prefix reuse: `ideal_reuse` (+ `ideal_reused_tokens`, `ideal_computed_tokens`; r
 the `mooncake` (over the stream) and `multiturn` (over the prompts sent) workloads, null for the
 others (their prompts are random: nothing repeats); the server-reported `prefix_hit_rate`,
 `cached_prompt_tokens`, `computed_prompt_tokens` (metrics via cachestats.py) and, per worker,
-`prompt_tokens_by_source` (computed / cache_hit / loaded over the run, and its hit rate).
+`prompt_tokens_by_source` (computed / cache_hit / loaded over the run, and its hit rate), the
+same per role (`prompt_tokens_by_role`) and over all workers (`prompt_tokens_computed`,
+`prompt_tokens_cache_hit`, `prompt_tokens_loaded`, `worker_hit_rate`); from the router's
+`/metrics` at the run's start and stop, `kv_bytes_moved`, `kv_transfers`, `local_prefills`,
+`cache_prediction` (per worker) and `predicted_cached_tokens` / `reported_cached_tokens` /
+`prediction_error` (all null behind an endpoint that is not splitserve's router; cachestats.py).
 """
 
 from __future__ import annotations
@@ -24,7 +29,13 @@ from typing import Any
 
 import httpx
 
-from splitserve.bench.cachestats import read_prompt_sources, source_deltas
+from splitserve.bench.cachestats import (
+    read_prompt_sources,
+    read_router_counters,
+    role_totals,
+    router_deltas,
+    source_deltas,
+)
 from splitserve.bench.client import (
     BusySampler,
     ClientConfig,
@@ -77,6 +88,7 @@ async def run_once(client: ClientConfig, spec: WorkloadSpec, system: str,
     client = replace(client, model=model)
     on_done = progress(system, len(requests)) if progress else None
     sources_before = await read_prompt_sources(worker_metrics, opts.worker_token)
+    router_before = await read_router_counters(client.url, client.api_key)
     sampler = BusySampler(worker_metrics, opts.busy_sample_s, opts.worker_token)
     sampler.start()
     ideal: IdealReuse | None = None
@@ -94,11 +106,14 @@ async def run_once(client: ClientConfig, spec: WorkloadSpec, system: str,
         busy = await sampler.stop()
     sources = source_deltas(sources_before,
                             await read_prompt_sources(worker_metrics, opts.worker_token))
+    router = router_deltas(router_before, await read_router_counters(client.url, client.api_key))
     result: dict[str, Any] = {"schema": SCHEMA, "system": system}
     result |= compute_metrics(records, duration, opts.slo)
     result |= ideal.to_result() if ideal is not None else dict.fromkeys(
         ("ideal_reuse", "ideal_reused_tokens", "ideal_computed_tokens"))
     result["prompt_tokens_by_source"] = sources
+    result |= role_totals(sources)
+    result |= router
     result["busy_fraction"] = busy
     result["queued_fraction"] = sampler.queued()
     if nixl := sampler.nixl_transfers():

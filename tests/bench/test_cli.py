@@ -60,3 +60,48 @@ def test_named_urls_and_arms() -> None:
         parse_arm("d=disagg", (0,))
     with pytest.raises(ValueError):
         parse_arm("x=sideways", (0, 1))
+
+
+def test_arm_shape_and_policy() -> None:
+    """NAME=disagg[:FIELD...]: KV path, <P>p<D>d and policies, each once, in any order."""
+    cache = parse_arm("cache=disagg:shm:2p2d:cache", (0, 1))
+    assert cache == Arm("cache", "disagg", (0, 1), transport="shm", prefill=2, decode=2,
+                        prefill_policy="cache", decode_policy="cache")
+    assert parse_arm("load=disagg:load:2p2d", (0, 1)) == Arm(
+        "load", "disagg", (0, 1), prefill=2, decode=2, prefill_policy="load",
+        decode_policy="load")
+    mixed = parse_arm("m=disagg:nixl:cache/round_robin:3p1d", (0, 1, 2, 3))
+    assert (mixed.connector, mixed.prefill, mixed.decode) == ("nixl", 3, 1)
+    assert (mixed.prefill_policy, mixed.decode_policy) == ("cache", "round_robin")
+    # the old specs keep their meaning: 1P+1D under the router's default policy
+    assert parse_arm("d=disagg:tcp", (0, 1)) == Arm("d", "disagg", (0, 1), transport="tcp",
+                                                    prefill=1, decode=1)
+    desc = cache.description()
+    assert desc["roles"] == ["prefill", "prefill", "decode", "decode"]
+    assert desc["shape"] == "2P+2D" and desc["shared_cores"] is True
+    assert desc["cores_per_worker"] == [1, 1, 1, 1] and "share cores" in desc["core_plan"]
+    assert (desc["prefill_policy"], desc["decode_policy"]) == ("cache", "cache")
+    assert desc["local_prefill_max_tokens"] == 128
+    assert parse_arm("d=disagg", (0, 1, 2)).description()["shared_cores"] is False
+    for bad, says in (("d=disagg:2p2d:1p1d", "shape twice"),
+                      ("d=disagg:cache:load", "policy twice"),
+                      ("d=disagg:shm:tcp", "kv path twice"),
+                      ("d=disagg:cache/nope", "decode policy 'nope'"),
+                      ("d=disagg:fast", "neither a KV path"),
+                      ("d=disagg:0p2d", "at least one prefill"),
+                      ("c=colocated:2p2d", "token budget"),
+                      ("d=disagg:2p2d", None)):
+        if says is None:
+            parse_arm(bad, (0, 1))  # 4 workers on 2 cores: allowed, they share
+            continue
+        with pytest.raises(ValueError, match=says):
+            parse_arm(bad, (0, 1))
+
+
+def test_compare_names_a_bad_arm(capsys: pytest.CaptureFixture[str]) -> None:
+    from splitserve.bench.cli import run_compare
+
+    args = build_parser().parse_args(["bench", "compare", "--deploy", "a=disagg:2p2d:cache",
+                                      "--deploy", "b=disagg:2p2d:lod"])
+    with pytest.raises(SystemExit, match="--deploy: 'b=disagg:2p2d:lod'"):
+        run_compare(args)
