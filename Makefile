@@ -7,13 +7,13 @@ STAMP := $(VENV)/.installed
 # vLLM's CPU build on machines without CUDA, the CUDA build otherwise.
 VLLM_EXTRA := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo cuda || echo cpu)
 
-.PHONY: install demo test test-fast lint clean
+.PHONY: install demo test test-fast lint docs clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[$(VLLM_EXTRA),nixl,test,ray]"
+	$(PY) -m pip install -q -e ".[$(VLLM_EXTRA),nixl,test,ray,docs]"
 	# PyPI's builds of these do not match the pinned torch and break transformers' imports.
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 	touch $(STAMP)
@@ -26,6 +26,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m ruff check splitserve tests benchmarks
 	$(PY) -m mypy
+	$(MAKE) docs
 	$(PY) -m pytest -x -q -p no:cacheprovider tests
 
 test-fast: $(STAMP)
@@ -34,6 +35,11 @@ test-fast: $(STAMP)
 lint: $(STAMP)
 	$(PY) -m ruff check splitserve tests benchmarks
 	$(PY) -m mypy
+
+# The documentation site (mkdocs.yml): strict, so a broken link or a page left out of the nav fails
+# (never with -q: mkdocs then drops the warnings before strict mode counts them).
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict -d site
 
 clean:
 	rm -rf $(VENV) .splitserve demo-results
