@@ -386,7 +386,7 @@ def metrics_markdown() -> str:
         "router's buckets (latency 1 ms to 60 s; bytes 1 KiB to 4 GiB; GB/s 0.01 to 32). "
         "How to read them, and what an operator watches: [Metrics](../operations/metrics.md).",
         "",
-        "## The router (`GET /metrics` on the router)",
+        "## The router (`GET /metrics` on the router, no authentication)",
         "",
         "The per-worker families carry the labels `role` (`prefill`, `decode`, `colocated`), "
         "`url` and `node` (the Ray node id where the launcher named one, else empty).",
