@@ -150,8 +150,8 @@ def choose_mode(st: RouterState, body: dict[str, Any], kind: Kind) -> str:
 async def split(st: RouterState, request: Request, body: dict[str, Any], raw: bytes,
                 kind: Kind, rid: str, t: Timings, admission: Admission) -> Response:
     """P's leg (t1), then D's: one JSON answer, or one stream that starts with t1. Or, when
-    the chosen D holds all but a few of the prompt's tokens (`Flow.plan`), the request whole
-    on that D: prefill on D, counted as mode `local`."""
+    the chosen D holds all but a few of the prompt's tokens (`Flow.plan`), D's leg alone from
+    the prompt: prefill on D, counted as mode `local`, resumed on another D like any D leg."""
     prompt = (render_chat(st.tokenizer, body) if kind == "chat"
               else completion_prompt(st.tokenizer, body, st.prompt_chars_limit))
     legs = plan_legs(body, kind, prompt)
@@ -160,21 +160,24 @@ async def split(st: RouterState, request: Request, body: dict[str, Any], raw: by
         admission.mode = t.mode = "local"
         t.cached = {"d_cached": plan.local_reused}
         st.flow.count_local(plan)
-        return await whole(st, request, body, raw, kind, rid, t, admission, plan.decode)
-    pre = await cancellable(request, st.flow.prefill(legs, rid, t, plan))
+        pre = st.flow.local(plan)
+    else:
+        pre = await cancellable(request, st.flow.prefill(legs, rid, t, plan))
     joiner = Joiner(legs, rid, st.model["id"])
     joiner.text_stream = text_stream(st.tokenizer, pre.prompt_ids, body)
-    start = joiner.start(pre.prompt_ids, pre.fingerprint)
-    first = joiner.tokens(pre.t1_text, pre.t1_ids, pre.finish_reason, pre.stop_reason)
+    head = joiner.start(pre.prompt_ids, pre.fingerprint)
+    if not plan.local:
+        head.append(joiner.tokens(pre.t1_text, pre.t1_ids, pre.finish_reason, pre.stop_reason))
     if not legs.stream:
         try:
-            t.first_sent = time.monotonic()
+            t.first_sent = None if plan.local else time.monotonic()
             if pre.decode is not None:
                 await cancellable(request, drain(st.flow.decode(legs, rid, pre, joiner, t)))
         finally:
             st.flow.release(pre)
         await st.flow.transfer_record(t)
         t.end = time.monotonic()
+        t.first_sent = t.first_sent or t.end
         return JSONResponse(joiner.response(), headers={
             "X-Request-Id": rid, TIMINGS_HEADER: json.dumps(t.as_dict())})
 
@@ -182,23 +185,30 @@ async def split(st: RouterState, request: Request, body: dict[str, Any], raw: by
         st.flow.release(pre)
         admission.close(admission.outcome, t)
 
-    head = b"".join(sse(ev) for ev in (*start, first))
-    return GuardedStream(split_events(st, legs, rid, pre, joiner, t, head, admission), cleanup,
-                         media_type="text/event-stream", headers={"X-Request-Id": rid})
+    return GuardedStream(
+        split_events(st, legs, rid, pre, joiner, t, b"".join(sse(ev) for ev in head),
+                     admission, first_from_d=plan.local),
+        cleanup, media_type="text/event-stream", headers={"X-Request-Id": rid})
 
 
 async def split_events(st: RouterState, legs: Legs, rid: str, pre: Prefilled, joiner: Joiner,
-                       t: Timings, head: bytes, admission: Admission) -> AsyncIterator[bytes]:
-    """The client's stream: t1 at once, D's tokens as they come, usage, timings, `[DONE]`; an
-    OpenAI error event when D cannot finish."""
+                       t: Timings, head: bytes, admission: Admission, first_from_d: bool = False
+                       ) -> AsyncIterator[bytes]:
+    """The client's stream: t1 at once (`first_from_d`: no t1, the first token is D's), D's
+    tokens as they come, usage, timings, `[DONE]`; an OpenAI error event when D cannot
+    finish."""
     try:
-        t.first_sent = time.monotonic()
-        yield head
+        if not first_from_d:
+            t.first_sent = time.monotonic()
+        if head:
+            yield head
         if pre.decode is not None:
             if joiner.text_stream is not None:  # at D's leg's first wait, not before it
                 asyncio.get_running_loop().call_soon(joiner.text_stream.prime)
             async for chunk in st.flow.decode(legs, rid, pre, joiner, t):
-                if t.t2_sent is None:
+                if t.first_sent is None:
+                    t.first_sent = time.monotonic()
+                elif t.t2_sent is None and not first_from_d:
                     t.t2_sent = time.monotonic()
                 yield sse(chunk)
         for ev in joiner.end():
@@ -218,21 +228,16 @@ async def split_events(st: RouterState, legs: Legs, rid: str, pre: Prefilled, jo
 
 # --- the whole request on one worker ------------------------------------------------------
 async def whole(st: RouterState, request: Request, body: dict[str, Any], raw: bytes, kind: Kind,
-                rid: str, t: Timings, admission: Admission, first: Worker | None = None
-                ) -> Response:
-    """The request unchanged (its very bytes) on one worker (`first`, when given and in
-    rotation, for its first attempt)."""
+                rid: str, t: Timings, admission: Admission) -> Response:
+    """The request unchanged (its very bytes) on one worker."""
     path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
     headers = {"X-Request-Id": rid}
     if not body.get("stream"):
         status, content, ctype = await cancellable(
-            request, st.whole.complete(path, raw, rid, t, first))
+            request, st.whole.complete(path, raw, rid, t))
         t.first_sent = time.monotonic()
-        if first is not None:  # prefill on D: say so, as the split path does
-            t.end = t.first_sent
-            headers[TIMINGS_HEADER] = json.dumps(t.as_dict())
         return Response(content, status, headers=headers, media_type=ctype)
-    r, w = await cancellable(request, st.whole.open(path, raw, rid, t, first))
+    r, w = await cancellable(request, st.whole.open(path, raw, rid, t))
     if r.status != 200:
         try:
             content = await r.read()

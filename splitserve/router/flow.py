@@ -15,8 +15,9 @@ worker, the request unchanged) is `whole.Passthrough`.
 
 Cache (`plan`): with the router's cache view (`cacheview.CacheView`), the policies see each
 synced worker's cached prefix of the prompt (`RouteRequest.cached`); D is chosen first, and
-when it holds all but at most `local_prefill_max_tokens` of the prompt the request runs whole
-on it (prefill on D: the caller's `whole` path). Otherwise P's leg counts only the tokens P
+when it holds all but at most `local_prefill_max_tokens` of the prompt the request is D's leg
+alone, from the prompt (prefill on D: `local`; no P leg, no transfer; resumed on another D like
+any D leg). Otherwise P's leg counts only the tokens P
 still computes as queued there, and the leg protocol is told D's cached prefix (`d_cached`).
 """
 
@@ -158,6 +159,16 @@ class Flow:
         self.metrics.local_prefill_tokens.labels(url).inc(
             plan.request.prompt_len - plan.local_reused)
         self.metrics.cached_predicted.labels(Pool.DECODE.value, url).inc(plan.local_reused)
+
+    def local(self, plan: Plan) -> Prefilled:
+        """Prefill on D: the request as a decode leg on `plan.decode` from its prompt alone (no
+        P leg, no t1, no transfer), so that a broken stream resumes on another D exactly as a
+        split one does. Takes the leg's reservation on D, as `prefill` does."""
+        assert plan.local and plan.request.token_ids is not None
+        plan.decode.acquire()
+        return Prefilled(prompt_ids=list(plan.request.token_ids), t1_text="", t1_ids=[],
+                         finish_reason=None, stop_reason=None, fingerprint=None,
+                         decode=plan.decode, transfer=None)
 
     def _p_reused(self, p: Worker, request: RouteRequest) -> int:
         """The prompt tokens P's engine is predicted to reuse from its cache."""

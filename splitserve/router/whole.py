@@ -1,7 +1,6 @@
 """The unsplit path: one worker runs the request unchanged — its very bytes — and its answer is
-relayed as is. Used by colocated pools, for requests whose parameters the seeded two-leg flow
-cannot honour, and for prefill on D (`first`: the D that holds all but a few of the prompt's
-tokens, tried first): the hot path of a colocated deployment.
+relayed as is. Used by colocated pools and for requests whose parameters the seeded two-leg flow
+cannot honour: the hot path of a colocated deployment.
 
 Retries (`--whole-retries`) go to another worker before the first byte only; closing a response
 mid-stream aborts the request in vLLM.
@@ -55,27 +54,25 @@ class Passthrough:
                 return self.picker.colocated(pool)
         return self.picker.colocated([])
 
-    async def complete(self, path: str, raw: bytes, rid: str, t: Timings,
-                       first: Worker | None = None) -> tuple[int, bytes, str | None]:
+    async def complete(self, path: str, raw: bytes, rid: str, t: Timings
+                       ) -> tuple[int, bytes, str | None]:
         """A non-streaming request: (status, body, content type)."""
-        r, w = await self.open(path, raw, rid, t, first)
+        r, w = await self.open(path, raw, rid, t)
         try:
             return r.status, await r.read(), r.headers.get("Content-Type")
         finally:
             r.release()
             w.release()
 
-    async def open(self, path: str, raw: bytes, rid: str, t: Timings,
-                   first: Worker | None = None) -> tuple[aiohttp.ClientResponse, Worker]:
-        """Open the request on one worker (`first` for the first attempt while it is in
-        rotation; retries as `pick` chooses). The caller reads `r`, then releases (read to
-        the end) or closes it (abort), and releases `w`."""
+    async def open(self, path: str, raw: bytes, rid: str, t: Timings
+                   ) -> tuple[aiohttp.ClientResponse, Worker]:
+        """Open the request on one worker (retries as `pick` chooses). The caller reads `r`,
+        then releases (read to the end) or closes it (abort), and releases `w`."""
         retry = Retry(self.cfg, self.metrics, self.registry, "whole", self.cfg.whole_retries,
                       t, rid)
         for attempt in retry:
             await retry.begin(attempt)
-            w = first if attempt == 0 and first is not None and first.routable else self.pick(
-                retry.tried)
+            w = self.pick(retry.tried)
             t.decode_url = w.url
             w.acquire()
             try:

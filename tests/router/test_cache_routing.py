@@ -1,7 +1,7 @@
 """Routing by cost: the `cache` policy's choices (pure), and the router's use of the cache view
 (`Flow.plan`: prefill on D and its threshold; P's leg: D's cached prefix told to the leg
 protocol, P's queue counting only what P computes, predicted against reported cached tokens;
-the unsplit path trying the chosen D first)."""
+prefill on D as a D leg from the prompt, resumed on another D when its D breaks)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ from splitserve.common.vocab import Connector, Pool
 from splitserve.common.wire import WorkerLoad
 from splitserve.router.cacheview import CacheView
 from splitserve.router.config import RouterConfig
-from splitserve.router.flow import Flow
+from splitserve.router.flow import Flow, Plan
+from splitserve.router.formats import Joiner
 from splitserve.router.http import new_session
 from splitserve.router.legs import LegProtocol, LegProtocols, Transfer
 from splitserve.router.metrics import RouterMetrics
@@ -27,11 +28,19 @@ from splitserve.router.params import plan_legs
 from splitserve.router.policy import Picker
 from splitserve.router.registry import Registry
 from splitserve.router.timings import Timings
-from splitserve.router.whole import Passthrough
 from splitserve.router.worker import Staging, Worker
 from splitserve.routing import CacheWeights, RouteRequest, make_policy
 from tests.support.scripted import FAST_FOLLOW as FAST
-from tests.support.scripted import PREFILL_OK, ScriptedCache, identify, until, workers
+from tests.support.scripted import (
+    PREFILL_OK,
+    ScriptedCache,
+    chunk,
+    identify,
+    make_flow,
+    sse_reply,
+    until,
+    workers,
+)
 
 PROMPT = list(range(1000, 1030))  # 7 blocks of 4 tokens and 2 more
 
@@ -292,24 +301,33 @@ async def test_unsynced_picks_are_counted() -> None:
         assert r.sample("splitserve_router_kv_unsynced_picks_total", pool="decode") == 0
 
 
-async def test_the_unsplit_path_tries_the_chosen_d_first() -> None:
-    async def handler(name: str, request: web.Request) -> web.StreamResponse:
-        return web.json_response({"who": name})
+async def test_prefill_on_d_is_a_d_leg_from_the_prompt_and_resumes_on_another_d() -> None:
+    seen: list[tuple[str, dict[str, Any]]] = []
 
-    async with workers(handler, ("c0", "d0", "d1")) as urls:
-        cfg = RouterConfig(prefill=("http://p:1",), decode=(urls["d0"], urls["d1"]),
-                           colocated=(urls["c0"],), retry_backoff_s=0.0)
-        session = new_session(cfg, None)
-        try:
-            reg = Registry(cfg)
-            for worker in reg.all():
-                worker.health.healthy = True
-            whole = Passthrough(cfg, reg, Picker(), RouterMetrics(), session)
-            (d1,) = reg.find(urls["d1"])
-            status, body, _ = await whole.complete("/v1/completions", b"{}", "rid", Timings(),
-                                                   first=d1)
-            assert json.loads(body) == {"who": "d1"}
-            _, body, _ = await whole.complete("/v1/completions", b"{}", "rid", Timings())
-            assert json.loads(body) == {"who": "c0"}  # otherwise: colocated first, as before
-        finally:
-            await session.close()
+    async def handler(name: str, req: web.Request) -> web.StreamResponse:
+        seen.append((name, await req.json()))
+        if name == "d1":  # the D that held the prompt breaks after two tokens
+            return await sse_reply(req, [chunk("a", 10), chunk("b", 11)], cut=True)
+        return await sse_reply(req, [chunk("c", 12), chunk("d", 13, "length")])
+
+    async with workers(handler, ("p0", "d0", "d1")) as urls, make_flow(urls) as (flow, _):
+        legs = plan_legs({"model": "m", "prompt": PROMPT, "max_tokens": 4, "stream": True},
+                         "completion", PROMPT)
+        (d1,) = flow.registry.find(urls["d1"])
+        plan = Plan(RouteRequest.of_ids(PROMPT), d1, 28, local=True, local_reused=28)
+        pre = flow.local(plan)
+        assert (pre.prompt_ids, pre.t1_ids, pre.transfer) == (PROMPT, [], None)
+        assert d1.inflight == 1  # the leg's reservation, as a P leg takes it
+        joiner = Joiner(legs, "rid", "m")
+        joiner.start(pre.prompt_ids, pre.fingerprint)
+        t = Timings()
+        out = [c async for c in flow.decode(legs, "rid", pre, joiner, t)]
+    assert "".join(c["choices"][0]["text"] for c in out) == "abcd"
+    assert out[0]["choices"][0]["prompt_token_ids"] is None  # return_token_ids not asked
+    assert joiner.produced == [10, 11, 12, 13] and joiner.finish_reason == "length"
+    (first, body), (again, resumed) = seen
+    assert (first, again) == ("d1", "d0")
+    assert body["prompt"] == PROMPT and body["max_tokens"] == 4  # the whole budget on D
+    assert "kv_transfer_params" not in body
+    assert resumed["prompt"] == PROMPT + [10, 11] and resumed["max_tokens"] == 2
+    assert t.retries == 1 and all(w.inflight == 0 for w in flow.registry.all())
