@@ -92,6 +92,11 @@ def add_admin_routes(app: FastAPI, state: Callable[[Request], Any],
         return JSONResponse({"workers": [st.describe(w) | {"removed": True} for w in removed]})
 
 
+
+def add_peer_routes(app: FastAPI, state: Callable[[Request], Any],
+                    authorized: Callable[[Request, str | None], bool]) -> None:
+    """This router's open legs for its peers, and the peer list (`router.peers`)."""
+
     @app.get(LOAD_ROUTE)
     async def router_load(request: Request) -> JSONResponse:
         """This router's open legs per worker, for its peers (`router.peers`)."""

@@ -15,7 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.types import ASGIApp
 
 from splitserve.common.vocab import Pool
-from splitserve.router.admin import add_admin_routes
+from splitserve.router.admin import add_admin_routes, add_peer_routes
 from splitserve.router.config import RouterConfig
 from splitserve.router.endpoints import authorized, chat_completions, completions, state
 from splitserve.router.hotpath import HotRoutes
@@ -44,6 +44,7 @@ def create_app(cfg: RouterConfig, token: str | None, api_key: str | None = None,
     app.add_api_route("/metrics", metrics, methods=["GET"])
     app.add_api_route("/workers", workers, methods=["GET"])
     add_admin_routes(app, state, authorized)
+    add_peer_routes(app, state, authorized)
     hot = HotRoutes(app, {"/v1/completions": completions,
                           "/v1/chat/completions": chat_completions})
     return BodyLimit(hot, max_bytes=cfg.max_body_bytes, timeout_s=cfg.body_timeout_s)

@@ -271,6 +271,16 @@ def test_two_routers_over_one_pool_hit_as_often_as_one(
         assert one > 0.3  # the stream does repeat itself, and cache routing finds it
         assert abs(two - one) <= 0.02
         assert [p["url"] for p in workers_view(other)["peers"]] == [cache_router.url]
+        # the peers' routes are the deployment's: the token, and a well-formed list
+        load = f"{other.url}/splitserve/router/load"
+        assert httpx.get(load, timeout=5).status_code == 401
+        legs = httpx.get(load, headers=auth_headers(), timeout=5).json()["workers"]
+        assert {w["url"] for w in legs} == {p1.url, proxied_p2.url, d.url}
+        bad = httpx.put(f"{other.url}/admin/peers", json={"peers": ["no-scheme:1"]},
+                        headers=auth_headers(), timeout=5)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "peers"
+        assert httpx.put(f"{other.url}/admin/peers", json={"peers": []},
+                         timeout=5).status_code == 401
     finally:
         other.stop()
 
