@@ -95,8 +95,9 @@ def test_concurrent_requests_use_both_pools_and_match_transformers(
 # --- the D that held a conversation dies --------------------------------------------------
 BLOCK = 128  # vLLM-CPU's block size
 TURN1_PROMPT, TURN1_TOKENS = 200, 100  # D computes 299 tokens: 2 full blocks, 56 of its own
-TURN2_TOKENS = 500  # long enough to kill D mid-stream on a slow machine
+TURN2_TOKENS = 1200  # ~1 s of D here: a wide margin to kill D mid-stream (prompt + it < 2048)
 SPLIT_USER, LOCAL_USER = 200, 40  # new user tokens: 244 uncached (> 128: split), 84 (local)
+SPLIT_RID, LOCAL_RID = "conv-split-turn2", "conv-local-turn2"  # the follow-ups' request ids
 
 
 def prompt_of(length: int, seed: int) -> list[int]:
@@ -147,19 +148,20 @@ class Streamed:
     failure: BaseException | None = None  # the client's own (connection lost, bad status)
     thread: threading.Thread | None = None
 
-    def start(self, router: Router, model: str, prompt: list[int], max_tokens: int
+    def start(self, router: Router, model: str, prompt: list[int], max_tokens: int, rid: str
               ) -> Streamed:
-        self.thread = threading.Thread(target=self._read,
-                                       args=(router, model, prompt, max_tokens), daemon=True)
+        self.thread = threading.Thread(target=self._read, daemon=True,
+                                       args=(router, model, prompt, max_tokens, rid))
         self.thread.start()
         return self
 
-    def _read(self, router: Router, model: str, prompt: list[int], max_tokens: int) -> None:
+    def _read(self, router: Router, model: str, prompt: list[int], max_tokens: int, rid: str
+              ) -> None:
         body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
                 "ignore_eos": True, "return_token_ids": True, "stream": True}
         try:
             with httpx.stream("POST", f"{router.url}/v1/completions", json=body,
-                              timeout=300) as r:
+                              headers={"X-Request-Id": rid}, timeout=300) as r:
                 assert r.status_code == 200, r.read()
                 for line in r.iter_lines():
                     if line.startswith(": splitserve-timings "):
@@ -232,8 +234,8 @@ def d2_died_mid_conversations(pools: tuple[list[Worker], list[Worker]], llama_ck
         prompts = {"split": history["split"] + prompt_of(SPLIT_USER, 1103),
                    "local": history["local"] + prompt_of(LOCAL_USER, 1104)}
         wants = {k: hf_greedy(llama_ckpt, p, TURN2_TOKENS) for k, p in prompts.items()}
-        split = Streamed().start(router, model, prompts["split"], TURN2_TOKENS)
-        local = Streamed().start(router, model, prompts["local"], TURN2_TOKENS)
+        split = Streamed().start(router, model, prompts["split"], TURN2_TOKENS, SPLIT_RID)
+        local = Streamed().start(router, model, prompts["local"], TURN2_TOKENS, LOCAL_RID)
         # Kill D2 once both streams have tokens of D2's (a split stream's first token is P's)
         # and both legs are open there, none on D1.
         deadline = time.monotonic() + 180
@@ -254,9 +256,8 @@ def d2_died_mid_conversations(pools: tuple[list[Worker], list[Worker]], llama_ck
               f"client failure {split.failure!r}, timings {split.timings}; "
               f"local: {len(local.ids)} in all, errors {local.errors}, "
               f"client failure {local.failure!r}")
-        # what the tests rely on (checked here: the xfail test must not hide a broken setup):
-        # both were mid-stream on D2, the local one ran whole on D2, and what each streamed
-        # before the kill was exact
+        # what both tests rely on: both were mid-stream on D2, the local one was prefilled on
+        # D2, and what each streamed before the kill was exact
         assert all(4 <= n < TURN2_TOKENS for n in at_kill.values()), at_kill
         assert router_metric(router, "splitserve_router_local_prefills_total",
                              url=d2.url) == 1
@@ -285,20 +286,24 @@ def test_the_d_holding_a_conversation_dies_and_the_stream_resumes_on_the_other_d
     # answer; P sent only the rest; then resumed once, on D1
     assert t["mode"] == "split" and t["d_cached"] == 2 * BLOCK, t
     assert t["retries"] == 1 and t["decode"] == d1.url, t
-    assert f"decode leg on {d2.url} failed" in res.log
-    assert router_metric(res.router, "splitserve_router_retries_total", leg="decode") == 1
-    assert router_metric(res.router, "splitserve_router_failures_total", leg="decode") >= 1
+    assert f"request {SPLIT_RID}: decode leg on {d2.url} failed" in res.log
+    assert router_metric(res.router, "splitserve_router_retries_total", leg="decode") >= 1
     assert d2.proc.poll() is not None and d1.proc.poll() is None
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "product bug: a request prefilled on its D (mode `local`) runs on the unsplit path "
-    "(endpoints.whole -> whole.Passthrough), which retries only before the first byte; when "
-    "that D dies mid-stream the client gets an UpstreamError event instead of a resumption "
-    "on another D (Flow.decode resumes split requests only)"))
 def test_a_conversation_prefilled_on_the_d_that_dies_resumes_on_the_other_d_exactly(
-        d2_died_mid_conversations: Resumption) -> None:
-    """The same, for the follow-up turn that D2 prefilled itself (all but 84 tokens cached)."""
-    s = d2_died_mid_conversations.local
+        d2_died_mid_conversations: Resumption, pools: tuple[list[Worker], list[Worker]]
+        ) -> None:
+    """The same, for the follow-up turn that D2 prefilled itself (all but 84 tokens cached):
+    prefill on D is D's leg alone, and resumes as any D leg does (it ran on the unsplit path,
+    which retries only before the first byte, until be33e7b)."""
+    res = d2_died_mid_conversations
+    d1, d2 = pools[1]
+    s = res.local
     assert s.failure is None and s.errors == [] and s.done, (s.failure, s.errors)
-    assert s.ids == d2_died_mid_conversations.wants["local"]
+    assert s.ids == res.wants["local"]
+    # resumed on D1 as a split request's D leg is, and said so
+    assert f"request {LOCAL_RID}: decode leg on {d2.url} failed" in res.log
+    t = s.timings
+    assert t is not None and t["mode"] == "local" and t["d_cached"] == 2 * BLOCK, t
+    assert t["retries"] == 1 and t["decode"] == d1.url, t
