@@ -306,7 +306,7 @@ class Flow:
             start = DecodeStart(None) if tr is None else tr.via.decode_start(tr, joiner.produced)
             body = decode_body(legs, self.model, pre.prompt_ids, joiner.produced,
                                start.kv_transfer_params, start.replayed)
-            t.d_sent = time.monotonic()
+            t.d_sent, t.d_first = time.monotonic(), None  # d_queue_s: this attempt's
             r: aiohttp.ClientResponse | None = None
             complete = False  # read to the end: the connection may be reused
             try:

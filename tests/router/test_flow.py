@@ -57,6 +57,7 @@ async def test_prefill_retries_elsewhere_and_decode_resumes_without_loss() -> No
     assert resumed["prompt"] == [1, 2, 3, 10, 11, 12] and resumed["max_tokens"] == 2
     assert "kv_transfer_params" not in resumed  # recomputed on the new D: no foreign KV read
     assert t.retries == 2
+    assert t.as_dict()["d_queue_s"] >= 0  # the resumed leg's own queue, not across attempts
     assert all(w.inflight == 0 for w in flow.registry.workers.values())  # nothing left open
     assert metrics.failures.labels("prefill", "http_503")._value.get() == 1
     assert metrics.failures.labels("decode", "ClientPayloadError")._value.get() == 1
