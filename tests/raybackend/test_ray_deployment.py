@@ -6,7 +6,7 @@ line; every TCP connection of the cluster's processes (`ss -tnp`) is on loopback
 And 1P+1D over vLLM's NixlConnector on the same cluster (a second deployment, on the P slot and
 the D node the first leaves free, stopped before the scaling test needs them), behind two router
 replicas that know each other as peers: D pulls P's blocks across the Ray nodes over NIXL,
-token-exact through either router."""
+token-exact through either router, each following both workers' cache reports."""
 
 from __future__ import annotations
 
@@ -82,7 +82,10 @@ def test_1p1d_over_nixl_across_ray_nodes_matches_transformers(
     from splitserve.launch.raybackend.deployment import RayDeployment
 
     mapping = ray_mapping(llama_ckpt, ray_cluster.cluster.address)
-    mapping |= {"connector": "nixl", "port": free_port(count=2), "routers": 2}
+    # cache-aware, as deployed by default: each router follows both workers' cache reports
+    mapping |= {"connector": "nixl", "port": free_port(count=2), "routers": 2,
+                "kv_events": True}
+    del mapping["router"]
     mapping["ray"] = {k: v for k, v in mapping["ray"].items() if not k.endswith("_max")}
     mapping["ray"]["name"] = "nixl"
     dep = RayDeployment(from_mapping(mapping), say=lambda line: print(line, flush=True))
@@ -95,9 +98,12 @@ def test_1p1d_over_nixl_across_ray_nodes_matches_transformers(
         assert len(dep.urls) == 2
         deadline = time.monotonic() + 10  # each router host sets its peers in its next round
         for front, peer in (dep.urls, dep.urls[::-1]):
-            while [p["url"] for p in httpx.get(f"{front}/workers", timeout=10).json()["peers"]
-                   ] != [peer]:
-                assert time.monotonic() < deadline
+            while True:
+                view = httpx.get(f"{front}/workers", timeout=10).json()
+                if [p["url"] for p in view["peers"]] == [peer] and all(
+                        (w["cache"] or {}).get("synced") for w in view["workers"]):
+                    break
+                assert time.monotonic() < deadline, view
                 time.sleep(0.2)
         d_metrics = f"{placed['decode']['url']}/metrics"
 
