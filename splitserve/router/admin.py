@@ -20,13 +20,17 @@ from splitserve.router.formats import error_body
 from splitserve.router.peers import LOAD_ROUTE, RouterLoad
 
 
+def needs_token(what: str) -> JSONResponse:
+    """The 401 answer of a route that takes only the deployment token."""
+    return JSONResponse(error_body(f"{what} needs the deployment token", "AuthenticationError",
+                                   None, 401), 401)
+
+
 def add_admin_routes(app: FastAPI, state: Callable[[Request], Any],
                      authorized: Callable[[Request, str | None], bool]) -> None:
     async def admin_body(request: Request) -> dict[str, Any] | JSONResponse:
-        st = state(request)
-        if not authorized(request, st.token):
-            return JSONResponse(error_body("the admin endpoint needs the deployment token",
-                                           "AuthenticationError", None, 401), 401)
+        if not authorized(request, state(request).token):
+            return needs_token("the admin endpoint")
         try:
             body = json.loads(await request.body())
             if not isinstance(body, dict) or not isinstance(body.get("url"), str):
@@ -102,8 +106,7 @@ def add_peer_routes(app: FastAPI, state: Callable[[Request], Any],
         """This router's open legs per worker, for its peers (`router.peers`)."""
         st = state(request)
         if not authorized(request, st.token):
-            return JSONResponse(error_body("the router's load needs the deployment token",
-                                           "AuthenticationError", None, 401), 401)
+            return needs_token("the router's load")
         return JSONResponse(RouterLoad.of(st.registry.all()).to_json())
 
     @app.put("/admin/peers")
@@ -111,8 +114,7 @@ def add_peer_routes(app: FastAPI, state: Callable[[Request], Any],
         """`{"peers": [URL, ...]}`: the other routers over these workers, from now on."""
         st = state(request)
         if not authorized(request, st.token):
-            return JSONResponse(error_body("the admin endpoint needs the deployment token",
-                                           "AuthenticationError", None, 401), 401)
+            return needs_token("the admin endpoint")
         try:
             body = json.loads(await request.body())
             urls = body.get("peers") if isinstance(body, dict) else None
