@@ -69,8 +69,11 @@ def workloads(args: argparse.Namespace, trace: Path) -> dict[str, list[str]]:
 
 def compare_argv(args: argparse.Namespace, out: Path, options: list[str]) -> list[str]:
     cores = ",".join(map(str, args.cores))
+    # `load` is the cache-blind baseline: its workers report no cache, so its router neither
+    # prefills on D nor sends deltas (the router before cache-aware routing)
     deploy = [x for arm in ARMS
-              for x in ("--deploy", f"{arm}=disagg:shm:{args.shape}:{arm}")]
+              for x in ("--deploy", f"{arm}=disagg:shm:{args.shape}:{arm}"
+                        + (":blind" if arm == "load" else ""))]
     return ["splitserve", "bench", "compare", *deploy, "--deploy-cores", cores,
             "--out", str(out), "--warmup", "0", "--seed", str(args.seed), *options]
 

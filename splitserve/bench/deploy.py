@@ -20,8 +20,13 @@ Arm spec (`parse_arm`), for `bench compare --deploy`:
         <P>p<D>d                     shape: P prefill and D decode workers (default 1p1d)
         POLICY | PPOLICY/DPOLICY     router policy for both pools, or prefill/decode
                                      (default: the router's default, cache)
+        blind                        the workers do not report their caches: the router
+                                     knows nothing cached, so it never prefills on D nor
+                                     sends a delta (the cache-blind baseline; default: they do)
 
-e.g. `cache=disagg:shm:2p2d:cache`, `load=disagg:2p2d:load`, `mixed=disagg:tcp:cache/load`.
+e.g. `cache=disagg:shm:2p2d:cache`, `load=disagg:2p2d:load:blind`, `mixed=disagg:tcp:cache/load`.
+A `load` arm without `blind` still uses what the index knows: prefill on D and delta transfers
+act under any policy.
 
 `deployment(model, arm, log_dir)` (`model`: a resolved `hub.ModelSource`) is a context manager
 yielding an `Endpoint` (URL + run-sheet notes); every process it started is stopped on exit.
@@ -48,7 +53,7 @@ ARM_KINDS: tuple[str, ...] = ("colocated", "disagg")
 KV_PATHS: tuple[str, ...] = (*TRANSPORTS, "nixl")
 ARM_GRAMMAR = ("NAME=colocated[:TOKEN_BUDGET] or NAME=disagg[:FIELD...] with FIELDs (each at "
                "most once, any order): shm|tcp|nixl, <P>p<D>d (e.g. 2p2d), POLICY or "
-               "PREFILL_POLICY/DECODE_POLICY")
+               "PREFILL_POLICY/DECODE_POLICY, blind")
 _SHAPE = re.compile(r"^([0-9]+)p([0-9]+)d$")
 # what every started disaggregated arm passes to vLLM: the engine's cached-token count in usage
 DISAGG_WORKER_ARGS: tuple[str, ...] = ("--enable-prompt-tokens-details",)
@@ -68,6 +73,7 @@ class Arm:
     decode: int = 1  # disagg only: decode workers
     prefill_policy: str = DEFAULT_POLICY  # disagg only: the router's policies
     decode_policy: str = DEFAULT_POLICY
+    kv_events: bool = True  # disagg only: the workers report their caches (False: `blind`)
 
     def __post_init__(self) -> None:
         if self.kind not in ARM_KINDS:
@@ -114,6 +120,7 @@ class Arm:
                 "chunked_prefill": False, "router": True,
                 "prefill_policy": self.prefill_policy, "decode_policy": self.decode_policy,
                 "local_prefill_max_tokens": LOCAL_PREFILL_MAX_TOKENS,
+                "kv_events": self.kv_events,
                 "worker_args": list(DISAGG_WORKER_ARGS)}
 
 
@@ -139,6 +146,8 @@ def parse_arm(text: str, cores: tuple[int, ...]) -> Arm:
     for part in rest.split(":") if rest else []:
         if part in KV_PATHS:
             put("kv path", part, part)
+        elif part == "blind":
+            put("blind", True, part)
         elif m := _SHAPE.match(part):
             put("shape", (int(m.group(1)), int(m.group(2))), part)
         elif part.partition("/")[0] in PREFILL_POLICIES:
@@ -149,15 +158,16 @@ def parse_arm(text: str, cores: tuple[int, ...]) -> Arm:
             put("policy", (pre, dec if slash else pre), part)
         else:
             raise ValueError(f"{text!r}: {part!r} is neither a KV path {KV_PATHS}, a shape "
-                             f"(<P>p<D>d, e.g. 2p2d) nor a policy {PREFILL_POLICIES} "
-                             f"(or PREFILL/DECODE); expected {ARM_GRAMMAR}")
+                             f"(<P>p<D>d, e.g. 2p2d), a policy {PREFILL_POLICIES} "
+                             f"(or PREFILL/DECODE) nor `blind`; expected {ARM_GRAMMAR}")
     path = fields.get("kv path", "shm")
     prefill, decode = fields.get("shape", (1, 1))
     p_policy, d_policy = fields.get("policy", (DEFAULT_POLICY, DEFAULT_POLICY))
     nixl = path == "nixl"
     return Arm(name, kind, cores, transport="shm" if nixl else path,
                connector="nixl" if nixl else "splitserve", prefill=prefill, decode=decode,
-               prefill_policy=p_policy, decode_policy=d_policy)
+               prefill_policy=p_policy, decode_policy=d_policy,
+               kv_events=not fields.get("blind", False))
 
 
 @dataclass(frozen=True)
@@ -203,7 +213,7 @@ def disagg_deployment(model: ModelSource, arm: Arm, log_dir: Path) -> Iterator[E
                            connector=arm.connector, port=free_port(), cpus=arm.cores,
                            log_dir=str(log_dir / arm.name), startup_timeout_s=240.0,
                            prefill_policy=arm.prefill_policy, decode_policy=arm.decode_policy,
-                           worker_args=DISAGG_WORKER_ARGS)
+                           worker_args=DISAGG_WORKER_ARGS, kv_events=arm.kv_events)
     with LocalDeployment(cfg, say=notes.append) as dep:
         yield Endpoint(dep.url, {"launcher": "splitserve.launch.local",
                                  "cores": dep.core_note,

@@ -186,6 +186,16 @@ class Flow:
             self.metrics.cached_predicted_reported.labels(Pool.PREFILL.value, p.url).inc(
                 predicted)
 
+    def _d_cache_report(self, d: Worker, t: Timings) -> None:
+        """Prefill on D: the engine's count of cached prompt tokens (its final usage, when it
+        reports one) against the prediction. D loaded no KV, so its count is its cache's."""
+        details = (t.d_usage or {}).get("prompt_tokens_details")
+        told = details.get("cached_tokens") if isinstance(details, dict) else None
+        if isinstance(told, int) and not isinstance(told, bool):
+            self.metrics.cached_reported.labels(Pool.DECODE.value, d.url).inc(told)
+            self.metrics.cached_predicted_reported.labels(Pool.DECODE.value, d.url).inc(
+                (t.cached or {}).get("d_cached", 0))
+
     async def prefill(self, legs: Legs, rid: str, t: Timings, plan: Plan | None = None
                       ) -> Prefilled:
         plan = plan if plan is not None else self.plan(legs)
@@ -324,6 +334,8 @@ class Flow:
                 if joiner.finish_reason is None:
                     raise LegFailed("stream_cut", "D's stream ended before a finish reason")
                 self.registry.succeeded(d)
+                if attempt == 0 and t.mode == "local":
+                    self._d_cache_report(d, t)
                 return
             except (*TRANSPORT_ERRORS, LegFailed) as exc:
                 retry.failed(d, exc)
@@ -365,6 +377,8 @@ class Flow:
                 if "error" in obj:
                     err = obj["error"]
                     raise UpstreamError(int(err.get("code") or 500), obj)
+                if obj.get("usage"):
+                    t.d_usage = obj["usage"]
                 choices = obj.get("choices")
                 if not choices:
                     continue

@@ -34,6 +34,7 @@ class Timings:
     retries: int = 0
     kv: SideRecord | None = None  # D's record of the transfer (its connector's)
     cached: dict[str, int] | None = None  # the index's prediction: p_cached, d_cached tokens
+    d_usage: dict[str, Any] | None = None  # the usage in D's stream (its last one)
     transfer: Transfer | None = field(default=None, repr=False)  # the last P attempt's
     # the transfer's record, fetched while D streams (started at its first token: by then the KV
     # is loaded), so the record costs the end of the request no round trip

@@ -81,11 +81,14 @@ def test_arm_shape_and_policy() -> None:
     assert desc["shape"] == "2P+2D" and desc["shared_cores"] is True
     assert desc["cores_per_worker"] == [1, 1, 1, 1] and "share cores" in desc["core_plan"]
     assert (desc["prefill_policy"], desc["decode_policy"]) == ("cache", "cache")
-    assert desc["local_prefill_max_tokens"] == 128
+    assert desc["local_prefill_max_tokens"] == 128 and desc["kv_events"] is True
+    blind = parse_arm("load=disagg:load:blind:2p2d", (0, 1))
+    assert blind.kv_events is False and blind.description()["kv_events"] is False
     assert parse_arm("d=disagg", (0, 1, 2)).description()["shared_cores"] is False
     for bad, says in (("d=disagg:2p2d:1p1d", "shape twice"),
                       ("d=disagg:cache:load", "policy twice"),
                       ("d=disagg:shm:tcp", "kv path twice"),
+                      ("d=disagg:blind:blind", "blind twice"),
                       ("d=disagg:cache/nope", "decode policy 'nope'"),
                       ("d=disagg:fast", "neither a KV path"),
                       ("d=disagg:0p2d", "at least one prefill"),

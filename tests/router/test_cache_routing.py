@@ -331,3 +331,25 @@ async def test_prefill_on_d_is_a_d_leg_from_the_prompt_and_resumes_on_another_d(
     assert "kv_transfer_params" not in body
     assert resumed["prompt"] == PROMPT + [10, 11] and resumed["max_tokens"] == 2
     assert t.retries == 1 and all(w.inflight == 0 for w in flow.registry.all())
+
+
+async def test_prefill_on_d_compares_the_prediction_with_the_engines_cached_count() -> None:
+    usage = {"choices": [], "usage": {"prompt_tokens": 30, "completion_tokens": 2,
+                                      "prompt_tokens_details": {"cached_tokens": 24}}}
+
+    async def handler(name: str, req: web.Request) -> web.StreamResponse:
+        return await sse_reply(req, [chunk("a", 10), chunk("b", 11, "length"),
+                                     f"data: {json.dumps(usage)}\n\n".encode()])
+
+    async with workers(handler, ("p0", "d0")) as urls, make_flow(urls) as (flow, metrics):
+        legs = plan_legs({"model": "m", "prompt": PROMPT, "max_tokens": 2, "stream": True},
+                         "completion", PROMPT)
+        (d0,) = flow.registry.find(urls["d0"])
+        pre = flow.local(Plan(RouteRequest.of_ids(PROMPT), d0, 28, local=True,
+                              local_reused=28))
+        joiner = Joiner(legs, "rid", "m")
+        joiner.start(pre.prompt_ids, pre.fingerprint)
+        t = Timings(mode="local", cached={"d_cached": 28})
+        assert [c async for c in flow.decode(legs, "rid", pre, joiner, t)]
+    assert metrics.cached_reported.labels("decode", urls["d0"])._value.get() == 24
+    assert metrics.cached_predicted_reported.labels("decode", urls["d0"])._value.get() == 28
