@@ -35,6 +35,7 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, object]:
         "unsplittable": args.unsplittable, "prefill_policy": args.prefill_policy,
         "decode_policy": args.decode_policy,
         "local_prefill_max_tokens": args.local_prefill_max_tokens,
+        "prefill_hit_weight": args.prefill_hit_weight, "decode_hit_weight": args.decode_hit_weight,
         "worker_args": tuple(args.vllm_args) or None, "kv_tls_cert": args.kv_tls_cert,
         "kv_tls_key": args.kv_tls_key, "kv_tls_ca": args.kv_tls_ca,
         "backend": "ray" if args.ray is not None else None,
@@ -163,6 +164,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--local-prefill-max-tokens", type=int, default=None, metavar="N",
                    help="prefill on D when the chosen D holds all but at most N prompt "
                         "tokens (default 128; 0: never)")
+    p.add_argument("--prefill-hit-weight", type=float, default=None, metavar="W",
+                   help="cache policy, P: a cached prompt token counts as W tokens not to "
+                        "compute (default 1)")
+    p.add_argument("--decode-hit-weight", type=float, default=None, metavar="W",
+                   help="cache policy, D: a whole prompt cached is worth W of load's score "
+                        "(default 1)")
     p.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
                    help="run on Ray: the cluster at ADDRESS (host:port of its GCS), or a local "
                         "one started for the deployment when ADDRESS is omitted")

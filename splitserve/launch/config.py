@@ -36,11 +36,11 @@ from splitserve.router.config import (
     PREFILL_POLICIES,
     UNSPLITTABLE_MODES,
 )
-from splitserve.routing import DEFAULT_POLICY
+from splitserve.routing import DEFAULT_POLICY, CacheWeights
 from splitserve.secretflags import check_passthrough
 
 ROUTER_KEYS = ("prefill_policy", "decode_policy", "unsplittable", "max_inflight",
-               "local_prefill_max_tokens")
+               "local_prefill_max_tokens", "prefill_hit_weight", "decode_hit_weight")
 BACKENDS = ("local", "ray")
 
 
@@ -72,6 +72,8 @@ class DeploymentConfig:
     prefill_policy: str = DEFAULT_POLICY
     decode_policy: str = DEFAULT_POLICY
     local_prefill_max_tokens: int = LOCAL_PREFILL_MAX_TOKENS  # prefill on D (0: off)
+    prefill_hit_weight: float = 1.0  # `cache`'s weights (`routing.CacheWeights`)
+    decode_hit_weight: float = 1.0
     unsplittable: str = "whole"
     max_inflight: int = 4096
     kv_tls_cert: str | None = None  # TLS on the KV channel: shared by every P and D worker
@@ -123,6 +125,7 @@ class DeploymentConfig:
             raise ValueError(f"unsplittable must be one of {UNSPLITTABLE_MODES}")
         if self.local_prefill_max_tokens < 0:
             raise ValueError("local_prefill_max_tokens must not be negative (0 turns it off)")
+        CacheWeights(self.prefill_hit_weight, self.decode_hit_weight)  # validates them
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError("max_model_len must be positive (omit it for the model's own)")
         if self.model == "embedded":

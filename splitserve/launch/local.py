@@ -44,6 +44,8 @@ def router_argv(cfg: DeploymentConfig, model_dir: str, host: str,
             "--port", str(cfg.port if port is None else port), "--model", model_dir,
             "--prefill-policy", cfg.prefill_policy, "--decode-policy", cfg.decode_policy,
             "--local-prefill-max-tokens", str(cfg.local_prefill_max_tokens),
+            "--prefill-hit-weight", str(cfg.prefill_hit_weight),
+            "--decode-hit-weight", str(cfg.decode_hit_weight),
             "--unsplittable", cfg.unsplittable, "--max-inflight", str(cfg.max_inflight),
             "--log-level", "warning", *extra]
     for kind in values(Pool):
