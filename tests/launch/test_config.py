@@ -123,6 +123,7 @@ def test_cache_routing_is_the_default_and_reaches_the_router(tmp_path: Path) -> 
     rcfg = router_config(p.parse_args(argv[argv.index("router") + 1:]))
     assert (rcfg.prefill_policy, rcfg.decode_policy, rcfg.local_prefill_max_tokens) == (
         "cache", "load", 64)
+    assert (rcfg.prefill_hit_weight, rcfg.decode_hit_weight) == (1.0, 1.0)
     weighted = from_mapping({"prefill": 1, "decode": 1,
                              "router": {"decode_hit_weight": 0.25, "prefill_hit_weight": 2}})
     argv = router_argv(weighted, str(tmp_path), "127.0.0.1",
@@ -131,7 +132,6 @@ def test_cache_routing_is_the_default_and_reaches_the_router(tmp_path: Path) -> 
     assert (rcfg.prefill_hit_weight, rcfg.decode_hit_weight) == (2.0, 0.25)
     with pytest.raises(ValueError, match="weights must not be negative"):
         DeploymentConfig(prefill=1, decode=1, decode_hit_weight=-1)
-    assert (rcfg.prefill_hit_weight, rcfg.decode_hit_weight) == (1.0, 1.0)
 
 
 def test_several_routers_each_name_the_others_as_peers(tmp_path: Path) -> None:
