@@ -47,7 +47,9 @@ def check_model_name(model: str, revision: str | None = None) -> None:
                              "directory")
         return
     if looks_like_path(model):
-        raise ValueError(f"model directory {model!r} does not exist")
+        raise ValueError(f"model directory {model!r} does not exist: give the directory of a "
+                         "Hugging Face checkpoint (with its config.json), or a hub model id "
+                         "such as Qwen/Qwen3-0.6B")
     from huggingface_hub.errors import HFValidationError
     from huggingface_hub.utils import validate_repo_id
 
@@ -56,6 +58,14 @@ def check_model_name(model: str, revision: str | None = None) -> None:
     except HFValidationError as exc:
         raise ValueError(f"model {model!r} is neither a directory nor a Hugging Face model id "
                          f"({exc})") from None
+
+
+def check_model_dir(path: str) -> None:
+    """Raise ValueError unless the directory `path` holds a checkpoint's config.json (what vLLM
+    reads first; without it, vLLM fails with a long traceback)."""
+    if not (Path(path) / "config.json").is_file():
+        raise ValueError(f"model directory {path!r} has no config.json: give the directory of "
+                         "a Hugging Face checkpoint (config.json, tokenizer, weights)")
 
 
 def download_ignore_patterns(repo_files: list[str]) -> list[str]:
@@ -112,10 +122,12 @@ def resolve_model(model: str, revision: str | None = None, cache_dir: str | None
                                      local_files_only=offline,
                                      ignore_patterns=download_ignore_patterns(files or []))
     except LocalEntryNotFoundError:
-        how = "HF_HUB_OFFLINE is set" if is_offline_mode() else "the hub could not be reached"
-        raise ValueError(f"model {model!r} is no directory, and revision {rev} of it is not in "
-                         f"the Hugging Face cache {where} while {how}; download it first "
-                         "(`hf download`), or pass its directory") from None
+        how = "HF_HUB_OFFLINE is set" if is_offline_mode() else "the hub cannot be reached"
+        get = f"hf download {model}" + (f" --revision {revision}" if revision else "")
+        raise ValueError(f"model {model!r} (revision {rev}) is not in the Hugging Face cache "
+                         f"{where} on this machine and {how}: run `{get}` on a machine that "
+                         "reaches the hub and copy its cache here, set HF_HOME to a cache that "
+                         "holds it, or pass the model's directory") from None
     except (RepositoryNotFoundError, GatedRepoError) as exc:
         raise ValueError(f"model {model!r}: no such repository on the Hugging Face hub, or "
                          f"access needs a token (HF_TOKEN): {exc}") from None

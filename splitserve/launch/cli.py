@@ -7,18 +7,26 @@ import argparse
 import signal
 import sys
 import threading
+from pathlib import Path
 from types import FrameType
 
 from splitserve.common.cpus import parse_cpus
 from splitserve.common.vocab import Connector, values
 from splitserve.config import ConnectorConfig
 from splitserve.connector.tls import client_context, server_context
+from splitserve.hub import check_model_dir
 from splitserve.launch.backend import LauncherBackend
 from splitserve.launch.config import DeploymentConfig, from_mapping, load_yaml
 from splitserve.launch.local import LocalDeployment
 from splitserve.router.config import DECODE_POLICIES, PREFILL_POLICIES
 from splitserve.secretflags import add_secret_guards
 from splitserve.worker.cli import add_kv_events_argument, add_tls_arguments
+from splitserve.worker.launch import (
+    check_kv_fits,
+    check_nixl_installed,
+    check_port_free,
+    gpu_connector_warning,
+)
 
 
 def overrides_from_args(args: argparse.Namespace) -> dict[str, object]:
@@ -51,6 +59,27 @@ def config_from_args(args: argparse.Namespace) -> DeploymentConfig:
     return from_mapping({}, overrides)
 
 
+def check_can_start(cfg: DeploymentConfig) -> None:
+    """What would stop the deployment part-way, checked before anything starts: the routers'
+    ports taken, Ray or nixl not installed. Raises ValueError saying what to do."""
+    if cfg.files_here:  # the routers listen on this machine
+        for port in cfg.router_ports:
+            check_port_free(cfg.host, port, "--port")
+    if cfg.backend == "ray":
+        try:
+            import ray  # noqa: F401
+            from ray import serve  # noqa: F401
+        except ImportError:
+            raise ValueError("--ray needs Ray (with Ray Serve), which is not installed: "
+                             "pip install 'splitserve[ray]'") from None
+    elif cfg.connector == Connector.NIXL and (cfg.prefill or cfg.decode):
+        check_nixl_installed()
+    if cfg.backend == "local" and Path(cfg.model).is_dir():  # a hub id: the workers tell
+        check_model_dir(cfg.model)
+        check_kv_fits(cfg.model, cfg.max_model_len, cfg.kv_cache_gib, cfg.dtype,
+                      cfg.worker_args)
+
+
 def make_backend(cfg: DeploymentConfig) -> LauncherBackend:
     def say(line: str) -> None:
         print(line, flush=True)
@@ -70,6 +99,11 @@ def run(args: argparse.Namespace) -> int:
         if cfg.files_here:  # unreadable or mismatched TLS files fail here, not in every worker
             server_context(tls)
             client_context(tls)
+        warning = (gpu_connector_warning(cfg.connector, bool(cfg.prefill or cfg.decode))
+                   if cfg.backend == "local" else None)
+        if warning:  # a warning, not a refusal: the run that would first verify it
+            print(f"splitserve serve: warning: {warning}", file=sys.stderr, flush=True)
+        check_can_start(cfg)
     except (ValueError, OSError) as exc:
         print(f"splitserve serve: {exc}", file=sys.stderr)
         return 2

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 import sys
 
 from splitserve.config import load_token
@@ -24,10 +25,14 @@ from splitserve.secretflags import API_KEY_ENV, add_secret_guards
 
 
 def add_router_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--prefill", nargs="+", default=[], metavar="URL", help="prefill workers")
-    p.add_argument("--decode", nargs="+", default=[], metavar="URL", help="decode workers")
-    p.add_argument("--colocated", nargs="+", default=[], metavar="URL",
-                   help="colocated workers (plain load balancing; also run unsplittable requests)")
+    # extend: `--prefill A --prefill B` is both (argparse's plain nargs would keep only B)
+    p.add_argument("--prefill", action="extend", nargs="+", default=[], metavar="URL",
+                   help="prefill workers (repeatable)")
+    p.add_argument("--decode", action="extend", nargs="+", default=[], metavar="URL",
+                   help="decode workers (repeatable)")
+    p.add_argument("--colocated", action="extend", nargs="+", default=[], metavar="URL",
+                   help="colocated workers (plain load balancing; also run unsplittable "
+                        "requests; repeatable)")
     p.add_argument("--peer", action="extend", nargs="+", default=[], metavar="URL",
                    dest="peers",
                    help="the other routers in front of the same workers: each one's open "
@@ -122,9 +127,22 @@ def serve(cfg: RouterConfig, token: str | None, api_key: str | None,
                 timeout_graceful_shutdown=max(1, round(cfg.drain_timeout_s)))
 
 
+def check_port_free(host: str, port: int) -> None:
+    """Raise ValueError naming the port and --port when `port` on `host` is taken (bound as
+    uvicorn binds it, so a port only in TIME_WAIT is free)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            raise ValueError(f"port {port} on {host} is already in use: stop what listens "
+                             "there, or choose another port with --port") from None
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         cfg = config_from_args(args)
+        check_port_free(cfg.host, cfg.port)
     except ValueError as exc:
         print(f"splitserve router: {exc}", file=sys.stderr)
         return 2

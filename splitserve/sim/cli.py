@@ -261,7 +261,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add_profile_arg(val)
     _add_deployment_args(val)
     add_workload_arguments(val)
-    val.add_argument("--rates", type=_rates, default=(), help="load levels, e.g. 0.5,1,2")
+    val.add_argument("--rates", type=_rates, action="extend", default=None,
+                     help="load levels, e.g. 0.5,1,2 (repeatable: each adds its levels)")
     val.add_argument("--url", help="a running deployment (default: start one: a plain worker "
                      "for --mode chunked --workers 1, else splitserve's launcher)")
     val.add_argument("--model-dir", help="model directory or Hugging Face model id for the "

@@ -28,12 +28,17 @@ from splitserve.config import (
     load_token,
 )
 from splitserve.connector.tls import client_context, server_context
+from splitserve.hub import check_model_dir
 from splitserve.secretflags import add_secret_guards, check_passthrough
 from splitserve.worker.diagnose import explain_start_failure
 from splitserve.worker.launch import (
+    check_kv_fits,
+    check_nixl_installed,
+    check_port_free,
     check_vllm_version,
     child_preexec,
     free_port,
+    gpu_connector_warning,
     worker_command,
 )
 
@@ -129,7 +134,18 @@ def run(args: argparse.Namespace) -> int:
         print(f"splitserve worker: {exc}", file=sys.stderr)
         return 2
     try:
+        check_port_free(args.host, args.port)
+        if args.kv_port:
+            check_port_free(args.host, args.kv_port, "--kv-port")
         cfg = config_from_args(args, args.vllm_args)
+        check_model_dir(cfg.model)
+        warning = gpu_connector_warning(cfg.connector, cfg.role is not None)
+        if warning:  # a warning, not a refusal: the run that would first verify it
+            print(f"splitserve worker: warning: {warning}", file=sys.stderr, flush=True)
+        if cfg.role is not None and cfg.connector == Connector.NIXL:
+            check_nixl_installed()
+        check_kv_fits(cfg.model, cfg.max_model_len, cfg.kv_cache_gib, cfg.dtype,
+                      cfg.extra_args)
         # unreadable or mismatched TLS files fail here, not in vLLM
         if cfg.role is not None and cfg.connector == Connector.SPLITSERVE:
             server_context(cfg.connector_config())

@@ -33,7 +33,7 @@ from splitserve.config import (
     WorkerConfig,
     bearer_headers,
 )
-from splitserve.worker.diagnose import explain_log
+from splitserve.worker.diagnose import explain_log, explain_start_failure
 from splitserve.worker.kvrelay import KV_EVENTS_DIR_ENV, events_config, private_dir
 
 PR_SET_PDEATHSIG = 1
@@ -85,13 +85,113 @@ def free_port(host: str = "127.0.0.1", count: int = 1) -> int:
         return int(s.getsockname()[1])
 
 
-def _bindable(host: str, port: int) -> bool:
+def _bindable(host: str, port: int, reuse: bool = False) -> bool:
     with socket.socket() as s:
+        if reuse:  # as servers bind: a port only in TIME_WAIT is free
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError:
             return False
         return True
+
+
+def check_port_free(host: str, port: int, flag: str = "--port") -> None:
+    """Raise ValueError, naming the port and the flag that moves it, when `port` on `host` is
+    taken (port 0, "any free one", never is)."""
+    if port and not _bindable(host, port, reuse=True):
+        raise ValueError(f"port {port} on {host} is already in use: stop what listens there, "
+                         f"or choose another port with {flag}")
+
+
+def check_nixl_installed() -> None:
+    """Raise ValueError with the install command when nixl cannot be imported here."""
+    try:
+        import nixl  # noqa: F401
+    except ImportError:
+        raise ValueError("--connector nixl needs the nixl package, which is not installed: "
+                         "pip install 'splitserve[nixl]'") from None
+
+
+# vLLM's own length keys (ModelConfig's derived max length takes the least of those present)
+_LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length",
+                "max_sequence_length", "max_seq_length", "seq_len")
+# what changes the KV a token takes or the length vLLM derives: a check could be wrong, so none
+_UNUSUAL_KEYS = ("text_config", "sliding_window", "kv_lora_rank", "layer_types", "rope_scaling",
+                 "attn_type_list", "num_kv_shared_layers")
+_UNUSUAL_ARGS = ("--kv-cache-dtype", "--max-model-len", "--tensor-parallel-size", "-tp",
+                 "--pipeline-parallel-size", "-pp", "--hf-overrides", "--block-size",
+                 "--cpu-offload-gb", "--kv-sharing-fast-prefill", "--dtype")
+KV_MARGIN = 1.1  # refuse only when one sequence needs this much more than the cache holds
+
+
+def check_kv_fits(model_dir: str, max_model_len: int | None, kv_cache_gib: int, dtype: str,
+                  extra_args: tuple[str, ...] = ()) -> None:
+    """Raise ValueError, before vLLM starts, when vLLM-CPU's KV cache (`kv_cache_gib`) clearly
+    cannot hold one sequence of the model's length (vLLM would fail at start with a long
+    traceback). Checks only a plain decoder's config.json on vLLM-CPU; anything unusual (a
+    sliding window, latent attention, rope scaling, flags of vLLM's own that change the KV)
+    is left to vLLM and `diagnose`."""
+    if kv_cache_gib <= 0 or kv_buffer_device() != "cpu":
+        return
+    if any(a.split("=")[0] in _UNUSUAL_ARGS for a in extra_args):
+        return
+    try:
+        conf = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return
+    if not isinstance(conf, dict) or any(conf.get(k) for k in _UNUSUAL_KEYS):
+        return
+    try:
+        layers = int(conf["num_hidden_layers"])
+        heads = int(conf["num_attention_heads"])
+        kv_heads = int(conf.get("num_key_value_heads") or heads)
+        head_dim = int(conf.get("head_dim") or int(conf["hidden_size"]) // heads)
+        lengths = [int(conf[k]) for k in _LENGTH_KEYS if isinstance(conf.get(k), int)]
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        return
+    length = max_model_len or (min(lengths) if lengths else None)
+    if not length:
+        return
+    width = {"float32": 4, "bfloat16": 2}.get(dtype)
+    if width is None:  # auto: the checkpoint's dtype
+        width = 4 if str(conf.get("torch_dtype") or conf.get("dtype")) == "float32" else 2
+    per_token = 2 * layers * kv_heads * head_dim * width
+    have = kv_cache_gib * 1024**3
+    need = length * per_token
+    if need <= have * KV_MARGIN:
+        return
+    fits = (have // per_token - 1) // 16 * 16  # a block short of the whole cache
+    # vLLM's own start-up error, restated as `splitserve worker` restates it after a failed start
+    said = explain_start_failure(
+        f"To serve at least one request with the model's max seq len ({length}), "
+        f"({round(need / 1024**3, 2)} GiB KV cache is needed, which is larger than the available "
+        f"KV cache memory ({round(have / 1024**3, 2)} GiB). Based on the available memory, the "
+        f"estimated maximum model length is {fits}.")
+    raise ValueError(said or f"KV cache too small for max_model_len {length}: raise "
+                             "--kv-cache-gib or lower --max-model-len")
+
+
+def gpu_present() -> bool:
+    """Whether this machine's torch sees a CUDA GPU (a CPU build of torch never does)."""
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+GPU_CONNECTOR_WARNING = (
+    "this machine has a GPU, and splitserve's own connector (--connector splitserve, the "
+    "default) has never run on one (built for CUDA caches, tested only on CPUs): for prefill/"
+    "decode on GPUs use --connector nixl (vLLM's NixlConnector), or --colocated for plain "
+    "vLLM workers; see docs/guides/gpus.md")
+
+
+def gpu_connector_warning(connector: str, split: bool) -> str | None:
+    """The warning for P/D workers (`split`) with splitserve's connector on a GPU machine,
+    else None."""
+    if split and connector == Connector.SPLITSERVE and gpu_present():
+        return GPU_CONNECTOR_WARNING
+    return None
 
 
 def _ephemeral_low() -> int:
