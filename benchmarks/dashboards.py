@@ -61,6 +61,22 @@ class Samples:
                     labels = frozenset({**s.labels, "instance": instance}.items())
                     self.series[s.name].setdefault(labels, {})[i] = float(s.value)
 
+    def dump(self, path: Path, variables: dict[str, str]) -> None:
+        series = {name: [[sorted(labels), points] for labels, points in by.items()]
+                  for name, by in self.series.items()}
+        path.write_text(json.dumps({"times": self.times, "variables": variables,
+                                    "series": series}))
+
+    @classmethod
+    def load(cls, path: Path) -> tuple[Samples, dict[str, str]]:
+        data = json.loads(path.read_text())
+        out = cls(times=data["times"])
+        for name, rows in data["series"].items():
+            for labels, points in rows:
+                out.series[name][frozenset(tuple(x) for x in labels)] = {
+                    int(i): v for i, v in points.items()}
+        return out, data["variables"]
+
     def vector(self, name: str) -> Vector:
         n = len(self.times)
         out = {}
@@ -354,7 +370,7 @@ def format_value(v: float, unit: str) -> str:
     if math.isnan(v):
         return "-"
     if unit == "percentunit":
-        return f"{v * 100:.0f}%"
+        return f"{v * 100:.1f}%" if abs(v) < 0.1 else f"{v * 100:.0f}%"
     if unit == "s":
         return f"{v * 1000:.0f} ms" if abs(v) < 1 else f"{v:.2f} s"
     if unit in ("bytes", "Bps"):
@@ -460,7 +476,9 @@ def collect(router: str, token: str, seconds: float, clients: int) -> tuple[Samp
         urls = [w["url"] for w in workers]
         pools: dict[str, list[str]] = defaultdict(list)
         for w in workers:
-            pools[w["role"]].append(re.escape(instance_of(w["url"])))
+            # as Grafana writes a multi-value variable into a PromQL string: regex-escaped, the
+            # escapes doubled
+            pools[w["role"]].append(re.escape(instance_of(w["url"])).replace("\\", "\\\\"))
         variables = {role: "|".join(v) for role, v in pools.items()}
         for role in ("prefill", "decode"):
             variables.setdefault(role, "^$")
@@ -493,10 +511,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--window", type=float, default=15.0,
                     help="seconds $__rate_interval stands for (15)")
     ap.add_argument("--dashboards", type=Path, default=DASHBOARDS)
+    ap.add_argument("--samples", type=Path, default=None,
+                    help="keep the scraped samples in this JSON file (default: /tmp/"
+                    "splitserve-dashboards-PID.json)")
+    ap.add_argument("--replay", type=Path, default=None,
+                    help="draw from samples a run kept, starting and scraping nothing")
     args = ap.parse_args(argv)
     dashboards = sorted(args.dashboards.glob("*.json"))
     args.out.mkdir(parents=True, exist_ok=True)
     deployment = None
+    if args.replay:
+        samples, variables = Samples.load(args.replay)
+        return render(dashboards, samples, variables, args.window, args.out)
     if args.url:
         router, token = args.url.rstrip("/"), os.environ.get("SPLITSERVE_TOKEN", "")
     else:
@@ -513,10 +539,18 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if deployment is not None:
             deployment.stop()
+    keep = args.samples or Path("/tmp") / f"splitserve-dashboards-{os.getpid()}.json"
+    samples.dump(keep, variables)
+    print(f"samples: {keep} (draw again with --replay {keep})")
+    return render(dashboards, samples, variables, args.window, args.out)
+
+
+def render(dashboards: list[Path], samples: Samples, variables: dict[str, str], window_s: float,
+           out: Path) -> int:
     for path in dashboards:
         dash = json.loads(path.read_text())
-        png = args.out / f"{path.stem}.png"
-        draw(dash, samples, variables, args.window, png)
+        png = out / f"{path.stem}.png"
+        draw(dash, samples, variables, window_s, png)
         print(f"{png} ({png.stat().st_size // 1024} KiB)")
     return 0
 
