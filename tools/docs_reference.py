@@ -344,8 +344,8 @@ def worker_families() -> list[tuple[str, str, tuple[str, ...], str]]:
 
     from splitserve.worker import kvrelay, plugin
 
-    transfers = SimpleNamespace(counts={"p_ok": 0}, failures={"none": 0},
-                                bytes_total={"p": 0}, seconds_total={"p": 0.0})
+    transfers = SimpleNamespace(counts={"send_ok": 0}, failures={"none": 0},
+                                bytes_total={"send": 0}, seconds_total={"send": 0.0})
     state = SimpleNamespace(transfers=transfers, **{k: 0 for k in plugin.GAUGES})
     collector = plugin.ConnectorCollector.__new__(plugin.ConnectorCollector)
     collector.cfg = SimpleNamespace(kv_host="", kv_port=0)
@@ -400,8 +400,8 @@ def metrics_markdown() -> str:
         "from another worker), a P or D worker with splitserve's connector adds the "
         "connector's families (`splitserve_kv_listener_up` is 0, and the rest absent, while "
         "the connector does not answer), and every worker that reports its prefix cache adds "
-        "the relay's (`splitserve_kv_events_*`). The label `side` is `p` or `d`; `status` a "
-        "transfer status; `cause` a failure cause.",
+        "the relay's (`splitserve_kv_events_*`). The label `side` is `send` (P's side of a "
+        "transfer) or `recv` (D's); `status` a transfer status; `cause` a failure cause.",
         "",
         *_metrics_table(worker_families()),
         "",
