@@ -6,6 +6,13 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 # vLLM's CPU build on machines without CUDA, the CUDA build otherwise.
 VLLM_EXTRA := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo cuda || echo cpu)
+# Headless Chromium for tests/bench/test_browser.py: Debian's `chromium` package, installed when
+# missing (as root, as here and in CI); never a browser downloaded by a tool.
+CHROMIUM := command -v chromium >/dev/null || { command -v apt-get >/dev/null || { echo "make install: \
+	Chromium is missing and there is no apt-get here: install your system's chromium package \
+	(tests/bench/test_browser.py needs it)" >&2; exit 1; }; \
+	{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } \
+	|| { echo "make install: apt-get could not install chromium (run as root)" >&2; exit 1; }; }
 
 .PHONY: install demo test test-fast lint docs clean
 
@@ -16,9 +23,11 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e ".[$(VLLM_EXTRA),nixl,test,ray,docs]"
 	# PyPI's builds of these do not match the pinned torch and break transformers' imports.
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+	@$(CHROMIUM)
 	touch $(STAMP)
 
 install: $(STAMP)
+	@$(CHROMIUM)
 
 demo: $(STAMP)
 	$(VENV)/bin/splitserve demo
