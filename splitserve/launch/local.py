@@ -15,6 +15,7 @@ Invariants:
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -29,9 +30,29 @@ from splitserve.config import TOKEN_ENV, WorkerConfig, new_token
 from splitserve.hub import resolve_model
 from splitserve.launch.backend import LauncherBackend
 from splitserve.launch.config import DeploymentConfig
+from splitserve.worker.diagnose import explain_log
 from splitserve.worker.launch import child_preexec, free_port, wait_healthy, worker_command
 
 ROUTER_RESTARTS = 5  # a router of several that exits more often than this ends the deployment
+
+
+def last_log_line(path: Path, tail_bytes: int = 64 * 1024) -> str | None:
+    """The last line of a log that says something: not blank, not a traceback's indented
+    frame or marker, not vLLM's "see root cause above"."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, 2)
+            f.seek(max(0, f.tell() - tail_bytes))
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        text = re.sub(r"\x1b\[[0-9;]*m", "", line).rstrip()
+        if (not text.strip() or text[0].isspace() or "root cause above" in text
+                or text.startswith(("Traceback", "During handling", "The above exception"))):
+            continue
+        return text if len(text) <= 300 else text[:297] + "..."
+    return None
 
 
 def router_argv(cfg: DeploymentConfig, model_dir: str, host: str,
@@ -196,13 +217,17 @@ class LocalDeployment(LauncherBackend):
                          + (f" kv {wcfg.connector if wcfg.connector == 'nixl' else wcfg.transport}"
                             f":{wcfg.kv_port}" if wcfg.role else "")
                          + f" (log {child.log})")
-            with ThreadPoolExecutor(len(self.children)) as pool:
-                list(pool.map(lambda c: wait_healthy(c.url, c.proc, cfg.startup_timeout_s,
-                                                      self.token, c.log),
+            self.say(f"splitserve: loading {len(self.children)} worker(s); each says when it "
+                     "is ready")
+            pool = ThreadPoolExecutor(len(self.children))
+            try:  # the first failure is reported at once (stop() ends the others' waits)
+                list(pool.map(lambda c: self._wait_ready(c, self.token),
                               list(self.children)))
+            finally:
+                pool.shutdown(wait=False, cancel_futures=True)
             routers = self._start_routers(planned)
             for r in routers:
-                wait_healthy(r.url, r.proc, cfg.startup_timeout_s, log=r.log)
+                self._wait_ready(r, None)
         except BaseException:
             self.stop()
             raise
@@ -213,6 +238,18 @@ class LocalDeployment(LauncherBackend):
                  + (f"; also {', '.join(u + '/v1' for u in self.urls[1:])}"
                     if len(self.urls) > 1 else ""))
         return self.url
+
+    def _wait_ready(self, child: Child, token: str | None) -> None:
+        """Wait until `child` is healthy and say so; a failure names it and, when the cause
+        is not recognised, the last meaningful line of its log."""
+        started = time.monotonic()
+        try:
+            wait_healthy(child.url, child.proc, self.cfg.startup_timeout_s, token, child.log)
+        except (RuntimeError, TimeoutError) as exc:
+            last = None if explain_log(child.log) else last_log_line(child.log)
+            raise type(exc)(f"{child.name} did not start: {exc}"
+                            + (f"; its log ends: {last}" if last else "")) from None
+        self.say(f"splitserve: {child.name} ready ({time.monotonic() - started:.0f} s)")
 
     def _start_routers(self, planned: list[tuple[str, WorkerConfig]]) -> list[Child]:
         urls = {kind: [w.url for name, w in planned if name.startswith(kind)]
