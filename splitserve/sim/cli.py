@@ -17,13 +17,14 @@ run of the same options see the same stream, and results use the benchmark's JSO
 from __future__ import annotations
 
 import argparse
+from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from splitserve.bench.cli import add_workload_arguments, spec_from_args
 from splitserve.bench.metrics import SLO, distserve_goodput
-from splitserve.bench.report import print_summary, save_result
+from splitserve.bench.report import print_summary, progress_bars, save_result
 from splitserve.common.cpus import parse_cpus
 from splitserve.sim.cli_args import (
     add_connector_args,
@@ -175,13 +176,19 @@ def run_sim(args: argparse.Namespace) -> int:
     if rates[0] is not None and slo.empty:
         raise SystemExit("a rate sweep needs an SLO (--slo-ttft-ms and/or --slo-tpot-ms)")
     points = []
-    for rate in rates:  # a sweep ends on its highest rate, as the benchmark's does
-        run_spec = spec if rate is None else spec.with_rate(rate)
-        out = simulate(prof, cfg, arrays_from_spec(run_spec))
-        res = summarize(out, system=_label(cfg), slo=slo)
-        points.append({"rate": rate} | {k: res.get(k) for k in (
-            "slo_attainment", "request_goodput", "request_throughput", "completed", "failed",
-            "median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms", "median_tpot_ms")})
+    sweep = progress_bars() if len(rates) > 1 else nullcontext(None)
+    with sweep as bars:  # a bar over the sweep's rates, as `bench` shows its runs
+        advance = bars(f"{_label(cfg)} rates", len(rates)) if bars else None
+        for rate in rates:  # a sweep ends on its highest rate, as the benchmark's does
+            run_spec = spec if rate is None else spec.with_rate(rate)
+            out = simulate(prof, cfg, arrays_from_spec(run_spec))
+            res = summarize(out, system=_label(cfg), slo=slo)
+            points.append({"rate": rate} | {k: res.get(k) for k in (
+                "slo_attainment", "request_goodput", "request_throughput", "completed",
+                "failed", "median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms",
+                "median_tpot_ms")})
+            if advance is not None:
+                advance(None)  # type: ignore[arg-type]
     if rates[0] is not None:
         goodput = distserve_goodput([(p["rate"], p["slo_attainment"]) for p in points])
         res["sweep"] = {"points": points, "distserve_goodput": goodput}
