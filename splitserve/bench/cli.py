@@ -114,7 +114,8 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
     r.add_argument("--slo-ttft-ms", type=float, default=None)
     r.add_argument("--slo-tpot-ms", type=float, default=None)
     r.add_argument("--repeats", type=int, default=1)
-    r.add_argument("--sweep-rates", type=_rates, default=(), help="e.g. 1,2,4,8")
+    r.add_argument("--sweep-rates", type=_rates, action="extend", default=[],
+                   help="e.g. 1,2,4,8 (repeatable: every rate counts)")
     r.add_argument("--cores", type=int, default=None, help="total cores (goodput per core)")
     r.add_argument("--no-vllm-extras", action="store_true",
                    help="omit ignore_eos/return_token_ids (for non-vLLM servers)")
@@ -156,7 +157,7 @@ def spec_from_args(args: argparse.Namespace) -> WorkloadSpec:
 
 def options_from_args(args: argparse.Namespace) -> RunOptions:
     return RunOptions(slo=SLO(args.slo_ttft_ms, args.slo_tpot_ms), repeats=args.repeats,
-                      sweep_rates=args.sweep_rates, total_cores=args.cores)
+                      sweep_rates=tuple(args.sweep_rates), total_cores=args.cores)
 
 
 def discover_workers(url: str, api_key: str | None = None) -> tuple[dict[str, str], Any]:

@@ -1,7 +1,9 @@
 """Run a deployment as local processes: workers, then the router, each in its own session.
 
 Invariants:
-- The deployment token is generated here and reaches children only in their environment.
+- The deployment token is the operator's (`SPLITSERVE_TOKEN` or `SPLITSERVE_TOKEN_FILE`, e.g.
+  shared with a Prometheus that scrapes the workers), else generated here; it reaches children
+  only in their environment.
 - Every child runs in its own process group and gets SIGKILL if this process dies
   (PR_SET_PDEATHSIG); `stop()` sends SIGTERM to every group, then SIGKILL after
   `stop_timeout_s`, so no process outlives the deployment.
@@ -26,7 +28,7 @@ from pathlib import Path
 
 from splitserve.common.procs import stop_groups
 from splitserve.common.vocab import Pool, Role, values
-from splitserve.config import TOKEN_ENV, WorkerConfig, new_token
+from splitserve.config import TOKEN_ENV, WorkerConfig, load_token, new_token
 from splitserve.hub import resolve_model
 from splitserve.launch.backend import LauncherBackend
 from splitserve.launch.config import DeploymentConfig
@@ -146,7 +148,8 @@ class LocalDeployment(LauncherBackend):
     def __init__(self, cfg: DeploymentConfig, say: Callable[[str], None] = print) -> None:
         self.cfg = cfg
         self.say = say
-        self.token = new_token()
+        # the operator's (for scrapers of the workers' /metrics), else a fresh one
+        self.token = load_token(required=False) or new_token()
         self.children: list[Child] = []
         self.workers: list[WorkerConfig] = []
         self.model_dir = cfg.model  # the directory every worker and the router load

@@ -161,3 +161,20 @@ def test_several_routers_each_name_the_others_as_peers(tmp_path: Path) -> None:
     twice = router_config(p.parse_args(["--prefill", "http://p:1", "--decode", "http://d:1",
                                         "--peer", "http://a:1", "--peer", "http://b:1"]))
     assert twice.peers == ("http://a:1", "http://b:1")  # repeated: every one counts
+
+
+def test_serve_takes_the_operators_token_else_makes_one(tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`SPLITSERVE_TOKEN_FILE` (or `SPLITSERVE_TOKEN`) in serve's environment is the deployment's
+    token, so a Prometheus given the same file can scrape the workers; else a fresh one."""
+    from splitserve.launch.local import LocalDeployment
+
+    cfg = DeploymentConfig(prefill=1, decode=1, log_dir=str(tmp_path))
+    monkeypatch.delenv("SPLITSERVE_TOKEN", raising=False)
+    monkeypatch.delenv("SPLITSERVE_TOKEN_FILE", raising=False)
+    fresh = {LocalDeployment(cfg, say=lambda line: None).token for _ in range(2)}
+    assert len(fresh) == 2 and all(t and len(t) >= 32 for t in fresh)
+    secret = tmp_path / "token"
+    secret.write_text("operator-chosen-token\n")
+    monkeypatch.setenv("SPLITSERVE_TOKEN_FILE", str(secret))
+    assert LocalDeployment(cfg, say=lambda line: None).token == "operator-chosen-token"

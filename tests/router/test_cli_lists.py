@@ -46,10 +46,15 @@ def list_flags(parser: argparse.ArgumentParser, path: str = "splitserve"
     return out
 
 
+def test_sweep_rates_add_up_wherever_they_are_taken() -> None:
+    for cmd in (("bench", "--url", A), ("sim", "--profile", "p.json")):
+        args = parse(*cmd, "--sweep-rates", "1,2", "--sweep-rates", "4")
+        assert list(args.sweep_rates) == [1.0, 2.0, 4.0], cmd
+        assert list(parse(*cmd).sweep_rates) == []
+
+
 def test_no_flag_of_several_values_keeps_only_the_last() -> None:
-    """A flag taking several values (`nargs` + or *) must extend or append. Known exception,
-    outside the router and launcher: bench's comma lists (`--sweep-rates`), which are one
-    value each (see the report of issue 28)."""
+    """A flag taking several values (`nargs` + or *) must extend or append."""
     wrong = [f"{path} {a.option_strings[0]}" for path, a in list_flags(build_parser())
              if a.nargs in ("+", "*")
              and not isinstance(a, argparse._AppendAction | argparse._ExtendAction)]

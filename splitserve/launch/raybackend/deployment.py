@@ -28,7 +28,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from splitserve.config import new_token
+from splitserve.config import load_token, new_token
 from splitserve.launch.backend import LauncherBackend
 from splitserve.launch.config import DeploymentConfig
 from splitserve.launch.raybackend.autoscale import autoscaling_config
@@ -104,7 +104,8 @@ class RayDeployment(LauncherBackend):
     def __init__(self, cfg: DeploymentConfig, say: Callable[[str], None] = print) -> None:
         self.cfg = cfg
         self.say = say
-        self.token = new_token()
+        # the operator's (for scrapers of the workers' /metrics), else a fresh one
+        self.token = load_token(required=False) or new_token()
         self.api_key = os.environ.get("SPLITSERVE_API_KEY") or None
         self.names = {"directory": f"{cfg.ray.name}-directory"}
         self.router_names = [f"{cfg.ray.name}-router" + (str(i) if i else "")
