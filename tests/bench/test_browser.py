@@ -136,9 +136,6 @@ def test_the_docs_site_index_in_a_browser(tmp_path: Path) -> None:
         found = problems(page)
         assert page.evaluate("document.title") == "splitserve"
         assert_visible(page, "splitserve")
-    if found and all(FONTS in f for f in found):
-        pytest.xfail(f"mkdocs.yml: Material loads its font from Google Fonts ({found[0]}); "
-                     "`font: false` under `theme:` makes the site self-contained")
     assert found == [], found
 
 
