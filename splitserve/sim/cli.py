@@ -123,8 +123,15 @@ def _measured(args: argparse.Namespace) -> Profile:
     if args.quick:
         plan = replace(plan, prefill_lens=(16, 256, 1024, 2048), prefill_repeats=2,
                        decode_batches=(1, 4, 8), decode_prompt_lens=(32, 1024))
-    return profile_worker(args.url, plan, model_path(args.model_dir), args.transfer_json,
-                          probe_tcp=not args.no_tcp_probe, probe_nixl=args.nixl_probe)
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+    with Progress("[progress.description]{task.description}", BarColumn(),
+                  MofNCompleteColumn(), TimeElapsedColumn()) as bar:
+        task = bar.add_task("profile: grid steps measured", total=None)
+        return profile_worker(args.url, plan, model_path(args.model_dir), args.transfer_json,
+                              probe_tcp=not args.no_tcp_probe, probe_nixl=args.nixl_probe,
+                              progress=lambda done, total: bar.update(task, completed=done,
+                                                                      total=total))
 
 
 def run_profile(args: argparse.Namespace) -> int:

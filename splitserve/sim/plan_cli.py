@@ -16,7 +16,15 @@ from splitserve.sim.cli_args import add_connector_args, add_profile_arg, cli_pro
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    from splitserve.sim.planner import PlanRequest, plan, plot_plan, print_plan
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+    from splitserve.sim.planner import (
+        PlanRequest,
+        candidate_configs,
+        plan,
+        plot_plan,
+        print_plan,
+    )
 
     prof, spec = cli_profile(args), spec_from_args(args)
     if args.slo_ttft_ms is None or args.slo_tpot_ms is None:
@@ -49,7 +57,10 @@ def run_plan(args: argparse.Namespace) -> int:
     if connector == "nixl" and prof.split is not None:
         print("note: the profile's split costs are splitserve's connector's; the nixl "
               "candidates run without them")
-    p = plan(prof, spec, req)
+    with Progress("[progress.description]{task.description}", BarColumn(),
+                  MofNCompleteColumn(), TimeElapsedColumn()) as bar:
+        task = bar.add_task("plan: candidates simulated", total=len(candidate_configs(req)))
+        p = plan(prof, spec, req, progress=lambda: bar.advance(task))
     print_plan(p)
     (out / "plan.json").write_text(json.dumps(p.to_dict(), indent=2))
     png = plot_plan(p, out / "plan.png")

@@ -15,6 +15,7 @@ at the asked rate, then to colocated (fewer moving parts).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -152,7 +153,10 @@ def goodput(profile: Profile, spec: WorkloadSpec, cfg: SimConfig, req: PlanReque
     return distserve_goodput([(lo, points[lo]), (hi, points[hi])], req.target)
 
 
-def plan(profile: Profile, spec: WorkloadSpec, req: PlanRequest) -> Plan:
+def plan(profile: Profile, spec: WorkloadSpec, req: PlanRequest,
+         progress: Callable[[], None] | None = None) -> Plan:
+    """Simulate every candidate of `candidate_configs(req)` (`progress` is called after each)
+    and pick the best by goodput, then attainment."""
     if spec.source in ("interference", "trace"):
         raise ValueError(f"planning sweeps the request rate, which a {spec.source!r} workload "
                          "does not have; use a synthetic or sharegpt workload")
@@ -167,6 +171,8 @@ def plan(profile: Profile, spec: WorkloadSpec, req: PlanRequest) -> Plan:
                                        "p99_tpot_ms", "median_itl_ms", "p99_itl_ms",
                                        "median_handover_ms", "request_throughput")}
         cands.append(Candidate(label, cfg, att, gp["value"], gp["bound"], metrics))
+        if progress is not None:
+            progress()
     order = {"colocated": 0, "chunked": 1}
 
     def rank(c: Candidate) -> tuple[float, float, int]:

@@ -25,6 +25,7 @@ import asyncio
 import json
 import math
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -200,21 +201,28 @@ def decode_window(recs: list[RequestRecord], prompt_len: int, start: float | Non
     return statistics.median(steps), statistics.median(ctxs)
 
 
-def measure_decode(url: str, plan: ProfilePlan, max_len: int
+def decode_points(plan: ProfilePlan, max_len: int) -> list[tuple[int, int]]:
+    """The (prompt length, batch) points of the decode grid that fit in `max_len`."""
+    return [(L, b) for L in plan.decode_prompt_lens
+            if L + plan.decode_tokens + 1 <= max_len for b in plan.decode_batches]
+
+
+def measure_decode(url: str, plan: ProfilePlan, max_len: int,
+                   progress: Callable[[], None] | None = None
                    ) -> tuple[list[tuple[int, float, float]], list[float]]:
-    """(batch, context, step seconds) rows, and the windows' gap jitter (seconds)."""
+    """(batch, context, step seconds) rows, and the windows' gap jitter (seconds);
+    `progress` is called after each point of the grid."""
     rng = np.random.default_rng(plan.seed + 1)
     rows, jitter = [], []
-    for L in plan.decode_prompt_lens:
-        if L + plan.decode_tokens + 1 > max_len:
-            continue
-        for b in plan.decode_batches:
-            reqs = [Request(i, 0.0, _prompt(rng, L), plan.decode_tokens) for i in range(b)]
-            recs = _run(url, reqs, concurrency=None)
-            got = decode_window(recs, L)
-            if got is not None:
-                rows.append((b, got[1], got[0]))
-                jitter += window_jitter(recs)
+    for L, b in decode_points(plan, max_len):
+        reqs = [Request(i, 0.0, _prompt(rng, L), plan.decode_tokens) for i in range(b)]
+        recs = _run(url, reqs, concurrency=None)
+        got = decode_window(recs, L)
+        if got is not None:
+            rows.append((b, got[1], got[0]))
+            jitter += window_jitter(recs)
+        if progress is not None:
+            progress()
     return rows, jitter
 
 
@@ -257,15 +265,27 @@ def nixl_desc_bytes(shape: ModelShape, block_size: int) -> int:
 
 def profile_worker(url: str, plan: ProfilePlan, model_dir: str | None = None,
                    transfer_json: str | None = None, probe_tcp: bool = True,
-                   probe_nixl: bool = False) -> Profile:
+                   probe_nixl: bool = False,
+                   progress: Callable[[int, int], None] | None = None) -> Profile:
+    """Measure a running worker's prefill and decode costs on `plan`'s grid and fit them.
+    `progress(done, total)` is called as the grid's steps end (the prefill grid is one step,
+    each decode point one more)."""
     facts = worker_facts(url)
     root = model_dir or facts.get("root")
     if not root or not (Path(root) / "config.json").is_file():
         raise ValueError("cannot find the model's config.json: pass --model-dir")
     shape = shape_from_config(root, facts["model"])
     max_len = int(facts["max_model_len"])
+    total, done = 1 + len(decode_points(plan, max_len)), [0]
+
+    def step() -> None:
+        done[0] += 1
+        if progress is not None:
+            progress(done[0], total)
+
     pre = measure_prefill(url, plan, max_len)
-    dec, jitter = measure_decode(url, plan, max_len)
+    step()
+    dec, jitter = measure_decode(url, plan, max_len, step)
     prefill, qp = fit_prefill(pre, plan.token_budget)
     decode, qd = fit_decode(dec)
     desc = nixl_desc_bytes(shape, int(facts.get("block_size", 128))) if probe_nixl else None

@@ -30,7 +30,10 @@ def test_profile_a_real_worker(tmp_path: Path) -> None:
         plan = ProfilePlan(prefill_lens=(16, 128, 512, 900), prefill_repeats=1,
                            decode_batches=(1, 3), decode_prompt_lens=(16, 200),
                            decode_tokens=48, token_budget=256)
-        prof = profile_worker(cfg.url, plan, probe_tcp=True, probe_nixl=True)
+        steps: list[tuple[int, int]] = []
+        prof = profile_worker(cfg.url, plan, probe_tcp=True, probe_nixl=True,
+                              progress=lambda done, total: steps.append((done, total)))
+        assert steps and steps[-1][0] == steps[-1][1] == len(steps)  # every step, in order
         canary = run_canary(cfg.url, CanaryPlan(prompt=200, tokens=12, requests=2))
     finally:
         with contextlib.suppress(ProcessLookupError):
