@@ -48,7 +48,7 @@ def test_serve_a_hub_id_offline_at_its_native_length(hub_home: Path, tmp_path: P
     workers: list[str] = []
     try:
         deadline = time.monotonic() + 300
-        while "ready" not in out_path.read_text():
+        while "splitserve: ready" not in out_path.read_text():
             assert proc.poll() is None, out_path.read_text()
             assert time.monotonic() < deadline, "deployment not ready in time"
             time.sleep(0.5)

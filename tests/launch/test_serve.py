@@ -74,7 +74,7 @@ def test_serve_starts_answers_and_stops_without_orphans(llama_ckpt: Path, tmp_pa
     url, url2 = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port + 1}"
     try:
         deadline = time.monotonic() + 300
-        while "ready" not in (tmp_path / "serve.out").read_text():
+        while "splitserve: ready" not in (tmp_path / "serve.out").read_text():
             assert proc.poll() is None, (tmp_path / "serve.out").read_text()
             assert time.monotonic() < deadline, "deployment not ready in time"
             time.sleep(0.5)
@@ -83,7 +83,7 @@ def test_serve_starts_answers_and_stops_without_orphans(llama_ckpt: Path, tmp_pa
         children = descendants(proc.pid)
         assert len(children) >= 4  # two workers (each with its engine) and two routers
         workers = [line.split()[2] for line in said.splitlines()
-                   if re.match(r"splitserve: (prefill|decode)\d+ ", line)]
+                   if re.match(r"splitserve: (prefill|decode)\d+ http", line)]
         assert len(workers) == 2, said
         roles = sorted(w["role"] for w in httpx.get(f"{url}/workers").json()["workers"])
         assert roles == ["decode", "prefill"]
