@@ -1,4 +1,4 @@
-# splitserve: `make demo` runs the main job, `make test` runs the whole suite (about 21 min),
+# splitserve: `make demo` runs the main job, `make test` runs the whole suite (about 30 min),
 # `make test-fast` the tests that start no server process (about a minute; tests/README.md).
 PYTHON ?= python3.11
 VENV := .venv
