@@ -11,6 +11,7 @@ from pathlib import Path
 from types import FrameType
 
 from splitserve.common.cpus import parse_cpus
+from splitserve.common.ports import check_port_free
 from splitserve.common.vocab import Connector, values
 from splitserve.config import ConnectorConfig
 from splitserve.connector.tls import client_context, server_context
@@ -24,7 +25,6 @@ from splitserve.worker.cli import add_kv_events_argument, add_tls_arguments
 from splitserve.worker.launch import (
     check_kv_fits,
     check_nixl_installed,
-    check_port_free,
     gpu_connector_warning,
 )
 

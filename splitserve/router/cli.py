@@ -9,9 +9,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import socket
 import sys
 
+from splitserve.common.ports import check_port_free
 from splitserve.config import load_token
 from splitserve.router.config import (
     DECODE_POLICIES,
@@ -125,18 +125,6 @@ def serve(cfg: RouterConfig, token: str | None, api_key: str | None,
     uvicorn.run(create_app(cfg, token, api_key), host=cfg.host, port=cfg.port,
                 log_level=log_level, access_log=False,
                 timeout_graceful_shutdown=max(1, round(cfg.drain_timeout_s)))
-
-
-def check_port_free(host: str, port: int) -> None:
-    """Raise ValueError naming the port and --port when `port` on `host` is taken (bound as
-    uvicorn binds it, so a port only in TIME_WAIT is free)."""
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError:
-            raise ValueError(f"port {port} on {host} is already in use: stop what listens "
-                             "there, or choose another port with --port") from None
 
 
 def run(args: argparse.Namespace) -> int:

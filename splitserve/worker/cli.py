@@ -19,6 +19,7 @@ from types import FrameType
 from typing import IO
 
 from splitserve.common.cpus import parse_cpus
+from splitserve.common.ports import check_port_free
 from splitserve.common.vocab import Connector, Role, values
 from splitserve.config import (
     FAILURE_POLICIES,
@@ -34,7 +35,6 @@ from splitserve.worker.diagnose import explain_start_failure
 from splitserve.worker.launch import (
     check_kv_fits,
     check_nixl_installed,
-    check_port_free,
     check_vllm_version,
     child_preexec,
     free_port,

@@ -25,6 +25,7 @@ from pathlib import Path
 import httpx
 
 from splitserve.common.engine import installed_vllm_version
+from splitserve.common.ports import bindable
 from splitserve.common.vocab import Connector
 from splitserve.config import (
     TOKEN_ENV,
@@ -75,7 +76,7 @@ def free_port(host: str = "127.0.0.1", count: int = 1) -> int:
         ports = range(port, port + count)
         if any(p in _HANDED_OUT for p in ports):  # given to an earlier caller not bound yet
             continue
-        if all(_bindable(host, p) for p in ports):
+        if all(bindable(host, p) for p in ports):
             _HANDED_OUT.extend(ports)
             return port
     if count > 1:
@@ -83,25 +84,6 @@ def free_port(host: str = "127.0.0.1", count: int = 1) -> int:
     with socket.socket() as s:  # a crowded range: fall back to whatever the kernel gives
         s.bind((host, 0))
         return int(s.getsockname()[1])
-
-
-def _bindable(host: str, port: int, reuse: bool = False) -> bool:
-    with socket.socket() as s:
-        if reuse:  # as servers bind: a port only in TIME_WAIT is free
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-        return True
-
-
-def check_port_free(host: str, port: int, flag: str = "--port") -> None:
-    """Raise ValueError, naming the port and the flag that moves it, when `port` on `host` is
-    taken (port 0, "any free one", never is)."""
-    if port and not _bindable(host, port, reuse=True):
-        raise ValueError(f"port {port} on {host} is already in use: stop what listens there, "
-                         f"or choose another port with {flag}")
 
 
 def check_nixl_installed() -> None:

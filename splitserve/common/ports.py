@@ -1,0 +1,27 @@
+"""Whether a TCP port can be bound here: the one check behind `free_port` and the "port in use"
+errors of `splitserve worker`, `router` and `serve`."""
+
+from __future__ import annotations
+
+import socket
+
+
+def bindable(host: str, port: int, reuse: bool = False) -> bool:
+    """Whether `port` on `host` can be bound now (`reuse`: as servers bind, so that a port only
+    in TIME_WAIT counts as free)."""
+    with socket.socket() as s:
+        if reuse:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
+def check_port_free(host: str, port: int, flag: str = "--port") -> None:
+    """Raise ValueError, naming the port and the flag that moves it, when `port` on `host` is
+    taken (port 0, "any free one", never is)."""
+    if port and not bindable(host, port, reuse=True):
+        raise ValueError(f"port {port} on {host} is already in use: stop what listens there, "
+                         f"or choose another port with {flag}")
