@@ -176,25 +176,15 @@ class Flow:
             return 0
         return self.cache.reusable(p.url, request.cached_on(p.url), request.prompt_len)
 
-    def _p_cache_report(self, p: Worker, predicted: int, answer: dict[str, Any]) -> None:
-        """P's predicted cached tokens, and the engine's count when its usage reports one."""
-        self.metrics.cached_predicted.labels(Pool.PREFILL.value, p.url).inc(predicted)
-        details = (answer.get("usage") or {}).get("prompt_tokens_details")
+    def _engine_cached(self, pool: Pool, url: str, predicted: int,
+                       usage: dict[str, Any] | None) -> None:
+        """The engine's count of cached prompt tokens in a leg's `usage` (when the worker reports
+        one: `--enable-prompt-tokens-details`) against the prediction for that same leg."""
+        details = (usage or {}).get("prompt_tokens_details")
         told = details.get("cached_tokens") if isinstance(details, dict) else None
         if isinstance(told, int) and not isinstance(told, bool):
-            self.metrics.cached_reported.labels(Pool.PREFILL.value, p.url).inc(told)
-            self.metrics.cached_predicted_reported.labels(Pool.PREFILL.value, p.url).inc(
-                predicted)
-
-    def _d_cache_report(self, d: Worker, t: Timings) -> None:
-        """Prefill on D: the engine's count of cached prompt tokens (its final usage, when it
-        reports one) against the prediction. D loaded no KV, so its count is its cache's."""
-        details = (t.d_usage or {}).get("prompt_tokens_details")
-        told = details.get("cached_tokens") if isinstance(details, dict) else None
-        if isinstance(told, int) and not isinstance(told, bool):
-            self.metrics.cached_reported.labels(Pool.DECODE.value, d.url).inc(told)
-            self.metrics.cached_predicted_reported.labels(Pool.DECODE.value, d.url).inc(
-                (t.cached or {}).get("d_cached", 0))
+            self.metrics.cached_reported.labels(pool.value, url).inc(told)
+            self.metrics.cached_predicted_reported.labels(pool.value, url).inc(predicted)
 
     async def prefill(self, legs: Legs, rid: str, t: Timings, plan: Plan | None = None
                       ) -> Prefilled:
@@ -250,7 +240,8 @@ class Flow:
                 if not reserved:
                     d.release()
             self.registry.succeeded(p)
-            self._p_cache_report(p, p_reused, out)
+            self.metrics.cached_predicted.labels(Pool.PREFILL.value, p.url).inc(p_reused)
+            self._engine_cached(Pool.PREFILL, p.url, p_reused, out.get("usage"))
             t.t1_back = time.monotonic()
             choice = out["choices"][0]
             prompt_ids = list(choice.get("prompt_token_ids") or [])
@@ -334,8 +325,9 @@ class Flow:
                 if joiner.finish_reason is None:
                     raise LegFailed("stream_cut", "D's stream ended before a finish reason")
                 self.registry.succeeded(d)
-                if attempt == 0 and t.mode == "local":
-                    self._d_cache_report(d, t)
+                if attempt == 0 and t.mode == "local":  # D loaded no KV: its count is its cache's
+                    self._engine_cached(Pool.DECODE, d.url, (t.cached or {}).get("d_cached", 0),
+                                        t.d_usage)
                 return
             except (*TRANSPORT_ERRORS, LegFailed) as exc:
                 retry.failed(d, exc)
