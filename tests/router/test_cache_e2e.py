@@ -241,10 +241,26 @@ def test_a_router_started_later_rebuilds_the_same_index_within_seconds(
         later.stop()
 
 
+def settle(routers: list[Router], timeout_s: float = 15.0) -> None:
+    """A user's think time, long enough for every router to have heard: until each router sees
+    no open leg of its own or of its peers on any worker (a peer's share is up to one health
+    interval old by contract) and all routers hold the same cache report of every worker."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        views = [workers_view(r)["workers"] for r in routers]
+        idle = all(w["inflight"] == 0 and w["peer_inflight"] == 0 for v in views for w in v)
+        caches = [{w["url"]: (w["cache"] or {}).get("seq") for w in v} for v in views]
+        if idle and all(c == caches[0] for c in caches):
+            return
+        assert time.monotonic() < deadline, views
+        time.sleep(0.1)
+
+
 def hit_rate(routers: list[Router], model: str, seed: int) -> float:
     """Send one stream (3 prefixes of 2 blocks, each asked 3 times with a new tail) in turn
-    through `routers`; the share of prompt tokens the computing worker found cached (P's for a
-    split request, D's for one prefilled on D), as each router's timings tell it."""
+    through `routers`, each request after the one before has settled; the share of prompt
+    tokens the computing worker found cached (P's for a split request, D's for one prefilled
+    on D), as each router's timings tell it."""
     hit = total = 0
     for turn in range(3):
         for k in range(3):
@@ -253,7 +269,8 @@ def hit_rate(routers: list[Router], model: str, seed: int) -> float:
             _, t = complete(router, model, prompt)
             hit += t["d_cached"] if t["mode"] == "local" else t["p_cached"]
             total += len(prompt)
-            time.sleep(0.2)  # a user's think time: the cache reports of this turn arrive
+            time.sleep(0.2)  # a user's think time: the engine's reports of this turn go out
+            settle(routers)
     return hit / total
 
 
