@@ -7,7 +7,7 @@ same position mean the same prefix (reusable KV); the last block may be partial,
 (len(hash_ids) − 1) × block < input_length ≤ len(hash_ids) × block (a row without ids is a
 prompt that shares nothing).
 
-Replay (`build_mooncake`, in this order):
+Replay (`build_mooncake`, in this order; `replay_rows` is rules 1–5 alone, without prompts):
 1. rows are sorted by timestamp (stably);
 2. `sample_sessions` keeps whole prefix trees: a row's tree is its hash ids up to and including
    its first id that is not shared (an id is shared when more than `shared_fraction` of all
@@ -170,8 +170,20 @@ def select_rows(rows: Sequence[TraceRow], opts: MooncakeOptions, seed: int
     return kept
 
 
-def build_mooncake(spec: WorkloadSpec) -> list[Request]:
-    """The measured requests of a `mooncake` spec (see the module docstring)."""
+@dataclass(frozen=True)
+class ReplayedRow:
+    """One kept row of a replay (rules 1–5): its tree's number, arrival (s) and scaled lengths."""
+
+    row: TraceRow
+    tree: int
+    arrival_s: float
+    input_len: int
+    output_len: int
+
+
+def replay_rows(spec: WorkloadSpec) -> list[ReplayedRow]:
+    """Rules 1–5 of a `mooncake` spec: the kept rows in time order, with arrivals and scaled
+    lengths, without making prompts (`build_mooncake` adds rule 6 to exactly these)."""
     opts = spec.mooncake
     rows = read_mooncake(str(spec.path))
     for i, r in enumerate(rows):
@@ -181,13 +193,19 @@ def build_mooncake(spec: WorkloadSpec) -> list[Request]:
             raise ValueError(f"{spec.path}: row {i + 1}: {exc}") from None
     kept = select_rows(rows, opts, spec.seed)
     t0 = kept[0][0].timestamp_ms
+    return [ReplayedRow(r, tree, (r.timestamp_ms - t0) / 1000.0 / opts.time_scale,
+                        *scale_lengths(r, opts)) for r, tree in kept]
+
+
+def build_mooncake(spec: WorkloadSpec) -> list[Request]:
+    """The measured requests of a `mooncake` spec (see the module docstring)."""
+    b2 = spec.mooncake.scaled_block_tokens
     cache: dict[int, tuple[int, ...]] = {}
     out = []
-    for i, (r, tree) in enumerate(kept):
-        n_in, n_out = scale_lengths(r, opts)
-        prompt = prompt_of(r.hash_ids, n_in, spec.seed, opts.scaled_block_tokens, cache, i)
-        out.append(Request(i, (r.timestamp_ms - t0) / 1000.0 / opts.time_scale, prompt, n_out,
-                           hash_ids=r.hash_ids, session=tree))
+    for i, k in enumerate(replay_rows(spec)):
+        prompt = prompt_of(k.row.hash_ids, k.input_len, spec.seed, b2, cache, i)
+        out.append(Request(i, k.arrival_s, prompt, k.output_len, hash_ids=k.row.hash_ids,
+                           session=k.tree))
     return out
 
 
