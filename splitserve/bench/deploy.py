@@ -44,8 +44,9 @@ from typing import Any
 from splitserve.common.procs import stop_group
 from splitserve.config import TRANSPORTS, WorkerConfig
 from splitserve.hub import ModelSource
-from splitserve.router.config import DECODE_POLICIES, LOCAL_PREFILL_MAX_TOKENS, PREFILL_POLICIES
+from splitserve.router.config import DECODE_POLICIES, PREFILL_POLICIES
 from splitserve.routing import DEFAULT_POLICY
+from splitserve.routing.prefix import LOCAL_PREFILL_MAX_TOKENS
 from splitserve.worker.launch import free_port, start_worker, wait_healthy
 
 ARM_KINDS: tuple[str, ...] = ("colocated", "disagg")

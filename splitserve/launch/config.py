@@ -32,11 +32,11 @@ from splitserve.hub import check_model_name
 from splitserve.launch.rayconfig import RayOptions, ray_options
 from splitserve.router.config import (
     DECODE_POLICIES,
-    LOCAL_PREFILL_MAX_TOKENS,
     PREFILL_POLICIES,
     UNSPLITTABLE_MODES,
 )
 from splitserve.routing import DEFAULT_POLICY, CacheWeights
+from splitserve.routing.prefix import LOCAL_PREFILL_MAX_TOKENS
 from splitserve.secretflags import check_passthrough
 
 ROUTER_KEYS = ("prefill_policy", "decode_policy", "unsplittable", "max_inflight",

@@ -48,6 +48,7 @@ from splitserve.kvindex.messages import EVENTS_PATH, SNAPSHOT_PATH, KvEvents, Kv
 from splitserve.router.http import TRANSPORT_ERRORS
 from splitserve.router.metrics import RouterMetrics
 from splitserve.router.registry import EventKind, Registry, WorkerEvent
+from splitserve.routing.prefix import reusable
 
 log = logging.getLogger("splitserve.router")
 
@@ -175,10 +176,9 @@ class CacheView:
         `prompt_len` tokens: vLLM computes at least the last prompt token, so at most the
         largest multiple of its block size below `prompt_len`."""
         known = self.index.worker(url)
-        if known is None or prompt_len < 1:
+        if known is None:
             return 0
-        bs = known.block_size
-        return min(cached, (prompt_len - 1) // bs * bs)
+        return reusable(cached, prompt_len, known.block_size)
 
     def summary(self) -> dict[str, Any]:
         """The index in `/workers`: distinct blocks, bytes (measured per block), and the

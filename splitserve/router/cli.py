@@ -15,12 +15,12 @@ from splitserve.common.ports import check_port_free
 from splitserve.config import load_token
 from splitserve.router.config import (
     DECODE_POLICIES,
-    LOCAL_PREFILL_MAX_TOKENS,
     PREFILL_POLICIES,
     UNSPLITTABLE_MODES,
     RouterConfig,
 )
 from splitserve.routing import DEFAULT_POLICY
+from splitserve.routing.prefix import LOCAL_PREFILL_MAX_TOKENS
 from splitserve.secretflags import API_KEY_ENV, add_secret_guards
 
 

@@ -6,16 +6,12 @@ from dataclasses import dataclass
 
 from splitserve.common.vocab import Pool
 from splitserve.routing import DEFAULT_POLICY, CacheWeights, policy_names
+from splitserve.routing.prefix import LOCAL_PREFILL_MAX_TOKENS
 
 # the policy names each pool accepts: the registry's (`splitserve.routing.POLICIES`)
 PREFILL_POLICIES: tuple[str, ...] = policy_names(Pool.PREFILL)
 DECODE_POLICIES: tuple[str, ...] = policy_names(Pool.DECODE)
 UNSPLITTABLE_MODES: tuple[str, ...] = ("whole", "refuse")
-# Prefill on D: a request whose chosen D holds all but at most this many prompt tokens runs
-# whole on that D. 128 tokens (one vLLM-CPU block): such a prefill stalls D's other streams
-# once, by ~0.1 s on the demo model (benchmarks/local_prefill_stall.py; router/README.md,
-# "Cache-aware routing").
-LOCAL_PREFILL_MAX_TOKENS = 128
 
 
 def _check_url(url: str) -> None:

@@ -60,6 +60,7 @@ from splitserve.router.registry import Registry
 from splitserve.router.timings import Timings
 from splitserve.router.worker import Worker
 from splitserve.routing import RouteRequest
+from splitserve.routing.prefix import prefill_on_d
 
 log = logging.getLogger("splitserve.router")
 JSON_HEADERS = {"Content-Type": "application/json"}
@@ -146,9 +147,9 @@ class Flow:
         d = self.picker.decode(decode, request)
         plan = Plan(request, d, request.cached_on(d.url))
         n = self.cfg.local_prefill_max_tokens
-        if n and self.cache is not None and plan.d_cached:
+        if self.cache is not None and plan.d_cached:
             reused = self.cache.reusable(d.url, plan.d_cached, request.prompt_len)
-            if reused and request.prompt_len - reused <= n:
+            if prefill_on_d(reused, request.prompt_len, n):
                 plan.local, plan.local_reused = True, reused
         return plan
 

@@ -9,11 +9,12 @@ import numpy as np
 
 from splitserve.common.vocab import Pool
 from splitserve.routing import policy_names
+from splitserve.routing.prefix import LOCAL_PREFILL_MAX_TOKENS
 
 Mode = Literal["disagg", "colocated", "chunked"]
 # the router's policies (`splitserve.routing.POLICIES`), which the simulator runs by name.
-# `cache`: the simulator has no prefix identity yet (its requests are lengths), so nothing is
-# ever cached and `cache` picks exactly as `load` does (as on prompts that never repeat).
+# `cache` sees the workers' prefix caches when the workload has prefix identity
+# (`SimWorkload.blocks`); without it nothing is cached and `cache` picks as `load` does.
 Policy = Literal["cache", "load", "round_robin", "random", "power_of_two", "least_loaded"]
 Connector = Literal["splitserve", "nixl"]
 MODES: tuple[str, ...] = ("disagg", "colocated", "chunked")
@@ -31,7 +32,15 @@ class SimConfig:
     and D computes t2 in its first step; `nixl` (vLLM's NixlConnector) has D pull P's whole
     blocks after P's prefill, from D's next step once its leg reached D's scheduler (t1 + router
     hop + `pull_request_s`), and D's first step replays t1, so t2 comes with its second step.
-    `transport` names the profile's link either uses."""
+    `transport` names the profile's link either uses.
+
+    Prefix caching (a workload with `blocks`): `prefix_caching` gives every engine its prefix
+    cache (`sim.prefixcache`); `cache_aware` gives the router its exact index of them: the
+    policies see each worker's cached prefix, a request whose D holds all but at most
+    `local_prefill_max_tokens` of the prompt runs whole on D (prefill on D; 0: never), and P
+    sends D only the KV it lacks (a delta transfer). Cache-blind (`cache_aware` False), the
+    engines still reuse what they hold, but routing is by load alone and every transfer is
+    whole, as the router runs without its index."""
 
     mode: Mode = "disagg"
     n_prefill: int = 1
@@ -47,6 +56,9 @@ class SimConfig:
     shared_link: bool = False  # one link for the whole cluster instead of one per P-worker
     router_hop_s: float = 0.0  # router overhead added to each leg
     split_costs: bool = True  # disagg: apply the profile's measured `split` costs, if any
+    prefix_caching: bool = True  # the engines' prefix caches (with a workload's `blocks`)
+    cache_aware: bool = True  # the router's index of them: cached prefixes, prefill on D, deltas
+    local_prefill_max_tokens: int = LOCAL_PREFILL_MAX_TOKENS  # prefill on D (0: never)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -67,6 +79,8 @@ class SimConfig:
             raise ValueError("token_budget must be >= 1")
         if self.router_hop_s < 0 or self.pull_request_s < 0:
             raise ValueError("router_hop_s and pull_request_s must be >= 0")
+        if self.local_prefill_max_tokens < 0:
+            raise ValueError("local_prefill_max_tokens must not be negative (0 turns it off)")
 
     @property
     def workers(self) -> int:
@@ -102,6 +116,13 @@ class SimOutcome:
     join_step: np.ndarray  # per request: that worker's step count when it joined
     kv_transfer_s: np.ndarray
     events: int
+    # per request, with prefix caching (else None): the prompt tokens its computing engine
+    # reused (P's for a split request, D's for one prefilled on D), whether it ran whole on
+    # D, and the KV bytes that crossed to D
+    prefill_busy_s: float = 0.0  # engine-seconds of steps that prefilled, all workers
+    cached_tokens: np.ndarray | None = None
+    local: np.ndarray | None = None
+    kv_bytes: np.ndarray | None = None
     # the step-gap jitter (seconds added, weight per mille) ITL carries (the profile's, or its
     # split costs' through the overlay)
     gap_jitter_s: tuple[tuple[float, int], ...] = ()

@@ -159,6 +159,7 @@ def summarize(o: SimOutcome, system: str = "sim", slo: SLO | None = None,
         res |= {"mean_kv_transfer_ms": float(xfer.mean() * 1000),
                 "median_kv_transfer_ms": float(np.median(xfer) * 1000),
                 "p99_kv_transfer_ms": float(np.percentile(xfer, 99) * 1000)}
+    res |= cache_stats(o, ok)
     if per_request:
         res |= {"input_lens": o.prompt_lens.tolist(), "output_lens": o.output_lens.tolist(),
                 "ttfts": (o.first_token - o.arrivals).tolist(),
@@ -175,3 +176,20 @@ def attainment(o: SimOutcome, ttft_slo_s: float, tpot_slo_s: float) -> float:
     tpot = np.where(multi, (o.finish - o.first_token) / np.maximum(o.output_lens - 1, 1), 0.0)
     good = ok & (ttft <= ttft_slo_s) & (tpot <= tpot_slo_s)
     return float(good.sum() / len(good))
+
+
+def cache_stats(o: SimOutcome, ok: np.ndarray) -> dict[str, Any]:
+    """The benchmark's prefix-cache keys over the completed requests (`bench.cachestats`: the
+    computing engine's cached prompt tokens, as vLLM reports them), the KV bytes that crossed to
+    D and the requests prefilled on D; and the engine-seconds spent in steps that prefill
+    (`prefill_engine_s`). All cache keys null without prefix caches."""
+    out: dict[str, Any] = {"prefill_engine_s": o.prefill_busy_s}
+    if o.cached_tokens is None or o.local is None or o.kv_bytes is None:
+        return out | dict.fromkeys(("cached_prompt_tokens", "computed_prompt_tokens",
+                                    "prefix_hit_rate", "kv_bytes_moved", "local_prefills"))
+    prompt = int(o.prompt_lens[ok].sum())
+    cached = int(o.cached_tokens[ok].sum())
+    return out | {"cached_prompt_tokens": cached, "computed_prompt_tokens": prompt - cached,
+                  "prefix_hit_rate": cached / prompt if prompt else None,
+                  "kv_bytes_moved": int(o.kv_bytes[ok].sum()),
+                  "local_prefills": int(o.local[ok].sum())}

@@ -10,13 +10,14 @@ knows whether the request ends at t1).
 
 The simulator's workers are always in rotation, have no queue limit, and no staging limit
 (`staging_capacity_bytes` 0: the router's staging filter keeps every D), so a pick sees the
-whole pool. Its requests are lengths with no prefix identity (`RouteRequest.cached` None), so
-`cache` runs with nothing cached: it picks exactly as `load` does, which is what it would do
-on prompts that never repeat.
+whole pool. With prefix caches and the router's index (`SimConfig.cache_aware`) a pick sees
+each worker's cached prefix of the prompt (`RouteRequest.cached`, from `sim.prefixcache`);
+otherwise nothing is cached and `cache` picks exactly as `load` does.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -123,11 +124,13 @@ def pick_all(rng: np.random.Generator, pool: list[Worker], policy: str, n: int, 
     return Choices(chosen, views, draws, drawn, prompt_lens)
 
 
-def pick(pool: list[Worker], policy: str, pre: Choices, i: int, two: list[list[int]]) -> int:
+def pick(pool: list[Worker], policy: str, pre: Choices, i: int, two: list[list[int]],
+         cached: Mapping[str, int] | None = None) -> int:
     """Request i's worker (an index into `pool`): made up front, or by the policy now over the
-    pool's current state (`two`: the run's two columns of draws, for `power_of_two`)."""
+    pool's current state (`two`: the run's two columns of draws, for `power_of_two`;
+    `cached`: the router index's prompt tokens held per worker of the pool, by its number)."""
     if pre.drawn is not None:
         return pre.drawn[i]
     pre.draws.columns = two
     pre.draws.at(i)
-    return pre.policy.pick(pre.views, RouteRequest(pre.prompt_lens[i])).index
+    return pre.policy.pick(pre.views, RouteRequest(pre.prompt_lens[i], cached=cached)).index

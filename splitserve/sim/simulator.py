@@ -30,11 +30,13 @@ import heapq
 
 import numpy as np
 
+from splitserve.routing.prefix import prefill_on_d, reusable
 from splitserve.sim.deployment import Segment, SimConfig, SimOutcome, segment_arrays
 from splitserve.sim.handoff import KvLinks
 from splitserve.sim.model import Profile
 from splitserve.sim.overlay import Leg, Overlay
-from splitserve.sim.routing import pick, pick_all
+from splitserve.sim.prefixcache import PrefixCaches
+from splitserve.sim.routing import Choices, pick, pick_all
 from splitserve.sim.workerstate import (
     COLOCATED,
     DECODE,
@@ -73,23 +75,37 @@ class Simulation:
         jitter = self.overlay.gap_jitter_s
         self.jitter = profile.gap_jitter_s if jitter is None else jitter
         self.kvbpt, layers = profile.model.kv_bytes_per_token, profile.model.layers
+        n = len(workload)
+        self.arrivals = workload.arrivals.tolist()
+        self.prompt_lens = workload.prompt_lens.tolist()
+        self.output_lens = workload.output_lens.tolist()
+        self.caches: PrefixCaches | None = None
+        if workload.blocks is not None and config.prefix_caching:
+            self.caches = PrefixCaches(workload.blocks, workload.block_tokens, self.prompt_lens,
+                                       profile.kv_capacity_tokens, config.workers)
+        caches = self.caches
         self.links: KvLinks | None = None
         if config.mode == "disagg":
             self.links = KvLinks(profile.link(config.transport), config.n_prefill, layers,
                                  config.overlap, config.shared_link)
             p_pf, d_dc = self.overlay.prefill_cost(pf), self.overlay.decode_cost(dc)
-            self.P = [Worker(PREFILL, p_pf, dc, seqs) for _ in range(config.n_prefill)]
-            self.D = [Worker(DECODE, pf, d_dc, seqs) for _ in range(config.n_decode)]
+            npw = config.n_prefill
+            self.P = [Worker(PREFILL, p_pf, dc, seqs, caches, i) for i in range(npw)]
+            self.D = [Worker(DECODE, pf, d_dc, seqs, caches, npw + i)
+                      for i in range(config.n_decode)]
         else:
-            self.P = [Worker(COLOCATED, pf, dc, seqs) for _ in range(config.n_workers)]
+            self.P = [Worker(COLOCATED, pf, dc, seqs, caches, i)
+                      for i in range(config.n_workers)]
             self.D = []
         self.W = self.P + self.D
         self.npw = len(self.P)
         self.pull = config.mode == "disagg" and config.connector == "nixl"
-        n = len(workload)
-        self.arrivals = workload.arrivals.tolist()
-        self.prompt_lens = workload.prompt_lens.tolist()
-        self.output_lens = workload.output_lens.tolist()
+        # the router's index of the caches: what routing sees (cache-blind: nothing)
+        self.aware = caches is not None and config.cache_aware
+        self.charged = [0] * n  # per request: the prompt tokens it queued on its P (`load`)
+        self.d_reused = [0] * n  # per request: the prompt tokens its D already held (delta)
+        self.local = [False] * n  # per request: run whole on its D (prefill on D)
+        self.kv_bytes = [0] * n  # per request: the KV bytes that crossed to D
         nan = float("nan")
         self.t1, self.t2, self.finish = [nan] * n, [nan] * n, [nan] * n
         self.prefill_start, self.kv_transfer = [nan] * n, [nan] * n
@@ -128,6 +144,9 @@ class Simulation:
                 break
             w.waiting.popleft()
             w.kv_used += need
+            if w.caches is not None:  # the leg's KV is D's now: its prefix cache holds it
+                w.caches.store(wi, r)
+                w.caches.trim(wi, w.kv_used)
             replay = int(self.pull)  # a pulled leg's first step replays t1
             heapq.heappush(w.running, (w.steps + output_lens[r] - 1 + replay, r))
             self.decode_worker[r], self.join_step[r] = wi, w.steps + replay
@@ -174,7 +193,7 @@ class Simulation:
         w.chunks.clear()
         if w.queue:
             w.take_chunks(t, self.limits, self.prompt_lens, self.output_lens, self.failed,
-                          self.prefill_start)
+                          self.prefill_start, self.charged)
         if w.role == PREFILL and self.overlay.active:
             self.overlay.prefilling(wi, bool(w.chunks), t)
         if w.chunks:
@@ -195,7 +214,9 @@ class Simulation:
             w.joined.clear()
             w.joined, w.replaying = w.replaying, w.joined
             w.n_joined = len(w.new) + len(w.joined)
-            w.replaying.extend(w.new)
+            local = self.local
+            for r in w.new:  # a leg prefilled on D pulled nothing: it replays no t1
+                (w.joined if local[r] else w.replaying).append(r)
         else:
             w.n_joined = len(w.new)
             w.joined, w.new = w.new, w.joined  # the joiners of the step now in progress
@@ -248,10 +269,14 @@ class Simulation:
                     self._prefilled(wi, w, r, t)
                     continue
                 self.t1[r] = t
+                if w.caches is not None:
+                    w.caches.store(wi, r)
                 if output_lens[r] == 1:
                     self.finish[r] = t
                     w.kv_used -= prompt_lens[r] + 1
                     w.load -= 1
+                    if w.caches is not None:
+                        w.caches.release(wi, r)
                 else:
                     heapq.heappush(w.running, (w.steps + output_lens[r] - 1, r))
                     self.decode_worker[r], self.join_step[r] = wi, w.steps
@@ -267,6 +292,8 @@ class Simulation:
             w.context -= prompt_lens[r] + output_lens[r]
             w.kv_used -= prompt_lens[r] + output_lens[r]
             w.load -= 1
+            if w.caches is not None:
+                w.caches.release(wi, r)
             if w.role == DECODE and w.batch and self.overlay.active:
                 self.overlay.finished(wi - self.npw, w.batch)
         w.busy = False
@@ -295,10 +322,14 @@ class Simulation:
             leg = Leg(self.prompt_lens[r], out, wi, self.decode_of[r] if out > 1 else None)
         t1 = self.overlay.t1(t + hop, leg) if leg is not None else t + hop
         self.t1[r] = t1
-        w.load -= self.prompt_lens[r]
+        w.load -= self.charged[r]
+        if w.caches is not None:
+            w.caches.store(wi, r)
         if out == 1:
             self.finish[r] = t1
             w.kv_used -= self.prompt_lens[r]
+            if w.caches is not None:
+                w.caches.release(wi, r)
             return
         ready = t1 + hop
         if leg is not None:
@@ -308,8 +339,9 @@ class Simulation:
             self.prefill_of[r], self.kv_transfer[r] = wi, t
             self._push(ready + self.cfg.pull_request_s, _EV_LEG, r, 0)
             return
-        arrive, free = links.push(wi, self.kvbpt * self.prompt_lens[r], self.prefill_start[r], t)
-        heapq.heappush(w.kv_release, (free, self.prompt_lens[r]))
+        self.kv_bytes[r] = nbytes = self.kvbpt * (self.prompt_lens[r] - self.d_reused[r])
+        arrive, free = links.push(wi, nbytes, self.prefill_start[r], t)
+        heapq.heappush(w.kv_release, (free, self.prompt_lens[r], r))
         self.kv_transfer[r] = arrive - t
         self._push(max(arrive, ready), _EV_JOIN, r, 0)
 
@@ -321,8 +353,9 @@ class Simulation:
         assert links is not None, "a hand-off happens only in a disaggregated run"
         w = self.P[pi]
         post = next_boundary(d, t) if d.busy else t
-        arrive, free = links.pull(pi, self.kvbpt * self.prompt_lens[r], post)
-        heapq.heappush(w.kv_release, (free, self.prompt_lens[r]))
+        self.kv_bytes[r] = nbytes = self.kvbpt * (self.prompt_lens[r] - self.d_reused[r])
+        arrive, free = links.pull(pi, nbytes, post)
+        heapq.heappush(w.kv_release, (free, self.prompt_lens[r], r))
         if not w.busy and w.queue:
             w.kind = KV_WAIT
             self._schedule(pi, w, max(t, w.kv_release[0][0]))
@@ -372,21 +405,46 @@ class Simulation:
                 continue
             r, i = i, i + 1
             events += 1
-            p = pick(P, cfg.p_policy, pre_p, r, two_p)
+            if D and output_lens[r] > 1 and self._decode_leg(r, ta, pre_d, two_d):
+                continue  # prefilled on its D
+            cached = self.caches.cached_on(r, 0, npw) if self.aware and self.caches else None
+            p = pick(P, cfg.p_policy, pre_p, r, two_p, cached)
             w = P[p]
             w.queue.append(r)
             if D:
-                w.load += prompt_lens[r]
-                if output_lens[r] > 1:
-                    d = pick(D, cfg.d_policy, pre_d, r, two_d)
-                    self.decode_of[r] = d
-                    D[d].load += 1
-                    if self.overlay.active:
-                        self.overlay.arrived(d, ta)
+                held = cached.get(str(p), 0) if cached else 0
+                self.charged[r] = prompt_lens[r] - self._reusable(held, r)
+                w.load += self.charged[r]
             else:
                 w.load += 1
             self._poke(p, w, ta)
         return self._outcome(events)
+
+    def _reusable(self, held: int, r: int) -> int:
+        caches = self.caches
+        return reusable(held, self.prompt_lens[r], caches.block_tokens) if caches else 0
+
+    def _decode_leg(self, r: int, t: float, pre_d: Choices, two_d: list[list[int]]) -> bool:
+        """Pick request r's D on its arrival at t, as the router does, first: with the index,
+        a D that holds all but `local_prefill_max_tokens` of the prompt runs it whole (True:
+        queued there as a prompt), else P will send it only the KV it lacks."""
+        D, caches = self.D, self.caches if self.aware else None
+        cached = caches.cached_on(r, self.npw, len(D)) if caches else None
+        d = pick(D, self.cfg.d_policy, pre_d, r, two_d, cached)
+        self.decode_of[r] = d
+        w = D[d]
+        w.load += 1
+        if cached:
+            reused = self._reusable(cached.get(str(d), 0), r)
+            if prefill_on_d(reused, self.prompt_lens[r], self.cfg.local_prefill_max_tokens):
+                self.local[r] = True
+                w.queue.append(r)
+                self._poke(self.npw + d, w, t)
+                return True
+            self.d_reused[r] = reused
+        if self.overlay.active:
+            self.overlay.arrived(d, t)
+        return False
 
     def _outcome(self, events: int) -> SimOutcome:
         f = np.asarray
@@ -396,6 +454,15 @@ class Simulation:
             finish=f(self.finish), failed=f(self.failed, dtype=bool),
             **segment_arrays(self.segs), decode_worker=f(self.decode_worker),
             join_step=f(self.join_step), kv_transfer_s=f(self.kv_transfer), events=events,
-            gap_jitter_s=self.jitter,
+            gap_jitter_s=self.jitter, prefill_busy_s=sum(w.prefill_s for w in self.W),
+            **self._cache_arrays(),
         )
+
+    def _cache_arrays(self) -> dict[str, np.ndarray]:
+        """`SimOutcome`'s per-request cache fields (none without prefix caches)."""
+        if self.caches is None:
+            return {}
+        return {"cached_tokens": np.asarray(self.caches.hits, dtype=np.int64),
+                "local": np.asarray(self.local, dtype=bool),
+                "kv_bytes": np.asarray(self.kv_bytes, dtype=np.int64)}
 

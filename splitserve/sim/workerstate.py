@@ -13,6 +13,7 @@ from enum import IntEnum
 
 from splitserve.sim.costmodel import DecodeCost, PrefillCost
 from splitserve.sim.deployment import Segment
+from splitserve.sim.prefixcache import PrefixCaches
 
 
 class Role(IntEnum):
@@ -55,7 +56,8 @@ class Worker:
     `waiting`: decode legs waiting for admission (D); `running`: the decoding requests as a heap
     of (the step count at which each finishes, request); `batch`, `context`: how many run and
     their total context tokens; `steps`: steps done so far; `kv_used` / `kv_release`: KV tokens
-    held and (time, tokens) that transfers still hold; `load`: what the router balances on;
+    held and (time, tokens, request) that transfers still hold; `load`: what the router balances
+    on; `caches`: the run's prefix caches (None: none), this worker's is number `wi`;
     `new`: requests admitted since the last step (their t2 comes with the next); `joined`: the
     requests whose t2 the step in progress emits, `n_joined`: the requests that emit no
     inter-token gap in it (joiners, and replayers' t2); `replaying`: pulled legs (NIXL) whose
@@ -65,10 +67,14 @@ class Worker:
     __slots__ = ("role", "queue", "head_done", "waiting", "running", "batch", "context",
                  "steps", "busy", "kind", "started", "alpha", "beta", "seg_steps", "cut",
                  "version", "kv_used", "kv_release", "load", "chunks", "new", "n_joined",
-                 "step_dur", "prefill_cost", "decode_cost", "joined", "batch_term", "replaying")
+                 "step_dur", "prefill_cost", "decode_cost", "joined", "batch_term", "replaying",
+                 "caches", "wi", "prefill_s")
 
-    def __init__(self, role: Role, pf: PrefillCost, dc: DecodeCost, max_seqs: int) -> None:
+    def __init__(self, role: Role, pf: PrefillCost, dc: DecodeCost, max_seqs: int,
+                 caches: PrefixCaches | None = None, wi: int = 0) -> None:
         self.role, self.prefill_cost, self.decode_cost = role, pf, dc
+        self.caches, self.wi = caches, wi
+        self.prefill_s = 0.0  # seconds of steps that prefilled (mixed ones too)
         # dc.batch_term(B) for B = 0..max_seqs: looked up on every step, computed once
         self.batch_term = [dc.batch_term(b) for b in range(max_seqs + 1)]
         self.queue: deque[int] = deque()
@@ -80,44 +86,54 @@ class Worker:
         self.busy = self.cut = False
         self.kind: StepKind = STEP
         self.started = self.alpha = self.beta = self.step_dur = 0.0
-        self.kv_release: list[tuple[float, int]] = []
+        self.kv_release: list[tuple[float, int, int]] = []
         self.chunks: list[tuple[int, int, int]] = []
         self.new: list[int] = []
         self.joined: list[int] = []  # the requests whose t2 the step in progress emits
         self.replaying: list[int] = []  # the requests whose t1 replay the step in progress is
 
     def take_chunks(self, t: float, lim: Limits, prompt_lens: list[int], output_lens: list[int],
-                    failed: list[bool], prefill_start: list[float]) -> None:
+                    failed: list[bool], prefill_start: list[float], charged: list[int]) -> None:
         """Fill `chunks` with the next step's prompt chunks at t, FIFO from `queue`, within the
         token budget its decodes leave, `max_seqs` and KV capacity (KV whose transfers ended
-        by t is released first). A prompt that can never fit is marked in `failed`; a prompt
-        started gets its `prefill_start`; unchunked (`lim.chunked` False), a prompt that does
-        not fit the budget left waits for a step of its own."""
-        chunks, rel, queue = self.chunks, self.kv_release, self.queue
+        by t is released first). A prompt starts after its prefix-cache hit (its first chunk
+        begins there). A prompt that can never fit is marked in `failed` (a P takes back its
+        `charged` load); a prompt started gets its `prefill_start`; unchunked (`lim.chunked`
+        False), a prompt that does not fit the budget left waits for a step of its own."""
+        chunks, rel, queue, caches = self.chunks, self.kv_release, self.queue, self.caches
         while rel and rel[0][0] <= t:
-            self.kv_used -= heapq.heappop(rel)[1]
+            _, tokens, done_r = heapq.heappop(rel)
+            self.kv_used -= tokens
+            if caches is not None:
+                caches.release(self.wi, done_r)
         budget, cap, chunked = lim.token_budget - self.batch, lim.kv_capacity, lim.chunked
         while queue and budget > 0:
             r = queue[0]
             done = self.head_done
-            if done == 0:
+            fresh = done == 0
+            if fresh:
                 if self.batch + len(chunks) >= lim.max_seqs:
                     break
-                need = prompt_lens[r] + (output_lens[r] if self.role == COLOCATED else 0)
+                need = prompt_lens[r] + (output_lens[r] if self.role != PREFILL else 0)
                 if need > cap:
                     queue.popleft()
                     failed[r] = True
-                    self.load -= prompt_lens[r] if self.role == PREFILL else 1
+                    self.load -= charged[r] if self.role == PREFILL else 1
                     continue
                 if self.kv_used + need > cap:
                     break
+                if caches is not None:
+                    done = caches.hit(self.wi, r)
             rest = prompt_lens[r] - done
             if not chunked and rest > budget and chunks:
                 break
             q = rest if not chunked else min(rest, budget)
-            if done == 0:
+            if fresh:
                 self.kv_used += need
                 prefill_start[r] = t
+                if caches is not None:
+                    caches.pin(self.wi, r, done)
+                    caches.trim(self.wi, self.kv_used)
             chunks.append((r, q, done))
             budget -= q
             if q == rest:
@@ -136,6 +152,7 @@ class Worker:
         if self.batch:
             dur += dc.b * self.context + self.batch_term[self.batch] + max(0.0, dc.a - pf.a)
         self.kind, self.step_dur, self.started = STEP, dur, t
+        self.prefill_s += dur
         return dur
 
     def cut_short(self, t: float) -> float | None:
