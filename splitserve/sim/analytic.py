@@ -13,6 +13,15 @@ not a measurement. The model:
 - KV transfer over the given link: bandwidth and latency as stated.
 Summing the compute and memory terms (instead of taking the larger) overstates small steps a
 little; it never understates them.
+
+Tensor parallelism (`tp` GPUs a worker, Megatron-style as vLLM shards a dense model): FLOP/s,
+memory bandwidth, memory and network links add up over the ranks (each reads and computes its
+shard; each GPU has its own NIC); KV heads are split over the ranks, and replicated when there
+are fewer KV heads than ranks (each rank holds ceil(kv_heads / tp)); and every layer pays two
+all-reduces of its activations (attention out, MLP out), each a ring all-reduce:
+`2 · (tp − 1) / tp · tokens · hidden · dtype_bytes / allreduce_bw` plus `allreduce_latency_s`.
+The all-reduce's bytes are per token (a prefill's prompt tokens, a decode step's sequences);
+its latency is per step.
 """
 
 from __future__ import annotations
@@ -33,7 +42,10 @@ class Hardware:
     flops: float  # dense FLOP/s at the model's dtype
     mem_bw: float  # bytes/s
     memory_bytes: float
-    link_bw: float  # bytes/s between a P and a D worker
+    link_bw: float  # bytes/s between a P and a D worker, per GPU (its NIC)
+    # NCCL's all-reduce bus bandwidth between the GPUs of one node (bytes/s; 0: no TP link)
+    allreduce_bw: float = 0.0
+    allreduce_latency_s: float = 10e-6
     link_latency_s: float = 10e-6
     mfu: float = 0.5  # achieved share of peak FLOP/s
     mbu: float = 0.7  # achieved share of peak memory bandwidth
@@ -50,22 +62,27 @@ class Hardware:
                 raise ValueError(f"Hardware.{k} must be positive")
         if not (0 < self.mfu <= 1 and 0 < self.mbu <= 1 and 0 < self.mem_util <= 1):
             raise ValueError("mfu, mbu and mem_util must be in (0, 1]")
-        if self.link_latency_s < 0 or self.step_overhead_s < 0:
+        if self.link_latency_s < 0 or self.step_overhead_s < 0 or self.allreduce_latency_s < 0:
             raise ValueError("latencies must be >= 0")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
 
 
 GB = 1e9
-# Public datasheet peaks (dense BF16), one GPU; links are per-GPU network bandwidth.
+# Public datasheet peaks (dense BF16), one GPU; links are per-GPU network bandwidth. The
+# all-reduce bus bandwidths are NCCL's typical achieved figures inside one node (NVLink 3 / 4:
+# about 0.8 of the one-way peak of 300 / 450 GB/s; L40S: PCIe Gen4).
 PRESETS: dict[str, Hardware] = {
-    "a100-80g": Hardware("A100-SXM 80GB", 312e12, 2.039e12, 80 * 2**30, 25 * GB),
+    "a100-80g": Hardware("A100-SXM 80GB", 312e12, 2.039e12, 80 * 2**30, 25 * GB,
+                         allreduce_bw=240 * GB),
     "h100-sxm": Hardware("H100-SXM 80GB", 989e12, 3.35e12, 80 * 2**30, 50 * GB,
-                         max_num_batched_tokens=8192, max_num_seqs=1024),
-    "h200": Hardware("H200 141GB", 989e12, 4.8e12, 141 * GB, 50 * GB,
+                         allreduce_bw=360 * GB, max_num_batched_tokens=8192, max_num_seqs=1024),
+    "h200": Hardware("H200 141GB", 989e12, 4.8e12, 141 * GB, 50 * GB, allreduce_bw=360 * GB,
                      max_num_batched_tokens=8192, max_num_seqs=1024),
-    "l40s": Hardware("L40S 48GB", 362e12, 0.864e12, 48 * 2**30, 12.5 * GB),
+    "l40s": Hardware("L40S 48GB", 362e12, 0.864e12, 48 * 2**30, 12.5 * GB,
+                     allreduce_bw=20 * GB),
 }
+MAX_TP = 8  # the GPUs of one node: a TP group never spans nodes here
 
 
 @dataclass(frozen=True)
@@ -112,29 +129,59 @@ class ModelConfig:
         return ModelShape(self.name, self.layers, self.kv_heads, self.head_dim, self.dtype_bytes)
 
 
+def check_tp(model: ModelConfig, hw: Hardware, tp: int) -> None:
+    """ValueError unless `model` shards over `tp` GPUs of one `hw` node (vLLM's rule: the
+    attention heads divide evenly)."""
+    if not 1 <= tp <= MAX_TP:
+        raise ValueError(f"tp must be 1..{MAX_TP} (the GPUs of one node), got {tp}")
+    if model.heads % tp:
+        raise ValueError(f"{model.name}'s {model.heads} attention heads do not split over "
+                         f"tp={tp}")
+    if tp > 1 and hw.allreduce_bw <= 0:
+        raise ValueError(f"{hw.name} has no all-reduce bandwidth for tp={tp} (allreduce_bw)")
+
+
+def allreduce_s(model: ModelConfig, hw: Hardware, tp: int) -> tuple[float, float]:
+    """(seconds per step, seconds per token) of a step's all-reduces at `tp` (0 at tp=1)."""
+    if tp == 1:
+        return 0.0, 0.0
+    per_token = 2 * (tp - 1) / tp * model.hidden * model.dtype_bytes / hw.allreduce_bw
+    return 2 * model.layers * hw.allreduce_latency_s, 2 * model.layers * per_token
+
+
 def analytic_profile(model: ModelConfig, hw: Hardware, token_budget: int | None = None,
-                     transport: str = "rdma") -> Profile:
-    """The roofline profile of `model` on `hw`, with vLLM's scheduler defaults for that GPU
-    (`token_budget` overrides its max_num_batched_tokens)."""
-    flops, bw = hw.flops * hw.mfu, hw.mem_bw * hw.mbu
+                     transport: str = "rdma", tp: int = 1) -> Profile:
+    """The roofline profile of one worker of `tp` GPUs running `model` on `hw`, with vLLM's
+    scheduler defaults for that GPU (`token_budget` overrides its max_num_batched_tokens)."""
+    check_tp(model, hw, tp)
+    flops, bw = hw.flops * hw.mfu * tp, hw.mem_bw * hw.mbu * tp
     shape = model.shape()
-    weights = hw.step_overhead_s + model.weight_bytes / bw
-    prefill = PrefillCost(a=weights, b=2 * model.layer_params / flops,
+    held = tp * -(-model.kv_heads // tp) / model.kv_heads  # KV stored per KV made (replicas)
+    kv_held = shape.kv_bytes_per_token * held
+    step_s, token_s = allreduce_s(model, hw, tp)
+    weights = hw.step_overhead_s + model.weight_bytes / bw + step_s
+    prefill = PrefillCost(a=weights, b=2 * model.layer_params / flops + token_s,
                           c=2 * model.layers * model.heads * model.head_dim / flops)
-    decode = DecodeCost(a=weights, b=shape.kv_bytes_per_token / bw,
-                        c=2 * (model.layer_params + model.vocab * model.hidden) / flops)
-    free = hw.memory_bytes * hw.mem_util - model.weight_bytes
+    decode = DecodeCost(a=weights, b=kv_held / bw,
+                        c=2 * (model.layer_params + model.vocab * model.hidden) / flops + token_s)
+    free = hw.memory_bytes * hw.mem_util * tp - model.weight_bytes
     if free <= 0:
         raise ValueError(f"{model.name} ({model.weight_bytes / GB:.1f} GB) does not fit in "
-                         f"{hw.name}")
+                         f"{tp} x {hw.name}")
     return Profile(
         kind="analytic", engine=Engine("analytic", "n/a"), model=shape,
-        hardware={"name": hw.name, "flops": hw.flops, "mem_bw": hw.mem_bw,
-                  "memory_bytes": hw.memory_bytes, "link_bw": hw.link_bw, "mfu": hw.mfu,
-                  "mbu": hw.mbu, "step_overhead_s": hw.step_overhead_s,
+        hardware={"name": hw.name, "tp": tp, "flops": hw.flops, "mem_bw": hw.mem_bw,
+                  "memory_bytes": hw.memory_bytes, "link_bw": hw.link_bw,
+                  "allreduce_bw": hw.allreduce_bw, "mfu": hw.mfu, "mbu": hw.mbu,
+                  "step_overhead_s": hw.step_overhead_s,
                   "note": "analytic roofline estimate, not a measurement"},
         prefill=prefill, decode=decode, token_budget=token_budget or hw.max_num_batched_tokens,
-        kv_capacity_tokens=int(free // shape.kv_bytes_per_token), max_num_seqs=hw.max_num_seqs,
-        transfer={transport: TransferLink(hw.link_bw, hw.link_latency_s, "analytic")},
+        kv_capacity_tokens=int(free // kv_held), max_num_seqs=hw.max_num_seqs,
+        transfer={transport: TransferLink(hw.link_bw * tp, hw.link_latency_s, "analytic")},
         created=datetime.now(UTC).isoformat(timespec="seconds"),
     )
+
+
+def gpus_of(profile: Profile) -> int:
+    """The GPUs one worker of `profile` takes (its TP; 1 for a measured profile)."""
+    return int(profile.hardware.get("tp", 1))

@@ -26,6 +26,7 @@ from splitserve.bench.cli import add_workload_arguments, spec_from_args
 from splitserve.bench.metrics import SLO, distserve_goodput
 from splitserve.bench.report import print_summary, progress_bars, save_result
 from splitserve.common.cpus import parse_cpus
+from splitserve.routing.prefix import LOCAL_PREFILL_MAX_TOKENS
 from splitserve.sim.cli_args import (
     add_connector_args,
     add_profile_arg,
@@ -53,6 +54,20 @@ def _add_deployment_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--router-hop-ms", type=float, default=0.0)
     g.add_argument("--no-split-costs", action="store_true",
                    help="disagg: ignore the profile's measured split costs (router, connector)")
+    c = p.add_argument_group("prefix caches (workloads with repeated prefixes: mooncake, "
+                             "multiturn, traces)")
+    c.add_argument("--no-prefix-caching", action="store_true",
+                   help="the engines keep no prefix cache (every prompt computed whole)")
+    c.add_argument("--cache-blind", action="store_true",
+                   help="the router has no index of the caches: routing by load alone, whole "
+                   "transfers, no prefill on D (the engines still reuse what they hold)")
+    c.add_argument("--local-prefill-max-tokens", type=int, default=LOCAL_PREFILL_MAX_TOKENS,
+                   help="prefill on D when its D holds all but at most this many prompt tokens "
+                   f"(the router's flag; default {LOCAL_PREFILL_MAX_TOKENS}; 0: never)")
+    c.add_argument("--cache-block-tokens", type=int, default=None,
+                   help="tokens per cache block for prompts made of token ids (default: 128, "
+                   "vLLM-CPU's block, for a measured profile; 16, vLLM's GPU default, for an "
+                   "analytic one); Mooncake traces use their own blocks")
 
 
 def _sim_config(args: argparse.Namespace, prof: Profile) -> SimConfig:
@@ -68,7 +83,18 @@ def _sim_config(args: argparse.Namespace, prof: Profile) -> SimConfig:
                      connector=args.connector, pull_request_s=args.pull_request_ms / 1000,
                      overlap=not args.no_overlap, shared_link=args.shared_link,
                      router_hop_s=args.router_hop_ms / 1000, seed=args.seed,
-                     split_costs=not args.no_split_costs)
+                     split_costs=not args.no_split_costs,
+                     prefix_caching=not args.no_prefix_caching, cache_aware=not args.cache_blind,
+                     local_prefill_max_tokens=args.local_prefill_max_tokens)
+
+
+def cache_block_tokens(args: argparse.Namespace, prof: Profile) -> int:
+    """`--cache-block-tokens`, else the block of the engine the profile stands for."""
+    if args.cache_block_tokens is not None:
+        if args.cache_block_tokens < 1:
+            raise SystemExit("--cache-block-tokens must be >= 1")
+        return int(args.cache_block_tokens)
+    return 16 if prof.kind == "analytic" else 128
 
 
 def _label(cfg: SimConfig) -> str:
@@ -110,7 +136,10 @@ def _analytic(args: argparse.Namespace) -> Profile:
     model = ModelConfig.from_hf(model_path(args.model_config) or "", args.dtype_bytes)
     if not Path(args.model_config).exists():  # a hub id: named by it, not its snapshot
         model = replace(model, name=args.model_config)
-    return analytic_profile(model, replace(hw, **overrides), args.token_budget)
+    try:
+        return analytic_profile(model, replace(hw, **overrides), args.token_budget, tp=args.tp)
+    except ValueError as exc:
+        raise SystemExit(f"splitserve profile: {exc}") from None
 
 
 def _measured(args: argparse.Namespace) -> Profile:
@@ -170,6 +199,16 @@ def run_profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _decode_profile(args: argparse.Namespace) -> Profile | None:
+    """`--decode-profile`: D's workers, when they are not `--profile`'s (disagg only)."""
+    if not args.decode_profile:
+        return None
+    if args.mode != "disagg":
+        raise SystemExit("--decode-profile is for --mode disagg (the D pool's workers)")
+    return cli_profile(argparse.Namespace(
+        profile=args.decode_profile, accept_profile_mismatch=args.accept_profile_mismatch))
+
+
 def run_sim(args: argparse.Namespace) -> int:
     from splitserve.sim.records import MAX_RECORDS, request_records
     from splitserve.sim.results import summarize
@@ -178,6 +217,8 @@ def run_sim(args: argparse.Namespace) -> int:
 
     prof, spec = cli_profile(args), spec_from_args(args)
     cfg = _sim_config(args, prof)
+    d_prof = _decode_profile(args)
+    block = cache_block_tokens(args, prof)
     slo = SLO(args.slo_ttft_ms, args.slo_tpot_ms)
     rates = sorted(args.sweep_rates) or [None]
     if rates[0] is not None and slo.empty:
@@ -188,7 +229,7 @@ def run_sim(args: argparse.Namespace) -> int:
         advance = bars(f"{_label(cfg)} rates", len(rates)) if bars else None
         for rate in rates:  # a sweep ends on its highest rate, as the benchmark's does
             run_spec = spec if rate is None else spec.with_rate(rate)
-            out = simulate(prof, cfg, arrays_from_spec(run_spec))
+            out = simulate(prof, cfg, arrays_from_spec(run_spec, block), d_prof)
             res = summarize(out, system=_label(cfg), slo=slo)
             points.append({"rate": rate} | {k: res.get(k) for k in (
                 "slo_attainment", "request_goodput", "request_throughput", "completed",
@@ -216,7 +257,10 @@ def run_validate(args: argparse.Namespace) -> int:
     from splitserve.sim.validate_cli import Validation
 
     prof, spec = cli_profile(args), spec_from_args(args)
-    return Validation(args, prof, spec, _sim_config(args, prof)).run()
+    # the deployment validation starts runs its engines without prefix caching (its repeats
+    # replay one stream), so the simulated one does too
+    cfg = replace(_sim_config(args, prof), prefix_caching=False)
+    return Validation(args, prof, spec, cfg).run()
 
 
 def _rates(text: str) -> tuple[float, ...]:
@@ -258,7 +302,9 @@ def _register_profile(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     g.add_argument("--flops", type=float, default=None, help="override peak FLOP/s")
     g.add_argument("--mem-bw", type=float, default=None, help="override bytes/s")
     g.add_argument("--memory-bytes", type=float, default=None)
-    g.add_argument("--link-bw", type=float, default=None, help="override P→D bytes/s")
+    g.add_argument("--link-bw", type=float, default=None, help="override P→D bytes/s per GPU")
+    g.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs a worker (1..8, "
+                   "within one node; all-reduce costs from the preset's NVLink)")
     prof.set_defaults(func=run_profile)
 
 
@@ -266,6 +312,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     _register_profile(sub)
     sim = sub.add_parser("sim", help="simulate a deployment on a workload")
     add_profile_arg(sim)
+    sim.add_argument("--decode-profile", help="the D pool's profile when its workers differ "
+                     "from --profile's (e.g. another --tp of the same model)")
     _add_deployment_args(sim)
     add_workload_arguments(sim)
     sim.add_argument("--out", help="result JSON (the benchmark's schema)")

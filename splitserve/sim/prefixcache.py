@@ -51,11 +51,12 @@ class PrefixCaches:
     run's request blocks; `holders`: key -> the workers that hold it (the index)."""
 
     def __init__(self, blocks: Sequence[Sequence[int]], block_tokens: int,
-                 prompt_lens: Sequence[int], capacity_tokens: int, n_workers: int) -> None:
-        if block_tokens < 1 or capacity_tokens < 1:
-            raise ValueError("block_tokens and capacity_tokens must be >= 1")
+                 prompt_lens: Sequence[int], capacity_tokens: Sequence[int]) -> None:
+        """`capacity_tokens`: each worker's KV memory in tokens (one entry a worker)."""
+        if block_tokens < 1 or not capacity_tokens or min(capacity_tokens) < 1:
+            raise ValueError("block_tokens and every capacity must be >= 1")
         self.blocks, self.block_tokens, self.prompt_lens = blocks, block_tokens, prompt_lens
-        self.workers = [WorkerCache(capacity_tokens // block_tokens) for _ in range(n_workers)]
+        self.workers = [WorkerCache(c // block_tokens) for c in capacity_tokens]
         self.holders: dict[int, set[int]] = {}
         self.hits = [0] * len(prompt_lens)  # per request: its computing worker's hit (`pin`)
 

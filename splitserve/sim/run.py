@@ -28,6 +28,9 @@ def overlay_for(profile: Profile, config: SimConfig) -> Overlay:
                              profile.max_num_seqs)
 
 
-def simulate(profile: Profile, config: SimConfig, workload: SimWorkload) -> SimOutcome:
-    """Run `workload` on the deployment `config` describes, with `overlay_for`'s overlay."""
-    return Simulation(profile, config, workload, overlay_for(profile, config)).run()
+def simulate(profile: Profile, config: SimConfig, workload: SimWorkload,
+             decode_profile: Profile | None = None) -> SimOutcome:
+    """Run `workload` on the deployment `config` describes, with `overlay_for`'s overlay
+    (`decode_profile`: D's workers, when not `profile`'s)."""
+    return Simulation(profile, config, workload, overlay_for(profile, config),
+                      decode_profile).run()

@@ -63,14 +63,21 @@ class Simulation:
     """One run of one workload on one deployment, with the overlay its caller chose (default:
     the null one). `run()` returns a `SimOutcome`. Requests are indices into the run's
     arrays; P-workers are `W[0:len(P)]`, D-workers `W[len(P):]`. It is the `RunControl` its
-    overlay is bound to."""
+    overlay is bound to.
+
+    `decode_profile`: the D pool's workers, when they differ from P's (another TP degree, or
+    other GPUs of the same model); D's steps, limits and KV memory are then its. None: every
+    worker is `profile`'s."""
 
     def __init__(self, profile: Profile, config: SimConfig, workload: SimWorkload,
-                 overlay: Overlay | None = None) -> None:
+                 overlay: Overlay | None = None, decode_profile: Profile | None = None) -> None:
         self.profile, self.cfg, self.wl = profile, config, workload
         self.overlay = overlay if overlay is not None else Overlay()
-        self.limits = Limits(config.token_budget or profile.token_budget, profile.max_num_seqs,
-                             profile.kv_capacity_tokens, config.mode != "colocated")
+        d_prof = decode_profile or profile
+        if d_prof.model.kv_bytes_per_token != profile.model.kv_bytes_per_token:
+            raise ValueError("P's and D's profiles must be of one model (their KV differs)")
+        self.limits = self._limits(profile)
+        d_limits = self._limits(d_prof)
         pf, dc, seqs = profile.prefill, profile.decode, profile.max_num_seqs
         jitter = self.overlay.gap_jitter_s
         self.jitter = profile.gap_jitter_s if jitter is None else jitter
@@ -81,23 +88,28 @@ class Simulation:
         self.output_lens = workload.output_lens.tolist()
         self.caches: PrefixCaches | None = None
         if workload.blocks is not None and config.prefix_caching:
+            capacity = [profile.kv_capacity_tokens] * self.cfg.n_prefill + [
+                d_prof.kv_capacity_tokens] * self.cfg.n_decode if config.mode == "disagg" else [
+                profile.kv_capacity_tokens] * self.cfg.n_workers
             self.caches = PrefixCaches(workload.blocks, workload.block_tokens, self.prompt_lens,
-                                       profile.kv_capacity_tokens, config.workers)
+                                       capacity)
         caches = self.caches
         self.links: KvLinks | None = None
         if config.mode == "disagg":
             self.links = KvLinks(profile.link(config.transport), config.n_prefill, layers,
                                  config.overlap, config.shared_link)
-            p_pf, d_dc = self.overlay.prefill_cost(pf), self.overlay.decode_cost(dc)
+            p_pf = self.overlay.prefill_cost(pf)
+            d_dc = self.overlay.decode_cost(d_prof.decode)
             npw = config.n_prefill
             self.P = [Worker(PREFILL, p_pf, dc, seqs, caches, i) for i in range(npw)]
-            self.D = [Worker(DECODE, pf, d_dc, seqs, caches, npw + i)
+            self.D = [Worker(DECODE, d_prof.prefill, d_dc, d_prof.max_num_seqs, caches, npw + i)
                       for i in range(config.n_decode)]
         else:
             self.P = [Worker(COLOCATED, pf, dc, seqs, caches, i)
                       for i in range(config.n_workers)]
             self.D = []
         self.W = self.P + self.D
+        self.lim = [self.limits] * len(self.P) + [d_limits] * len(self.D)  # by worker
         self.npw = len(self.P)
         self.pull = config.mode == "disagg" and config.connector == "nixl"
         # the router's index of the caches: what routing sees (cache-blind: nothing)
@@ -118,6 +130,11 @@ class Simulation:
         self.rng = np.random.default_rng(config.seed)
         self.overlay.bind(self)
 
+    def _limits(self, profile: Profile) -> Limits:
+        cfg = self.cfg
+        return Limits(cfg.token_budget or profile.token_budget, profile.max_num_seqs,
+                      profile.kv_capacity_tokens, cfg.mode != "colocated")
+
     # worker mechanics ------------------------------------------------------------------
     def _push(self, t: float, kind: int, subject: int, version: int) -> None:
         self.seq += 1
@@ -131,7 +148,7 @@ class Simulation:
     def _admit(self, wi: int, w: Worker) -> None:
         """D-worker `w` admits its waiting legs FIFO within KV capacity and `max_seqs`."""
         prompt_lens, output_lens = self.prompt_lens, self.output_lens
-        cap, max_seqs = self.limits.kv_capacity, self.limits.max_seqs
+        cap, max_seqs = self.lim[wi].kv_capacity, self.lim[wi].max_seqs
         while w.waiting and w.batch < max_seqs:
             r = w.waiting[0]
             need = prompt_lens[r] + output_lens[r]
@@ -192,7 +209,7 @@ class Simulation:
         overlay's work or a pulled leg's replay makes it differ), else nothing."""
         w.chunks.clear()
         if w.queue:
-            w.take_chunks(t, self.limits, self.prompt_lens, self.output_lens, self.failed,
+            w.take_chunks(t, self.lim[wi], self.prompt_lens, self.output_lens, self.failed,
                           self.prefill_start, self.charged)
         if w.role == PREFILL and self.overlay.active:
             self.overlay.prefilling(wi, bool(w.chunks), t)
@@ -372,7 +389,7 @@ class Simulation:
         if D:
             two_d = [self.rng.integers(0, len(D), size=n).tolist() for _ in range(2)]
             pre_d = pick_all(self.rng, D, cfg.d_policy, n, prompt_lens=self.prompt_lens,
-                             kv_capacity=self.limits.kv_capacity)
+                             kv_capacity=self.lim[npw].kv_capacity)
         heap, arrivals = self.heap, self.arrivals
         prompt_lens, output_lens = self.prompt_lens, self.output_lens
         pop = heapq.heappop

@@ -22,7 +22,7 @@ B = 4  # tokens a block
 
 def caches(blocks: list[tuple[int, ...]], lens: list[int], capacity_tokens: int = 1000,
            workers: int = 2) -> PrefixCaches:
-    return PrefixCaches(blocks, B, lens, capacity_tokens, workers)
+    return PrefixCaches(blocks, B, lens, [capacity_tokens] * workers)
 
 
 def test_reuse_is_whole_blocks_below_the_last_prompt_token() -> None:
