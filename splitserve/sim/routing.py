@@ -24,7 +24,10 @@ import numpy as np
 
 from splitserve.common.vocab import Pool
 from splitserve.routing import POLICIES, Policy, RouteRequest
-from splitserve.sim.workerstate import COLOCATED, DECODE, PREFILL, Worker
+from splitserve.routing.prefix import prefill_on_d, reusable
+from splitserve.sim.deployment import SimConfig
+from splitserve.sim.prefixcache import PrefixCaches
+from splitserve.sim.workerstate import COLOCATED, DECODE, PREFILL, Limits, Worker
 
 POOL_OF = {PREFILL: Pool.PREFILL, DECODE: Pool.DECODE, COLOCATED: Pool.COLOCATED}
 
@@ -134,3 +137,57 @@ def pick(pool: list[Worker], policy: str, pre: Choices, i: int, two: list[list[i
     pre.draws.columns = two
     pre.draws.at(i)
     return pre.policy.pick(pre.views, RouteRequest(pre.prompt_lens[i], cached=cached)).index
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where one request goes: `p` (P or colocated worker; -1 when prefilled on D), `d` (D;
+    -1: none), `local` (prefill on D), `d_reused` (the prompt tokens D holds: P sends the rest),
+    `p_charged` (the prompt tokens it queues on P: those P computes)."""
+
+    p: int
+    d: int = -1
+    local: bool = False
+    d_reused: int = 0
+    p_charged: int = 0
+
+
+class SimRouter:
+    """The router of a simulated run, deciding as splitserve's router does (`router.flow`):
+    D first, by its policy over each D's cached prefix; a D that holds all but
+    `local_prefill_max_tokens` of the prompt runs it whole (`routing.prefix.prefill_on_d`);
+    else P by its policy, charged only the prompt tokens it computes, and D gets only the KV it
+    lacks. `index`: the caches as the router's index sees them (None: a cache-blind router)."""
+
+    def __init__(self, rng: np.random.Generator, cfg: SimConfig, P: list[Worker],
+                 D: list[Worker], prompt_lens: list[int], limits: list[Limits],
+                 index: PrefixCaches | None) -> None:
+        n, npw = len(prompt_lens), len(P)
+        self.cfg, self.P, self.D, self.prompt_lens, self.index = cfg, P, D, prompt_lens, index
+        self.two_p = [rng.integers(0, npw, size=n).tolist() for _ in range(2)]
+        self.pre_p = pick_all(rng, P, cfg.p_policy, n, prompt_lens=prompt_lens,
+                              kv_capacity=limits[0].kv_capacity)
+        if D:
+            self.two_d = [rng.integers(0, len(D), size=n).tolist() for _ in range(2)]
+            self.pre_d = pick_all(rng, D, cfg.d_policy, n, prompt_lens=prompt_lens,
+                                  kv_capacity=limits[npw].kv_capacity)
+
+    def _reused(self, cached: Mapping[str, int] | None, worker: int, r: int) -> int:
+        if not cached or self.index is None:
+            return 0
+        return reusable(cached.get(str(worker), 0), self.prompt_lens[r],
+                        self.index.block_tokens)
+
+    def route(self, r: int, needs_d: bool) -> Route:
+        """Request r's route on its arrival (`needs_d`: it decodes past its first token)."""
+        index, n, npw = self.index, self.prompt_lens[r], len(self.P)
+        d, d_reused = -1, 0
+        if needs_d:
+            cached = index.cached_on(r, npw, len(self.D)) if index else None
+            d = pick(self.D, self.cfg.d_policy, self.pre_d, r, self.two_d, cached)
+            d_reused = self._reused(cached, d, r)
+            if prefill_on_d(d_reused, n, self.cfg.local_prefill_max_tokens):
+                return Route(-1, d, local=True, d_reused=d_reused)
+        cached = index.cached_on(r, 0, npw) if index else None
+        p = pick(self.P, self.cfg.p_policy, self.pre_p, r, self.two_p, cached)
+        return Route(p, d, d_reused=d_reused, p_charged=n - self._reused(cached, p, r))

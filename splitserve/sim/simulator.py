@@ -30,13 +30,12 @@ import heapq
 
 import numpy as np
 
-from splitserve.routing.prefix import prefill_on_d, reusable
 from splitserve.sim.deployment import Segment, SimConfig, SimOutcome, segment_arrays
 from splitserve.sim.handoff import KvLinks
 from splitserve.sim.model import Profile
 from splitserve.sim.overlay import Leg, Overlay
 from splitserve.sim.prefixcache import PrefixCaches
-from splitserve.sim.routing import Choices, pick, pick_all
+from splitserve.sim.routing import Route, SimRouter
 from splitserve.sim.workerstate import (
     COLOCATED,
     DECODE,
@@ -112,8 +111,6 @@ class Simulation:
         self.lim = [self.limits] * len(self.P) + [d_limits] * len(self.D)  # by worker
         self.npw = len(self.P)
         self.pull = config.mode == "disagg" and config.connector == "nixl"
-        # the router's index of the caches: what routing sees (cache-blind: nothing)
-        self.aware = caches is not None and config.cache_aware
         self.charged = [0] * n  # per request: the prompt tokens it queued on its P (`load`)
         self.d_reused = [0] * n  # per request: the prompt tokens its D already held (delta)
         self.local = [False] * n  # per request: run whole on its D (prefill on D)
@@ -381,17 +378,11 @@ class Simulation:
 
     def run(self) -> SimOutcome:
         """Route every request on its arrival and run the events to the last one."""
-        cfg, n = self.cfg, len(self.arrivals)
-        P, D, W, npw = self.P, self.D, self.W, self.npw
-        two_p = [self.rng.integers(0, len(P), size=n).tolist() for _ in range(2)]
-        pre_p = pick_all(self.rng, P, cfg.p_policy, n, prompt_lens=self.prompt_lens,
-                         kv_capacity=self.limits.kv_capacity)
-        if D:
-            two_d = [self.rng.integers(0, len(D), size=n).tolist() for _ in range(2)]
-            pre_d = pick_all(self.rng, D, cfg.d_policy, n, prompt_lens=self.prompt_lens,
-                             kv_capacity=self.lim[npw].kv_capacity)
-        heap, arrivals = self.heap, self.arrivals
-        prompt_lens, output_lens = self.prompt_lens, self.output_lens
+        n = len(self.arrivals)
+        D, W, npw = self.D, self.W, self.npw
+        router = SimRouter(self.rng, self.cfg, self.P, D, self.prompt_lens, self.lim,
+                           self.caches if self.cfg.cache_aware else None)
+        heap, arrivals, output_lens = self.heap, self.arrivals, self.output_lens
         pop = heapq.heappop
         i, events = 0, 0
         inf = float("inf")
@@ -422,46 +413,31 @@ class Simulation:
                 continue
             r, i = i, i + 1
             events += 1
-            if D and output_lens[r] > 1 and self._decode_leg(r, ta, pre_d, two_d):
-                continue  # prefilled on its D
-            cached = self.caches.cached_on(r, 0, npw) if self.aware and self.caches else None
-            p = pick(P, cfg.p_policy, pre_p, r, two_p, cached)
-            w = P[p]
-            w.queue.append(r)
-            if D:
-                held = cached.get(str(p), 0) if cached else 0
-                self.charged[r] = prompt_lens[r] - self._reusable(held, r)
-                w.load += self.charged[r]
-            else:
-                w.load += 1
-            self._poke(p, w, ta)
+            self._arrive(r, ta, router.route(r, bool(D) and output_lens[r] > 1))
         return self._outcome(events)
 
-    def _reusable(self, held: int, r: int) -> int:
-        caches = self.caches
-        return reusable(held, self.prompt_lens[r], caches.block_tokens) if caches else 0
-
-    def _decode_leg(self, r: int, t: float, pre_d: Choices, two_d: list[list[int]]) -> bool:
-        """Pick request r's D on its arrival at t, as the router does, first: with the index,
-        a D that holds all but `local_prefill_max_tokens` of the prompt runs it whole (True:
-        queued there as a prompt), else P will send it only the KV it lacks."""
-        D, caches = self.D, self.caches if self.aware else None
-        cached = caches.cached_on(r, self.npw, len(D)) if caches else None
-        d = pick(D, self.cfg.d_policy, pre_d, r, two_d, cached)
-        self.decode_of[r] = d
-        w = D[d]
-        w.load += 1
-        if cached:
-            reused = self._reusable(cached.get(str(d), 0), r)
-            if prefill_on_d(reused, self.prompt_lens[r], self.cfg.local_prefill_max_tokens):
+    def _arrive(self, r: int, t: float, route: Route) -> None:
+        """Request r arrived at t and `route` is the router's choice: queue it there."""
+        if route.d >= 0:
+            self.decode_of[r] = route.d
+            d = self.D[route.d]
+            d.load += 1
+            if route.local:
                 self.local[r] = True
-                w.queue.append(r)
-                self._poke(self.npw + d, w, t)
-                return True
-            self.d_reused[r] = reused
-        if self.overlay.active:
-            self.overlay.arrived(d, t)
-        return False
+                d.queue.append(r)
+                self._poke(self.npw + route.d, d, t)
+                return
+            self.d_reused[r] = route.d_reused
+            if self.overlay.active:
+                self.overlay.arrived(route.d, t)
+        w = self.P[route.p]
+        w.queue.append(r)
+        if self.D:
+            self.charged[r] = route.p_charged
+            w.load += route.p_charged
+        else:
+            w.load += 1
+        self._poke(route.p, w, t)
 
     def _outcome(self, events: int) -> SimOutcome:
         f = np.asarray
