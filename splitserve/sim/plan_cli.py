@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 from splitserve.bench.cli import add_workload_arguments, spec_from_args
@@ -26,9 +27,23 @@ def run_plan(args: argparse.Namespace) -> int:
         print_plan,
     )
 
-    prof, spec = cli_profile(args), spec_from_args(args)
     if args.slo_ttft_ms is None or args.slo_tpot_ms is None:
         raise SystemExit("splitserve plan needs --slo-ttft-ms and --slo-tpot-ms")
+    if args.gpus is not None:
+        from splitserve.sim.gpuplan_cli import run_gpu_plan
+
+        with Progress("[progress.description]{task.description}", BarColumn(),
+                      MofNCompleteColumn(), TimeElapsedColumn()) as bar:
+            def progress(name: str, total: int) -> Callable[[], None]:
+                task = bar.add_task(name, total=total)
+                return lambda: bar.advance(task)
+
+            run_gpu_plan(args, progress)
+        return 0
+    if args.workers is None:
+        raise SystemExit("splitserve plan needs --workers N (a measured profile's workers) or "
+                         "--gpus N (TP per pool, analytic or measured profiles)")
+    prof, spec = cli_profile(args), spec_from_args(args)
     connector = "splitserve" if args.connector == "compare" else args.connector
     req = PlanRequest(rate=spec.arrival.rate, slo=SLO(args.slo_ttft_ms, args.slo_tpot_ms),
                       workers=args.workers, target=args.target,
@@ -72,7 +87,23 @@ def register_plan(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
     pl = sub.add_parser("plan", help="colocated or disaggregated, the best P:D, the connector")
     add_profile_arg(pl)
     add_workload_arguments(pl)
-    pl.add_argument("--workers", type=int, required=True, help="worker budget")
+    pl.add_argument("--workers", type=int, help="worker budget (P:D over one profile)")
+    g = pl.add_argument_group("GPU planning (--gpus): TP per pool, counts, routing policy")
+    g.add_argument("--gpus", type=int, help="GPU budget: search TP per pool, P and D counts "
+                   "and the routing policy, and where disaggregation pays (a ladder of budgets)")
+    g.add_argument("--model-config", help="HF config.json, its directory, or a Hugging Face "
+                   "model id (analytic profiles, one a TP degree)")
+    g.add_argument("--hardware", default="h100-sxm",
+                   choices=("a100-80g", "h100-sxm", "h200", "l40s"))
+    g.add_argument("--dtype-bytes", type=int, default=2)
+    g.add_argument("--tp", help="TP degrees to search, e.g. 2,4,8 (default 1,2,4,8: those "
+                   "the model fits)")
+    g.add_argument("--policies", help="routing policies to search, e.g. cache,load (default: "
+                   "both on workloads with repeated prefixes, else cache)")
+    g.add_argument("--no-ladder", action="store_true", help="plan the budget only")
+    g.add_argument("--cache-block-tokens", type=int, default=None,
+                   help="prefix-cache block for token-id prompts (default: 16 analytic, 128 "
+                   "measured)")
     pl.add_argument("--target", type=float, default=0.9, help="attainment target")
     pl.add_argument("--token-budget", type=int, default=None, help="chunked baseline budget")
     add_connector_args(pl, compare=True)

@@ -123,34 +123,43 @@ def _attain(profile: Profile, spec: WorkloadSpec, cfg: SimConfig, rate: float,
 def goodput(profile: Profile, spec: WorkloadSpec, cfg: SimConfig, req: PlanRequest,
             at_rate: float) -> dict[str, Any]:
     """DistServe goodput of one candidate, starting the search at `req.rate`."""
-    points = {req.rate: at_rate}
-    lo = hi = req.rate
-    if at_rate >= req.target:
+    return search_goodput(lambda rate: _attain(profile, spec, cfg, rate, req.slo), req.rate,
+                          at_rate, req.target, req.bisect_steps)
+
+
+def search_goodput(attain_at: Callable[[float], float], rate: float, at_rate: float,
+                   target: float, bisect_steps: int) -> dict[str, Any]:
+    """DistServe goodput (`bench.metrics.distserve_goodput`) of a deployment whose attainment
+    at a rate `attain_at` gives, found from `rate` (where it is `at_rate`): doubling or halving
+    to bracket `target`, then `bisect_steps` geometric bisections."""
+    points = {rate: at_rate}
+    lo = hi = rate
+    if at_rate >= target:
         for _ in range(12):
             hi *= 2
-            points[hi] = _attain(profile, spec, cfg, hi, req.slo)
-            if points[hi] < req.target:
+            points[hi] = attain_at(hi)
+            if points[hi] < target:
                 break
             lo = hi
         else:
-            return distserve_goodput(list(points.items()), req.target)
+            return distserve_goodput(list(points.items()), target)
     else:
         for _ in range(12):
             lo /= 2
-            points[lo] = _attain(profile, spec, cfg, lo, req.slo)
-            if points[lo] >= req.target:
+            points[lo] = attain_at(lo)
+            if points[lo] >= target:
                 break
             hi = lo
         else:
-            return distserve_goodput(list(points.items()), req.target)
-    for _ in range(req.bisect_steps):
+            return distserve_goodput(list(points.items()), target)
+    for _ in range(bisect_steps):
         mid = (lo * hi) ** 0.5
-        points[mid] = _attain(profile, spec, cfg, mid, req.slo)
-        if points[mid] >= req.target:
+        points[mid] = attain_at(mid)
+        if points[mid] >= target:
             lo = mid
         else:
             hi = mid
-    return distserve_goodput([(lo, points[lo]), (hi, points[hi])], req.target)
+    return distserve_goodput([(lo, points[lo]), (hi, points[hi])], target)
 
 
 def plan(profile: Profile, spec: WorkloadSpec, req: PlanRequest,

@@ -1,0 +1,191 @@
+"""`splitserve plan --gpus N`: the GPU planner (`sim.gpuplan`) as a command.
+
+    splitserve plan --gpus 16 --model-config CONFIG --hardware h100-sxm \\
+        --slo-ttft-ms 2000 --slo-tpot-ms 80 --workload mooncake --dataset-path trace.jsonl
+
+Profiles: analytic, one per TP degree (`--tp`, default 1, 2, 4, 8: those the model fits), from
+`--model-config` and `--hardware`; or `--profile` (a measured one: TP 1 only). It prints the
+candidates (best first), the ladder of budgets with one sentence on where disaggregation pays,
+the plan's choice and the commands that deploy it; it writes `gpuplan.json` and `gpuplan.png`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, cast
+
+from splitserve.bench.metrics import SLO
+from splitserve.sim.deployment import POLICIES, Policy
+from splitserve.sim.gpuplan import GpuPlan, GpuPlanner, GpuPlanRequest, Rung, Shape
+from splitserve.sim.model import Profile
+
+TPS = (1, 2, 4, 8)
+
+
+def plan_profiles(args: argparse.Namespace) -> dict[int, Profile]:
+    """One profile a TP degree the model fits (`--tp`), analytic or `--profile`'s (TP 1)."""
+    from splitserve.sim.analytic import PRESETS, ModelConfig, analytic_profile
+    from splitserve.sim.cli_args import cli_profile, model_path
+
+    tps = tuple(int(x) for x in args.tp.split(",")) if args.tp else TPS
+    if args.profile:
+        if tps != (1,) and args.tp:
+            raise SystemExit("a measured --profile is one TP-1 worker; --tp needs an analytic "
+                             "profile (--model-config and --hardware)")
+        return {1: cli_profile(args)}
+    if not args.model_config:
+        raise SystemExit("splitserve plan --gpus needs --model-config (and --hardware) or "
+                         "--profile")
+    model = ModelConfig.from_hf(model_path(args.model_config) or "", args.dtype_bytes)
+    out: dict[int, Profile] = {}
+    for tp in tps:
+        try:
+            out[tp] = analytic_profile(model, PRESETS[args.hardware], tp=tp)
+        except ValueError as exc:
+            print(f"note: tp={tp} left out: {exc}")
+    if not out:
+        raise SystemExit(f"{model.name} fits no TP degree of {tps} on {args.hardware}")
+    return out
+
+
+def deploy_commands(shape: Shape, model: str) -> list[str]:
+    """The commands that start `shape` with splitserve's launcher or its parts."""
+    c = shape.config
+    tp = lambda t: f" -- --tensor-parallel-size {t}" if t > 1 else ""  # noqa: E731
+    if c.mode != "disagg":
+        return [f"splitserve serve --model {model} --colocated {c.n_workers}{tp(shape.tp_p)}"]
+    policies = f"--prefill-policy {c.p_policy} --decode-policy {c.d_policy}"
+    if shape.tp_p == shape.tp_d:
+        return [f"splitserve serve --model {model} --prefill {c.n_prefill} --decode "
+                f"{c.n_decode} {policies}{tp(shape.tp_p)}"]
+    lines: list[str] = []
+    p_urls: list[str] = []
+    d_urls: list[str] = []
+    for role, n, t, urls in (("prefill", c.n_prefill, shape.tp_p, p_urls),
+                             ("decode", c.n_decode, shape.tp_d, d_urls)):
+        for _ in range(n):
+            port = 8100 + len(p_urls) + len(d_urls)
+            urls.append(f"http://HOST:{port}")
+            lines.append(f"splitserve worker --model {model} --role {role} --port {port}"
+                         f"{tp(t)}")
+    lines.append(f"splitserve router --prefill {' '.join(p_urls)} --decode {' '.join(d_urls)} "
+                 f"{policies}")
+    return lines
+
+
+def print_gpu_plan(plan: GpuPlan, rungs: list[Rung], verdict: str | None, model: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    req = plan.request
+    t = Table(title=f"{req.gpus} GPUs at {req.rate:.3g} req/s (TTFT ≤ {req.slo.ttft_ms:g} ms, "
+                    f"TPOT ≤ {req.slo.tpot_ms:g} ms; simulated)")
+    for col in ("deployment", "GPUs", "attainment", "goodput req/s", "per GPU", "TTFT p50 ms",
+                "TTFT p90 ms", "TPOT p50 ms", "hit rate"):
+        t.add_column(col, justify="right")
+
+    def f(v: Any, spec: str = ".3g") -> str:
+        return "-" if v is None else format(v, spec)
+
+    ranked = sorted(plan.candidates, key=lambda c: (-(c.goodput_per_gpu or 0), -c.attainment))
+    for c in ranked[:12]:
+        m = c.metrics or {}
+        t.add_row(c.shape.label + (" *" if c is plan.best else ""), str(c.shape.gpus),
+                  f"{c.attainment:.1%}", f(c.goodput) if c.searched else "(not searched)",
+                  f(c.goodput_per_gpu), f(m.get("median_ttft_ms"), ".0f"),
+                  f(m.get("p90_ttft_ms"), ".0f"), f(m.get("median_tpot_ms"), ".1f"),
+                  f(m.get("prefix_hit_rate"), ".2f"))
+    console = Console(width=max(Console().width, 120))
+    console.print(t)
+    if rungs:
+        lt = Table(title="where disaggregation pays: best goodput per GPU at each budget")
+        for col in ("GPUs", "best colocated", "per GPU", "best disaggregated", "per GPU"):
+            lt.add_column(col, justify="right")
+        for r in rungs:
+            lt.add_row(str(r.gpus), r.colocated.shape.label if r.colocated else "-",
+                       f(r.colocated.goodput_per_gpu if r.colocated else None),
+                       r.disagg.shape.label if r.disagg else "-",
+                       f(r.disagg.goodput_per_gpu if r.disagg else None))
+        console.print(lt)
+    console.print(f"[bold]plan:[/bold] {plan.verdict}")
+    if verdict:
+        console.print(f"[bold]advice:[/bold] {verdict}")
+    console.print("[bold]deploy:[/bold]\n  " + "\n  ".join(deploy_commands(plan.best.shape,
+                                                                         model)))
+
+
+def plot_gpu_plan(plan: GpuPlan, rungs: list[Rung], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if rungs:
+        xs = [r.gpus for r in rungs]
+        for name, pick in (("colocated", lambda r: r.colocated),
+                           ("disaggregated", lambda r: r.disagg)):
+            ys = [(pick(r).goodput_per_gpu or 0.0) if pick(r) else 0.0 for r in rungs]
+            ax.plot(xs, ys, marker="o", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("GPUs")
+    else:
+        cands = sorted(plan.candidates, key=lambda c: -(c.goodput_per_gpu or 0))[:10]
+        ax.bar([c.shape.label for c in cands], [c.goodput_per_gpu or 0 for c in cands])
+        plt.setp(ax.get_xticklabels(), rotation=45, ha="right")
+    ax.set_ylabel("goodput per GPU (req/s)")
+    ax.set_title(f"best deployment per budget (simulated, target {plan.request.target:.0%})")
+    ax.legend() if rungs else None
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def run_gpu_plan(args: argparse.Namespace, progress: Callable[[str, int], Callable[[], None]]
+                 ) -> dict[str, Any]:
+    """The whole command: plan, ladder, print, write; returns the JSON it wrote."""
+    from splitserve.bench.cli import spec_from_args
+    from splitserve.sim.cli import cache_block_tokens
+    from splitserve.sim.gpuplan import budgets, ladder, ladder_verdict, shapes
+    from splitserve.sim.workload import arrays_from_spec
+
+    profiles = plan_profiles(args)
+    spec = spec_from_args(args)
+    wl = arrays_from_spec(spec, cache_block_tokens(args, next(iter(profiles.values()))))
+    rate = spec.arrival.rate if spec.source == "synthetic" else wl.offered_rate
+    policies = tuple(args.policies.split(",")) if args.policies else (
+        ("cache", "load") if wl.blocks is not None else ("cache",))
+    unknown = [x for x in policies if x not in POLICIES]
+    if unknown:
+        raise SystemExit(f"unknown --policies {unknown}; known: {', '.join(POLICIES)}")
+    req = GpuPlanRequest(args.gpus, rate, SLO(args.slo_ttft_ms, args.slo_tpot_ms),
+                         cast(tuple[Policy, ...], policies), args.target)
+    planner = GpuPlanner(profiles, wl)
+    planner.progress = progress("plan: candidates simulated", planner.count(req))
+    plan = planner.plan(req)
+    rungs: list[Rung] = []
+    if not args.no_ladder:
+        total = sum(len(shapes(b, tuple(profiles), req.policies, req.transport))
+                    for b in budgets(args.gpus)[:-1])
+        planner.progress = progress("ladder: candidates simulated", total)
+        rungs = ladder(planner, req, plan)
+    verdict = ladder_verdict(rungs) if rungs else None
+    model = args.model_config or "MODEL"
+    print_gpu_plan(plan, rungs, verdict, model)
+    out = Path(args.out_dir)
+    doc = plan.to_dict() | {"advice": verdict, "deploy": deploy_commands(plan.best.shape, model),
+                            "ladder": [{"gpus": r.gpus, "winner": r.winner,
+                                        "colocated": r.colocated.to_dict() if r.colocated
+                                        else None,
+                                        "disagg": r.disagg.to_dict() if r.disagg else None}
+                                       for r in rungs]}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpuplan.json").write_text(json.dumps(doc, indent=2))
+    png = plot_gpu_plan(plan, rungs, out / "gpuplan.png")
+    print(f"wrote {out / 'gpuplan.json'} and {png}")
+    return doc
