@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from splitserve.bench.metrics import SLO
+from splitserve.bench.workload import WorkloadSpec
 from splitserve.sim.deployment import POLICIES, Policy
 from splitserve.sim.gpuplan import GpuPlan, GpuPlanner, GpuPlanRequest, Rung, Shape
 from splitserve.sim.model import Profile
@@ -51,15 +52,16 @@ def plan_profiles(args: argparse.Namespace) -> dict[int, Profile]:
     return out
 
 
-def deploy_commands(shape: Shape, model: str) -> list[str]:
-    """The commands that start `shape` with splitserve's launcher or its parts."""
+def deploy_commands(shape: Shape, model_flag: str) -> list[str]:
+    """The commands that start `shape` with splitserve's launcher or its parts (`model_flag`:
+    `--model NAME` or `--embedded`)."""
     c = shape.config
     tp = lambda t: f" -- --tensor-parallel-size {t}" if t > 1 else ""  # noqa: E731
     if c.mode != "disagg":
-        return [f"splitserve serve --model {model} --colocated {c.n_workers}{tp(shape.tp_p)}"]
+        return [f"splitserve serve {model_flag} --colocated {c.n_workers}{tp(shape.tp_p)}"]
     policies = f"--prefill-policy {c.p_policy} --decode-policy {c.d_policy}"
     if shape.tp_p == shape.tp_d:
-        return [f"splitserve serve --model {model} --prefill {c.n_prefill} --decode "
+        return [f"splitserve serve {model_flag} --prefill {c.n_prefill} --decode "
                 f"{c.n_decode} {policies}{tp(shape.tp_p)}"]
     lines: list[str] = []
     p_urls: list[str] = []
@@ -69,14 +71,15 @@ def deploy_commands(shape: Shape, model: str) -> list[str]:
         for _ in range(n):
             port = 8100 + len(p_urls) + len(d_urls)
             urls.append(f"http://HOST:{port}")
-            lines.append(f"splitserve worker --model {model} --role {role} --port {port}"
+            lines.append(f"splitserve worker {model_flag} --role {role} --port {port}"
                          f"{tp(t)}")
     lines.append(f"splitserve router --prefill {' '.join(p_urls)} --decode {' '.join(d_urls)} "
                  f"{policies}")
     return lines
 
 
-def print_gpu_plan(plan: GpuPlan, rungs: list[Rung], verdict: str | None, model: str) -> None:
+def print_gpu_plan(plan: GpuPlan, rungs: list[Rung], verdict: str | None, model_flag: str
+                   ) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -114,7 +117,7 @@ def print_gpu_plan(plan: GpuPlan, rungs: list[Rung], verdict: str | None, model:
     if verdict:
         console.print(f"[bold]advice:[/bold] {verdict}")
     console.print("[bold]deploy:[/bold]\n  " + "\n  ".join(deploy_commands(plan.best.shape,
-                                                                         model)))
+                                                                         model_flag)))
 
 
 def plot_gpu_plan(plan: GpuPlan, rungs: list[Rung], path: Path) -> Path:
@@ -146,16 +149,15 @@ def plot_gpu_plan(plan: GpuPlan, rungs: list[Rung], path: Path) -> Path:
     return path
 
 
-def run_gpu_plan(args: argparse.Namespace, progress: Callable[[str, int], Callable[[], None]]
-                 ) -> dict[str, Any]:
-    """The whole command: plan, ladder, print, write; returns the JSON it wrote."""
-    from splitserve.bench.cli import spec_from_args
+def plan_and_ladder(profiles: dict[int, Profile], spec: WorkloadSpec, args: argparse.Namespace,
+                    progress: Callable[[str, int], Callable[[], None]]
+                    ) -> tuple[GpuPlan, list[Rung], str | None]:
+    """Plan `args.gpus` over `profiles` on `spec`'s stream (`--policies`, `--target`, SLOs,
+    `--cache-block-tokens`), then the ladder unless `--no-ladder`: (plan, rungs, verdict)."""
     from splitserve.sim.cli import cache_block_tokens
     from splitserve.sim.gpuplan import budgets, ladder, ladder_verdict, shapes
     from splitserve.sim.workload import arrays_from_spec
 
-    profiles = plan_profiles(args)
-    spec = spec_from_args(args)
     wl = arrays_from_spec(spec, cache_block_tokens(args, next(iter(profiles.values()))))
     rate = spec.arrival.rate if spec.source == "synthetic" else wl.offered_rate
     policies = tuple(args.policies.split(",")) if args.policies else (
@@ -174,16 +176,30 @@ def run_gpu_plan(args: argparse.Namespace, progress: Callable[[str, int], Callab
                     for b in budgets(args.gpus)[:-1])
         planner.progress = progress("ladder: candidates simulated", total)
         rungs = ladder(planner, req, plan)
-    verdict = ladder_verdict(rungs) if rungs else None
-    model = args.model_config or "MODEL"
-    print_gpu_plan(plan, rungs, verdict, model)
+    return plan, rungs, ladder_verdict(rungs) if rungs else None
+
+
+def plan_json(plan: GpuPlan, rungs: list[Rung], verdict: str | None, model_flag: str
+              ) -> dict[str, Any]:
+    """The plan, the ladder, the advice and the deploy commands, as written to JSON."""
+    return plan.to_dict() | {
+        "advice": verdict, "deploy": deploy_commands(plan.best.shape, model_flag),
+        "ladder": [{"gpus": r.gpus, "winner": r.winner,
+                    "colocated": r.colocated.to_dict() if r.colocated else None,
+                    "disagg": r.disagg.to_dict() if r.disagg else None} for r in rungs]}
+
+
+def run_gpu_plan(args: argparse.Namespace, progress: Callable[[str, int], Callable[[], None]]
+                 ) -> dict[str, Any]:
+    """The whole command: plan, ladder, print, write; returns the JSON it wrote."""
+    from splitserve.bench.cli import spec_from_args
+
+    plan, rungs, verdict = plan_and_ladder(plan_profiles(args), spec_from_args(args), args,
+                                           progress)
+    model_flag = f"--model {args.model_config}" if args.model_config else "--model MODEL"
+    print_gpu_plan(plan, rungs, verdict, model_flag)
     out = Path(args.out_dir)
-    doc = plan.to_dict() | {"advice": verdict, "deploy": deploy_commands(plan.best.shape, model),
-                            "ladder": [{"gpus": r.gpus, "winner": r.winner,
-                                        "colocated": r.colocated.to_dict() if r.colocated
-                                        else None,
-                                        "disagg": r.disagg.to_dict() if r.disagg else None}
-                                       for r in rungs]}
+    doc = plan_json(plan, rungs, verdict, model_flag)
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpuplan.json").write_text(json.dumps(doc, indent=2))
     png = plot_gpu_plan(plan, rungs, out / "gpuplan.png")
