@@ -16,7 +16,7 @@ COMMAND_MODULES = (
     "splitserve.router.cli",  # router
     "splitserve.launch.cli",  # serve
     "splitserve.bench.cli",  # bench, bench compare
-    "splitserve.sim.cli",  # profile, sim, sim validate, plan
+    "splitserve.sim.cli",  # profile, sim, sim validate, plan, advise
 )
 
 

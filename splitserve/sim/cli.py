@@ -27,6 +27,7 @@ from splitserve.bench.metrics import SLO, distserve_goodput
 from splitserve.bench.report import print_summary, progress_bars, save_result
 from splitserve.common.cpus import parse_cpus
 from splitserve.routing.prefix import LOCAL_PREFILL_MAX_TOKENS
+from splitserve.sim.advise import register_advise
 from splitserve.sim.cli_args import (
     add_connector_args,
     add_profile_arg,
@@ -257,10 +258,10 @@ def run_validate(args: argparse.Namespace) -> int:
     from splitserve.sim.validate_cli import Validation
 
     prof, spec = cli_profile(args), spec_from_args(args)
-    # the deployment validation starts runs its engines without prefix caching (its repeats
-    # replay one stream), so the simulated one does too
-    cfg = replace(_sim_config(args, prof), prefix_caching=False)
-    return Validation(args, prof, spec, cfg).run()
+    cfg = _sim_config(args, prof)
+    if not args.prefix_caching:  # the engines validation starts keep no prefix cache (its
+        cfg = replace(cfg, prefix_caching=False)  # repeats replay one stream): nor does the sim
+    return Validation(args, prof, spec, cfg, cache_block_tokens(args, prof)).run()
 
 
 def _rates(text: str) -> tuple[float, ...]:
@@ -341,7 +342,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                      help="disagg: measure the launched deployment's split costs first")
     val.add_argument("--real-json", help="reuse the measurements of an earlier validation JSON "
                      "(simulate again only)")
+    val.add_argument("--prefix-caching", action="store_true",
+                     help="validate the prefix-cache model: the engines keep their caches "
+                     "(--enable-prompt-tokens-details), every repeat runs a fresh seed's stream, "
+                     "simulated with caches and the router's --p-policy/--d-policy, "
+                     "--cache-blind, --local-prefill-max-tokens")
     val.add_argument("--out", help="validation JSON")
     val.set_defaults(func=run_validate)
 
     register_plan(sub)
+    register_advise(sub)

@@ -7,7 +7,9 @@ degree, analytic ones from `analytic.analytic_profile(tp=...)` or a measured TP-
 - colocated: `n` workers of TP `t` with n·t ≤ G, chunked prefill (vLLM's default);
 - disaggregated: `n_p` P workers of TP `t_p` and `n_d` D workers of TP `t_d`, each ≥ 1, with
   n_p·t_p + n_d·t_d ≤ G and no GPU left that could be one more D (n_d is the most that fits);
-- each with every routing policy asked (they differ only on workloads with prefix identity).
+- each disaggregated one with every routing policy asked (they differ only on workloads with
+  prefix identity); a colocated pool is routed as the router routes it (`load`: its unsplit
+  path knows no token ids).
 
 The search: every candidate is simulated at the asked rate; the `shortlist` best by SLO
 attainment (then TTFT p50) per kind (colocated, disaggregated) get their DistServe goodput
@@ -22,9 +24,10 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 from splitserve.bench.metrics import SLO
+from splitserve.routing import COLOCATED_POLICY
 from splitserve.sim.analytic import gpus_of
 from splitserve.sim.deployment import Policy, SimConfig, SimOutcome
 from splitserve.sim.model import Profile
@@ -108,11 +111,10 @@ class GpuCandidate:
 def shapes(gpus: int, tps: tuple[int, ...], policies: tuple[Policy, ...],
            transport: str) -> list[Shape]:
     """Every candidate of a budget of `gpus` (see the module docstring)."""
-    out: list[Shape] = []
+    colocated = cast(Policy, COLOCATED_POLICY)
+    out = [Shape(SimConfig("chunked", n_workers=gpus // t, p_policy=colocated), t)
+           for t in tps if t <= gpus]
     for policy in policies:
-        for t in tps:
-            if t <= gpus:
-                out.append(Shape(SimConfig("chunked", n_workers=gpus // t, p_policy=policy), t))
         for tp_p in tps:
             for tp_d in tps:
                 for n_p in range(1, gpus // tp_p + 1):
@@ -286,7 +288,8 @@ def ladder_verdict(rungs: list[Rung]) -> str:
         parts.append(f"disaggregation gives the most goodput per GPU at "
                      f"{', '.join(by['disaggregated'])} GPUs")
     if "colocated" in by:
-        parts.append(f"colocated at {', '.join(by['colocated'])}")
+        most = "the most" if parts else "the most goodput per GPU"
+        parts.append(f"colocated gives {most} at {', '.join(by['colocated'])} GPUs")
     if "neither" in by:
         parts.append(f"no deployment of {', '.join(by['neither'])} GPUs meets the SLOs at any "
                      "rate")

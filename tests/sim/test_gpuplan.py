@@ -43,7 +43,9 @@ def test_every_candidate_fits_the_budget_and_d_takes_what_is_left() -> None:
           if s.config.mode == "disagg"]
     assert (1, 4, 1, 4) in pd and (3, 2, 2, 1) in pd and (7, 1, 1, 1) in pd
     assert all(8 - (n_p * tp_p + n_d * tp_d) < tp_d for n_p, tp_p, n_d, tp_d in pd)
-    assert len(shapes(8, (1, 2, 4), ("cache", "load"), "rdma")) == 2 * len(got)
+    assert all(s.config.p_policy == "load" for s in co)  # as the router routes a colocated pool
+    both = shapes(8, (1, 2, 4), ("cache", "load"), "rdma")
+    assert len(both) == len(co) + 2 * len(pd)
     assert budgets(16) == [1, 2, 4, 8, 16] and budgets(12) == [1, 2, 4, 8, 12]
 
 
@@ -85,7 +87,8 @@ def test_the_ladder_says_who_wins_where() -> None:
              Rung(8, cand(co, 8.0), cand(pd, 12.0)), Rung(16, cand(co, None), cand(pd, None))]
     assert [r.winner for r in rungs] == ["colocated", "colocated", "disaggregated", "neither"]
     assert ladder_verdict(rungs) == (
-        "disaggregation gives the most goodput per GPU at 8 GPUs; colocated at 1, 2; "
+        "disaggregation gives the most goodput per GPU at 8 GPUs; colocated gives the most "
+        "at 1, 2 GPUs; "
         "no deployment of 16 GPUs meets the SLOs at any rate")
 
 
