@@ -6,7 +6,10 @@ deployment (`--url`, e.g. one started by `splitserve serve`), or one this comman
 stops itself: a single plain vLLM worker (`splitserve.worker.launch`), or any other deployment
 through splitserve's launcher (`splitserve.launch.local.LocalDeployment`: router + workers).
 Repeats and rates replay the same prompts, so the deployment must run with prefix caching off
-(the local worker does), or every repeat after the first measures cache hits, not prefills.
+(the workers this command starts do), or every repeat after the first measures cache hits, not
+prefills. `--prefix-caching` validates the cache model instead (`validate_cache`: caches on, a
+fresh seed's stream per repeat); its hit rate is judged in points (`ABSOLUTE`), and each metric
+against its own target (`TARGETS`: hit rate 3 points, prompt tokens computed 5 %, else 10 %).
 Each real point is measured `repeats` times; the spread (min..max over repeats) is reported
 next to the error, and an error whose simulated value lies inside the measured min..max is
 marked as noise rather than a miss. The simulation replays the identical request stream (same
@@ -28,7 +31,7 @@ import asyncio
 import contextlib
 import statistics
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from splitserve.bench.client import ClientConfig, RequestRecord
@@ -43,8 +46,11 @@ from splitserve.sim.results import summarize
 from splitserve.sim.run import simulate
 from splitserve.sim.workload import arrays_from_spec
 
-METRICS = ("median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms", "median_tpot_ms",
-           "p99_tpot_ms", "request_throughput")
+METRICS = ("median_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms",
+           "median_tpot_ms", "p99_tpot_ms", "request_throughput")
+# a metric's target: |error| at most this (relative, or absolute for ABSOLUTE's; default 10 %)
+TARGETS = {"prefix_hit_rate": 0.03, "computed_prompt_tokens": 0.05}
+ABSOLUTE = frozenset({"prefix_hit_rate"})  # fractions compared in points, not relative
 
 
 @dataclass(frozen=True)
@@ -60,14 +66,29 @@ class Point:
         return sum(self.real) / len(self.real)
 
     @property
+    def absolute(self) -> bool:
+        """Error and spread in the metric's own unit (a hit rate: points), not relative."""
+        return self.metric in ABSOLUTE
+
+    @property
+    def target(self) -> float:
+        return TARGETS.get(self.metric, 0.10)
+
+    @property
     def error(self) -> float:
+        """sim − real mean: relative to the real mean, or absolute (`absolute`)."""
+        if self.absolute:
+            return self.sim - self.real_mean
         return (self.sim - self.real_mean) / self.real_mean if self.real_mean else float("nan")
 
     @property
     def spread(self) -> float:
-        """Half the min..max range over repeats, relative to the mean."""
+        """Half the min..max range over repeats, relative to the mean (`absolute`: as is)."""
+        half = (max(self.real) - min(self.real)) / 2
+        if self.absolute:
+            return half
         m = self.real_mean
-        return (max(self.real) - min(self.real)) / 2 / m if m else float("nan")
+        return half / m if m else float("nan")
 
     @property
     def within_noise(self) -> bool:
@@ -81,13 +102,16 @@ class Point:
         return Point(self.rate, self.metric, self.real, self.sim_adjusted)
 
     def verdict(self) -> str:
-        return "noise" if self.within_noise else ("ok" if abs(self.error) <= 0.10 else "MISS")
+        if self.within_noise:
+            return "noise"
+        return "ok" if abs(self.error) <= self.target else "MISS"
 
     def to_dict(self) -> dict[str, Any]:
         adj = self.adjusted
         return {"rate": self.rate, "metric": self.metric, "real": list(self.real),
                 "real_mean": self.real_mean, "sim": self.sim, "error": self.error,
                 "spread": self.spread, "within_noise": self.within_noise,
+                "absolute": self.absolute, "target": self.target,
                 "sim_adjusted": self.sim_adjusted,
                 "error_adjusted": adj.error if adj else None,
                 "within_noise_adjusted": adj.within_noise if adj else None}
@@ -199,18 +223,30 @@ def attach_records(real: dict[float, list[dict[str, Any]]], runs: dict[str, Any]
                 run["requests"] = measured.get("requests")
 
 
+NO_CACHE_WORKER_ARGS = ("--no-enable-prefix-caching",)
+CACHE_WORKER_ARGS = ("--enable-prompt-tokens-details",)  # vLLM's prefix caching is on by default
+
+
+def worker_args(prefix_caching: bool) -> tuple[str, ...]:
+    """The engines' flags: repeats of one stream run without prefix caching (else every repeat
+    after the first would find its prompts cached and measure almost no prefill); a prefix-cache
+    validation (`validate_cache`, a fresh stream per repeat) keeps it on and has every answer
+    carry its cached-token count."""
+    return CACHE_WORKER_ARGS if prefix_caching else NO_CACHE_WORKER_ARGS
+
+
 @contextlib.contextmanager
 def local_worker(model: str, cpus: tuple[int, ...] | None, token_budget: int,
-                 log_path: str | None = None) -> Iterator[str]:
-    """A plain vLLM worker (no connector) for the duration of the block; yields its URL."""
+                 log_path: str | None = None, prefix_caching: bool = False) -> Iterator[str]:
+    """A plain vLLM worker (no connector) for the duration of the block; yields its URL.
+    Its engine runs without prefix caching, or with it and the cached-token count in every
+    answer (`prefix_caching`: `CACHE_WORKER_ARGS`)."""
     from splitserve.config import WorkerConfig
     from splitserve.worker.launch import free_port, start_worker, wait_healthy
 
-    # Repeats replay the identical stream: with prefix caching on, every repeat after the first
-    # would find its prompts cached and measure almost no prefill.
     cfg = WorkerConfig(model=model, port=free_port(), cpus=cpus,
                        max_num_batched_tokens=token_budget,
-                       extra_args=("--no-enable-prefix-caching",))
+                       extra_args=worker_args(prefix_caching))
     proc = start_worker(cfg, None, log_path=log_path)
     try:
         wait_healthy(cfg.url, proc)
@@ -221,10 +257,14 @@ def local_worker(model: str, cpus: tuple[int, ...] | None, token_budget: int,
 
 @contextlib.contextmanager
 def launched(cfg: SimConfig, cpus: tuple[int, ...] | None, token_budget: int,
-             log_dir: str | None = None, router_cpus: tuple[int, ...] | None = None
-             ) -> Iterator[str]:
-    """The deployment `cfg` describes, started by splitserve's launcher (router + workers, prefix
-    caching off), for the duration of the block; yields the router's URL."""
+             log_dir: str | None = None, router_cpus: tuple[int, ...] | None = None,
+             prefix_caching: bool = False) -> Iterator[str]:
+    """The deployment `cfg` describes, started by splitserve's launcher (router + workers), for
+    the duration of the block; yields the router's URL. Without `prefix_caching` the engines
+    keep no prefix cache and the router runs its default policies; with it the engines keep
+    theirs (`worker_args`) and the router runs `cfg`'s: its policies, its
+    `local_prefill_max_tokens`, and the workers' cache reports only when `cfg.cache_aware`
+    (cache-blind: none, as the benchmark's `blind` arms)."""
     from splitserve.launch.config import DeploymentConfig
     from splitserve.launch.local import LocalDeployment
     from splitserve.worker.launch import free_port
@@ -234,8 +274,12 @@ def launched(cfg: SimConfig, cpus: tuple[int, ...] | None, token_budget: int,
                            decode=cfg.n_decode if split else 0,
                            colocated=0 if split else cfg.n_workers, transport=cfg.transport,
                            port=free_port(), max_num_batched_tokens=token_budget, cpus=cpus,
-                           log_dir=log_dir, worker_args=("--no-enable-prefix-caching",),
+                           log_dir=log_dir, worker_args=worker_args(prefix_caching),
                            router_cpus=router_cpus)
+    if prefix_caching and split:
+        dep = replace(dep, prefill_policy=cfg.p_policy, decode_policy=cfg.d_policy,
+                      local_prefill_max_tokens=cfg.local_prefill_max_tokens,
+                      kv_events=cfg.cache_aware)
     with LocalDeployment(dep) as deployment:
         yield deployment.url
 
@@ -300,20 +344,27 @@ def _f(x: float | None) -> str:
     return "–" if x is None else f"{x:.3f}"
 
 
+def _pct(x: float, points: bool, spread: bool = False) -> str:
+    """An error (signed) or a spread (±): in points for an absolute metric, else in %."""
+    if points:
+        return f"±{x * 100:.1f} pt" if spread else f"{x * 100:+.1f} pt"
+    return f"±{x:.1%}" if spread else f"{x:+.1%}"
+
+
 def print_points(points: list[Point]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title="simulated vs measured (error = (sim − real mean) / real mean; adjusted: "
-                    "each repeat simulated at its canary's drift)")
+    t = Table(title="simulated vs measured (error = (sim − real mean) / real mean; pt: sim − "
+                    "real mean in points; adjusted: each repeat simulated at its canary's drift)")
     drift = any(p.adjusted is not None for p in points)
     cols = ["rate", "metric", "real mean", "real min..max", "spread", "sim", "error", "verdict"]
     for col in cols + (["sim adj", "error adj", "verdict adj"] if drift else []):
         t.add_column(col, justify="right")
     for p in points:
         row = [f"{p.rate:g}", p.metric, f"{p.real_mean:.3g}",
-               f"{min(p.real):.3g}..{max(p.real):.3g}", f"±{p.spread:.1%}", f"{p.sim:.3g}",
-               f"{p.error:+.1%}", p.verdict()]
+               f"{min(p.real):.3g}..{max(p.real):.3g}", _pct(p.spread, p.absolute, spread=True),
+               f"{p.sim:.3g}", _pct(p.error, p.absolute), p.verdict()]
         adj = p.adjusted
         if drift:
             row += [f"{adj.sim:.3g}", f"{adj.error:+.1%}", adj.verdict()] if adj else ["–"] * 3

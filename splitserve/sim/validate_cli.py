@@ -7,6 +7,10 @@ command launches (disagg, or more than one worker; `--calibrate` measures its sp
 first), or one local plain worker (`--reprofile` profiles it first). With its own profiling,
 every repeat runs between two canaries, and drift is read against `reference`: the canary
 simulated on the profile the points are simulated on (`drift.modelled_reference`).
+
+`--prefix-caching` (`validate_cache`): the engines keep their prefix caches, every repeat runs a
+fresh seed's stream and is simulated on its own; no canaries (they replay one stream), so no
+profiling or calibration in the same command.
 """
 
 from __future__ import annotations
@@ -35,6 +39,12 @@ from splitserve.sim.validate import (
     print_points,
     stored_real,
 )
+from splitserve.sim.validate_cache import (
+    attach_seeds,
+    compare_cached,
+    measure_cached,
+    seeds_json,
+)
 
 Real = dict[float, list[dict[str, Any]]]  # rate → the measured repeats' result dicts
 
@@ -46,8 +56,13 @@ class Validation:
     `around` holds the canaries measured around that profiling."""
 
     def __init__(self, args: argparse.Namespace, prof: Profile, spec: WorkloadSpec,
-                 cfg: SimConfig) -> None:
+                 cfg: SimConfig, block_tokens: int = 128) -> None:
         self.args, self.prof, self.spec, self.cfg = args, prof, spec, cfg
+        self.caching = bool(getattr(args, "prefix_caching", False))
+        self.block_tokens = block_tokens  # the engines' cache block (prefix identity)
+        if self.caching and (args.reprofile or args.calibrate):
+            raise SystemExit("--prefix-caching measures with the caches on; profile or "
+                             "calibrate in a command without it, and pass that --profile")
         if cfg.connector != "splitserve" and not (args.url or args.real_json):
             raise SystemExit("sim validate launches deployments on splitserve's connector; "
                              f"for {cfg.connector}, give --url of a running one")
@@ -83,6 +98,8 @@ class Validation:
     def measure(self, url: str) -> Real:
         """Every rate's repeats on `url`, with canaries when there is a reference."""
         self.pin_client()
+        if self.caching:
+            return measure_cached(url, self.spec, self.rates, self.args.repeats)
         run = self.canary if self.reference is not None else None
         return {r: measure_point(url, self.spec.with_rate(r), self.args.repeats, run)
                 for r in self.rates}
@@ -112,7 +129,11 @@ class Validation:
     def stored(self, path: Path) -> Real:
         """An earlier validation JSON's stream and repeats (and the per-request records of the
         `.runs.json` beside it, for the stretch and handover lines)."""
-        self.spec, real, self.around = stored_real(json.loads(path.read_text()))
+        stored = json.loads(path.read_text())
+        self.spec, real, self.around = stored_real(stored)
+        if stored.get("seeds"):  # a prefix-cache validation: each repeat its own stream
+            self.caching = True
+            attach_seeds(real, stored["seeds"])
         if self.around is not None:  # the canaries ran: drift against this profile's canary
             self.refer(self.prof)
         runs_json = path.with_suffix(".runs.json")
@@ -129,7 +150,7 @@ class Validation:
             raise SystemExit("--reprofile works with one plain worker (--mode chunked "
                              "--workers 1); profile a worker of the deployment instead")
         with launched(cfg, args.cpus, cfg.token_budget or prof.token_budget,
-                      router_cpus=args.router_cpus) as url:
+                      router_cpus=args.router_cpus, prefix_caching=self.caching) as url:
             if args.calibrate and cfg.mode == "disagg":  # this deployment's split costs
                 from splitserve.sim.calibration.calibrate import SplitPlan, calibrate_split
 
@@ -143,7 +164,7 @@ class Validation:
 
         args, budget = self.args, self.cfg.token_budget or self.prof.token_budget
         model = model_path(args.model_dir) or str(embedded_model_dir())
-        with local_worker(model, args.cpus, budget) as url:
+        with local_worker(model, args.cpus, budget, prefix_caching=self.caching) as url:
             if args.reprofile:  # calibrate on this very worker, under today's conditions
                 from splitserve.sim.profile import ProfilePlan, profile_worker
 
@@ -156,12 +177,15 @@ class Validation:
         """Simulate every rate, print the comparison, and write `--out` (and, for a measured
         run, the raw repeats beside it for a later `--real-json`)."""
         args, cfg, prof = self.args, self.cfg, self.prof
-        points = compare(prof, cfg, self.spec, self.rates, real, self.reference)
-        if cfg.mode == "disagg":  # P's busy windows are one P's; read against D's step
+        if self.caching:  # no canaries; the handovers would be read off one stream
+            points = compare_cached(prof, cfg, self.spec, self.rates, real, self.block_tokens)
+        elif cfg.mode == "disagg":  # P's busy windows are one P's; read against D's step
             print_drifts(real, self.reference, prof.split.decode if prof.split else prof.decode)
             print_handovers(prof, cfg, self.spec, real)
         else:
             print_drifts(real, self.reference)
+        if not self.caching:
+            points = compare(prof, cfg, self.spec, self.rates, real, self.reference)
         print_points(points)
         if args.out and not args.real_json:
             raw = Path(args.out).with_suffix(".runs.json")
@@ -171,5 +195,6 @@ class Validation:
                 {"profile": str(args.profile), "config": cfg.__dict__,
                  "workload": self.spec.to_dict(), "repeats": args.repeats,
                  "points": [p.to_dict() for p in points],
-                 "drift": drift_json(self.reference, real, self.around)}, indent=2))
+                 "drift": drift_json(self.reference, real, self.around),
+                 "seeds": seeds_json(real) if self.caching else None}, indent=2))
             print(f"wrote {args.out}")

@@ -1,0 +1,97 @@
+"""`sim validate --prefix-caching` (sim.validate_cache): the measured cache figures, the
+per-repeat streams, points judged by their own targets, and one row against a real worker."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from splitserve.bench.repeat import MultiturnOptions
+from splitserve.bench.workload import ArrivalSpec, WorkloadSpec, build_stream
+from splitserve.sim.deployment import SimConfig
+from splitserve.sim.validate import CACHE_WORKER_ARGS, METRICS, Point
+from splitserve.sim.validate_cache import (
+    CACHE_METRICS,
+    cache_figures,
+    compare_cached,
+    measure_cached,
+    repeat_seed,
+    repeat_workload,
+)
+from tests.sim.conftest import make_profile
+from tests.support import cores
+from tests.support.workers import TOKEN, Worker, launch
+
+MULTITURN = WorkloadSpec(source="multiturn", arrival=ArrivalSpec(rate=2.0), seed=5, warmup=1,
+                         multiturn=MultiturnOptions(sessions=3, turns=3, system_tokens=256,
+                                                    user_tokens=64, output_tokens=8,
+                                                    think_time_s=1.0))
+
+
+def test_router_counts_give_the_hit_rate_over_the_successful_prompts() -> None:
+    run = {"prefix_hit_rate": None, "reported_cached_tokens": 256,
+           "requests": [{"input_len": 300, "error_cause": None},
+                        {"input_len": 500, "error_cause": None},
+                        {"input_len": 900, "error_cause": "timeout"}]}
+    out = cache_figures(run)
+    assert out["prefix_hit_rate"] == pytest.approx(256 / 800)
+    assert out["computed_prompt_tokens"] == 800 - 256
+    told = {"prefix_hit_rate": 0.5, "reported_cached_tokens": 1, "requests": []}
+    assert cache_figures(told) == told  # the client's own counts stand
+
+
+def test_hit_rate_is_judged_in_points_and_computed_tokens_at_5_percent() -> None:
+    hit = Point(1.0, "prefix_hit_rate", (0.50, 0.52), 0.535)
+    assert hit.error == pytest.approx(0.025) and hit.verdict() == "ok"
+    assert Point(1.0, "prefix_hit_rate", (0.50, 0.50), 0.54).verdict() == "MISS"
+    assert Point(1.0, "computed_prompt_tokens", (1000.0, 1000.0), 1060.0).verdict() == "MISS"
+    assert Point(1.0, "p90_ttft_ms", (100.0, 100.0), 108.0).verdict() == "ok"
+    assert "p90_ttft_ms" in METRICS
+
+
+def test_repeats_get_their_own_seeds_and_a_multiturn_repeat_arrives_as_sent() -> None:
+    spec = repeat_seed(MULTITURN, 2)
+    assert spec.seed == 7 and repeat_seed(MULTITURN, 0) == MULTITURN
+    plan = build_stream(spec)
+    sent = [{"index": q.index, "send_s": 10.0 + 3.0 * q.index, "error_cause": None}
+            for q in plan]
+    wl = repeat_workload(spec, {"requests": sent}, 128)
+    assert list(wl.arrivals) == [3.0 * i for i in range(len(plan))]
+    assert wl.blocks is not None and len(wl.blocks) == len(plan)
+    assert wl.block_tokens == 128
+
+
+def test_every_repeat_is_simulated_on_its_own_stream() -> None:
+    runs = [{"seed": 5 + k, "prefix_hit_rate": 0.5, "computed_prompt_tokens": 1000,
+             "median_ttft_ms": 50.0, "p90_ttft_ms": 80.0} for k in range(2)]
+    points = compare_cached(make_profile(), SimConfig(mode="chunked"), MULTITURN, (2.0,),
+                            {2.0: runs})
+    metrics = [p.metric for p in points]
+    assert metrics[:2] == list(CACHE_METRICS)
+    assert {"median_ttft_ms", "p90_ttft_ms"} <= set(metrics)
+    hit = next(p for p in points if p.metric == "prefix_hit_rate")
+    assert 0.3 < hit.sim < 0.8  # turns after the first reuse the session's history
+
+
+@pytest.fixture(scope="module")
+def cache_worker(llama_ckpt: Path) -> Iterator[Worker]:
+    """A plain llama worker with prefix caching on and cached-token counts in its answers."""
+    w = launch(llama_ckpt, "validate-cache", None, cpus=cores.BOTH,
+               extra_args=CACHE_WORKER_ARGS)
+    yield w
+    w.stop()
+
+
+def test_simulated_hit_rate_is_within_3_points_of_a_real_workers(
+        cache_worker: Worker) -> None:
+    """One `sim validate --prefix-caching` row on a small multi-turn stream: the hit rate only
+    (deterministic given the closed loop; timings are not asserted)."""
+    real = measure_cached(cache_worker.url, MULTITURN, (2.0,), 1, api_key=TOKEN)
+    [run] = real[2.0]
+    assert run["completed"] == 9 and run["cache_reported_requests"] == 9
+    points = compare_cached(make_profile(), SimConfig(mode="chunked"), MULTITURN, (2.0,), real)
+    hit = next(p for p in points if p.metric == "prefix_hit_rate")
+    assert hit.real_mean > 0.3, hit
+    assert abs(hit.error) <= 0.03, hit
