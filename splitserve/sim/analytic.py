@@ -184,4 +184,4 @@ def analytic_profile(model: ModelConfig, hw: Hardware, token_budget: int | None 
 
 def gpus_of(profile: Profile) -> int:
     """The GPUs one worker of `profile` takes (its TP; 1 for a measured profile)."""
-    return int(profile.hardware.get("tp", 1))
+    return profile.gpus

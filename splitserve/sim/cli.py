@@ -31,6 +31,7 @@ from splitserve.sim.advise import register_advise
 from splitserve.sim.cli_args import (
     add_connector_args,
     add_profile_arg,
+    cache_block_tokens,
     cli_profile,
     model_path,
     transport_for,
@@ -87,15 +88,6 @@ def _sim_config(args: argparse.Namespace, prof: Profile) -> SimConfig:
                      split_costs=not args.no_split_costs,
                      prefix_caching=not args.no_prefix_caching, cache_aware=not args.cache_blind,
                      local_prefill_max_tokens=args.local_prefill_max_tokens)
-
-
-def cache_block_tokens(args: argparse.Namespace, prof: Profile) -> int:
-    """`--cache-block-tokens`, else the block of the engine the profile stands for."""
-    if args.cache_block_tokens is not None:
-        if args.cache_block_tokens < 1:
-            raise SystemExit("--cache-block-tokens must be >= 1")
-        return int(args.cache_block_tokens)
-    return 16 if prof.kind == "analytic" else 128
 
 
 def _label(cfg: SimConfig) -> str:

@@ -73,3 +73,12 @@ def transport_for(args: argparse.Namespace, prof: Profile, connector: str) -> st
         return "nixl"
     others = sorted(t for t in prof.transfer if t != "nixl")
     return "tcp" if "tcp" in prof.transfer or not others else others[0]
+
+
+def cache_block_tokens(args: argparse.Namespace, prof: Profile) -> int:
+    """`--cache-block-tokens`, else the block of the engine the profile stands for."""
+    if args.cache_block_tokens is not None:
+        if args.cache_block_tokens < 1:
+            raise SystemExit("--cache-block-tokens must be >= 1")
+        return int(args.cache_block_tokens)
+    return 16 if prof.kind == "analytic" else 128

@@ -120,6 +120,7 @@ class SimOutcome:
     # reused (P's for a split request, D's for one prefilled on D), whether it ran whole on
     # D, and the KV bytes that crossed to D
     prefill_busy_s: float = 0.0  # engine-seconds of steps that prefilled, all workers
+    prefill_gpu_s: float = 0.0  # the same, each worker's seconds times its GPUs (its TP)
     cached_tokens: np.ndarray | None = None
     local: np.ndarray | None = None
     kv_bytes: np.ndarray | None = None

@@ -37,7 +37,7 @@ from splitserve.sim.run import simulate
 from splitserve.sim.workload import SimWorkload
 
 KEPT = ("median_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms",
-        "prefix_hit_rate", "kv_bytes_moved", "prefill_engine_s", "failed")
+        "prefix_hit_rate", "kv_bytes_moved", "prefill_gpu_s", "failed")
 
 
 @dataclass(frozen=True)

@@ -154,7 +154,7 @@ def plan_and_ladder(profiles: dict[int, Profile], spec: WorkloadSpec, args: argp
                     ) -> tuple[GpuPlan, list[Rung], str | None]:
     """Plan `args.gpus` over `profiles` on `spec`'s stream (`--policies`, `--target`, SLOs,
     `--cache-block-tokens`), then the ladder unless `--no-ladder`: (plan, rungs, verdict)."""
-    from splitserve.sim.cli import cache_block_tokens
+    from splitserve.sim.cli_args import cache_block_tokens
     from splitserve.sim.gpuplan import budgets, ladder, ladder_verdict, shapes
     from splitserve.sim.workload import arrays_from_spec
 

@@ -98,6 +98,11 @@ class Profile:
             raise ValueError("token_budget, kv_capacity_tokens and max_num_seqs must be >= 1")
         check_bins("Profile", self.gap_jitter_s)
 
+    @property
+    def gpus(self) -> int:
+        """The GPUs one worker of this profile takes: its TP (`hardware.tp`; 1 when unset)."""
+        return int(self.hardware.get("tp", 1))
+
     def link(self, transport: str) -> TransferLink:
         if transport not in self.transfer:
             raise ValueError(f"profile has no transfer numbers for {transport!r} "

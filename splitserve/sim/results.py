@@ -182,8 +182,10 @@ def cache_stats(o: SimOutcome, ok: np.ndarray) -> dict[str, Any]:
     """The benchmark's prefix-cache keys over the completed requests (`bench.cachestats`: the
     computing engine's cached prompt tokens, as vLLM reports them), the KV bytes that crossed to
     D and the requests prefilled on D; and the engine-seconds spent in steps that prefill
-    (`prefill_engine_s`). All cache keys null without prefix caches."""
-    out: dict[str, Any] = {"prefill_engine_s": o.prefill_busy_s}
+    (`prefill_engine_s`) and GPU-seconds (`prefill_gpu_s`: each engine's times its TP). All
+    cache keys null without prefix caches."""
+    out: dict[str, Any] = {"prefill_engine_s": o.prefill_busy_s,
+                           "prefill_gpu_s": o.prefill_gpu_s}
     if o.cached_tokens is None or o.local is None or o.kv_bytes is None:
         return out | dict.fromkeys(("cached_prompt_tokens", "computed_prompt_tokens",
                                     "prefix_hit_rate", "kv_bytes_moved", "local_prefills"))

@@ -109,6 +109,7 @@ class Simulation:
             self.D = []
         self.W = self.P + self.D
         self.lim = [self.limits] * len(self.P) + [d_limits] * len(self.D)  # by worker
+        self.gpus = [profile.gpus] * len(self.P) + [d_prof.gpus] * len(self.D)  # by worker
         self.npw = len(self.P)
         self.pull = config.mode == "disagg" and config.connector == "nixl"
         self.charged = [0] * n  # per request: the prompt tokens it queued on its P (`load`)
@@ -448,6 +449,7 @@ class Simulation:
             **segment_arrays(self.segs), decode_worker=f(self.decode_worker),
             join_step=f(self.join_step), kv_transfer_s=f(self.kv_transfer), events=events,
             gap_jitter_s=self.jitter, prefill_busy_s=sum(w.prefill_s for w in self.W),
+            prefill_gpu_s=sum(w.prefill_s * g for w, g in zip(self.W, self.gpus, strict=True)),
             **self._cache_arrays(),
         )
 
