@@ -34,6 +34,7 @@ import json
 import math
 import time
 from collections import OrderedDict
+from collections.abc import Container, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -74,6 +75,16 @@ def _blocks(wl: SimWorkload) -> tuple[tuple[int, ...], ...]:
     return wl.blocks
 
 
+def leading(keys: Sequence[int], held: Container[int]) -> int:
+    """How many of `keys`, from the first, `held` holds (a prefix hit, in blocks)."""
+    n = 0
+    for key in keys:
+        if key not in held:
+            break
+        n += 1
+    return n
+
+
 def unbounded_ratio(wl: SimWorkload) -> dict[str, float | int]:
     """Table 2's cache ratio of `wl` in arrival order, one unbounded global cache (every key a
     request brings is kept): `ratio` = Σ hit / Σ prompt, hit = min(leading keys seen before ×
@@ -85,12 +96,7 @@ def unbounded_ratio(wl: SimWorkload) -> dict[str, float | int]:
     hit = engine = anywhere = 0
     shares = 0.0
     for keys, n in zip(_blocks(wl), wl.prompt_lens.tolist(), strict=True):
-        k = 0
-        for key in keys:
-            if key not in seen:
-                break
-            k += 1
-        h = min(k * b, n)
+        h = min(leading(keys, seen) * b, n)
         hit, engine, shares = hit + h, engine + reusable(h, n, b), shares + h / n
         anywhere += sum(min(b, n - i * b) for i, key in enumerate(keys) if key in seen)
         seen.update(keys)
@@ -111,12 +117,7 @@ def lru_hit_rate(wl: SimWorkload, capacity_tokens: int) -> float:
     lru: OrderedDict[int, None] = OrderedDict()
     reused = 0
     for keys, n in zip(_blocks(wl), wl.prompt_lens.tolist(), strict=True):
-        k = 0
-        for key in keys:
-            if key not in lru:
-                break
-            k += 1
-        reused += reusable(min(k * b, n), n, b)
+        reused += reusable(min(leading(keys, lru) * b, n), n, b)
         for key in keys[:n // b]:
             lru[key] = None
             lru.move_to_end(key)

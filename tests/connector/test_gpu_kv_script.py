@@ -4,9 +4,6 @@ copier), and its overlap measure runs. Its timings are not asserted."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
@@ -14,18 +11,12 @@ import torch
 
 from splitserve.connector.devcopy import InlineCopies
 from splitserve.connector.layout.strided import LAYOUTS
-
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_kv.py"
+from tests.support.scripts import load_script
 
 
 @pytest.fixture(scope="module")
 def gpu_kv() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("gpu_kv", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_kv"] = module  # dataclasses resolve their module by name
-    spec.loader.exec_module(module)
-    return module
+    return load_script("gpu_kv")
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))

@@ -5,28 +5,21 @@ and more capacity never lowers its hit rate; the command writes its JSON."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
 from splitserve.bench.mooncake import TraceRow, TraceShape, make_trace, write_mooncake
+from tests.support.scripts import load_script
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "mooncake_shape.py"
 BLOCK = 16  # the generated trace's hash-block size
 
 
 @pytest.fixture(scope="module")
 def shape() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("mooncake_shape", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["mooncake_shape"] = module  # dataclasses resolve their module by name
-    spec.loader.exec_module(module)
-    return module
+    return load_script("mooncake_shape")
 
 
 def _four(path: Path) -> Path:
