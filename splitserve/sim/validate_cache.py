@@ -42,7 +42,8 @@ from splitserve.sim.run import simulate
 from splitserve.sim.validate import METRICS, Point
 from splitserve.sim.workload import SimWorkload, arrays_from_spec, from_requests
 
-CACHE_METRICS = ("prefix_hit_rate", "computed_prompt_tokens")
+# the cache figures compared (the router's counters only behind splitserve's router)
+CACHE_METRICS = ("prefix_hit_rate", "computed_prompt_tokens", "local_prefills", "kv_bytes_moved")
 
 Real = dict[float, list[dict[str, Any]]]  # rate → the measured repeats' result dicts
 
