@@ -89,6 +89,7 @@ def started(shape: Shape, model: str | None, cores: tuple[int, ...], log_dir: Pa
     """`shape` (TP-1 workers) started here by splitserve's launcher for the block: its router's
     URL. The engines keep their prefix caches and report cached tokens; the router runs the
     shape's policies (a colocated pool: the router's own, `load`)."""
+    from splitserve.config import TRANSPORTS
     from splitserve.launch.config import DeploymentConfig
     from splitserve.launch.local import LocalDeployment
     from splitserve.worker.launch import free_port
@@ -97,6 +98,7 @@ def started(shape: Shape, model: str | None, cores: tuple[int, ...], log_dir: Pa
     split = c.mode == "disagg"
     dep = DeploymentConfig(prefill=c.n_prefill if split else 0, decode=c.n_decode if split else 0,
                            colocated=0 if split else c.n_workers, model=model or "embedded",
+                           transport=c.transport if c.transport in TRANSPORTS else "tcp",
                            port=free_port(), cpus=cores, log_dir=str(log_dir),
                            worker_args=("--enable-prompt-tokens-details",))
     if split:

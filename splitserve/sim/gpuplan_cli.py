@@ -168,8 +168,10 @@ def plan_and_ladder(profiles: dict[int, Profile], spec: WorkloadSpec, args: argp
     unknown = [x for x in policies if x not in POLICIES]
     if unknown:
         raise SystemExit(f"unknown --policies {unknown}; known: {', '.join(POLICIES)}")
+    links = next(iter(profiles.values())).transfer
+    transport = next((t for t in ("rdma", "tcp") if t in links), min(links, default="tcp"))
     req = GpuPlanRequest(args.gpus, rate, SLO(args.slo_ttft_ms, args.slo_tpot_ms),
-                         cast(tuple[Policy, ...], policies), args.target)
+                         cast(tuple[Policy, ...], policies), args.target, transport)
     planner = GpuPlanner(profiles, wl)
     planner.progress = progress("plan: candidates simulated", planner.count(req))
     plan = planner.plan(req)
