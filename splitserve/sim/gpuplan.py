@@ -37,7 +37,7 @@ from splitserve.sim.run import simulate
 from splitserve.sim.workload import SimWorkload
 
 KEPT = ("median_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms",
-        "prefix_hit_rate", "kv_bytes_moved", "prefill_gpu_s", "failed")
+        "prefix_hit_rate", "kv_bytes_moved", "prefill_gpu_s", "failed", "request_throughput")
 
 
 @dataclass(frozen=True)
@@ -91,6 +91,9 @@ class GpuCandidate:
     goodput: float | None = None  # None: not searched (off the shortlist) or none found
     searched: bool = False
     metrics: Mapping[str, Any] | None = None
+    # "lower": the target was still met at the highest rate tried (the stream's requests all
+    # fit the SLOs even as one burst), so the goodput is at least `goodput`
+    goodput_bound: str = "exact"
 
     @property
     def goodput_per_gpu(self) -> float | None:
@@ -104,6 +107,7 @@ class GpuCandidate:
                 "n_decode": c.n_decode if c.mode == "disagg" else None,
                 "n_workers": c.n_workers if c.mode != "disagg" else None,
                 "policy": c.p_policy, "attainment": self.attainment, "goodput": self.goodput,
+                "goodput_bound": self.goodput_bound,
                 "goodput_per_gpu": self.goodput_per_gpu, "searched": self.searched,
                 "metrics": dict(self.metrics or {})}
 
@@ -212,7 +216,8 @@ class GpuPlanner:
                     continue
                 gp = search_goodput(partial(self.attain, shape, slo=slo), req.rate, att,
                                     req.target, req.bisect_steps)
-                cands.append(GpuCandidate(shape, att, gp["value"], True, metrics))
+                cands.append(GpuCandidate(shape, att, gp["value"], True, metrics,
+                                          str(gp.get("bound", "exact"))))
         return finish(req, cands)
 
 

@@ -100,7 +100,9 @@ def print_gpu_plan(plan: GpuPlan, rungs: list[Rung], verdict: str | None, model_
     for c in ranked[:12]:
         m = c.metrics or {}
         t.add_row(c.shape.label + (" *" if c is plan.best else ""), str(c.shape.gpus),
-                  f"{c.attainment:.1%}", f(c.goodput) if c.searched else "(not searched)",
+                  f"{c.attainment:.1%}", (f(c.goodput) + ("+" if c.goodput_bound == "lower"
+                                                          else "")) if c.searched
+                  else "(not searched)",
                   f(c.goodput_per_gpu), f(m.get("median_ttft_ms"), ".0f"),
                   f(m.get("p90_ttft_ms"), ".0f"), f(m.get("median_tpot_ms"), ".1f"),
                   f(m.get("prefix_hit_rate"), ".2f"))
@@ -116,7 +118,8 @@ def print_gpu_plan(plan: GpuPlan, rungs: list[Rung], verdict: str | None, model_
                        r.disagg.shape.label if r.disagg else "-",
                        f(r.disagg.goodput_per_gpu if r.disagg else None))
         console.print(lt)
-    console.print(f"[bold]plan:[/bold] {plan.verdict}")
+    console.print(f"[bold]plan:[/bold] {plan.verdict}  (+ = goodput is a lower bound: the "
+                  "stream met the SLOs at every rate tried; give more requests to find it)")
     if verdict:
         console.print(f"[bold]advice:[/bold] {verdict}")
     console.print("[bold]deploy:[/bold]\n  " + "\n  ".join(deploy_commands(plan.best.shape,
