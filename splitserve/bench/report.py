@@ -40,6 +40,7 @@ TABLE_ROWS: tuple[tuple[str, str], ...] = (
     ("prompt_tokens_computed", "prompt tokens computed (all workers' counters)"),
     ("worker_hit_rate", "hit rate (all workers' prompt tokens)"),
     ("kv_bytes_moved", "KV bytes moved (router)"), ("kv_transfers", "KV transfers (router)"),
+    ("prefill_gpu_s", "prefill GPU-seconds (simulated)"),
     ("local_prefills", "prefills on D (router)"),
     ("predicted_cached_tokens", "cached tokens predicted (router, reported legs)"),
     ("reported_cached_tokens", "cached tokens reported (engine)"),
