@@ -11,7 +11,8 @@ import pytest
 from splitserve.bench.repeat import MultiturnOptions
 from splitserve.bench.workload import ArrivalSpec, WorkloadSpec, build_stream
 from splitserve.sim.deployment import SimConfig
-from splitserve.sim.validate import CACHE_WORKER_ARGS, METRICS, Point
+from splitserve.sim.model import load_profile
+from splitserve.sim.validate import METRICS, Point, launched
 from splitserve.sim.validate_cache import (
     CACHE_METRICS,
     cache_figures,
@@ -22,8 +23,9 @@ from splitserve.sim.validate_cache import (
 )
 from tests.sim.conftest import make_profile
 from tests.support import cores
-from tests.support.workers import TOKEN, Worker, launch
 
+DEMO_PROFILE = Path(__file__).parents[2] / "splitserve/sim/profiles/demo-cpu-1core.json"
+CACHE_PD = SimConfig(mode="disagg", p_policy="cache", d_policy="cache")
 MULTITURN = WorkloadSpec(source="multiturn", arrival=ArrivalSpec(rate=2.0), seed=5, warmup=1,
                          multiturn=MultiturnOptions(sessions=3, turns=3, system_tokens=256,
                                                     user_tokens=64, output_tokens=8,
@@ -66,8 +68,8 @@ def test_repeats_get_their_own_seeds_and_a_multiturn_repeat_arrives_as_sent() ->
 def test_every_repeat_is_simulated_on_its_own_stream() -> None:
     runs = [{"seed": 5 + k, "prefix_hit_rate": 0.5, "computed_prompt_tokens": 1000,
              "median_ttft_ms": 50.0, "p90_ttft_ms": 80.0} for k in range(2)]
-    points = compare_cached(make_profile(), SimConfig(mode="chunked"), MULTITURN, (2.0,),
-                            {2.0: runs})
+    one = SimConfig(mode="chunked", n_workers=1)
+    points = compare_cached(make_profile(), one, MULTITURN, (2.0,), {2.0: runs})
     metrics = [p.metric for p in points]
     assert metrics[:2] == list(CACHE_METRICS[:2])  # no router: no router counters
     assert {"median_ttft_ms", "p90_ttft_ms"} <= set(metrics)
@@ -76,22 +78,23 @@ def test_every_repeat_is_simulated_on_its_own_stream() -> None:
 
 
 @pytest.fixture(scope="module")
-def cache_worker(llama_ckpt: Path) -> Iterator[Worker]:
-    """A plain llama worker with prefix caching on and cached-token counts in its answers."""
-    w = launch(llama_ckpt, "validate-cache", None, cpus=cores.BOTH,
-               extra_args=CACHE_WORKER_ARGS)
-    yield w
-    w.stop()
+def cache_pd() -> Iterator[str]:
+    """splitserve's 1P1D of the demo model (P on one core, D and the router on the other),
+    started as `sim validate --prefix-caching` starts it: caches on, cached-token counts in
+    the answers, the router on `cache` policies."""
+    with launched(CACHE_PD, cores.BOTH, 2048, router_cpus=cores.DECODE,
+                  prefix_caching=True) as url:
+        yield url
 
 
-def test_simulated_hit_rate_is_within_3_points_of_a_real_workers(
-        cache_worker: Worker) -> None:
+@pytest.mark.integration  # the launcher starts the workers (splitserve's own start_worker)
+def test_simulated_hit_rate_is_within_3_points_of_a_real_1p1d(cache_pd: str) -> None:
     """One `sim validate --prefix-caching` row on a small multi-turn stream: the hit rate only
     (deterministic given the closed loop; timings are not asserted)."""
-    real = measure_cached(cache_worker.url, MULTITURN, (2.0,), 1, api_key=TOKEN)
+    real = measure_cached(cache_pd, MULTITURN, (2.0,), 1)
     [run] = real[2.0]
-    assert run["completed"] == 9 and run["cache_reported_requests"] == 9
-    points = compare_cached(make_profile(), SimConfig(mode="chunked"), MULTITURN, (2.0,), real)
+    assert run["completed"] == 9 and run["reported_cached_tokens"] is not None
+    points = compare_cached(load_profile(DEMO_PROFILE), CACHE_PD, MULTITURN, (2.0,), real)
     hit = next(p for p in points if p.metric == "prefix_hit_rate")
     assert hit.real_mean > 0.3, hit
     assert abs(hit.error) <= 0.03, hit
