@@ -118,8 +118,10 @@ def print_gpu_plan(plan: GpuPlan, rungs: list[Rung], verdict: str | None, model_
                        r.disagg.shape.label if r.disagg else "-",
                        f(r.disagg.goodput_per_gpu if r.disagg else None))
         console.print(lt)
-    console.print(f"[bold]plan:[/bold] {plan.verdict}  (+ = goodput is a lower bound: the "
-                  "stream met the SLOs at every rate tried; give more requests to find it)")
+    console.print(f"[bold]plan:[/bold] {plan.verdict}")
+    if any(c.goodput_bound == "lower" for c in plan.candidates):
+        console.print("(+ = goodput is a lower bound: the stream met the SLOs at every rate "
+                      "tried; give it more requests to find the limit)")
     if verdict:
         console.print(f"[bold]advice:[/bold] {verdict}")
     console.print("[bold]deploy:[/bold]\n  " + "\n  ".join(deploy_commands(plan.best.shape,
