@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from splitserve.bench.mooncake import TraceRow, TraceShape, make_trace, write_mooncake
-from splitserve.bench.repeat import MooncakeOptions, MultiturnOptions
+from splitserve.bench.repeat import MooncakeOptions, MultiturnOptions, round_half_up
 from splitserve.bench.workload import Request, WorkloadSpec, build_stream
 from splitserve.sim.workload import SimWorkload, arrays_from_spec, from_requests, prefix_keys
 
@@ -84,7 +84,9 @@ def test_sample_sessions_keeps_whole_prefix_trees(tmp_path: Path) -> None:
     sampled = _spec(path, sample_sessions=0.5)
     kept, kept_req = arrays_from_spec(sampled), build_stream(sampled)
     trees = {r.session for r in kept_req}
-    assert 1 < len(trees) < len({r.session for r in every_req})
+    # the replay's rule: round(fraction × trees), at least 1, of the trace's trees
+    assert len(trees) == max(1, round_half_up(0.5 * len({r.session for r in every_req})))
+    assert len(trees) > 1  # the trace has enough trees that sampling leaves some out
     assert everything.blocks is not None and kept.blocks is not None
     whole = [i for i, r in enumerate(every_req) if r.session in trees]
     assert len(kept) == len(whole)  # every request of a chosen tree, nothing else
