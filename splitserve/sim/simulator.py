@@ -75,8 +75,6 @@ class Simulation:
         d_prof = decode_profile or profile
         if d_prof.model.kv_bytes_per_token != profile.model.kv_bytes_per_token:
             raise ValueError("P's and D's profiles must be of one model (their KV differs)")
-        self.limits = self._limits(profile)
-        d_limits = self._limits(d_prof)
         pf, dc, seqs = profile.prefill, profile.decode, profile.max_num_seqs
         jitter = self.overlay.gap_jitter_s
         self.jitter = profile.gap_jitter_s if jitter is None else jitter
@@ -108,7 +106,8 @@ class Simulation:
                       for i in range(config.n_workers)]
             self.D = []
         self.W = self.P + self.D
-        self.lim = [self.limits] * len(self.P) + [d_limits] * len(self.D)  # by worker
+        self.lim = ([self._limits(profile)] * len(self.P)  # each worker's limits
+                    + [self._limits(d_prof)] * len(self.D))
         self.gpus = [profile.gpus] * len(self.P) + [d_prof.gpus] * len(self.D)  # by worker
         self.npw = len(self.P)
         self.pull = config.mode == "disagg" and config.connector == "nixl"
