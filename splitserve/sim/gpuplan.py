@@ -15,8 +15,8 @@ The search: every candidate is simulated at the asked rate; the `shortlist` best
 attainment (then TTFT p50) per kind (colocated, disaggregated) get their DistServe goodput
 searched (`planner.search_goodput`). The plan's choice: one that meets the attainment target at
 the asked rate before one that does not, then the highest goodput per GPU, then attainment;
-colocated wins ties (fewer moving parts). One workload is built once and run at
-every rate by scaling its arrival times (the same requests in the same order at each rate).
+colocated wins ties (fewer moving parts). One workload is built once and run at every rate over
+the same duration (`SimWorkload.at_rate`: arrival times scaled, the stream cut or repeated).
 """
 
 from __future__ import annotations
@@ -169,9 +169,8 @@ class GpuPlanner:
         self.profiles, self.workload, self.progress = dict(profiles), workload, progress
 
     def at_rate(self, rate: float) -> SimWorkload:
-        """The workload at `rate` requests/s: its arrival times scaled."""
-        base = self.workload.offered_rate
-        return replace(self.workload, arrivals=self.workload.arrivals * (base / rate))
+        """The workload at `rate` requests/s over its own duration (`SimWorkload.at_rate`)."""
+        return self.workload.at_rate(rate)
 
     def outcome(self, shape: Shape, rate: float) -> SimOutcome:
         c = shape.config

@@ -6,8 +6,9 @@ is simulated on the same request stream (the workload spec at the asked rate). F
 reports SLO attainment at that rate and its DistServe goodput: the highest rate at which at
 least `target` (0.9) of requests meet both the TTFT and TPOT SLOs, found by doubling/halving
 the rate to bracket the target and bisecting, then interpolating like the benchmark
-(`splitserve.bench.metrics.distserve_goodput`). Arrival times scale exactly with 1/rate for the
-same seed, so every rate sees the same requests in the same order.
+(`splitserve.bench.metrics.distserve_goodput`). Every rate offers the same stream for the same
+duration (`SimWorkload.at_rate`: arrival times scaled by 1/rate, the stream cut or repeated), so a
+higher rate is a higher load, never a shorter burst.
 
 The recommendation is the candidate with the highest goodput; ties go to the higher attainment
 at the asked rate, then to colocated (fewer moving parts).
@@ -26,7 +27,7 @@ from splitserve.sim.deployment import SimConfig
 from splitserve.sim.model import Profile
 from splitserve.sim.results import attainment, summarize
 from splitserve.sim.run import simulate
-from splitserve.sim.workload import arrays_from_spec
+from splitserve.sim.workload import SimWorkload, arrays_from_spec
 
 
 @dataclass(frozen=True)
@@ -113,18 +114,19 @@ def candidate_configs(req: PlanRequest) -> list[tuple[str, SimConfig]]:
     return out
 
 
-def _attain(profile: Profile, spec: WorkloadSpec, cfg: SimConfig, rate: float,
-            slo: SLO) -> float:
-    o = simulate(profile, cfg, arrays_from_spec(spec.with_rate(rate)))
+def _attain(profile: Profile, workload: SimWorkload, cfg: SimConfig, slo: SLO) -> float:
+    o = simulate(profile, cfg, workload)
     assert slo.ttft_ms is not None and slo.tpot_ms is not None
     return attainment(o, slo.ttft_ms / 1000, slo.tpot_ms / 1000)
 
 
-def goodput(profile: Profile, spec: WorkloadSpec, cfg: SimConfig, req: PlanRequest,
+def goodput(profile: Profile, workload: SimWorkload, cfg: SimConfig, req: PlanRequest,
             at_rate: float) -> dict[str, Any]:
-    """DistServe goodput of one candidate, starting the search at `req.rate`."""
-    return search_goodput(lambda rate: _attain(profile, spec, cfg, rate, req.slo), req.rate,
-                          at_rate, req.target, req.bisect_steps)
+    """DistServe goodput of one candidate, starting the search at `req.rate`, where `workload`
+    is offered; every other rate offers it for as long (`SimWorkload.at_rate`)."""
+    return search_goodput(
+        lambda rate: _attain(profile, workload.at_rate(rate, base=req.rate), cfg, req.slo),
+        req.rate, at_rate, req.target, req.bisect_steps)
 
 
 def search_goodput(attain_at: Callable[[float], float], rate: float, at_rate: float,
@@ -170,11 +172,12 @@ def plan(profile: Profile, spec: WorkloadSpec, req: PlanRequest,
         raise ValueError(f"planning sweeps the request rate, which a {spec.source!r} workload "
                          "does not have; use a synthetic or sharegpt workload")
     cands = []
+    workload = arrays_from_spec(spec.with_rate(req.rate))
     for label, cfg in candidate_configs(req):
-        o = simulate(profile, cfg, arrays_from_spec(spec.with_rate(req.rate)))
+        o = simulate(profile, cfg, workload)
         assert req.slo.ttft_ms is not None and req.slo.tpot_ms is not None
         att = attainment(o, req.slo.ttft_ms / 1000, req.slo.tpot_ms / 1000)
-        gp = goodput(profile, spec, cfg, req, att)
+        gp = goodput(profile, workload, cfg, req, att)
         res = summarize(o, system=f"sim:{label}", slo=req.slo)
         metrics = {k: res[k] for k in ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms",
                                        "p99_tpot_ms", "median_itl_ms", "p99_itl_ms",

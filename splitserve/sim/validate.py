@@ -260,9 +260,9 @@ def launched(cfg: SimConfig, cpus: tuple[int, ...] | None, token_budget: int,
              log_dir: str | None = None, router_cpus: tuple[int, ...] | None = None,
              prefix_caching: bool = False) -> Iterator[str]:
     """The deployment `cfg` describes, started by splitserve's launcher (router + workers), for
-    the duration of the block; yields the router's URL. Without `prefix_caching` the engines
-    keep no prefix cache and the router runs its default policies; with it the engines keep
-    theirs (`worker_args`) and the router runs `cfg`'s: its policies, its
+    the duration of the block; yields the router's URL. The router runs `cfg`'s policies (what
+    is simulated is what runs). Without `prefix_caching` the engines keep no prefix cache; with
+    it they keep theirs (`worker_args`) and the router takes `cfg`'s
     `local_prefill_max_tokens`, and the workers' cache reports only when `cfg.cache_aware`
     (cache-blind: none, as the benchmark's `blind` arms)."""
     from splitserve.launch.config import DeploymentConfig
@@ -276,9 +276,10 @@ def launched(cfg: SimConfig, cpus: tuple[int, ...] | None, token_budget: int,
                            port=free_port(), max_num_batched_tokens=token_budget, cpus=cpus,
                            log_dir=log_dir, worker_args=worker_args(prefix_caching),
                            router_cpus=router_cpus)
+    if split:
+        dep = replace(dep, prefill_policy=cfg.p_policy, decode_policy=cfg.d_policy)
     if prefix_caching and split:
-        dep = replace(dep, prefill_policy=cfg.p_policy, decode_policy=cfg.d_policy,
-                      local_prefill_max_tokens=cfg.local_prefill_max_tokens,
+        dep = replace(dep, local_prefill_max_tokens=cfg.local_prefill_max_tokens,
                       kv_events=cfg.cache_aware)
     with LocalDeployment(dep) as deployment:
         yield deployment.url

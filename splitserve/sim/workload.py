@@ -86,6 +86,35 @@ class SimWorkload:
         span = float(self.arrivals[-1] - self.arrivals[0])
         return (len(self) - 1) / span if span > 0 else float("inf")
 
+    def at_rate(self, rate: float, base: float | None = None) -> SimWorkload:
+        """This stream offered at `rate` requests/s for as long as it lasts at `base` (default:
+        `offered_rate`), so that a rate sweep compares equal durations, not equal counts (a
+        fixed count at a high rate is one burst that a large deployment merely absorbs).
+
+        Arrival offsets are scaled by base/rate. Below `base` the stream is cut at the duration
+        (at least one request); above it, back-to-back copies of the scaled stream fill the
+        duration, each copy's prefix keys made distinct from every other copy's (a copy is
+        other users: it shares no prefix with the original)."""
+        base = self.offered_rate if base is None else base
+        if not rate > 0 or not base > 0:
+            raise ValueError(f"rates must be positive, got rate={rate} base={base}")
+        n = len(self)
+        if not np.isfinite(base):
+            return self
+        scaled = (self.arrivals - self.arrivals[0]) * (base / rate)
+        period = max(n / rate, float(scaled[-1]) + 1 / rate)  # one copy, a gap included
+        duration = period * rate / base
+        copies = max(1, int(np.ceil(rate / base)))
+        arrivals = np.concatenate([scaled + j * period for j in range(copies)])
+        keep = max(1, int(np.searchsorted(arrivals, duration, side="left")))
+        blocks = None
+        if self.blocks is not None:
+            blocks = tuple(keys if j == 0 else tuple(hash((j, k)) for k in keys)
+                           for j in range(copies) for keys in self.blocks)[:keep]
+        return SimWorkload(arrivals[:keep] + self.arrivals[0],
+                           np.tile(self.prompt_lens, copies)[:keep],
+                           np.tile(self.output_lens, copies)[:keep], blocks, self.block_tokens)
+
 
 def prefix_keys(token_ids: Sequence[int], block_tokens: int) -> tuple[int, ...]:
     """`token_ids` as prefix keys of `block_tokens`-token blocks (the last may be partial): key k

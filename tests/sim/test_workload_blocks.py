@@ -157,3 +157,36 @@ def test_simworkload_rejects_a_wrong_block_count() -> None:
         SimWorkload(*arrays, blocks=((1, 2),), block_tokens=128)
     with pytest.raises(ValueError, match="block_tokens >= 1"):
         SimWorkload(*arrays, blocks=((1, 2), (1,)), block_tokens=0)
+
+
+def _stream(n: int, gap: float) -> SimWorkload:
+    keys = tuple((i % 3, i) for i in range(n))  # requests share their first block by threes
+    return SimWorkload(np.arange(n) * gap + 5.0, np.full(n, 20, dtype=np.int64),
+                       np.arange(1, n + 1, dtype=np.int64),
+                       tuple((hash(k[:1]), hash(k)) for k in keys), 16)
+
+
+def test_at_rate_holds_the_duration_not_the_count() -> None:
+    wl = _stream(10, 0.5)  # 2 req/s over 5 s (a gap included)
+    same = wl.at_rate(2.0)
+    assert np.allclose(same.arrivals, wl.arrivals) and same.blocks == wl.blocks
+    slow = wl.at_rate(1.0)  # 5 s at 1 req/s: the first 5 requests, 1 s apart
+    assert np.allclose(slow.arrivals, 5.0 + np.arange(5)) and slow.blocks == wl.blocks[:5]
+    fast = wl.at_rate(5.0)  # 5 s at 5 req/s: 25 requests, the stream 2.5 times
+    assert len(fast) == 25
+    assert np.allclose(fast.arrivals, 5.0 + np.arange(25) * 0.2)
+    assert fast.output_lens.tolist() == (list(range(1, 11)) * 3)[:25]
+    assert fast.blocks is not None and fast.blocks[:10] == wl.blocks
+    first_copy = {k for keys in fast.blocks[:10] for k in keys}
+    second_copy = {k for keys in fast.blocks[10:20] for k in keys}
+    assert not first_copy & second_copy  # a copy is other users: no shared prefix
+    # within a copy the sharing is the original's: requests 10 and 13 share their first block
+    assert fast.blocks[10][0] == fast.blocks[13][0] != fast.blocks[11][0]
+
+
+def test_at_rate_from_a_nominal_base_and_refusals() -> None:
+    wl = _stream(4, 1.0)
+    assert len(wl.at_rate(0.01, base=1.0)) == 1  # never empty
+    assert len(wl.at_rate(3.0, base=1.0)) == 12
+    with pytest.raises(ValueError, match="positive"):
+        wl.at_rate(0.0)
