@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
+from splitserve.common import speculative
 from splitserve.common.vocab import Connector, Role, values
 
 Transport = Literal["tcp", "shm"]
@@ -156,15 +157,31 @@ class WorkerConfig:
     # publish the engine's KV cache events to the worker's relay (`worker.kvrelay`), which
     # serves them to routers; needs the deployment token (a worker without one never reports)
     kv_events: bool = True
+    # vLLM's --speculative-config (JSON): drafting on D or colocated (`common.speculative`)
+    speculative_config: str | None = None
+    # tensor parallelism: ranks of one engine, each on its share of `cpus` (`rank_cpus`)
+    tensor_parallel_size: int = 1
     extra_args: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
         check_kv_events_passthrough(self.extra_args, self.kv_events)
         if self.role is not None:
             object.__setattr__(self, "role", as_member(Role, self.role, "role", " or None"))
+        flag = speculative.passthrough_flag(self.extra_args)
+        if self.speculative_config is not None:
+            if flag is not None:
+                raise ValueError(f"{flag} after `--` and speculative_config both given: "
+                                 "give it once")
+            object.__setattr__(self, "speculative_config",
+                               speculative.canonical(self.speculative_config))
+            speculative.check_for_role(self.speculative_config, self.role)
+        elif flag is not None and self.role == Role.PREFILL:
+            speculative.check_for_role("{}", "prefill")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
         object.__setattr__(self, "connector", as_member(Connector, self.connector, "connector"))
+        check_tensor_parallel(self.tensor_parallel_size, self.extra_args, self.cpus,
+                              self.connector if self.role is not None else None)
         if self.nixl_progress_delay_us < 0:
             raise ValueError("nixl_progress_delay_us must not be negative")
         if self.on_transfer_failure not in FAILURE_POLICIES:
@@ -194,6 +211,11 @@ class WorkerConfig:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
+    def rank_cpus(self, cores: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+        """`cores` split across the TP ranks: contiguous runs, as even as the count allows
+        (the first ranks get one more)."""
+        return split_evenly(cores, self.tensor_parallel_size)
+
     def connector_config(self) -> ConnectorConfig:
         assert self.role is not None
         return ConnectorConfig(
@@ -202,6 +224,43 @@ class WorkerConfig:
             lease_s=self.lease_s, ack_timeout_s=self.load_timeout_s,
             tls_cert=self.kv_tls_cert, tls_key=self.kv_tls_key, tls_ca=self.kv_tls_ca,
         )
+
+
+TP_FLAGS = ("--tensor-parallel-size", "-tp")
+
+
+def check_tensor_parallel(tp: int, extra_args: tuple[str, ...], cpus: tuple[int, ...] | None,
+                          connector: Connector | None) -> None:
+    """Refuse a TP degree a worker cannot run: below 1, given to vLLM after `--` (the ranks'
+    cores are splitserve's to split), more ranks than cores, or above 1 on splitserve's
+    connector (`connector`: the worker's, None for a plain worker), which moves the KV of
+    single-rank engines only."""
+    if tp < 1:
+        raise ValueError(f"tensor parallel size must be at least 1, got {tp}")
+    if any(a.split("=", 1)[0] in TP_FLAGS for a in extra_args):
+        raise ValueError("give the tensor-parallel degree as --tp N (serve: --prefill-tp, "
+                         "--decode-tp, --colocated-tp), not after `--`: splitserve splits the "
+                         "worker's cores across its ranks")
+    if cpus is not None and len(cpus) < tp:
+        raise ValueError(f"tp {tp} needs at least {tp} cores (one a rank), got {len(cpus)}")
+    if tp > 1 and connector == Connector.SPLITSERVE:
+        raise ValueError(f"tp {tp} on splitserve's connector: it moves the KV of single-rank "
+                         "engines only; for P/D with tensor parallelism use --connector nixl, "
+                         "or run the model on colocated workers")
+
+
+def split_evenly(cores: tuple[int, ...], parts: int) -> tuple[tuple[int, ...], ...]:
+    """`cores` as `parts` contiguous runs, as even as the count allows (the first runs get one
+    more); ValueError when there are fewer cores than parts."""
+    if len(cores) < parts:
+        raise ValueError(f"{parts} ranks need at least {parts} cores, got {len(cores)}")
+    size, extra = divmod(len(cores), parts)
+    out, start = [], 0
+    for i in range(parts):
+        end = start + size + (i < extra)
+        out.append(tuple(cores[start:end]))
+        start = end
+    return tuple(out)
 
 
 def load_token(required: bool = True) -> str | None:

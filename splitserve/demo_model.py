@@ -44,6 +44,10 @@ class ModelSpec:
     # implementations (float32 rounding differences cannot flip the argmax).
     initializer_range: float = 0.1
     seed: int = 0
+    # Attention's output projections scaled by this: far below 1, attention adds little, the
+    # next token depends mostly on the current one, and greedy output falls into a cycle (a
+    # model on which n-gram speculative drafts are accepted). 1: the weights as drawn.
+    attention_out_scale: float = 1.0
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -55,6 +59,16 @@ class ModelSpec:
             raise ValueError(f"head_dim {self.head_dim} is not supported by vLLM's CPU attention")
         if self.vocab_size < 512:
             raise ValueError("vocab_size must be at least 512")
+        if not self.attention_out_scale > 0:
+            raise ValueError("attention_out_scale must be positive")
+
+    def identity(self) -> dict[str, Any]:
+        """The fields that name the checkpoint (a default attention scale is left out, so the
+        checkpoints made before it existed keep their names and bytes)."""
+        out = dict(self.__dict__)
+        if out["attention_out_scale"] == 1.0:
+            del out["attention_out_scale"]
+        return out
 
     def hf_config(self) -> dict[str, Any]:
         common = {
@@ -146,13 +160,15 @@ def build_checkpoint(out_dir: str | os.PathLike[str], spec: ModelSpec = EMBEDDED
                 p.uniform_(0.8, 1.2)
             elif name.endswith(".bias"):
                 p.normal_(0.0, spec.initializer_range)
+            if name.endswith("o_proj.weight") and spec.attention_out_scale != 1.0:
+                p.mul_(spec.attention_out_scale)
     model.save_pretrained(str(out), safe_serialization=True)
-    (out / "splitserve-spec.json").write_text(json.dumps(spec.__dict__, sort_keys=True))
+    (out / "splitserve-spec.json").write_text(json.dumps(spec.identity(), sort_keys=True))
     return out
 
 
 def spec_digest(spec: ModelSpec) -> str:
-    return hashlib.sha256(json.dumps(spec.__dict__, sort_keys=True).encode()).hexdigest()[:12]
+    return hashlib.sha256(json.dumps(spec.identity(), sort_keys=True).encode()).hexdigest()[:12]
 
 
 def default_cache_dir() -> Path:

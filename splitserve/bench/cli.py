@@ -267,7 +267,8 @@ def parse_named_url(text: str) -> tuple[str, str]:
 def run_compare(args: argparse.Namespace) -> int:
     endpoints = dict(args.url or [])
     try:
-        arms = [parse_arm(text, args.deploy_cores) for text in args.deploy or []]
+        arms = [parse_arm(text, args.deploy_cores, args.speculative_config)
+                for text in args.deploy or []]
     except ValueError as exc:
         raise SystemExit(f"splitserve bench compare: --deploy: {exc}") from None
     if len(endpoints) + len(arms) < 2:
@@ -337,8 +338,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                       "--deploy-cores: NAME=colocated[:TOKEN_BUDGET] or NAME=disagg[:FIELD...] "
                       "with FIELDs in any order: shm|tcp|nixl (KV path; nixl: vLLM's "
                       "NixlConnector), <P>p<D>d (default 1p1d), POLICY or PREFILL/DECODE "
-                      "policies (default cache), e.g. cache=disagg:shm:2p2d:cache "
+                      "policies (default cache), blind, spec (D drafts with "
+                      "--speculative-config), e.g. cache=disagg:shm:2p2d:cache "
                       "load=disagg:shm:2p2d:load")
+    cmp_.add_argument("--speculative-config", default=None, metavar="JSON",
+                      help="vLLM's speculative config for the --deploy arms marked `spec` "
+                      "(their D, or their colocated worker)")
     cmp_.add_argument("--deploy-cores", type=parse_cpus, default=(0, 1),
                       help="cores every started deployment gets (equal total cores)")
     cmp_.add_argument("--deploy-model", "--model-dir", dest="deploy_model", default=None,

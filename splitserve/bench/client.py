@@ -271,6 +271,11 @@ NIXL_SERIES = {"count": "vllm:nixl_xfer_time_seconds_count",
                "post_s": "vllm:nixl_post_time_seconds_sum",
                "bytes": "vllm:nixl_bytes_transferred_sum"}
 
+# vLLM's speculative-decoding counters (on the workers that draft: D and colocated)
+SPEC_SERIES = {"drafts": "vllm:spec_decode_num_drafts_total",
+               "draft_tokens": "vllm:spec_decode_num_draft_tokens_total",
+               "accepted_tokens": "vllm:spec_decode_num_accepted_tokens_total"}
+
 
 def parse_sum(metrics_text: str, name: str) -> float | None:
     """The sum of a Prometheus series over its label sets (None when absent)."""
@@ -328,7 +333,8 @@ class BusySampler:
             except httpx.HTTPError:
                 continue
             if resp.status_code == 200:
-                into[name] = {series: s for series in (PREFILL_SECONDS, *NIXL_SERIES.values())
+                into[name] = {series: s for series in (PREFILL_SECONDS, *NIXL_SERIES.values(),
+                                                       *SPEC_SERIES.values())
                               if (s := parse_sum(resp.text, series)) is not None}
 
     async def _sample(self, client: httpx.AsyncClient, name: str) -> WorkerLoad | None:
@@ -407,6 +413,28 @@ class BusySampler:
                              "mean_bytes": delta.get("bytes", 0.0) / count}
         return out
 
+    def spec_decode(self) -> dict[str, dict[str, float]]:
+        """Per worker that drafted during the run (read after `stop`): drafts, draft tokens and
+        accepted tokens from vLLM's `vllm:spec_decode_*` counters, the acceptance rate
+        (accepted / draft tokens) and the mean accepted tokens per draft."""
+        out: dict[str, dict[str, float]] = {}
+        for name, first in self._first.items():
+            last = self._last.get(name, {})
+            delta = {key: last[series] - first.get(series, 0.0)
+                     for key, series in SPEC_SERIES.items() if series in last}
+            if delta.get("drafts", 0.0) > 0:
+                out[name] = delta | spec_rates(delta)
+        return out
+
     def _fractions(self, counts: dict[str, int]) -> dict[str, float]:
         return {n: (counts[n] / self._samples[n]) if self._samples[n] else float("nan")
                 for n in self._urls}
+
+
+def spec_rates(counts: dict[str, float]) -> dict[str, float]:
+    """Acceptance rate (accepted / draft tokens) and accepted tokens per draft of counts with
+    `drafts`, `draft_tokens` and `accepted_tokens`."""
+    drafts, proposed = counts.get("drafts", 0.0), counts.get("draft_tokens", 0.0)
+    accepted = counts.get("accepted_tokens", 0.0)
+    return {"acceptance_rate": accepted / proposed if proposed else float("nan"),
+            "accepted_per_draft": accepted / drafts if drafts else float("nan")}

@@ -14,7 +14,7 @@
 
 Arm spec (`parse_arm`), for `bench compare --deploy`:
 
-    NAME=colocated[:TOKEN_BUDGET]
+    NAME=colocated[:TOKEN_BUDGET][:spec]
     NAME=disagg[:FIELD[:FIELD...]]   each FIELD at most once, in any order, known by its form:
         shm | tcp | nixl             KV path (default shm)
         <P>p<D>d                     shape: P prefill and D decode workers (default 1p1d)
@@ -23,6 +23,8 @@ Arm spec (`parse_arm`), for `bench compare --deploy`:
         blind                        the workers do not report their caches: the router
                                      knows nothing cached, so it never prefills on D nor
                                      sends a delta (the cache-blind baseline; default: they do)
+        spec                         D drafts (speculative decoding) with the run's
+                                     `--speculative-config`; on a colocated arm, its worker does
 
 e.g. `cache=disagg:shm:2p2d:cache`, `load=disagg:2p2d:load:blind`, `mixed=disagg:tcp:cache/load`.
 A `load` arm without `blind` still uses what the index knows: prefill on D and delta transfers
@@ -41,6 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from splitserve.common import speculative
 from splitserve.common.procs import stop_group
 from splitserve.config import TRANSPORTS, WorkerConfig
 from splitserve.hub import ModelSource
@@ -52,9 +55,9 @@ from splitserve.worker.launch import free_port, start_worker, wait_healthy
 ARM_KINDS: tuple[str, ...] = ("colocated", "disagg")
 # a disaggregated arm's KV path: splitserve's connector over a transport, or vLLM's NixlConnector
 KV_PATHS: tuple[str, ...] = (*TRANSPORTS, "nixl")
-ARM_GRAMMAR = ("NAME=colocated[:TOKEN_BUDGET] or NAME=disagg[:FIELD...] with FIELDs (each at "
-               "most once, any order): shm|tcp|nixl, <P>p<D>d (e.g. 2p2d), POLICY or "
-               "PREFILL_POLICY/DECODE_POLICY, blind")
+ARM_GRAMMAR = ("NAME=colocated[:TOKEN_BUDGET][:spec] or NAME=disagg[:FIELD...] with FIELDs "
+               "(each at most once, any order): shm|tcp|nixl, <P>p<D>d (e.g. 2p2d), POLICY or "
+               "PREFILL_POLICY/DECODE_POLICY, blind, spec")
 _SHAPE = re.compile(r"^([0-9]+)p([0-9]+)d$")
 # what every started disaggregated arm passes to vLLM: the engine's cached-token count in usage
 DISAGG_WORKER_ARGS: tuple[str, ...] = ("--enable-prompt-tokens-details",)
@@ -75,8 +78,13 @@ class Arm:
     prefill_policy: str = DEFAULT_POLICY  # disagg only: the router's policies
     decode_policy: str = DEFAULT_POLICY
     kv_events: bool = True  # disagg only: the workers report their caches (False: `blind`)
+    speculative: str | None = None  # D's (or the colocated worker's) speculative config
 
     def __post_init__(self) -> None:
+        if self.speculative is not None:
+            object.__setattr__(self, "speculative", speculative.canonical(self.speculative))
+            if self.kind == "disagg":
+                speculative.check_for_role(self.speculative, "decode")
         if self.kind not in ARM_KINDS:
             raise ValueError(f"arm kind must be one of {ARM_KINDS}, got {self.kind!r}")
         if not self.cores or min(self.cores) < 0:
@@ -107,7 +115,7 @@ class Arm:
             return {"roles": ["colocated"], "cores_per_worker": [len(self.cores)],
                     "total_cores": len(self.cores), "transport": None,
                     "max_num_batched_tokens": budget, "chunked_prefill": chunked,
-                    "router": False}
+                    "router": False, "speculative": self.speculative}
         from splitserve.launch.local import plan_cores
 
         n = self.prefill + self.decode
@@ -121,22 +129,30 @@ class Arm:
                 "chunked_prefill": False, "router": True,
                 "prefill_policy": self.prefill_policy, "decode_policy": self.decode_policy,
                 "local_prefill_max_tokens": LOCAL_PREFILL_MAX_TOKENS,
-                "kv_events": self.kv_events,
+                "kv_events": self.kv_events, "speculative": self.speculative,
                 "worker_args": list(DISAGG_WORKER_ARGS)}
 
 
-def parse_arm(text: str, cores: tuple[int, ...]) -> Arm:
+def parse_arm(text: str, cores: tuple[int, ...], speculative_config: str | None = None) -> Arm:
     """An `Arm` on `cores` from its spec (the grammar in the module docstring); ValueError
-    naming the grammar and the offending part when the spec is not one."""
+    naming the grammar and the offending part when the spec is not one. `speculative_config`:
+    the run's, which an arm with the `spec` field drafts with."""
     name, sep, spec = text.partition("=")
     kind, _, rest = spec.partition(":")
     if not sep or not name or kind not in ARM_KINDS:
         raise ValueError(f"expected {ARM_GRAMMAR}; got {text!r}")
+    parts = rest.split(":") if rest else []
+    drafts = None
+    if "spec" in parts:
+        parts.remove("spec")
+        if speculative_config is None:
+            raise ValueError(f"{text!r} drafts (`spec`), but no --speculative-config was given")
+        drafts = speculative_config
     if kind == "colocated":
-        if rest and not rest.isdigit():
-            raise ValueError(f"a colocated arm takes one field, its token budget (an integer); "
+        if len(parts) > 1 or (parts and not parts[0].isdigit()):
+            raise ValueError(f"a colocated arm takes its token budget (an integer) and `spec`; "
                              f"got {text!r}")
-        return Arm(name, kind, cores, int(rest) if rest else None)
+        return Arm(name, kind, cores, int(parts[0]) if parts else None, speculative=drafts)
     fields: dict[str, Any] = {}
 
     def put(key: str, value: Any, part: str) -> None:
@@ -144,7 +160,7 @@ def parse_arm(text: str, cores: tuple[int, ...]) -> Arm:
             raise ValueError(f"{text!r}: {part!r} sets the {key} twice ({ARM_GRAMMAR})")
         fields[key] = value
 
-    for part in rest.split(":") if rest else []:
+    for part in parts:
         if part in KV_PATHS:
             put("kv path", part, part)
         elif part == "blind":
@@ -168,7 +184,7 @@ def parse_arm(text: str, cores: tuple[int, ...]) -> Arm:
     return Arm(name, kind, cores, transport="shm" if nixl else path,
                connector="nixl" if nixl else "splitserve", prefill=prefill, decode=decode,
                prefill_policy=p_policy, decode_policy=d_policy,
-               kv_events=not fields.get("blind", False))
+               kv_events=not fields.get("blind", False), speculative=drafts)
 
 
 @dataclass(frozen=True)
@@ -184,7 +200,8 @@ class Endpoint:
 def colocated_worker(model: ModelSource, arm: Arm, log_dir: Path) -> Iterator[Endpoint]:
     """A plain vLLM worker (no connector, no router) on all the arm's cores."""
     cfg = WorkerConfig(model=model.path, served_model_name=model.name, port=free_port(),
-                       cpus=arm.cores, max_num_batched_tokens=arm.max_num_batched_tokens)
+                       cpus=arm.cores, max_num_batched_tokens=arm.max_num_batched_tokens,
+                       speculative_config=arm.speculative)
     log_dir.mkdir(parents=True, exist_ok=True)
     proc = start_worker(cfg, None, str(log_dir / f"{arm.name}.log"))
     try:
@@ -214,7 +231,8 @@ def disagg_deployment(model: ModelSource, arm: Arm, log_dir: Path) -> Iterator[E
                            connector=arm.connector, port=free_port(), cpus=arm.cores,
                            log_dir=str(log_dir / arm.name), startup_timeout_s=240.0,
                            prefill_policy=arm.prefill_policy, decode_policy=arm.decode_policy,
-                           worker_args=DISAGG_WORKER_ARGS, kv_events=arm.kv_events)
+                           worker_args=DISAGG_WORKER_ARGS, kv_events=arm.kv_events,
+                           speculative=arm.speculative)
     with LocalDeployment(cfg, say=notes.append) as dep:
         yield Endpoint(dep.url, {"launcher": "splitserve.launch.local",
                                  "cores": dep.core_note,

@@ -45,6 +45,9 @@ TABLE_ROWS: tuple[tuple[str, str], ...] = (
     ("predicted_cached_tokens", "cached tokens predicted (router, reported legs)"),
     ("reported_cached_tokens", "cached tokens reported (engine)"),
     ("prediction_error", "prediction error |pred - reported| / reported"),
+    ("spec_draft_tokens", "draft tokens (speculative decoding)"),
+    ("spec_acceptance_rate", "draft acceptance rate"),
+    ("spec_accepted_per_draft", "accepted tokens per draft"),
     ("slo_attainment", "SLO attainment"), ("request_goodput", "goodput req/s"),
     ("distserve_goodput", "DistServe goodput req/s"),
 )

@@ -8,7 +8,11 @@ vLLM's `bench serve` keys at the top level (see metrics.py), plus `system`, `bus
 `busy_fraction` / `queued_fraction`: per worker, the share of `/metrics` samples with a request
 running or waiting / with a request waiting (see client.BusySampler). `nixl_transfers` (only
 when vLLM's NixlConnector moved KV): per worker, its transfers' count, mean duration, post time
-and bytes over the run, from vLLM's `vllm:nixl_*` histograms.
+and bytes over the run, from vLLM's `vllm:nixl_*` histograms. `spec_decode` (only when a
+worker drafted: speculative decoding on D or colocated): per worker, its drafts, draft tokens,
+accepted tokens, acceptance rate and accepted tokens per draft over the run, from vLLM's
+`vllm:spec_decode_*` counters; their totals as `spec_drafts`, `spec_draft_tokens`,
+`spec_accepted_tokens`, `spec_acceptance_rate`, `spec_accepted_per_draft`.
 Prefix reuse: `ideal_reuse` (+ `ideal_reused_tokens`, `ideal_computed_tokens`; repeat.py) for
 the `mooncake` (over the stream) and `multiturn` (over the prompts sent) workloads, null for the
 others (their prompts are random: nothing repeats); the server-reported `prefix_hit_rate`,
@@ -42,6 +46,7 @@ from splitserve.bench.client import (
     RequestRecord,
     resolve_model,
     run_stream,
+    spec_rates,
 )
 from splitserve.bench.metrics import SLO, compute_metrics, distserve_goodput, spread
 from splitserve.bench.repeat import IdealReuse, ideal_reuse_blocks
@@ -118,6 +123,11 @@ async def run_once(client: ClientConfig, spec: WorkloadSpec, system: str,
     result["queued_fraction"] = sampler.queued()
     if nixl := sampler.nixl_transfers():
         result["nixl_transfers"] = nixl
+    if drafting := sampler.spec_decode():
+        result["spec_decode"] = drafting
+        total = {k: sum(w[k] for w in drafting.values())
+                 for k in ("drafts", "draft_tokens", "accepted_tokens")}
+        result |= {f"spec_{k}": v for k, v in (total | spec_rates(total)).items()}
     result["run_sheet"] = run_sheet(spec, requests, model, deployment)
     result["requests"] = [r.to_dict() for r in records]
     return result

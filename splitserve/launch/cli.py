@@ -21,7 +21,11 @@ from splitserve.launch.config import DeploymentConfig, from_mapping, load_yaml
 from splitserve.launch.local import LocalDeployment
 from splitserve.router.config import DECODE_POLICIES, PREFILL_POLICIES
 from splitserve.secretflags import add_secret_guards
-from splitserve.worker.cli import add_kv_events_argument, add_tls_arguments
+from splitserve.worker.cli import (
+    add_kv_events_argument,
+    add_speculative_argument,
+    add_tls_arguments,
+)
 from splitserve.worker.launch import (
     check_kv_fits,
     check_nixl_installed,
@@ -49,6 +53,9 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, object]:
         "backend": "ray" if args.ray is not None else None,
         "ray_address": args.ray or None,
         "kv_events": args.kv_events,  # None unless --no-kv-events: the YAML's value stands
+        "speculative": args.speculative_config,
+        "prefill_tp": args.prefill_tp, "decode_tp": args.decode_tp,
+        "colocated_tp": args.colocated_tp,
     }
 
 
@@ -77,7 +84,7 @@ def check_can_start(cfg: DeploymentConfig) -> None:
     if cfg.backend == "local" and Path(cfg.model).is_dir():  # a hub id: the workers tell
         check_model_dir(cfg.model)
         check_kv_fits(cfg.model, cfg.max_model_len, cfg.kv_cache_gib, cfg.dtype,
-                      cfg.worker_args)
+                      cfg.worker_args, max(cfg.prefill_tp, cfg.decode_tp, cfg.colocated_tp))
 
 
 def make_backend(cfg: DeploymentConfig) -> LauncherBackend:
@@ -160,6 +167,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--decode", type=int, default=None, metavar="M", help="decode workers")
     p.add_argument("--colocated", type=int, default=None, metavar="K",
                    help="colocated (plain vLLM) workers: the baseline")
+    for pool, note in (("prefill", "nixl only"), ("decode", "nixl only"), ("colocated", "")):
+        p.add_argument(f"--{pool}-tp", type=int, default=None, metavar="N",
+                       help=f"tensor parallelism of each {pool} worker: N ranks, each on "
+                            f"cores of its own when there are enough (default 1"
+                            + (f"; above 1: {note})" if note else ")"))
     model = p.add_mutually_exclusive_group()
     model.add_argument("--model", default=None,
                        help="model directory, or Hugging Face model id (org/name)")
@@ -207,6 +219,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
                    help="run on Ray: the cluster at ADDRESS (host:port of its GCS), or a local "
                         "one started for the deployment when ADDRESS is omitted")
+    add_speculative_argument(p)
     add_kv_events_argument(p, default=None)
     add_tls_arguments(p)
     add_secret_guards(p)

@@ -12,6 +12,8 @@ YAML keys are the field names below; `router:` holds the router's policy fields.
     routers: 2               # optional: routers over the same workers, on ports 8000 and 8001
     router: {decode_policy: round_robin, local_prefill_max_tokens: 0}
     kv_events: false         # optional: workers do not report their prefix cache (default true)
+    speculative: {method: ngram, num_speculative_tokens: 3, prompt_lookup_max: 4}  # D, colocated
+    colocated_tp: 2          # optional: tensor parallelism per pool (prefill_tp, decode_tp: nixl)
     kv_tls_cert: certs/kv.pem  # optional: TLS on the KV channel; one cert for every worker,
     kv_tls_key: certs/kv.key   # valid for `host`; kv_tls_ca verifies it (and makes TLS mutual)
     kv_tls_ca: certs/ca.pem
@@ -26,8 +28,14 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from splitserve.common import speculative
 from splitserve.common.vocab import Connector, values
-from splitserve.config import TRANSPORTS, check_kv_events_passthrough, check_tls_files
+from splitserve.config import (
+    TRANSPORTS,
+    check_kv_events_passthrough,
+    check_tensor_parallel,
+    check_tls_files,
+)
 from splitserve.hub import check_model_name
 from splitserve.launch.rayconfig import RayOptions, ray_options
 from splitserve.router.config import (
@@ -81,6 +89,12 @@ class DeploymentConfig:
     kv_tls_ca: str | None = None
     # every worker reports its prefix cache to routers (worker.kvrelay); false: none does
     kv_events: bool = True
+    # vLLM's speculative config (JSON text, or a mapping in YAML) for D and colocated workers
+    speculative: str | None = None
+    # tensor parallelism per pool: ranks of each worker's engine (each rank gets its own cores)
+    prefill_tp: int = 1
+    decode_tp: int = 1
+    colocated_tp: int = 1
     worker_args: tuple[str, ...] = field(default_factory=tuple)  # passed to vLLM unchanged
     backend: str = "local"  # local processes, or a Ray cluster
     ray_address: str | None = None  # backend ray: the cluster's address; None starts one
@@ -138,6 +152,7 @@ class DeploymentConfig:
         if not isinstance(self.kv_events, bool):
             raise ValueError(f"kv_events must be true or false, got {self.kv_events!r}")
         check_kv_events_passthrough(self.worker_args, self.kv_events)
+        self._check_engines()
         check_tls_files(self.kv_tls_cert, self.kv_tls_key, self.kv_tls_ca, prefix="kv_tls_",
                         must_exist=self.files_here)
         if self.kv_tls_cert is not None and not self.prefill:
@@ -152,6 +167,27 @@ class DeploymentConfig:
         for kind in ("prefill", "decode"):
             self.ray.bounds(kind, getattr(self, kind))
 
+    def _check_engines(self) -> None:
+        """The engines' own options: each pool's TP degree, the speculative config (D and
+        colocated workers only, so never after `--`, which reaches P too)."""
+        if (flag := speculative.passthrough_flag(self.worker_args)) is not None:
+            raise ValueError(f"{flag} after `--` would reach every worker, P too: give it as "
+                             "--speculative-config (YAML: speculative), which goes to decode "
+                             "and colocated workers only")
+        for pool, connector in (("prefill", self.connector), ("decode", self.connector),
+                                ("colocated", None)):
+            if not isinstance(tp := getattr(self, f"{pool}_tp"), int):
+                raise ValueError(f"{pool}_tp must be a whole number, got {tp!r}")
+            try:
+                check_tensor_parallel(tp, self.worker_args, None,
+                                      Connector(connector) if connector else None)
+            except ValueError as exc:
+                raise ValueError(f"{pool}_tp: {exc}") from None
+        if self.speculative is not None:
+            object.__setattr__(self, "speculative", speculative.canonical(self.speculative))
+            if self.prefill:
+                speculative.check_for_role(self.speculative, "decode")
+
     @property
     def files_here(self) -> bool:
         """Whether the workers read their files (model, TLS) on this machine."""
@@ -165,6 +201,10 @@ class DeploymentConfig:
     @property
     def n_workers(self) -> int:
         return self.prefill + self.decode + self.colocated
+
+    def tp_of(self, pool: str) -> int:
+        """The tensor-parallel degree of `pool`'s workers ("prefill", "decode", "colocated")."""
+        return int(getattr(self, f"{pool}_tp"))
 
 
 def from_mapping(data: dict[str, Any], overrides: dict[str, Any] | None = None

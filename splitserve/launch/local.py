@@ -86,24 +86,34 @@ class CorePlan:
     note: str
 
 
-def plan_cores(cores: list[int], n_workers: int) -> CorePlan:
-    """Disjoint cores per worker (and one for the router) when there are enough, else even."""
+def plan_cores(cores: list[int], n_workers: int, ranks: tuple[int, ...] | None = None
+               ) -> CorePlan:
+    """Disjoint cores per worker (and one for the router) when there are enough, else even.
+    `ranks`: each worker's TP degree (default 1 each); a worker gets that many shares, so each
+    of its ranks gets as many cores as a single-rank worker."""
+    ranks = ranks or (1,) * n_workers
+    if len(ranks) != n_workers:
+        raise ValueError("ranks needs one TP degree a worker")
     cores = sorted(cores)
-    n = len(cores)
-    if n >= n_workers + 1:
-        per = (n - 1) // n_workers
-        workers = tuple(tuple(cores[1 + i * per: 1 + (i + 1) * per]) for i in range(n_workers))
-        return CorePlan((cores[0],), workers,
-                        f"{per} core(s) per worker, the router on core {cores[0]}")
-    if n >= n_workers:
-        per = n // n_workers
-        workers = tuple(tuple(cores[i * per:(i + 1) * per]) for i in range(n_workers))
+    n, units = len(cores), sum(ranks)
+    starts = [sum(ranks[:i]) for i in range(n_workers)]
+    unit = "core(s) per rank" if units > n_workers else "core(s) per worker"
+    if n >= units + 1:
+        per = (n - 1) // units
+        workers = tuple(tuple(cores[1 + s * per: 1 + (s + r) * per])
+                        for s, r in zip(starts, ranks, strict=True))
+        return CorePlan((cores[0],), workers, f"{per} {unit}, the router on core {cores[0]}")
+    if n >= units:
+        per = n // units
+        workers = tuple(tuple(cores[s * per:(s + r) * per]) for s, r in zip(starts, ranks,
+                                                                            strict=True))
         return CorePlan(tuple(cores), workers,
-                        f"{per} core(s) per worker; the router shares them (only {n} cores)")
-    workers = tuple((cores[i % n],) for i in range(n_workers))
+                        f"{per} {unit}; the router shares them (only {n} cores)")
+    workers = tuple(tuple(cores[(s + k) % n] for k in range(r)) if r <= n else tuple(cores)
+                    for s, r in zip(starts, ranks, strict=True))
     return CorePlan(tuple(cores), workers,
-                    f"only {n} cores for {n_workers} workers: workers share cores round-robin, "
-                    "so they slow each other down")
+                    f"only {n} cores for {units} ranks of {n_workers} workers: they share cores "
+                    "round-robin, so they slow each other down")
 
 
 def pool_worker_config(cfg: DeploymentConfig, role: Role | None, model_dir: str,
@@ -119,6 +129,10 @@ def pool_worker_config(cfg: DeploymentConfig, role: Role | None, model_dir: str,
         max_num_batched_tokens=cfg.max_num_batched_tokens,
         served_model_name=served_name,
         staging_bytes=cfg.staging_mib * 1024**2, kv_events=cfg.kv_events,
+        speculative_config=cfg.speculative if role != Role.PREFILL else None,
+        tensor_parallel_size=cfg.tp_of(Pool.COLOCATED.value if role is None else
+                                       Pool.PREFILL.value if role == Role.PREFILL else
+                                       Pool.DECODE.value),
         extra_args=cfg.worker_args,
         # one certificate for every connector worker (plain workers have no KV channel)
         kv_tls_cert=cfg.kv_tls_cert if role else None,
@@ -182,14 +196,14 @@ class LocalDeployment(LauncherBackend):
     def plan_workers(self) -> list[tuple[str, WorkerConfig]]:
         cfg = self.cfg
         cores = list(cfg.cpus or sorted(os.sched_getaffinity(0)))
-        plan = plan_cores(cores, cfg.n_workers)
+        pools = ([Pool.PREFILL] * cfg.prefill + [Pool.DECODE] * cfg.decode
+                 + [Pool.COLOCATED] * cfg.colocated)
+        plan = plan_cores(cores, cfg.n_workers, tuple(cfg.tp_of(p.value) for p in pools))
         self.core_note = plan.note
         self.router_cpus = cfg.router_cpus or plan.router
         if cfg.router_cpus:
             self.core_note += (f"; --router-cpus puts the router on cpus "
                                f"{','.join(map(str, cfg.router_cpus))}")
-        pools = ([Pool.PREFILL] * cfg.prefill + [Pool.DECODE] * cfg.decode
-                 + [Pool.COLOCATED] * cfg.colocated)
         out = []
         for i, (pool, cpus) in enumerate(zip(pools, plan.workers, strict=True)):
             out.append((f"{pool.value}{i}", pool_worker_config(

@@ -383,6 +383,9 @@ class Flow:
                             self._fetch_record(t, tr, tr.decode.url))
                 ids = list(c.get("token_ids") or [])
                 text = c.get("text") or ""
+                if ids:
+                    t.d_chunks += 1
+                    t.d_tokens += len(ids)
                 if replayed:
                     ids, text, replayed = self._drop_replayed(joiner, ids, text, replayed)
                     if not ids and c.get("finish_reason") is None:

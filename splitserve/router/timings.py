@@ -35,6 +35,11 @@ class Timings:
     kv: SideRecord | None = None  # D's record of the transfer (its connector's)
     cached: dict[str, int] | None = None  # the index's prediction: p_cached, d_cached tokens
     d_usage: dict[str, Any] | None = None  # the usage in D's stream (its last one)
+    # D's stream: its chunks that carried tokens, and those tokens; one chunk is one or more
+    # engine steps' output, so more than one token a chunk shows drafts accepted (or a slow
+    # reader: vLLM merges the steps a reader has not taken yet)
+    d_chunks: int = 0
+    d_tokens: int = 0
     transfer: Transfer | None = field(default=None, repr=False)  # the last P attempt's
     # the transfer's record, fetched while D streams (started at its first token: by then the KV
     # is loaded), so the record costs the end of the request no round trip
@@ -53,6 +58,8 @@ class Timings:
             "d_queue_s": gap(self.d_sent, self.d_first),
             "e2e_s": gap(self.received, self.end),
         }
+        if self.d_chunks:
+            out["d_tokens_per_chunk"] = round(self.d_tokens / self.d_chunks, 3)
         if self.cached:
             out.update(self.cached)
         kv = self.kv

@@ -53,32 +53,18 @@ def plan_profiles(args: argparse.Namespace) -> dict[int, Profile]:
 
 
 def deploy_commands(shape: Shape, model_flag: str) -> list[str]:
-    """The commands that start `shape` with splitserve's launcher or its parts (`model_flag`:
-    `--model NAME` or `--embedded`). P/D with TP > 1 runs over vLLM's NixlConnector: splitserve's
-    connector moves one engine's KV (docs/guides/tp-moe.md)."""
+    """The command that starts `shape` with splitserve's launcher (`model_flag`: `--model NAME`
+    or `--embedded`), each pool at its TP degree. P/D with TP > 1 runs over vLLM's
+    NixlConnector: splitserve's connector moves single-rank KV (docs/guides/tp-moe.md)."""
     c = shape.config
-    tp = lambda t: f" -- --tensor-parallel-size {t}" if t > 1 else ""  # noqa: E731
+    tp = lambda pool, t: f" --{pool}-tp {t}" if t > 1 else ""  # noqa: E731
     if c.mode != "disagg":
-        return [f"splitserve serve {model_flag} --colocated {c.n_workers}{tp(shape.tp_p)}"]
+        return [f"splitserve serve {model_flag} --colocated {c.n_workers}"
+                f"{tp('colocated', shape.tp_p)}"]
     policies = f"--prefill-policy {c.p_policy} --decode-policy {c.d_policy}"
-    # splitserve's connector moves one engine's whole KV (TP 1); vLLM's NixlConnector maps ranks
     nixl = " --connector nixl" if max(shape.tp_p, shape.tp_d) > 1 else ""
-    if shape.tp_p == shape.tp_d:
-        return [f"splitserve serve {model_flag} --prefill {c.n_prefill} --decode "
-                f"{c.n_decode} {policies}{nixl}{tp(shape.tp_p)}"]
-    lines: list[str] = []
-    p_urls: list[str] = []
-    d_urls: list[str] = []
-    for role, n, t, urls in (("prefill", c.n_prefill, shape.tp_p, p_urls),
-                             ("decode", c.n_decode, shape.tp_d, d_urls)):
-        for _ in range(n):
-            port = 8100 + len(p_urls) + len(d_urls)
-            urls.append(f"http://HOST:{port}")
-            lines.append(f"splitserve worker {model_flag} --role {role} --port {port}"
-                         f"{nixl}{tp(t)}")
-    lines.append(f"splitserve router --prefill {' '.join(p_urls)} --decode {' '.join(d_urls)} "
-                 f"{policies}")
-    return lines
+    return [f"splitserve serve {model_flag} --prefill {c.n_prefill} --decode {c.n_decode} "
+            f"{policies}{nixl}{tp('prefill', shape.tp_p)}{tp('decode', shape.tp_d)}"]
 
 
 def print_gpu_plan(plan: GpuPlan, rungs: list[Rung], verdict: str | None, model_flag: str

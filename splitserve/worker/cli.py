@@ -69,6 +69,9 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--cpus", type=parse_cpus, default=None, help="cores, e.g. 0,1 or 0-3")
+    p.add_argument("--tp", type=int, default=1, metavar="N",
+                   help="tensor parallelism: N ranks of one engine, --cpus split evenly across "
+                        "them (plain workers and --connector nixl; default 1)")
     p.add_argument("--kv-port", type=int, default=0,
                    help="connector port, NIXL's side-channel port with --connector nixl "
                         "(default: a free one)")
@@ -91,9 +94,19 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds a decode request waits for its KV before recomputing (or failing)")
     p.add_argument("--kv-lease", type=float, default=60.0,
                    help="seconds staged KV waits for its decode request before it is freed")
+    add_speculative_argument(p)
     add_kv_events_argument(p)
     add_tls_arguments(p)
     add_secret_guards(p)
+
+
+def add_speculative_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help="speculative decoding on decode and colocated workers (never prefill), "
+                        "vLLM's --speculative-config, e.g. '{\"method\": \"ngram\", "
+                        "\"num_speculative_tokens\": 3, \"prompt_lookup_max\": 4}'; a worker "
+                        "that loads KV from P takes only methods with no KV of their own "
+                        "(ngram, suffix, medusa, mlp_speculator)")
 
 
 def add_kv_events_argument(p: argparse.ArgumentParser, default: bool | None = True) -> None:
@@ -123,7 +136,9 @@ def config_from_args(args: argparse.Namespace, extra: list[str]) -> WorkerConfig
         served_model_name=source.name,
         staging_bytes=args.staging_mib * 1024**2, load_timeout_s=args.kv_load_timeout,
         lease_s=args.kv_lease, kv_tls_cert=args.kv_tls_cert, kv_tls_key=args.kv_tls_key,
-        kv_tls_ca=args.kv_tls_ca, kv_events=args.kv_events, extra_args=tuple(extra),
+        kv_tls_ca=args.kv_tls_ca, kv_events=args.kv_events,
+        speculative_config=args.speculative_config, tensor_parallel_size=args.tp,
+        extra_args=tuple(extra),
     )
 
 
@@ -145,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
         if cfg.role is not None and cfg.connector == Connector.NIXL:
             check_nixl_installed()
         check_kv_fits(cfg.model, cfg.max_model_len, cfg.kv_cache_gib, cfg.dtype,
-                      cfg.extra_args)
+                      cfg.extra_args, cfg.tensor_parallel_size)
         # unreadable or mismatched TLS files fail here, not in vLLM
         if cfg.role is not None and cfg.connector == Connector.SPLITSERVE:
             server_context(cfg.connector_config())
@@ -160,6 +175,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"splitserve worker: vLLM {version}, role={cfg.role or 'plain'}, {cfg.url}"
           + (f", {kv}" if cfg.role else "")
           + (" (TLS)" if cfg.kv_tls_cert else "")
+          + (f", tp {cfg.tensor_parallel_size}" if cfg.tensor_parallel_size > 1 else "")
           + (f", cpus {','.join(map(str, cfg.cpus))}" if cfg.cpus else ""), flush=True)
     return supervise(argv, env, cfg.cpus)
 

@@ -108,13 +108,14 @@ KV_MARGIN = 1.1  # refuse only when one sequence needs this much more than the c
 
 
 def check_kv_fits(model_dir: str, max_model_len: int | None, kv_cache_gib: int, dtype: str,
-                  extra_args: tuple[str, ...] = ()) -> None:
+                  extra_args: tuple[str, ...] = (), tp: int = 1) -> None:
     """Raise ValueError, before vLLM starts, when vLLM-CPU's KV cache (`kv_cache_gib`) clearly
     cannot hold one sequence of the model's length (vLLM would fail at start with a long
     traceback). Checks only a plain decoder's config.json on vLLM-CPU; anything unusual (a
     sliding window, latent attention, rope scaling, flags of vLLM's own that change the KV)
-    is left to vLLM and `diagnose`."""
-    if kv_cache_gib <= 0 or kv_buffer_device() != "cpu":
+    is left to vLLM and `diagnose`; so is a worker of several ranks (`tp`), whose ranks each
+    hold their share of the heads in a cache of their own."""
+    if kv_cache_gib <= 0 or tp > 1 or kv_buffer_device() != "cpu":
         return
     if any(a.split("=")[0] in _UNUSUAL_ARGS for a in extra_args):
         return
@@ -252,6 +253,10 @@ def worker_command(cfg: WorkerConfig, token: str | None) -> tuple[list[str], dic
         argv += ["--max-num-batched-tokens", str(cfg.max_num_batched_tokens)]
     if cfg.role is not None:
         argv += ["--kv-transfer-config", json.dumps(kv_transfer_config(cfg))]
+    if cfg.speculative_config is not None:
+        argv += ["--speculative-config", cfg.speculative_config]
+    if cfg.tensor_parallel_size > 1:
+        argv += ["--tensor-parallel-size", str(cfg.tensor_parallel_size)]
     events_dir = None
     if cfg.kv_events and token:  # the relay's routes are behind the token: none, no report
         events_dir = private_dir()
@@ -273,9 +278,14 @@ def worker_command(cfg: WorkerConfig, token: str | None) -> tuple[list[str], dic
         # NIXL's handshake listener (vLLM binds and advertises it): one per worker, from config
         env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = cfg.host
         env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(cfg.kv_port)
-    if cfg.cpus is not None:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(str(c) for c in cfg.cpus)
-        env["OMP_NUM_THREADS"] = str(len(cfg.cpus))
+    cpus = cfg.cpus
+    if cpus is None and cfg.tensor_parallel_size > 1:  # vLLM-CPU's `auto` wants a NUMA node a rank
+        cpus = tuple(sorted(os.sched_getaffinity(0)))
+    if cpus is not None:
+        # vLLM-CPU binds rank r's OpenMP threads to the r-th `|`-separated list
+        ranks = cfg.rank_cpus(cpus)
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(",".join(map(str, r)) for r in ranks)
+        env["OMP_NUM_THREADS"] = str(min(len(r) for r in ranks))
     # A worker holding a token requires it on every HTTP path (worker.plugin); one started
     # without never inherits a token from our own environment.
     env.pop(TOKEN_FILE_ENV, None)

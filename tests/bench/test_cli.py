@@ -108,3 +108,20 @@ def test_compare_names_a_bad_arm(capsys: pytest.CaptureFixture[str]) -> None:
                                       "--deploy", "b=disagg:2p2d:lod"])
     with pytest.raises(SystemExit, match="--deploy: 'b=disagg:2p2d:lod'"):
         run_compare(args)
+
+
+def test_arms_that_draft_take_the_runs_speculative_config() -> None:
+    """`spec`: D (or the colocated worker) drafts with --speculative-config; P never does."""
+    ngram = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}'
+    plain = parse_arm("plain=disagg:shm", (0, 1), ngram)
+    assert plain.speculative is None
+    spec = parse_arm("spec=disagg:spec:shm", (0, 1), ngram)
+    assert spec.speculative is not None and json.loads(spec.speculative)["method"] == "ngram"
+    assert spec.description()["speculative"] == spec.speculative
+    colo = parse_arm("c=colocated:4096:spec", (0, 1), ngram)
+    assert (colo.max_num_batched_tokens, colo.speculative) == (4096, spec.speculative)
+    assert parse_arm("c=colocated:spec", (0, 1), ngram).max_num_batched_tokens is None
+    with pytest.raises(ValueError, match="no --speculative-config"):
+        parse_arm("spec=disagg:spec", (0, 1))
+    with pytest.raises(ValueError, match="'eagle'"):
+        parse_arm("spec=disagg:spec", (0, 1), '{"method": "eagle", "model": "m"}')

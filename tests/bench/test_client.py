@@ -184,3 +184,34 @@ async def test_busy_sampler_reports_nixl_transfers_over_the_run() -> None:
     assert math.isclose(out["d"]["mean_xfer_ms"], 10.0)
     assert math.isclose(out["d"]["mean_post_ms"], 1.0)
     assert math.isclose(out["d"]["mean_bytes"], 1e6)
+
+
+async def test_busy_sampler_reports_drafting_over_the_run() -> None:
+    """vLLM's `vllm:spec_decode_*` counters, read at the start and at the stop: per worker that
+    drafted in the run, its drafts, draft and accepted tokens and their rates."""
+
+    def page(drafts: float, proposed: float, accepted: float) -> str:
+        return (f'vllm:spec_decode_num_drafts_total{{engine="0"}} {drafts}\n'
+                f'vllm:spec_decode_num_drafts_created{{engine="0"}} 1.7e9\n'
+                f'vllm:spec_decode_num_draft_tokens_total{{engine="0"}} {proposed}\n'
+                f'vllm:spec_decode_num_accepted_tokens_total{{engine="0"}} {accepted}\n'
+                'vllm:num_requests_running{engine="0"} 0.0\n')
+
+    pages = {"d": page(10, 30, 12), "idle": page(4, 12, 1),
+             "p": 'vllm:num_requests_running{engine="0"} 0.0\n'}
+
+    def serve(name: str):  # type: ignore[no-untyped-def]
+        async def metrics(_: web.Request) -> web.Response:
+            return web.Response(text=pages[name])
+        return metrics
+
+    async with metrics_servers({name: serve(name) for name in pages}) as urls:
+        sampler = BusySampler(urls, interval_s=0.01)
+        sampler.start()
+        await asyncio.sleep(0.2)
+        pages["d"] = page(30, 90, 57)
+        await sampler.stop()
+    out = sampler.spec_decode()
+    assert set(out) == {"d"}  # "idle" drafted nothing in the run, P has no counters
+    assert out["d"] == {"drafts": 20, "draft_tokens": 60, "accepted_tokens": 45,
+                        "acceptance_rate": 0.75, "accepted_per_draft": 2.25}

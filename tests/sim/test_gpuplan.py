@@ -96,19 +96,25 @@ def test_deploy_commands_start_each_pool_with_its_tp() -> None:
     same = Shape(SimConfig("disagg", n_prefill=2, n_decode=3), 2, 2)
     assert deploy_commands(same, "--model org/m") == [
         "splitserve serve --model org/m --prefill 2 --decode 3 --prefill-policy power_of_two "
-        "--decode-policy power_of_two --connector nixl -- --tensor-parallel-size 2"]
+        "--decode-policy power_of_two --connector nixl --prefill-tp 2 --decode-tp 2"]
     tp1 = Shape(SimConfig("disagg", n_prefill=1, n_decode=1, p_policy="cache", d_policy="cache"),
                 1, 1)
     assert deploy_commands(tp1, "--embedded") == [
         "splitserve serve --embedded --prefill 1 --decode 1 --prefill-policy cache "
         "--decode-policy cache"]
     apart = deploy_commands(Shape(SimConfig("disagg", n_prefill=1, n_decode=2), 8, 4), "--model m")
-    assert apart[0].endswith("--role prefill --port 8100 --connector nixl -- "
-                             "--tensor-parallel-size 8")
-    assert apart[2].endswith("--role decode --port 8102 --connector nixl -- "
-                             "--tensor-parallel-size 4")
-    assert apart[-1].startswith("splitserve router --prefill http://HOST:8100 --decode "
-                                "http://HOST:8101 http://HOST:8102")
+    assert apart == ["splitserve serve --model m --prefill 1 --decode 2 --prefill-policy "
+                     "power_of_two --decode-policy power_of_two --connector nixl --prefill-tp 8 "
+                     "--decode-tp 4"]
+    assert deploy_commands(Shape(SimConfig("chunked", n_workers=2), 4), "--embedded") == [
+        "splitserve serve --embedded --colocated 2 --colocated-tp 4"]
+    # every command parses as splitserve serve's flags
+    from splitserve.cli import build_parser
+    from splitserve.launch.cli import config_from_args
+    for line in (*deploy_commands(same, "--model org/m"), *apart):
+        argv = line.split()[1:]
+        cfg = config_from_args(build_parser().parse_args(argv))
+        assert cfg.connector == "nixl" and cfg.prefill_tp > 1
     assert deploy_commands(Shape(SimConfig("chunked", n_workers=4), 1), "--embedded") == [
         "splitserve serve --embedded --colocated 4"]
 

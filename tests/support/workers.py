@@ -46,6 +46,9 @@ TEST_SPECS = {
                        num_layers=2, num_heads=4, num_kv_heads=1, head_dim=64,
                        max_position_embeddings=2048, seed=3),
 }
+# The llama test model with attention's output scaled down: its greedy output repeats itself,
+# so n-gram speculative decoding has drafts to accept (tests/worker/test_speculative.py).
+TEST_SPECS["llama-repeats"] = replace(TEST_SPECS["llama"], attention_out_scale=0.003)
 # The llama test model's weights with 32,768 positions (a long-context model's config).
 TEST_SPECS["llama-32k"] = replace(TEST_SPECS["llama"], max_position_embeddings=32768)
 # One sequence of its 131,072 positions needs 2 GiB of KV (16 KiB a token): more than 1 GiB.

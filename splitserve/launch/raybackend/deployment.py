@@ -78,7 +78,8 @@ def pool_app(cfg: DeploymentConfig, kind: str, n: int, directory: str) -> Any:
     options: dict[str, Any] = {
         "name": kind,
         "ray_actor_options": {
-            "num_cpus": opts.worker_cpus, "resources": opts.resources(kind),
+            # a replica of TP N runs N ranks, each on worker_cpus cores of one node
+            "num_cpus": opts.worker_cpus * cfg.tp_of(kind), "resources": opts.resources(kind),
             # not a secret: how often replicas report their autoscaling signals
             "runtime_env": {"env_vars": {PUSH_ENV: str(opts.metrics_push_interval_s)}}},
         "health_check_period_s": opts.health_check_period_s,

@@ -79,7 +79,8 @@ class WorkerReplica:
         self.token: str | None = token
         node_ip = ray.util.get_node_ip_address()
         cores = ray.get(self.directory.claim_cores.remote(
-            node_ip, sorted(os.sched_getaffinity(0)), cfg.ray.worker_cpus, self.name))
+            node_ip, sorted(os.sched_getaffinity(0)), cfg.ray.worker_cpus * cfg.tp_of(kind),
+            self.name))
         try:
             self._start(node_ip, tuple(cores))
         except BaseException:  # a replica that never registers gives its cores back here
