@@ -23,7 +23,7 @@ import pytest
 from splitserve.worker.kvrelay import RUNTIME_DIR_ENV
 from tests.support import cores
 from tests.support.integration import check_drained, is_integration, no_server_processes
-from tests.support.workers import Worker, launch, make_checkpoint
+from tests.support.workers import Worker, launch_together, make_checkpoint
 
 RAY_TESTS = Path(__file__).parent / "raybackend"
 
@@ -86,13 +86,10 @@ def llama_ckpt(checkpoint_root: Path) -> Path:
 @pytest.fixture(scope="session")
 def llama_pair(llama_ckpt: Path) -> Iterator[tuple[Worker, Worker]]:
     """P (chunked-prefill budget 256, test faults on) and D (3 s load timeout), on loopback."""
-    p = launch(llama_ckpt, "llama-p", "prefill", env={"SPLITSERVE_FAULTS": "1"},
-               max_num_batched_tokens=256, cpus=cores.PREFILL)
-    try:
-        d = launch(llama_ckpt, "llama-d", "decode", load_timeout_s=3.0, cpus=cores.DECODE)
-    except BaseException:
-        p.stop()
-        raise
+    p, d = launch_together(
+        llama_ckpt, ("llama-p", "prefill", {"env": {"SPLITSERVE_FAULTS": "1"},
+                                            "max_num_batched_tokens": 256, "cpus": cores.PREFILL}),
+        ("llama-d", "decode", {"load_timeout_s": 3.0, "cpus": cores.DECODE}))
     yield p, d
     p.stop()
     d.stop()

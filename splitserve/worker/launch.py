@@ -317,9 +317,11 @@ def child_preexec(cpus: tuple[int, ...] | None) -> Callable[[], None]:
     return setup
 
 
-def start_worker(cfg: WorkerConfig, token: str | None, log_path: str | None = None
-                 ) -> subprocess.Popen[bytes]:
+def start_worker(cfg: WorkerConfig, token: str | None, log_path: str | None = None,
+                 extra_env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    """Start `cfg`'s worker (`worker_command`), its environment plus `extra_env`."""
     argv, env = worker_command(cfg, token)
+    env.update(extra_env or {})
     out = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115
     cpus = cfg.cpus
     preexec = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None

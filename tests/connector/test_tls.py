@@ -43,7 +43,7 @@ from tests.support.workers import (
     Worker,
     auth_headers,
     hf_greedy,
-    launch,
+    launch_together,
     running,
     transfer_record,
     two_legs,
@@ -289,12 +289,8 @@ def test_full_duplex_stream_keeps_bytes_in_order(pkis: Pkis) -> None:
 def tls_pair(llama_ckpt: Path, pkis: Pkis) -> Iterator[tuple[Worker, Worker]]:
     g = pkis.good
     tls = {"kv_tls_cert": g.cert, "kv_tls_key": g.key, "kv_tls_ca": g.ca}
-    p = launch(llama_ckpt, "tls-p", "prefill", cpus=cores.PREFILL, **tls)
-    try:
-        d = launch(llama_ckpt, "tls-d", "decode", cpus=cores.DECODE, **tls)
-    except BaseException:
-        p.stop()
-        raise
+    p, d = launch_together(llama_ckpt, ("tls-p", "prefill", {"cpus": cores.PREFILL, **tls}),
+                           ("tls-d", "decode", {"cpus": cores.DECODE, **tls}))
     with running(p, d):
         yield p, d
 

@@ -15,7 +15,7 @@ from tests.support import cores
 from tests.support.workers import (
     Worker,
     hf_greedy,
-    launch,
+    launch_together,
     make_checkpoint,
     transfer_record,
     two_legs,
@@ -39,12 +39,9 @@ def pair(request: pytest.FixtureRequest, checkpoint_root: Path
         yield arch, Path(p.cfg.model), p, d
         return
     ckpt = make_checkpoint(checkpoint_root, arch)
-    p = launch(ckpt, f"{arch}-p", "prefill", max_num_batched_tokens=256, cpus=cores.PREFILL)
-    try:
-        d = launch(ckpt, f"{arch}-d", "decode", load_timeout_s=3.0, cpus=cores.DECODE)
-    except BaseException:
-        p.stop()
-        raise
+    p, d = launch_together(
+        ckpt, (f"{arch}-p", "prefill", {"max_num_batched_tokens": 256, "cpus": cores.PREFILL}),
+        (f"{arch}-d", "decode", {"load_timeout_s": 3.0, "cpus": cores.DECODE}))
     yield arch, ckpt, p, d
     p.stop()
     d.stop()

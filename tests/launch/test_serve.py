@@ -64,7 +64,10 @@ def test_serve_starts_answers_and_stops_without_orphans(llama_ckpt: Path, tmp_pa
     port = free_port(count=2)
     cfg = tmp_path / "deploy.yaml"
     cfg.write_text(f"prefill: 1\ndecode: 2\nmodel: {llama_ckpt}\nrouters: 2\n"
-                   "max_model_len: 2048\nport: 1\nrouter: {decode_policy: round_robin}\n")
+                   "max_model_len: 2048\nport: 1\nrouter: {decode_policy: round_robin}\n"
+                   # D drafts (the random model's drafts are never accepted); P never does
+                   "speculative: {method: ngram, num_speculative_tokens: 2, "
+                   "prompt_lookup_max: 3}\n")
     log_dir = tmp_path / "logs"
     out = open(tmp_path / "serve.out", "w+")  # noqa: SIM115
     proc = subprocess.Popen(
@@ -159,3 +162,7 @@ def test_serve_starts_answers_and_stops_without_orphans(llama_ckpt: Path, tmp_pa
             pass
     leftover = [pid for pid in children if alive(pid)]
     assert leftover == [], leftover
+    # the YAML's speculative config reached D's engine and not P's
+    logs = {f.stem: f.read_text(errors="replace") for f in log_dir.glob("*.log")}
+    assert "speculative_config=None" in logs["prefill0"]
+    assert "'speculative_config': {'method': 'ngram'" in logs["decode1"]

@@ -13,19 +13,16 @@ import pytest
 
 from tests.support import cores
 from tests.support.nixl_helpers import NIXL_LEASE_S
-from tests.support.workers import Worker, launch
+from tests.support.workers import Worker, launch_together
 
 
 @pytest.fixture(scope="package")
 def nixl_pd(llama_ckpt: Path) -> Iterator[tuple[Worker, Worker]]:
-    p = launch(llama_ckpt, "nixl-p", "prefill", connector="nixl", cpus=cores.PREFILL,
-               max_num_batched_tokens=256, lease_s=NIXL_LEASE_S)
-    try:
-        d = launch(llama_ckpt, "nixl-d", "decode", connector="nixl", cpus=cores.DECODE,
-                   lease_s=NIXL_LEASE_S)
-    except BaseException:
-        p.stop()
-        raise
+    common = {"connector": "nixl", "lease_s": NIXL_LEASE_S}
+    p, d = launch_together(
+        llama_ckpt, ("nixl-p", "prefill", common | {"cpus": cores.PREFILL,
+                                                    "max_num_batched_tokens": 256}),
+        ("nixl-d", "decode", common | {"cpus": cores.DECODE}))
     yield p, d
     p.stop()
     d.stop()

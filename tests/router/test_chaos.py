@@ -21,26 +21,32 @@ import pytest
 from splitserve.bench.chaos import ChaosRequest, Outcome, chaos_requests, run_wave, summarize
 from tests.support import cores
 from tests.support.routers import Router, start_router
-from tests.support.workers import Worker, hf_greedy, launch, metric_sum
+from tests.support.workers import Worker, hf_greedy, launch, launch_together, metric_sum
 
 MAX_TOKENS = 24
 CRASHABLE = {"SPLITSERVE_FAULTS": "1,crash"}
 
 
-def start_spare(ckpt: Path, role: str, **overrides: Any) -> Worker:
+def spare_spec(role: str, **overrides: Any) -> tuple[str, str, dict[str, Any]]:
+    """A spare worker of `role` as `launch_together` takes it: crash points on."""
     if role == "prefill":
-        return launch(ckpt, "chaos-p", role, env=CRASHABLE, max_num_batched_tokens=256,
-                      cpus=cores.spare_cores(role, 0), **overrides)
-    return launch(ckpt, "chaos-d", role, env=CRASHABLE, load_timeout_s=3.0,
-                  cpus=cores.spare_cores(role, 1), **overrides)
+        return "chaos-p", role, {"env": CRASHABLE, "max_num_batched_tokens": 256,
+                                 "cpus": cores.spare_cores(role, 0)} | overrides
+    return "chaos-d", role, {"env": CRASHABLE, "load_timeout_s": 3.0,
+                             "cpus": cores.spare_cores(role, 1)} | overrides
+
+
+def start_spare(ckpt: Path, role: str, **overrides: Any) -> Worker:
+    name, _, kwargs = spare_spec(role, **overrides)
+    return launch(ckpt, name, role, **kwargs)
 
 
 @pytest.fixture(scope="module")
 def spares(llama_ckpt: Path) -> Iterator[dict[str, Worker]]:
     """The spare P and D; the test replaces them when it restarts them."""
-    spare = {"prefill": start_spare(llama_ckpt, "prefill")}
+    p, d = launch_together(llama_ckpt, spare_spec("prefill"), spare_spec("decode"))
+    spare = {"prefill": p, "decode": d}
     try:
-        spare["decode"] = start_spare(llama_ckpt, "decode")
         yield spare
     finally:
         for w in spare.values():

@@ -11,7 +11,7 @@ import pytest
 
 from splitserve.cli import main
 
-WORKLOAD = ["--num-prompts", "16", "--request-rate", "1", "--input-len", "400",
+WORKLOAD = ["--num-prompts", "8", "--request-rate", "2", "--input-len", "400",
             "--output-len", "24", "--seed", "3"]
 
 

@@ -150,16 +150,7 @@ def launch(model: Path, name: str, role: str | None, env: dict[str, str] | None 
     cfg = replace(cfg, **overrides)  # type: ignore[arg-type]
     LOG_DIR.mkdir(parents=True, exist_ok=True)
     log = LOG_DIR / f"{name}-{cfg.port}.log"
-    saved = {k: os.environ.get(k) for k in (env or {})}
-    os.environ.update(env or {})
-    try:
-        proc = start_worker(cfg, TOKEN, str(log))
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    proc = start_worker(cfg, TOKEN, str(log), extra_env=env)
     worker = Worker(cfg, proc, log)
     try:
         wait_healthy(cfg.url, proc, timeout_s=600, token=TOKEN, log=log)
