@@ -154,6 +154,24 @@ async def test_busy_sampler_counts_no_sample_from_a_refusing_worker() -> None:
     assert math.isnan(out["refusing"]) and out["busy"] == 1.0
 
 
+async def sampled_run(pages: dict[str, str], d_at_stop: str) -> BusySampler:
+    """A sampler over one loopback /metrics server a name, each answering `pages[name]`; D's page
+    becomes `d_at_stop` during the run. Returns the stopped sampler."""
+
+    def serve(name: str):  # type: ignore[no-untyped-def]
+        async def metrics(_: web.Request) -> web.Response:
+            return web.Response(text=pages[name])
+        return metrics
+
+    async with metrics_servers({name: serve(name) for name in pages}) as urls:
+        sampler = BusySampler(urls, interval_s=0.01)
+        sampler.start()
+        await asyncio.sleep(0.2)
+        pages["d"] = d_at_stop
+        await sampler.stop()
+    return sampler
+
+
 async def test_busy_sampler_reports_nixl_transfers_over_the_run() -> None:
     """vLLM's `vllm:nixl_*` histograms, read at the start and at the stop: the run's transfers
     per worker that pulled over NIXL; a worker without them has no entry."""
@@ -166,18 +184,7 @@ async def test_busy_sampler_reports_nixl_transfers_over_the_run() -> None:
                 'vllm:num_requests_running{engine="0"} 0.0\n')
 
     pages = {"d": page(2, 0.010, 0.002, 2e6), "p": 'vllm:num_requests_running{engine="0"} 0.0\n'}
-
-    def serve(name: str):  # type: ignore[no-untyped-def]
-        async def metrics(_: web.Request) -> web.Response:
-            return web.Response(text=pages[name])
-        return metrics
-
-    async with metrics_servers({name: serve(name) for name in pages}) as urls:
-        sampler = BusySampler(urls, interval_s=0.01)
-        sampler.start()
-        await asyncio.sleep(0.2)
-        pages["d"] = page(5, 0.040, 0.005, 5e6)
-        await sampler.stop()
+    sampler = await sampled_run(pages, page(5, 0.040, 0.005, 5e6))
     out = sampler.nixl_transfers()
     assert set(out) == {"d"}
     assert out["d"]["transfers"] == 3
@@ -199,19 +206,7 @@ async def test_busy_sampler_reports_drafting_over_the_run() -> None:
 
     pages = {"d": page(10, 30, 12), "idle": page(4, 12, 1),
              "p": 'vllm:num_requests_running{engine="0"} 0.0\n'}
-
-    def serve(name: str):  # type: ignore[no-untyped-def]
-        async def metrics(_: web.Request) -> web.Response:
-            return web.Response(text=pages[name])
-        return metrics
-
-    async with metrics_servers({name: serve(name) for name in pages}) as urls:
-        sampler = BusySampler(urls, interval_s=0.01)
-        sampler.start()
-        await asyncio.sleep(0.2)
-        pages["d"] = page(30, 90, 57)
-        await sampler.stop()
-    out = sampler.spec_decode()
+    out = (await sampled_run(pages, page(30, 90, 57))).spec_decode()
     assert set(out) == {"d"}  # "idle" drafted nothing in the run, P has no counters
     assert out["d"] == {"drafts": 20, "draft_tokens": 60, "accepted_tokens": 45,
                         "acceptance_rate": 0.75, "accepted_per_draft": 2.25}
