@@ -122,6 +122,7 @@ def verify(args: argparse.Namespace, plan: GpuPlan, out: Path) -> dict[str, Any]
     ns = argparse.Namespace(**vars(args))
     ns.revision = None
     ns.deploy, ns.deploy_cores, ns.deploy_model = ["colocated=colocated"], cores, args.model
+    ns.speculative_config = None  # the plain colocated arm never drafts
     ns.out = str(out / "verify")
     with started(shape, args.model, cores, out / "logs") as url:
         ns.url, ns.deployment = [("advised", url)], [("advised", shape.label)]
