@@ -176,7 +176,7 @@ class WorkerConfig:
                                speculative.canonical(self.speculative_config))
             speculative.check_for_role(self.speculative_config, self.role)
         elif flag is not None and self.role == Role.PREFILL:
-            speculative.check_for_role("{}", "prefill")
+            raise ValueError(speculative.NOT_ON_P)
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
         object.__setattr__(self, "connector", as_member(Connector, self.connector, "connector"))

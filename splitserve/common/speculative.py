@@ -20,6 +20,8 @@ from typing import Any
 FLAG = "--speculative-config"
 SHORT_FLAG = "-sc"  # vLLM's alias
 KV_FREE_METHODS = ("ngram", "ngram_gpu", "suffix", "medusa", "mlp_speculator")
+NOT_ON_P = ("speculative decoding is for decode and colocated workers: a prefill worker emits "
+            "one token and never decodes")
 
 
 def canonical(value: str | Mapping[str, Any]) -> str:
@@ -46,8 +48,7 @@ def check_for_role(config: str, role: str | None) -> None:
     with `config` (canonical JSON): never on P; on a worker whose KV comes from P, only the
     `KV_FREE_METHODS`."""
     if role == "prefill":
-        raise ValueError("speculative decoding is for decode and colocated workers: a prefill "
-                         "worker emits one token and never decodes")
+        raise ValueError(NOT_ON_P)
     if role is None:
         return
     method = json.loads(config).get("method")

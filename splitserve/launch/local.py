@@ -130,9 +130,7 @@ def pool_worker_config(cfg: DeploymentConfig, role: Role | None, model_dir: str,
         served_model_name=served_name,
         staging_bytes=cfg.staging_mib * 1024**2, kv_events=cfg.kv_events,
         speculative_config=cfg.speculative if role != Role.PREFILL else None,
-        tensor_parallel_size=cfg.tp_of(Pool.COLOCATED.value if role is None else
-                                       Pool.PREFILL.value if role == Role.PREFILL else
-                                       Pool.DECODE.value),
+        tensor_parallel_size=cfg.tp_of(role.value if role is not None else Pool.COLOCATED.value),
         extra_args=cfg.worker_args,
         # one certificate for every connector worker (plain workers have no KV channel)
         kv_tls_cert=cfg.kv_tls_cert if role else None,
