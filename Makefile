@@ -36,7 +36,7 @@ test: $(STAMP)
 	$(PY) -m ruff check splitserve tests benchmarks
 	$(PY) -m mypy
 	$(MAKE) docs
-	$(PY) -m pytest -x -q -p no:cacheprovider tests
+	$(PY) -m pytest -x -q -p no:cacheprovider --durations=30 tests
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider -m "not integration" tests

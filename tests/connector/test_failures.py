@@ -17,7 +17,7 @@ from tests.support.workers import (
     Worker,
     auth_headers,
     hf_greedy,
-    launch,
+    launch_together,
     model_name,
     transfer_record,
     two_legs,
@@ -29,12 +29,24 @@ PROMPT = [5 + (i * 13) % 900 for i in range(300)]
 
 
 @pytest.fixture(scope="module")
-def d_fail(llama_ckpt: Path) -> Iterator[Worker]:
-    """A decode worker whose transfer failures fail the request instead of recomputing."""
-    d = launch(llama_ckpt, "llama-d-fail", "decode", on_transfer_failure="fail",
-               load_timeout_s=3.0, cpus=cores.spare_cores("decode"))
-    yield d
-    d.stop()
+def spare_ds(llama_ckpt: Path) -> Iterator[tuple[Worker, Worker]]:
+    """This module's two decode workers, started side by side: one whose transfer failures
+    fail the request instead of recomputing, and one with 1 MiB of staging."""
+    fail, tiny = launch_together(
+        llama_ckpt,
+        ("llama-d-fail", "decode", {"on_transfer_failure": "fail", "load_timeout_s": 3.0,
+                                    "cpus": cores.spare_cores("decode")}),
+        # on P's core when there is no spare one: the two start side by side, a core each
+        ("llama-d-tiny", "decode", {"staging_bytes": 1024**2, "load_timeout_s": 3.0,
+                                    "cpus": cores.spare_cores("prefill", 1)}))
+    yield fail, tiny
+    fail.stop()
+    tiny.stop()
+
+
+@pytest.fixture
+def d_fail(spare_ds: tuple[Worker, Worker]) -> Worker:
+    return spare_ds[0]
 
 
 def fresh(tag: str) -> str:
@@ -130,12 +142,8 @@ def test_unreachable_decode_worker_frees_prefill_blocks(llama_pair: tuple[Worker
 
 
 @pytest.fixture
-def tiny_d(llama_ckpt: Path) -> Iterator[Worker]:
-    """A decode worker with 1 MiB of staging (for one test: stopped after its drain check)."""
-    tiny = launch(llama_ckpt, "llama-d-tiny", "decode", staging_bytes=1024**2,
-                  load_timeout_s=3.0, cpus=cores.spare_cores("decode", 1))  # d_fail has 0
-    yield tiny
-    tiny.stop()
+def tiny_d(spare_ds: tuple[Worker, Worker]) -> Worker:
+    return spare_ds[1]
 
 
 def test_staging_full_is_refused_before_any_kv_moves(llama_ckpt: Path,
