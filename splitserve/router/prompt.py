@@ -2,20 +2,19 @@
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
+from splitserve.common.modelconfig import kv_shape, read_config
 from splitserve.router.params import RequestError
 
 
 def kv_bytes_per_token(model_dir: str | None) -> int:
-    """2 x layers x KV heads x head_dim x 4 bytes (float32: an upper bound), 0 if unknown."""
+    """KV bytes of one prompt token at 4 bytes an element (float32: an upper bound), K and V
+    of every KV head or MLA's one latent (`common.modelconfig.kv_shape`); 0 if unknown."""
+    if not model_dir:
+        return 0
     try:
-        cfg = json.loads((Path(model_dir or "") / "config.json").read_text())
-        heads = cfg["num_attention_heads"]
-        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-        return 2 * cfg["num_hidden_layers"] * cfg.get("num_key_value_heads", heads) * head_dim * 4
+        return kv_shape(read_config(model_dir)).elements_per_token * 4
     except (OSError, KeyError, ValueError, TypeError):
         return 0
 

@@ -26,12 +26,12 @@ its latency is per step.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from splitserve.common.modelconfig import MoeShape, kv_shape, moe_shape, read_config
 from splitserve.sim.costmodel import DecodeCost, PrefillCost, TransferLink
 from splitserve.sim.model import Engine, ModelShape, Profile
 
@@ -96,37 +96,85 @@ class ModelConfig:
     intermediate: int
     vocab: int
     dtype_bytes: int = 2
+    # MLA: the elements of the one latent a token keeps per layer (kv_lora_rank +
+    # qk_rope_head_dim), held whole on every TP rank; 0: K and V of `kv_heads` heads
+    latent_width: int = 0
+    moe: MoeShape | None = None  # None: a dense gated MLP of `intermediate` in every layer
+    attn_layer_params: int = 0  # one layer's attention projections; 0: grouped-query's
 
     def __post_init__(self) -> None:
         for k in ("layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate", "vocab",
                   "dtype_bytes"):
             if getattr(self, k) < 1:
                 raise ValueError(f"ModelConfig.{k} must be >= 1")
+        if self.latent_width < 0 or self.attn_layer_params < 0:
+            raise ValueError("ModelConfig.latent_width and attn_layer_params must be >= 0")
 
     @classmethod
     def from_hf(cls, path: str | Path, dtype_bytes: int = 2) -> ModelConfig:
-        p = Path(path)
-        cfg: dict[str, Any] = json.loads((p / "config.json" if p.is_dir() else p).read_text())
-        heads = cfg["num_attention_heads"]
-        return cls(name=cfg.get("_name_or_path") or p.stem, layers=cfg["num_hidden_layers"],
+        cfg = read_config(path)
+        heads = int(cfg["num_attention_heads"])
+        kv = kv_shape(cfg)
+        qk_dim = int(cfg.get("qk_nope_head_dim") or 0) + int(cfg.get("qk_rope_head_dim") or 0)
+        return cls(name=cfg.get("_name_or_path") or Path(path).stem, layers=kv.layers,
                    hidden=cfg["hidden_size"], heads=heads,
-                   kv_heads=cfg.get("num_key_value_heads", heads),
-                   head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+                   kv_heads=int(cfg.get("num_key_value_heads") or heads),
+                   head_dim=int(cfg.get("head_dim") or qk_dim or cfg["hidden_size"] // heads),
                    intermediate=cfg["intermediate_size"], vocab=cfg["vocab_size"],
-                   dtype_bytes=dtype_bytes)
+                   dtype_bytes=dtype_bytes, latent_width=kv.head_dim if kv.latent else 0,
+                   moe=moe_shape(cfg), attn_layer_params=mla_layer_params(cfg))
+
+    def mlp_params(self) -> tuple[int, int]:
+        """(held, computed per token): the MLPs' matmul parameters over all layers. An MoE
+        layer holds every routed expert, its shared experts and its router, and computes
+        `experts_per_token` routed experts, the shared ones and the router."""
+        if self.moe is None:
+            dense = self.layers * 3 * self.hidden * self.intermediate
+            return dense, dense
+        m = self.moe
+        dense = m.dense_layers * 3 * self.hidden * self.intermediate
+        expert = 3 * self.hidden * m.expert_intermediate
+        always = 3 * self.hidden * m.shared_intermediate + self.hidden * m.experts
+        return (dense + m.moe_layers * (m.experts * expert + always),
+                dense + m.moe_layers * (m.experts_per_token * expert + always))
+
+    @property
+    def attn_params(self) -> int:
+        """Attention's matmul parameters over all layers: `attn_layer_params` a layer, else
+        grouped-query attention's Q, K, V and O projections."""
+        return self.layers * (self.attn_layer_params or self.hidden * self.head_dim
+                              * (2 * self.heads + 2 * self.kv_heads))
 
     @property
     def layer_params(self) -> int:
-        """Matmul parameters of the transformer layers (gated MLP)."""
-        attn = self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
-        return self.layers * (attn + 3 * self.hidden * self.intermediate)
+        """Matmul parameters a token computes in the transformer layers."""
+        return self.attn_params + self.mlp_params()[1]
 
     @property
     def weight_bytes(self) -> int:
-        return (self.layer_params + 2 * self.vocab * self.hidden) * self.dtype_bytes
+        """Every weight held (all experts of an MoE)."""
+        return (self.attn_params + self.mlp_params()[0] + 2 * self.vocab * self.hidden) \
+            * self.dtype_bytes
 
     def shape(self) -> ModelShape:
+        if self.latent_width:
+            return ModelShape(self.name, self.layers, 1, self.latent_width, self.dtype_bytes,
+                              latent=True)
         return ModelShape(self.name, self.layers, self.kv_heads, self.head_dim, self.dtype_bytes)
+
+
+def mla_layer_params(cfg: dict[str, Any]) -> int:
+    """One MLA layer's projections (DeepSeek-V2/V3's: Q through an optional low rank, the
+    latent and its rope key, K and V up from the latent, O); 0 for other attention."""
+    if not cfg.get("kv_lora_rank"):
+        return 0
+    hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+    rank, rope = int(cfg["kv_lora_rank"]), int(cfg["qk_rope_head_dim"])
+    nope, v_dim = int(cfg["qk_nope_head_dim"]), int(cfg["v_head_dim"])
+    q_rank = int(cfg.get("q_lora_rank") or 0)
+    q_out = heads * (nope + rope)
+    q = hidden * q_rank + q_rank * q_out if q_rank else hidden * q_out
+    return q + hidden * (rank + rope) + rank * heads * (nope + v_dim) + heads * v_dim * hidden
 
 
 def check_tp(model: ModelConfig, hw: Hardware, tp: int) -> None:
@@ -156,7 +204,9 @@ def analytic_profile(model: ModelConfig, hw: Hardware, token_budget: int | None 
     check_tp(model, hw, tp)
     flops, bw = hw.flops * hw.mfu * tp, hw.mem_bw * hw.mbu * tp
     shape = model.shape()
-    held = tp * -(-model.kv_heads // tp) / model.kv_heads  # KV stored per KV made (replicas)
+    # KV stored per KV made: heads replicated where the ranks outnumber them; a latent on
+    # every rank
+    held = tp if model.latent_width else tp * -(-model.kv_heads // tp) / model.kv_heads
     kv_held = shape.kv_bytes_per_token * held
     step_s, token_s = allreduce_s(model, hw, tp)
     weights = hw.step_overhead_s + model.weight_bytes / bw + step_s

@@ -51,6 +51,9 @@ class ModelShape:
     kv_heads: int
     head_dim: int
     dtype_bytes: int
+    # MLA: one latent of `head_dim` per token and layer (kv_heads 1), not a K and a V
+    # (`common.modelconfig.KvShape`)
+    latent: bool = False
 
     def __post_init__(self) -> None:
         for k in ("layers", "kv_heads", "head_dim", "dtype_bytes"):
@@ -59,7 +62,8 @@ class ModelShape:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return 2 * self.layers * self.kv_heads * self.head_dim * self.dtype_bytes
+        return ((1 if self.latent else 2) * self.layers * self.kv_heads * self.head_dim
+                * self.dtype_bytes)
 
 
 @dataclass(frozen=True)
@@ -114,6 +118,8 @@ class Profile:
         d.pop("mismatch")
         d["schema"] = SCHEMA
         d["model"]["kv_bytes_per_token"] = self.model.kv_bytes_per_token
+        if not self.model.latent:  # a K and a V, as every profile before MLA had
+            del d["model"]["latent"]
         return d
 
     @classmethod

@@ -22,7 +22,6 @@ token-id prompts (no prefix-cache hits) and `ignore_eos`.
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import statistics
 from collections.abc import Callable
@@ -37,6 +36,7 @@ import numpy as np
 from splitserve.bench.client import ClientConfig, RequestRecord, run_stream
 from splitserve.bench.runsheet import hardware
 from splitserve.bench.workload import Request
+from splitserve.common.modelconfig import kv_shape, read_config
 from splitserve.config import bearer_headers, load_token
 from splitserve.sim.calibration.jitter import noise_bins, window_jitter
 from splitserve.sim.costmodel import DecodeCost, PrefillCost
@@ -250,12 +250,11 @@ def worker_facts(url: str) -> dict[str, Any]:
 
 
 def shape_from_config(model_dir: str | Path, name: str) -> ModelShape:
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    heads = cfg["num_attention_heads"]
-    return ModelShape(name=name, layers=cfg["num_hidden_layers"],
-                      kv_heads=cfg.get("num_key_value_heads", heads),
-                      head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-                      dtype_bytes=_DTYPE_BYTES.get(str(cfg.get("torch_dtype", "float32")), 4))
+    cfg = read_config(model_dir)
+    kv = kv_shape(cfg)
+    return ModelShape(name=name, layers=kv.layers, kv_heads=kv.kv_heads, head_dim=kv.head_dim,
+                      dtype_bytes=_DTYPE_BYTES.get(str(cfg.get("torch_dtype", "float32")), 4),
+                      latent=kv.latent)
 
 
 def nixl_desc_bytes(shape: ModelShape, block_size: int) -> int:

