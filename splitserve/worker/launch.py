@@ -25,6 +25,7 @@ from pathlib import Path
 import httpx
 
 from splitserve.common.engine import installed_vllm_version
+from splitserve.common.modelconfig import kv_shape
 from splitserve.common.ports import bindable
 from splitserve.common.vocab import Connector
 from splitserve.config import (
@@ -99,7 +100,7 @@ def check_nixl_installed() -> None:
 _LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length",
                 "max_sequence_length", "max_seq_length", "seq_len")
 # what changes the KV a token takes or the length vLLM derives: a check could be wrong, so none
-_UNUSUAL_KEYS = ("text_config", "sliding_window", "kv_lora_rank", "layer_types", "rope_scaling",
+_UNUSUAL_KEYS = ("text_config", "sliding_window", "layer_types", "rope_scaling",
                  "attn_type_list", "num_kv_shared_layers")
 _UNUSUAL_ARGS = ("--kv-cache-dtype", "--max-model-len", "--tensor-parallel-size", "-tp",
                  "--pipeline-parallel-size", "-pp", "--hf-overrides", "--block-size",
@@ -111,8 +112,9 @@ def check_kv_fits(model_dir: str, max_model_len: int | None, kv_cache_gib: int, 
                   extra_args: tuple[str, ...] = (), tp: int = 1) -> None:
     """Raise ValueError, before vLLM starts, when vLLM-CPU's KV cache (`kv_cache_gib`) clearly
     cannot hold one sequence of the model's length (vLLM would fail at start with a long
-    traceback). Checks only a plain decoder's config.json on vLLM-CPU; anything unusual (a
-    sliding window, latent attention, rope scaling, flags of vLLM's own that change the KV)
+    traceback). Checks only a plain decoder's config.json (K and V a head, or MLA's one latent:
+    `common.modelconfig.kv_shape`) on vLLM-CPU; anything unusual (a sliding window, rope
+    scaling, flags of vLLM's own that change the KV)
     is left to vLLM and `diagnose`; so is a worker of several ranks (`tp`), whose ranks each
     hold their share of the heads in a cache of their own."""
     if kv_cache_gib <= 0 or tp > 1 or kv_buffer_device() != "cpu":
@@ -126,10 +128,7 @@ def check_kv_fits(model_dir: str, max_model_len: int | None, kv_cache_gib: int, 
     if not isinstance(conf, dict) or any(conf.get(k) for k in _UNUSUAL_KEYS):
         return
     try:
-        layers = int(conf["num_hidden_layers"])
-        heads = int(conf["num_attention_heads"])
-        kv_heads = int(conf.get("num_key_value_heads") or heads)
-        head_dim = int(conf.get("head_dim") or int(conf["hidden_size"]) // heads)
+        elements = kv_shape(conf).elements_per_token
         lengths = [int(conf[k]) for k in _LENGTH_KEYS if isinstance(conf.get(k), int)]
     except (KeyError, TypeError, ValueError, ZeroDivisionError):
         return
@@ -139,7 +138,7 @@ def check_kv_fits(model_dir: str, max_model_len: int | None, kv_cache_gib: int, 
     width = {"float32": 4, "bfloat16": 2}.get(dtype)
     if width is None:  # auto: the checkpoint's dtype
         width = 4 if str(conf.get("torch_dtype") or conf.get("dtype")) == "float32" else 2
-    per_token = 2 * layers * kv_heads * head_dim * width
+    per_token = elements * width
     have = kv_cache_gib * 1024**3
     need = length * per_token
     if need <= have * KV_MARGIN:
@@ -175,6 +174,30 @@ def gpu_connector_warning(connector: str, split: bool) -> str | None:
     if split and connector == Connector.SPLITSERVE and gpu_present():
         return GPU_CONNECTOR_WARNING
     return None
+
+
+LATENT_BATCH_WARNING = (
+    "this model uses latent attention (MLA), and vLLM-CPU 0.32's MLA backend answers a prompt "
+    "differently when other requests share its batch (measured: each of 5 prompts sent "
+    "together to one plain worker got other tokens than alone); to serve one request at a "
+    "time, pass --max-num-seqs 1 to vLLM (after --)")
+
+
+def latent_batch_warning(model_dir: str, extra_args: tuple[str, ...]) -> str | None:
+    """The warning for an MLA model on vLLM-CPU that may batch requests, else None."""
+    if kv_buffer_device() != "cpu" or "1" in _flag_values(extra_args, "--max-num-seqs"):
+        return None
+    try:
+        latent = kv_shape(json.loads((Path(model_dir) / "config.json").read_text())).latent
+    except (OSError, KeyError, TypeError, ValueError, AttributeError):
+        return None
+    return LATENT_BATCH_WARNING if latent else None
+
+
+def _flag_values(args: tuple[str, ...], flag: str) -> list[str]:
+    """The values given to `flag` in `args` (`--flag V` or `--flag=V`)."""
+    out = [a.split("=", 1)[1] for a in args if a.startswith(flag + "=")]
+    return out + [v for a, v in zip(args, args[1:], strict=False) if a == flag]
 
 
 def _ephemeral_low() -> int:

@@ -153,6 +153,12 @@ def test_the_kv_check_leaves_what_it_cannot_judge_to_vllm(tmp_path: Path) -> Non
     launch.check_kv_fits(str(sliding), None, 1, "float32")
     with pytest.raises(ValueError, match="131072 tokens"):
         launch.check_kv_fits(str(wide), None, 1, "auto")  # the checkpoint's float32
+    # MLA: one latent of 576 a token and layer (8 x 576 x 4 bytes), not a K and a V
+    latent = model_dir(tmp_path, "latent", WIDE_KV | {"kv_lora_rank": 512,
+                                                      "qk_rope_head_dim": 64})
+    launch.check_kv_fits(str(latent), 50000, 1, "float32")  # 0.86 GiB
+    with pytest.raises(ValueError, match="needs 2.25 GiB"):
+        launch.check_kv_fits(str(latent), None, 1, "float32")
 
 
 def test_splitserves_connector_on_a_gpu_machine_is_a_warning(
@@ -207,3 +213,14 @@ def test_nixl_missing(tmp_path: Path) -> None:
     done = splitserve("worker", "--model", small, "--connector", "nixl", "--role", "decode",
                       "--port", str(free_port()), env=env)
     assert one_line(done, "worker", 2).endswith(said)
+
+
+def test_a_latent_attention_model_on_vllm_cpu_is_warned_about_batching(tmp_path: Path) -> None:
+    latent = str(model_dir(tmp_path, "latent", SMALL | {"kv_lora_rank": 512,
+                                                        "qk_rope_head_dim": 64}))
+    assert launch.latent_batch_warning(latent, ()) == launch.LATENT_BATCH_WARNING
+    assert launch.latent_batch_warning(latent, ("--max-num-seqs", "4")) is not None
+    for one_at_a_time in (("--max-num-seqs", "1"), ("--max-num-seqs=1",)):
+        assert launch.latent_batch_warning(latent, one_at_a_time) is None
+    assert launch.latent_batch_warning(str(model_dir(tmp_path, "dense", SMALL)), ()) is None
+    assert launch.latent_batch_warning(str(tmp_path / "a-hub-id"), ()) is None

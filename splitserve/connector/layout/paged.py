@@ -85,6 +85,9 @@ class PagedLayout(ABC):
 
     #: the name used in logs and refusal messages, e.g. "vLLM-CPU"
     name: ClassVar[str]
+    #: a latent cache (MLA): each slot holds one vector of `head_dim` elements (num_kv_heads
+    #: 1), staged as `[n, head_dim]` rows, not a K and a V
+    latent: ClassVar[bool] = False
 
     @abstractmethod
     def __init__(self, kv_cache: torch.Tensor) -> None:
@@ -127,9 +130,9 @@ class PagedLayout(ABC):
 
     @property
     def bytes_per_token(self) -> int:
-        """Staging bytes of one token of this layer (K and V, every head)."""
-        return 2 * self.num_kv_heads * self.head_dim * torch.empty((), dtype=self.dtype
-                                                                   ).element_size()
+        """Staging bytes of one token of this layer (K and V of every head, or the latent)."""
+        parts = 1 if self.latent else 2
+        return parts * self.num_kv_heads * self.head_dim * self.dtype.itemsize
 
     @abstractmethod
     def holds(self, kv_layer: torch.Tensor) -> bool:
@@ -158,4 +161,4 @@ class PagedLayout(ABC):
 def kv_shape(layouts: list[PagedLayout]) -> KVShape:
     """The staging shape of an engine's layers (every layer has the same heads and dtype)."""
     first = layouts[0]
-    return KVShape(len(layouts), first.num_kv_heads, first.head_dim, first.dtype)
+    return KVShape(len(layouts), first.num_kv_heads, first.head_dim, first.dtype, first.latent)

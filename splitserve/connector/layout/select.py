@@ -7,11 +7,12 @@ from collections.abc import Sequence
 import torch
 
 from splitserve.connector.layout.cpu import VllmCpuLayout
+from splitserve.connector.layout.cpu_mla import VllmCpuMlaLayout
 from splitserve.connector.layout.cuda import VllmCudaLayout
 from splitserve.connector.layout.paged import EngineKV, PagedLayout, UnsupportedKVCache
 
 #: implementations tried in order; the first that recognises every layer's cache is used
-LAYOUTS: tuple[type[PagedLayout], ...] = (VllmCpuLayout, VllmCudaLayout)
+LAYOUTS: tuple[type[PagedLayout], ...] = (VllmCpuLayout, VllmCpuMlaLayout, VllmCudaLayout)
 
 #: what to use where no implementation reads the cache
 ALTERNATIVE = ("Run the worker on vLLM-CPU or a standard-attention model, or for PD "
@@ -20,9 +21,10 @@ ALTERNATIVE = ("Run the worker on vLLM-CPU or a standard-attention model, or for
 
 def refused_kind(engine: EngineKV) -> str | None:
     """The kind of KV cache no implementation reads, whatever its tensors look like."""
-    if engine.use_mla or any("MLA" in k for k in engine.spec_kinds):
-        return ("a latent (MLA) KV cache (MLAAttentionSpec: one compressed latent row per "
-                "token, no per-head K and V)")
+    if (engine.use_mla or any("MLA" in k for k in engine.spec_kinds)) and engine.device != "cpu":
+        return (f"a latent (MLA) KV cache on {engine.device} (MLAAttentionSpec: one "
+                "compressed latent row per token, no per-head K and V; it reads the latent on "
+                "vLLM-CPU's MLA backend only)")
     if any("Mamba" in k for k in engine.spec_kinds):
         return ("a hybrid model's mamba state cache (MambaSpec: one recurrent state per "
                 "request, not K and V per token)")

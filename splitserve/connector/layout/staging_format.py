@@ -9,9 +9,11 @@ chunk [s, e)), n = e - s tokens, holds 2 * H * D * n elements of the KV dtype, c
 - K as `[H, D, n]` (dimension-major: element (h, d, t) at `(h * D + d) * n + t`), then
 - V as `[H, n, D]` (token-major: element (h, t, d) at `H * D * n + (h * n + t) * D + d`),
 
-where t counts from s. Rows are token-contiguous, so P and D need not share a block size,
-a paged layout or a device. `region_offset` gives where (layer, chunk) starts, and
-`transfer_bytes(num_tokens - first)` the size of the whole region.
+where t counts from s. A latent cache (MLA: one vector of D elements per token and layer, no K
+and V; `KVShape.latent`, H = 1) has one part instead: `[n, D]`, token-major, D * n elements.
+Rows are token-contiguous, so P and D need not share a block size, a paged layout or a device.
+`region_offset` gives where (layer, chunk) starts, and `transfer_bytes(num_tokens - first)`
+the size of the whole region.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ class KVShape:
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    latent: bool = False  # one latent vector a token (num_kv_heads 1), not a K and a V
 
     @property
     def elem_bytes(self) -> int:
@@ -34,7 +37,7 @@ class KVShape:
 
     @property
     def bytes_per_token_layer(self) -> int:
-        return 2 * self.num_kv_heads * self.head_dim * self.elem_bytes
+        return (1 if self.latent else 2) * self.num_kv_heads * self.head_dim * self.elem_bytes
 
     def layer_bytes(self, num_tokens: int) -> int:
         return num_tokens * self.bytes_per_token_layer
