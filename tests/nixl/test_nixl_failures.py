@@ -55,11 +55,11 @@ class Spares:
 
 
 @pytest.fixture(scope="module")
-def spares(llama_ckpt: Path) -> Iterator[Spares]:
+def spares(nixl_ckpt: Path) -> Iterator[Spares]:
     """This module's own NIXL P (core 0) and two Ds (core 1): the workers its tests kill."""
     common = {"connector": "nixl", "lease_s": NIXL_LEASE_S}
     p, d1, d2 = launch_together(
-        llama_ckpt,
+        nixl_ckpt,
         ("nixl-fail-p", "prefill", common | {"cpus": (0,), "max_num_batched_tokens": 256}),
         ("nixl-fail-d1", "decode", common | {"cpus": (1,)}),
         ("nixl-fail-d2", "decode", common | {"cpus": (1,)}))
@@ -140,17 +140,17 @@ def test_d_killed_while_pulling_resumes_on_another_d(
 
 
 def test_p_killed_before_d_reads_its_blocks_d_recomputes(
-        router: Router, spares: Spares, llama_ckpt: Path) -> None:
+        router: Router, spares: Spares, nixl_ckpt: Path) -> None:
     p, d = spares.p, spares.d1
     router.route_only(p.url, d.url)
     prompt = long_prompt(2)
-    want = hf_greedy(llama_ckpt, prompt, MAX_TOKENS)
+    want = hf_greedy(nixl_ckpt, prompt, MAX_TOKENS)
     failed, computed = metric_sum(d, FAILED), tokens_by_source(d)["local_compute"]
 
     def kill_p(n: int) -> None:
         p.kill()  # the client has t1; D's leg has barely begun
 
-    tokens, timings = stream_tokens(router.url, "/v1/completions", completion(llama_ckpt, prompt),
+    tokens, timings = stream_tokens(router.url, "/v1/completions", completion(nixl_ckpt, prompt),
                                     kill_p)
     assert p.proc.poll() is not None
     assert tokens == want
