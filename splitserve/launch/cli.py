@@ -30,7 +30,6 @@ from splitserve.worker.launch import (
     check_kv_fits,
     check_nixl_installed,
     gpu_connector_warning,
-    latent_batch_warning,
 )
 
 
@@ -107,12 +106,10 @@ def run(args: argparse.Namespace) -> int:
         if cfg.files_here:  # unreadable or mismatched TLS files fail here, not in every worker
             server_context(tls)
             client_context(tls)
-        warnings = (gpu_connector_warning(cfg.connector, bool(cfg.prefill or cfg.decode))
-                    if cfg.backend == "local" else None,
-                    latent_batch_warning(cfg.model, cfg.worker_args))  # a hub id: its workers
-        for warning in warnings:  # a warning, not a refusal: the run that would first verify it
-            if warning:
-                print(f"splitserve serve: warning: {warning}", file=sys.stderr, flush=True)
+        warning = (gpu_connector_warning(cfg.connector, bool(cfg.prefill or cfg.decode))
+                   if cfg.backend == "local" else None)
+        if warning:  # a warning, not a refusal: the run that would first verify it
+            print(f"splitserve serve: warning: {warning}", file=sys.stderr, flush=True)
         check_can_start(cfg)
     except (ValueError, OSError) as exc:
         print(f"splitserve serve: {exc}", file=sys.stderr)

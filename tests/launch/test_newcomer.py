@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from splitserve.config import WorkerConfig
 from splitserve.worker import launch
 from splitserve.worker.launch import free_port
 from tests.support.cli import splitserve_argv
@@ -215,12 +216,16 @@ def test_nixl_missing(tmp_path: Path) -> None:
     assert one_line(done, "worker", 2).endswith(said)
 
 
-def test_a_latent_attention_model_on_vllm_cpu_is_warned_about_batching(tmp_path: Path) -> None:
+def test_a_latent_attention_model_on_vllm_cpu_runs_the_native_rope(tmp_path: Path) -> None:
     latent = str(model_dir(tmp_path, "latent", SMALL | {"kv_lora_rank": 512,
                                                         "qk_rope_head_dim": 64}))
-    assert launch.latent_batch_warning(latent, ()) == launch.LATENT_BATCH_WARNING
-    assert launch.latent_batch_warning(latent, ("--max-num-seqs", "4")) is not None
-    for one_at_a_time in (("--max-num-seqs", "1"), ("--max-num-seqs=1",)):
-        assert launch.latent_batch_warning(latent, one_at_a_time) is None
-    assert launch.latent_batch_warning(str(model_dir(tmp_path, "dense", SMALL)), ()) is None
-    assert launch.latent_batch_warning(str(tmp_path / "a-hub-id"), ()) is None
+    native = ["--compilation-config", launch.NATIVE_ROPE]
+    assert launch.latent_rope_args(latent, ()) == native
+    assert json.loads(launch.NATIVE_ROPE) == {"custom_ops": ["all", "-rotary_embedding"]}
+    for own in (("--compilation-config", "{}"), ("-cc.mode=none",), ("-O", "0"), ("-O0",)):
+        assert launch.latent_rope_args(latent, own) == []  # the caller's config, untouched
+    assert launch.latent_rope_args(str(model_dir(tmp_path, "dense", SMALL)), ()) == []
+    assert launch.latent_rope_args(str(tmp_path / "a-hub-id"), ()) == []
+    cfg = WorkerConfig(model=latent, port=free_port())
+    argv, _ = launch.worker_command(cfg, None)
+    assert argv[argv.index("--compilation-config") + 1] == launch.NATIVE_ROPE
