@@ -1,5 +1,5 @@
-# splitserve: `make demo` runs the main job, `make test` runs the whole suite (about 30 min),
-# `make test-fast` the tests that start no server process (about a minute; tests/README.md).
+# splitserve: `make demo` runs the main job, `make test` runs the whole suite (about 45 min),
+# `make test-fast` the tests that start no server process (about two minutes; tests/README.md).
 PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python

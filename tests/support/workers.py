@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import time
+import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
@@ -277,6 +278,33 @@ def two_legs(p: Worker, d: Worker, prompt: list[int], max_tokens: int, transfer_
     if rd.status_code != 200:
         return [t1], rp, rd
     return [t1] + rd.json()["choices"][0]["token_ids"], rp, rd
+
+
+def split_at_once(p: Worker, d: Worker, prompts: list[list[int]], max_tokens: int,
+                  transport: str, tag: str) -> list[tuple[list[int], str, dict]]:
+    """Every prompt through `two_legs` at once, each under a fresh transfer id: asserts D
+    answered and the tokens equal transformers' on P's checkpoint. Returns (prompt, transfer
+    id, D's receive record) per prompt, in order."""
+    ids = [f"{tag}-{transport}-{uuid.uuid4().hex}" for _ in prompts]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        results = list(pool.map(lambda a: two_legs(p, d, a[0], max_tokens, a[1], transport),
+                                zip(prompts, ids, strict=True)))
+    ckpt = Path(p.cfg.model)
+    out = []
+    for prompt, tid, (tokens, _, rd) in zip(prompts, ids, results, strict=True):
+        assert rd is not None and rd.status_code == 200, rd and rd.text
+        assert tokens == hf_greedy(ckpt, prompt, max_tokens), f"prompt of {len(prompt)} tokens"
+        out.append((prompt, tid, transfer_record(d, tid)["recv"]))
+    return out
+
+
+def whole_answer(worker: Worker, prompt: list[int], max_tokens: int) -> list[int]:
+    """The worker's greedy tokens for `prompt`, served whole (no kv_transfer_params)."""
+    r = httpx.post(f"{worker.url}/v1/completions", headers=auth_headers(), timeout=120, json={
+        "model": model_name(worker), "prompt": prompt, "max_tokens": max_tokens,
+        "temperature": 0, "ignore_eos": True, "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    return list(r.json()["choices"][0]["token_ids"])
 
 
 def transfer_record(worker: Worker, transfer_id: str) -> dict:
