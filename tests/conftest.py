@@ -23,7 +23,7 @@ import pytest
 from splitserve.worker.kvrelay import RUNTIME_DIR_ENV
 from tests.support import cores
 from tests.support.integration import check_drained, is_integration, no_server_processes
-from tests.support.workers import Worker, launch, launch_together, make_checkpoint
+from tests.support.workers import Worker, launch_together, make_checkpoint
 
 RAY_TESTS = Path(__file__).parent / "raybackend"
 
@@ -93,12 +93,3 @@ def llama_pair(llama_ckpt: Path) -> Iterator[tuple[Worker, Worker]]:
     yield p, d
     p.stop()
     d.stop()
-
-
-@pytest.fixture(scope="session")
-def colocated_worker(llama_ckpt: Path) -> Iterator[Worker]:
-    """A plain vLLM worker (no connector) on both cores, on the P/D pair's checkpoint: the
-    router tests' colocated reference and the benchmark's plain endpoint."""
-    w = launch(llama_ckpt, "plain-colocated", None, cpus=cores.BOTH)
-    yield w
-    w.stop()

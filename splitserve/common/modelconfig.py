@@ -78,11 +78,14 @@ def moe_shape(cfg: dict[str, Any]) -> MoeShape | None:
                   or cfg.get("n_routed_experts") or 0)
     if experts == 0:
         return None
+    if not cfg.get("num_experts_per_tok"):
+        raise ValueError(f"the config has {experts} experts but no num_experts_per_tok")
     layers = int(cfg["num_hidden_layers"])
     dense = set(cfg.get("mlp_only_layers") or ())
-    step = int(cfg.get("decoder_sparse_step") or 1)
-    first_dense = int(cfg.get("first_k_dense_replace") or 0)  # DeepSeek
-    dense |= {i for i in range(layers) if i < first_dense or (i + 1) % step}
+    step = int(cfg.get("decoder_sparse_step") or 1)  # Qwen-MoE: layer i is MoE if (i+1) % step == 0
+    first_dense = int(cfg.get("first_k_dense_replace") or 0)  # DeepSeek: the first k are dense,
+    freq = int(cfg.get("moe_layer_freq") or 1)  # then every freq-th layer is MoE
+    dense |= {i for i in range(layers) if i < first_dense or (i + 1) % step or i % freq}
     expert = int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"])
     shared = int(cfg.get("shared_expert_intermediate_size")
                  or expert * int(cfg.get("n_shared_experts") or 0))

@@ -119,7 +119,10 @@ class ModelConfig:
         return cls(name=cfg.get("_name_or_path") or Path(path).stem, layers=kv.layers,
                    hidden=cfg["hidden_size"], heads=heads,
                    kv_heads=int(cfg.get("num_key_value_heads") or heads),
-                   head_dim=int(cfg.get("head_dim") or qk_dim or cfg["hidden_size"] // heads),
+                   # MLA: a head's query/key width (transformers stores head_dim as the
+                   # rope part alone)
+                   head_dim=int((qk_dim if kv.latent else 0) or cfg.get("head_dim")
+                                or cfg["hidden_size"] // heads),
                    intermediate=cfg["intermediate_size"], vocab=cfg["vocab_size"],
                    dtype_bytes=dtype_bytes, latent_width=kv.head_dim if kv.latent else 0,
                    moe=moe_shape(cfg), attn_layer_params=mla_layer_params(cfg))

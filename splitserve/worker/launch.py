@@ -187,10 +187,12 @@ _COMPILATION_FLAGS = ("--compilation-config", "-cc", "-O")
 
 def latent_rope_args(model_dir: str, extra_args: tuple[str, ...]) -> list[str]:
     """vLLM flags for a latent-attention (MLA) model on vLLM-CPU: the native rope (above);
-    none for other models, on a GPU build, or when the caller sets a compilation config."""
+    none for other models, on a GPU build, or when the caller sets a compilation config (any
+    of `_COMPILATION_FLAGS`, dotted forms included: theirs would replace ours, so the caller
+    owns the rope then)."""
     if kv_buffer_device() != "cpu" or any(
-            a.split("=", 1)[0] in _COMPILATION_FLAGS or a.startswith(("-cc.", "-O"))
-            for a in extra_args):
+            a.split("=", 1)[0] in _COMPILATION_FLAGS
+            or a.startswith(("-cc.", "--compilation-config.", "-O")) for a in extra_args):
         return []
     try:
         latent = kv_shape(json.loads((Path(model_dir) / "config.json").read_text())).latent

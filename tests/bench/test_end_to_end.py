@@ -14,8 +14,9 @@ from splitserve.bench.workload import LengthDist, WorkloadSpec, build_stream
 from splitserve.cli import main
 from splitserve.common.procs import stop_group
 from splitserve.worker.launch import free_port, wait_healthy
+from tests.support import cores
 from tests.support.cli import splitserve_argv
-from tests.support.workers import TOKEN, Worker, hub_cache
+from tests.support.workers import TOKEN, Worker, hub_cache, launch
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 STREAM = ["--num-prompts", "10", "--request-rate", "20", "--input-dist", "uniform",
@@ -31,10 +32,14 @@ def worker_key(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SPLITSERVE_TOKEN", TOKEN)
 
 
-@pytest.fixture
-def plain_worker(colocated_worker: Worker) -> Worker:
-    """The session's plain vLLM worker (no connector) on the small llama checkpoint."""
-    return colocated_worker
+@pytest.fixture(scope="module")
+def plain_worker(llama_ckpt: Path) -> Iterator[Worker]:
+    """One plain vLLM worker (no connector) on the small llama checkpoint, for this module only:
+    the router tests' `colocated_worker` is the same worker, but a session worker started here
+    would live through tests/nixl's seven workers (about 3 GB each on a 24 GiB machine)."""
+    w = launch(llama_ckpt, "bench-plain", None, cpus=cores.BOTH)
+    yield w
+    w.stop()
 
 
 def assert_png(path: Path) -> None:

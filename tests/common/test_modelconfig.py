@@ -56,8 +56,12 @@ def test_moe_shapes() -> None:
     assert moe_shape(DEEPSEEK_V3) == MoeShape(256, 8, 2048, 2048, 58, 3)
     sparse_every_2nd = QWEN3_30B_A3B | {"decoder_sparse_step": 2, "mlp_only_layers": [1]}
     assert moe_shape(sparse_every_2nd).moe_layers == 23  # odd layers, less layer 1
+    every_2nd_after_3 = DEEPSEEK_V3 | {"moe_layer_freq": 2}  # layers 4, 6, ..., 60
+    assert moe_shape(every_2nd_after_3).moe_layers == 29
     with pytest.raises(ValueError, match="experts_per_token"):
         moe_shape(MIXTRAL_8X7B | {"num_experts_per_tok": 9})
+    with pytest.raises(ValueError, match="no num_experts_per_tok"):
+        moe_shape({k: v for k, v in MIXTRAL_8X7B.items() if k != "num_experts_per_tok"})
 
 
 @pytest.mark.parametrize(("cfg", "total", "active"), [
@@ -88,6 +92,11 @@ def test_analytic_profiles_of_moe_and_mla(tmp_path: Path) -> None:
     assert p_moe.model.kv_bytes_per_token == p_dense.model.kv_bytes_per_token
 
     v3 = ModelConfig.from_hf(config_dir(tmp_path, DEEPSEEK_V3, "v3"), dtype_bytes=1)  # FP8
+    # attention's head is the query/key width (128 + 64), whatever `head_dim` a saved config
+    # holds (transformers writes the rope part's)
+    assert v3.head_dim == 192
+    saved = ModelConfig.from_hf(config_dir(tmp_path, DEEPSEEK_V3 | {"head_dim": 64}, "saved"))
+    assert saved.head_dim == 192
     p8 = analytic_profile(v3, h200, tp=8)
     assert p8.model.latent and p8.model.kv_bytes_per_token == 61 * 576
     # the latent is whole on each of the 8 ranks: 8 copies of every token's KV

@@ -216,16 +216,21 @@ def test_nixl_missing(tmp_path: Path) -> None:
     assert one_line(done, "worker", 2).endswith(said)
 
 
-def test_a_latent_attention_model_on_vllm_cpu_runs_the_native_rope(tmp_path: Path) -> None:
+def test_a_latent_attention_model_on_vllm_cpu_runs_the_native_rope(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(launch, "kv_buffer_device", lambda: "cpu")  # vLLM-CPU
     latent = str(model_dir(tmp_path, "latent", SMALL | {"kv_lora_rank": 512,
                                                         "qk_rope_head_dim": 64}))
     native = ["--compilation-config", launch.NATIVE_ROPE]
     assert launch.latent_rope_args(latent, ()) == native
     assert json.loads(launch.NATIVE_ROPE) == {"custom_ops": ["all", "-rotary_embedding"]}
-    for own in (("--compilation-config", "{}"), ("-cc.mode=none",), ("-O", "0"), ("-O0",)):
+    for own in (("--compilation-config", "{}"), ("-cc.mode=none",), ("-O", "0"), ("-O0",),
+                ("--compilation-config.mode=none",)):
         assert launch.latent_rope_args(latent, own) == []  # the caller's config, untouched
     assert launch.latent_rope_args(str(model_dir(tmp_path, "dense", SMALL)), ()) == []
     assert launch.latent_rope_args(str(tmp_path / "a-hub-id"), ()) == []
     cfg = WorkerConfig(model=latent, port=free_port())
     argv, _ = launch.worker_command(cfg, None)
     assert argv[argv.index("--compilation-config") + 1] == launch.NATIVE_ROPE
+    monkeypatch.setattr(launch, "kv_buffer_device", lambda: "cuda")  # a GPU build: its own rope
+    assert launch.latent_rope_args(latent, ()) == []

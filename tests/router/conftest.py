@@ -1,8 +1,7 @@
-"""Router test fixtures: routers as real processes over the session's workers.
+"""Router test fixtures: a plain colocated reference worker and routers as real processes.
 
 Routers run as `splitserve router` subprocesses on loopback over the session's llama P/D pair
-(tests/conftest.py) and the session's plain vLLM worker on the same checkpoint
-(`colocated_worker`, tests/conftest.py: the colocated reference).
+(tests/conftest.py) and one plain vLLM worker on the same checkpoint (the colocated reference).
 """
 
 from __future__ import annotations
@@ -12,8 +11,17 @@ from pathlib import Path
 
 import pytest
 
+from tests.support import cores
 from tests.support.routers import Router, start_router
-from tests.support.workers import Worker
+from tests.support.workers import Worker, launch
+
+
+@pytest.fixture(scope="session")
+def colocated_worker(llama_ckpt: Path) -> Iterator[Worker]:
+    """A plain vLLM worker (no connector) on the P/D pair's checkpoint: the reference."""
+    w = launch(llama_ckpt, "router-colocated", None, cpus=cores.BOTH)
+    yield w
+    w.stop()
 
 
 @pytest.fixture(scope="session")

@@ -3,8 +3,8 @@
 One tensor per layer, `[num_blocks, block_size, W]` (or with a unit heads axis,
 `[num_blocks, 1, block_size, W]`), contiguous: slot s of block b holds one latent row of W
 elements (the compressed KV, `kv_lora_rank`, then the rope key, `qk_rope_head_dim`) at row
-`b * block_size + s` of the tensor seen as `[rows, W]`. The latent is the same on every TP
-rank, so one copy moves per transfer. Staged as `[n, W]` rows (`staging_format`, latent).
+`b * block_size + s` of the tensor seen as `[rows, W]`. Staged as `[n, W]` rows
+(`staging_format`, latent). (The latent is the same on every TP rank; the connector runs TP 1.)
 `verify` checks this against the backend's own cache write at start-up.
 """
 
@@ -53,7 +53,8 @@ class VllmCpuMlaLayout(PagedLayout):
     @classmethod
     def expects(cls) -> str:
         return (f"{cls.name}: one contiguous CPU tensor per layer, [num_blocks, block_size, "
-                f"latent], attention backend {BACKEND}")
+                f"latent], attention backend {BACKEND} (on a CPU with AMX vLLM picks AMX_MLA: "
+                f"pass --attention-backend {BACKEND} to vLLM after --)")
 
     @classmethod
     def verify(cls, kv_cache: torch.Tensor, engine: EngineKV) -> None:
