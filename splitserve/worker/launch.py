@@ -25,7 +25,7 @@ from pathlib import Path
 import httpx
 
 from splitserve.common.engine import installed_vllm_version
-from splitserve.common.modelconfig import kv_shape
+from splitserve.common.modelconfig import kv_shape, read_config
 from splitserve.common.ports import bindable
 from splitserve.common.vocab import Connector
 from splitserve.config import (
@@ -195,7 +195,7 @@ def latent_rope_args(model_dir: str, extra_args: tuple[str, ...]) -> list[str]:
             or a.startswith(("-cc.", "--compilation-config.", "-O")) for a in extra_args):
         return []
     try:
-        latent = kv_shape(json.loads((Path(model_dir) / "config.json").read_text())).latent
+        latent = kv_shape(read_config(model_dir)).latent
     except (OSError, KeyError, TypeError, ValueError, AttributeError):
         return []
     return ["--compilation-config", NATIVE_ROPE] if latent else []

@@ -100,8 +100,8 @@ class VllmCpuLayout(PagedLayout):
     def recognises(cls, kv_cache: torch.Tensor, engine: EngineKV) -> bool:
         return (engine.device == "cpu" and kv_cache.device.type == "cpu"
                 and all(b == BACKEND for b in engine.backends)
-                and engine.cache_layout in (None, CACHE_LAYOUT) and not engine.use_mla
-                and not any("Mamba" in k or "MLA" in k for k in engine.spec_kinds)
+                and engine.cache_layout in (None, CACHE_LAYOUT) and not engine.latent
+                and not any("Mamba" in k for k in engine.spec_kinds)
                 and kv_cache.dim() == 4 and kv_cache.is_contiguous()
                 and kv_cache.shape[3] % 2 == 0 and kv_cache.dtype.is_floating_point)
 

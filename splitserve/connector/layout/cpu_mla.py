@@ -45,7 +45,7 @@ class VllmCpuMlaLayout(PagedLayout):
     def recognises(cls, kv_cache: torch.Tensor, engine: EngineKV) -> bool:
         shape = tuple(kv_cache.shape)
         return (engine.device == "cpu" and kv_cache.device.type == "cpu"
-                and (engine.use_mla or any("MLA" in k for k in engine.spec_kinds))
+                and engine.latent
                 and all(b == BACKEND for b in engine.backends)
                 and (len(shape) == 3 or (len(shape) == 4 and shape[1] == 1))
                 and kv_cache.is_contiguous() and kv_cache.dtype.is_floating_point)

@@ -49,7 +49,7 @@ class VllmCudaLayout(PagedLayout):
         device_type = device_type or kv_cache.device.type
         if engine.device != "cuda" or device_type != "cuda":
             return "not a CUDA cache"
-        if engine.use_mla or any("MLA" in k for k in engine.spec_kinds):
+        if engine.latent:
             return "a latent (MLA) cache"
         if any("Mamba" in k for k in engine.spec_kinds):
             return "a mamba state cache"

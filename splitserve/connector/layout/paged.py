@@ -32,6 +32,11 @@ class EngineKV:
     spec_kinds: tuple[str, ...] = ()
     kv_cache_groups: int = 1
 
+    @property
+    def latent(self) -> bool:
+        """A latent (MLA) cache, by the model's flag or a KV spec's kind."""
+        return self.use_mla or any("MLA" in k for k in self.spec_kinds)
+
     def describe(self) -> str:
         parts = [f"device {self.device}"]
         if self.backends:

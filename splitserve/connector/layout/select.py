@@ -21,7 +21,7 @@ ALTERNATIVE = ("Run the worker on vLLM-CPU or a standard-attention model, or for
 
 def refused_kind(engine: EngineKV) -> str | None:
     """The kind of KV cache no implementation reads, whatever its tensors look like."""
-    if (engine.use_mla or any("MLA" in k for k in engine.spec_kinds)) and engine.device != "cpu":
+    if engine.latent and engine.device != "cpu":
         return (f"a latent (MLA) KV cache on {engine.device} (MLAAttentionSpec: one "
                 "compressed latent row per token, no per-head K and V; it reads the latent on "
                 "vLLM-CPU's MLA backend only)")
