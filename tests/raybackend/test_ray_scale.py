@@ -44,6 +44,8 @@ POOLS = ("prefill", "decode")
 # the longest a replica start may take: two vLLM starts at once beside a running 1P1D took
 # ~80 s on a quiet 2-core machine; this leaves room for a slower or busier CI machine
 START_S = 300
+# the longest the policies may take to decide a scale-up under the ramp's load
+DECIDE_S = 180
 
 
 class Timeline:
@@ -176,7 +178,9 @@ def test_pools_scale_apart_survive_a_node_loss_and_drain_back(
             time.sleep(0.5)
         load.set(4)
         tl.mark("load 4")
-        tl.wait_starting(POOLS, 60)
+        # P's signal (prompt tokens queued, over a 2 s look-back) builds only when its short
+        # prefills queue up: 44 s in one run here, more than 60 s in another
+        tl.wait_starting(POOLS, DECIDE_S)
         # the steps are decided: one stream while the replicas start (each policy holds its
         # target while its step is in progress), three once they run (D's policy keeps 2)
         load.set(1)
