@@ -180,8 +180,7 @@ class WorkerConfig:
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
         object.__setattr__(self, "connector", as_member(Connector, self.connector, "connector"))
-        check_tensor_parallel(self.tensor_parallel_size, self.extra_args, self.cpus,
-                              self.connector if self.role is not None else None)
+        check_tensor_parallel(self.tensor_parallel_size, self.extra_args, self.cpus)
         if self.nixl_progress_delay_us < 0:
             raise ValueError("nixl_progress_delay_us must not be negative")
         if self.on_transfer_failure not in FAILURE_POLICIES:
@@ -229,12 +228,11 @@ class WorkerConfig:
 TP_FLAGS = ("--tensor-parallel-size", "-tp")
 
 
-def check_tensor_parallel(tp: int, extra_args: tuple[str, ...], cpus: tuple[int, ...] | None,
-                          connector: Connector | None) -> None:
+def check_tensor_parallel(tp: int, extra_args: tuple[str, ...], cpus: tuple[int, ...] | None
+                          ) -> None:
     """Refuse a TP degree a worker cannot run: below 1, given to vLLM after `--` (the ranks'
-    cores are splitserve's to split), more ranks than cores, or above 1 on splitserve's
-    connector (`connector`: the worker's, None for a plain worker), which moves the KV of
-    single-rank engines only."""
+    cores are splitserve's to split), or more ranks than cores. Whether the model's heads
+    shard over `tp` is vLLM's to say at start-up."""
     if tp < 1:
         raise ValueError(f"tensor parallel size must be at least 1, got {tp}")
     if any(a.split("=", 1)[0] in TP_FLAGS for a in extra_args):
@@ -243,10 +241,6 @@ def check_tensor_parallel(tp: int, extra_args: tuple[str, ...], cpus: tuple[int,
                          "worker's cores across its ranks")
     if cpus is not None and len(cpus) < tp:
         raise ValueError(f"tp {tp} needs at least {tp} cores (one a rank), got {len(cpus)}")
-    if tp > 1 and connector == Connector.SPLITSERVE:
-        raise ValueError(f"tp {tp} on splitserve's connector: it moves the KV of single-rank "
-                         "engines only; for P/D with tensor parallelism use --connector nixl, "
-                         "or run the model on colocated workers")
 
 
 def split_evenly(cores: tuple[int, ...], parts: int) -> tuple[tuple[int, ...], ...]:

@@ -16,7 +16,7 @@ steps, and a load is reported (its staged bytes freed) only once they completed.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from vllm.logger import init_logger
 
@@ -24,9 +24,11 @@ from splitserve.common.vocab import TransferStatus
 from splitserve.config import ConnectorConfig
 from splitserve.connector.devcopy import Completion, Copier, InlineCopies
 from splitserve.connector.donetable import DoneTable, table_path
+from splitserve.connector.layout.head_slice import HeadSlice
 from splitserve.connector.layout.paged import PagedLayout
 from splitserve.connector.layout.staging_format import KVShape, region_offset
 from splitserve.connector.meta import LoadSpec, SplitserveMeta
+from splitserve.connector.ranks import HeadRange, RankHeads
 from splitserve.connector.segment import sweep_orphans
 from splitserve.connector.staging import StagedTransfer, StagingArea
 from splitserve.connector.stats import ConnectorStats
@@ -34,19 +36,24 @@ from splitserve.connector.stats import ConnectorStats
 logger = init_logger(__name__)
 
 
-def open_staging(cfg: ConnectorConfig, engine_id: str, shape: KVShape, stats: ConnectorStats
-                 ) -> StagingArea:
-    """D's staging area, after sweeping what decode workers killed with SIGKILL left in
-    /dev/shm."""
+def open_staging(cfg: ConnectorConfig, engine_id: str, shape: KVShape, stats: ConnectorStats,
+                 heads: RankHeads | None = None) -> StagingArea:
+    """D's staging area (of tensor-parallel rank `heads`, default a single rank), after
+    sweeping what decode workers killed with SIGKILL left in /dev/shm."""
     sweep_orphans()
+    rank = heads.rank if heads is not None else 0
     return StagingArea(cfg.staging_bytes, shape, cfg.lease_s, stats,
-                       DoneTable(table_path(engine_id), True))
+                       DoneTable(table_path(engine_id, rank), True), heads)
 
 
 @dataclass
 class _Load:
     spec: LoadSpec
     deadline: float
+    # a transfer split by heads (from a P of more ranks): (staged id, this rank's local
+    # heads) of every piece; empty: one staged transfer under the spec's id
+    pieces: tuple[tuple[str, HeadRange], ...] = ()
+    claimed: dict[str, StagedTransfer] = field(default_factory=dict)
     staged: StagedTransfer | None = None
     copies: list[Completion] | None = None  # the copies into the blocks, once started
     copy_t0: float = 0.0
@@ -80,17 +87,29 @@ class DecodeLoads:
     def start(self, meta: SplitserveMeta) -> None:
         now = time.monotonic()
         for spec in meta.loads:
-            load = _Load(spec, now + self._cfg.load_timeout_s)
+            load = _Load(spec, now + self._cfg.load_timeout_s, self._pieces(spec))
             if spec.sync:
                 self._load_now(load)
             else:
                 self._loads[spec.request_id] = load
 
+    def _pieces(self, spec: LoadSpec) -> tuple[tuple[str, HeadRange], ...]:
+        """The pieces of a transfer from a P of `spec.prefill_tp` ranks, when there are
+        several (`connector.ranks`); () when this rank gets it whole."""
+        if self._staging is None or spec.prefill_tp <= 1:
+            return ()
+        rank = self._staging.heads
+        pieces = rank.pieces_from(spec.prefill_tp)
+        if len(pieces) == 1:
+            return ()
+        return tuple((rank.piece_id(spec.transfer_id, h), rank.local(h)) for h in pieces)
+
     def _load_now(self, load: _Load) -> None:
         """A synchronous load (the transfer was complete when scheduled): copy before the forward,
         or report the blocks as failed so vLLM recomputes them (or fails the request)."""
         try:
-            result = self._poll_load(load, float("inf")) if self._staging else "not_a_decode_worker"
+            result = (self._poll_load(load, float("inf")) if self._staging
+                      else "not_a_decode_worker")
             if result is None and load.copies is not None and load.staged is not None:
                 result = self._copied(load, load.staged, wait=True)  # the forward reads them
         except Exception:
@@ -169,6 +188,8 @@ class DecodeLoads:
     def _poll_load(self, load: _Load, now: float) -> str | None:
         """None while waiting; "ok"; or a failure cause."""
         assert self._staging is not None
+        if load.pieces:
+            return self._poll_pieces(load, now)
         spec = load.spec
         if load.staged is None:
             load.staged = self._staging.claim(spec.transfer_id)
@@ -203,6 +224,83 @@ class DecodeLoads:
             return None
         return self._give_up(load, st, cause)
 
+    def _poll_pieces(self, load: _Load, now: float) -> str | None:
+        """`_poll_load` of a transfer split by heads: every piece claimed, complete and verified,
+        then copied into its heads of the blocks (synchronously, one piece after another);
+        any piece failed or late fails them all."""
+        assert self._staging is not None
+        spec, staging = load.spec, self._staging
+        for sid, _ in load.pieces:
+            if sid not in load.claimed and (st := staging.claim(sid)) is not None:
+                load.claimed[sid] = st
+        cause: str | None = None
+        for sid, _ in load.pieces:
+            st = load.claimed.get(sid)
+            final = staging.final_status(sid) if st is None else None
+            if final is not None:
+                cause = f"transfer_{final.value}"
+            elif st is not None and st.skip > spec.start:
+                cause = "prefix_not_cached"
+            elif st is not None and st.failed:
+                cause = st.failed
+            elif st is not None and st.complete and st.num_tokens != spec.end:
+                cause = "length_mismatch"
+            if cause:
+                break
+        ready = len(load.claimed) == len(load.pieces) and all(
+            st.complete for st in load.claimed.values())
+        if cause is None and not ready:
+            if now <= load.deadline:
+                return None
+            cause = "load_timeout"
+        t0 = time.perf_counter()
+        if cause is None:
+            try:
+                for sid, (lo, hi) in load.pieces:
+                    st = load.claimed[sid]
+                    self._scatter_piece(st, spec, [HeadSlice(la, lo, hi) for la in self._layouts])
+            except Exception:
+                logger.exception("KV copy into the blocks of %s failed", spec.request_id)
+                cause = "internal_error"
+        for sid, _ in load.pieces:
+            st = load.claimed.get(sid)
+            if st is None:
+                staging.discard(sid)  # never claimed: freed now, or refused when it begins
+                continue
+            status = TransferStatus.FAILED if cause else TransferStatus.LOADED
+            if not cause:
+                st.record.load_s = time.perf_counter() - t0
+                st.record.loaded_tokens = spec.end - spec.start
+                st.record.load_mode = "sync" if spec.sync else "async"
+            staging.release(st, status)
+            self._stats.close(st.record, status, cause)
+        return cause or "ok"
+
+    def _scatter_piece(self, st: StagedTransfer, spec: LoadSpec,
+                       layouts: list[HeadSlice]) -> None:
+        assert self._staging is not None
+        seg = self._staging.segment.tensor
+        for start in sorted(st.chunks):
+            end = st.chunks[start]
+            lo = max(start, spec.start)
+            if lo >= end:
+                continue
+            nbytes = (end - start) * st.shape.bytes_per_token_layer
+            for layer, layout in enumerate(layouts):
+                base = st.offset + region_offset(st.shape, start, end, layer, st.skip)
+                layout.scatter(spec.block_ids, lo, end, seg[base:base + nbytes], start)
+
+    def _release_unloaded(self, staged_id: str) -> bool:
+        """Free a staged transfer no request will load; whether it is gone (or never will be
+        staged)."""
+        assert self._staging is not None
+        st = self._staging.claim(staged_id)
+        if st is not None:
+            self._staging.release(st, TransferStatus.DISCARDED)
+            self._stats.close(st.record, TransferStatus.DISCARDED)
+            return True
+        return self._staging.final_status(staged_id) is not None
+
     def poll(self) -> LoadResults:
         """Loads that completed or failed since the last call (never waits)."""
         out = LoadResults(set(), set())
@@ -211,12 +309,9 @@ class DecodeLoads:
             if self._staging is None:
                 result: str | None = "not_a_decode_worker"
             elif load.spec.start == load.spec.end:  # nothing to load: release, report nothing
-                st = self._staging.claim(load.spec.transfer_id)
-                if st is not None:
-                    self._staging.release(st, TransferStatus.DISCARDED)
-                    self._stats.close(st.record, TransferStatus.DISCARDED)
-                if (st is not None or now > load.deadline
-                        or self._staging.final_status(load.spec.transfer_id) is not None):
+                ids = [sid for sid, _ in load.pieces] or [load.spec.transfer_id]
+                released = [self._release_unloaded(sid) for sid in ids]
+                if all(released) or now > load.deadline:
                     del self._loads[rid]
                 continue
             else:

@@ -21,9 +21,10 @@ from splitserve.connector.segment import SharedSegment
 SLOTS = 1 << 16
 
 
-def table_path(engine_id: str) -> str:
+def table_path(engine_id: str, rank: int = 0) -> str:
+    """The DoneTable of one tensor-parallel rank of an engine."""
     safe = "".join(c for c in engine_id if c.isalnum() or c == "-")
-    return f"/dev/shm/splitserve-done-{safe}"
+    return f"/dev/shm/splitserve-done-{safe}" + (f"-rank{rank}" if rank else "")
 
 
 class DoneTable:

@@ -190,7 +190,7 @@ class KVListener:
 
     def _receive_layer(self, conn: Conn, staging: StagingArea, st: StagedTransfer,
                        msg: Layer) -> None:
-        shape = staging.shape
+        shape = st.shape
         layer, start, end = msg.layer, msg.start, msg.end
         valid = 0 <= layer < shape.num_layers and st.skip <= start < end <= st.num_tokens
         nbytes = (end - start) * shape.bytes_per_token_layer

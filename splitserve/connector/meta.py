@@ -20,6 +20,7 @@ class SaveSpec:
     end: int
     prompt_len: int
     skip: int = 0  # the transfer's first token: D's prefix cache is to hold [0, skip)
+    decode_tp: int = 1  # D's ranks: rank d listens on `port + d` (`connector.ranks`)
 
     @property
     def first(self) -> bool:
@@ -39,6 +40,7 @@ class LoadSpec:
     start: int
     end: int  # start == end: nothing to load, just release the staged transfer
     sync: bool = False  # complete at scheduling time: load before this step's forward
+    prefill_tp: int = 1  # P's ranks: with more than D's, each D rank gets several pieces
 
 
 @dataclass

@@ -13,17 +13,19 @@ from __future__ import annotations
 
 import ssl
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from splitserve.config import ConnectorConfig
 from splitserve.connector.devcopy import Copier, InlineCopies
 from splitserve.connector.faults import Faults
+from splitserve.connector.layout.head_slice import HeadSlice
 from splitserve.connector.layout.paged import PagedLayout
 from splitserve.connector.layout.staging_format import KVShape
 from splitserve.connector.meta import SaveSpec, SplitserveMeta
 from splitserve.connector.protocol import Fingerprint
+from splitserve.connector.ranks import RankHeads
 from splitserve.connector.stats import ConnectorStats
 from splitserve.connector.transport.channel import TransferChannel
 from splitserve.connector.transport.items import LayerItem, SendState
@@ -34,10 +36,18 @@ from splitserve.connector.transport.tcp import TcpPushChannel
 OpenChannel = Callable[[str, int, str], TransferChannel]
 
 
-@dataclass
-class _Send:
+@dataclass(frozen=True)
+class _Piece:
+    """What this rank pushes of one transfer to one D rank (`connector.ranks`)."""
+
     channel: TransferChannel
     state: SendState
+    layouts: list[PagedLayout]  # each layer's cache, as the piece's heads
+
+
+@dataclass
+class _Send:
+    pieces: list[_Piece]  # none: this rank holds no head it is the first to send
     ended: bool = False
     finished: bool = False  # vLLM finished the request; its blocks are held for us
 
@@ -50,19 +60,28 @@ class PrefillSends:
     A channel that carries no transfer and has lost its connection (its D died, left or dropped
     it) is closed and forgotten with its buffers: in a pool whose Ds come and go, P keeps
     channels only to Ds it can reach. The next transfer to that address opens a new one (it
-    would have had to connect again anyway)."""
+    would have had to connect again anyway).
+
+    With tensor parallelism (`heads`, `connector.ranks`) each rank pushes the heads it is
+    the first to hold to each D rank that holds them (D rank d at `port + d`), as one piece
+    each; a rank that sends nothing reports its requests finished as soon as vLLM finishes
+    them. A piece that is only part of this rank's heads is copied through `HeadSlice`,
+    synchronously."""
 
     def __init__(self, cfg: ConnectorConfig, token: str, tls: ssl.SSLContext | None,
                  faults: Faults, stats: ConnectorStats, layers: dict[str, int],
                  layouts: list[PagedLayout], shape: KVShape, fingerprint: Fingerprint,
-                 open_channel: OpenChannel | None = None, copier: Copier | None = None) -> None:
+                 open_channel: OpenChannel | None = None, copier: Copier | None = None,
+                 heads: RankHeads | None = None) -> None:
         self._cfg = cfg
         self._copier = copier or InlineCopies()
         self._token, self._tls, self._faults, self._stats = token, tls, faults, stats
         self._layers, self._layouts = layers, layouts
         self._shape, self._fingerprint = shape, fingerprint
+        self._heads = heads or RankHeads(1 if shape.latent else shape.num_kv_heads,
+                                         latent=shape.latent)
         self._open_channel = open_channel or self._push_channel
-        self._channels: dict[tuple[str, int, str], TransferChannel] = {}
+        self._channels: dict[tuple[str, int, str, int], TransferChannel] = {}
         self._sends: dict[str, _Send] = {}
 
     @property
@@ -70,16 +89,22 @@ class PrefillSends:
         """Requests whose blocks are held for a push not yet settled (or not yet reported)."""
         return len(self._sends)
 
-    def _push_channel(self, host: str, port: int, transport: str) -> TransferChannel:
+    def _push_channel(self, host: str, port: int, transport: str, heads: int = 0
+                      ) -> TransferChannel:
+        """A channel carrying `heads` of this rank's heads (0: all of them)."""
         cls = ShmPushChannel if transport == "shm" else TcpPushChannel
+        part = 0 < heads < self._shape.num_kv_heads
+        shape = replace(self._shape, num_kv_heads=heads) if part else self._shape
         return cls(host, port, self._token, self._fingerprint, self._stats, self._faults,
-                   self._shape, self._cfg.connect_timeout_s, tls=self._tls,
-                   copier=self._copier)
+                   shape, self._cfg.connect_timeout_s, self._cfg.ack_timeout_s, tls=self._tls,
+                   copier=InlineCopies() if part else self._copier)
 
-    def _channel(self, host: str, port: int, transport: str) -> TransferChannel:
-        key = (host, port, transport)
+    def _channel(self, host: str, port: int, transport: str, heads: int) -> TransferChannel:
+        key = (host, port, transport, heads)
         if key not in self._channels:
-            self._channels[key] = self._open_channel(host, port, transport)
+            self._channels[key] = (self._open_channel(host, port, transport) if
+                                   heads == self._shape.num_kv_heads
+                                   else self._push_channel(host, port, transport, heads))
         return self._channels[key]
 
     def open_sends(self, meta: SplitserveMeta) -> None:
@@ -91,11 +116,20 @@ class PrefillSends:
                 self._open(spec)
 
     def _open(self, spec: SaveSpec) -> _Send:
-        ch = self._channel(spec.host, spec.port, spec.transport)
-        nbytes = self._shape.transfer_bytes(spec.prompt_len - spec.skip)
-        state = ch.begin(spec.transfer_id, spec.prompt_len, nbytes, self._cfg.ack_timeout_s,
-                         spec.skip)
-        send = self._sends[spec.request_id] = _Send(ch, state)
+        pieces = []
+        for d, heads in self._heads.pieces_to(spec.decode_tp):
+            lo, hi = self._heads.local(heads)
+            ch = self._channel(spec.host, spec.port + d, spec.transport, hi - lo)
+            staged_id = self._heads.of(d, spec.decode_tp).piece_id(spec.transfer_id, heads)
+            nbytes = (replace(self._shape, num_kv_heads=hi - lo)
+                      .transfer_bytes(spec.prompt_len - spec.skip))
+            state = ch.begin(staged_id, spec.prompt_len, nbytes, self._cfg.ack_timeout_s,
+                             spec.skip)
+            whole = hi - lo == self._shape.num_kv_heads
+            layouts: list[PagedLayout] = (self._layouts if whole else
+                                          [HeadSlice(la, lo, hi) for la in self._layouts])
+            pieces.append(_Piece(ch, state, layouts))
+        send = self._sends[spec.request_id] = _Send(pieces)
         return send
 
     def save_kv_layer(self, meta: SplitserveMeta, layer_name: str, kv_layer: torch.Tensor
@@ -115,21 +149,25 @@ class PrefillSends:
                 send = self._open(spec)  # not opened before the forward pass
             if send.ended:
                 continue
-            send.channel.push_layer(LayerItem(spec.transfer_id, layer, spec.start, spec.end,
-                                              layout, spec.block_ids, ready))
+            for piece in send.pieces:
+                piece.channel.push_layer(LayerItem(piece.state.transfer_id, layer, spec.start,
+                                                   spec.end, piece.layouts[layer],
+                                                   spec.block_ids, ready))
 
     def wait_for_save(self, meta: SplitserveMeta) -> None:
         for spec in meta.saves:
             send = self._sends.get(spec.request_id)
             if spec.last and send is not None and not send.ended:
-                send.channel.end(spec.transfer_id)
+                for piece in send.pieces:
+                    piece.channel.end(piece.state.transfer_id)
                 send.ended = True
 
     def handle_preemptions(self, meta: SplitserveMeta) -> None:
         for rid in meta.cancels:
             send = self._sends.get(rid)
             if send is not None and not send.ended:
-                send.channel.cancel(send.state.transfer_id)  # returns once off the blocks
+                for piece in send.pieces:  # each returns once off the blocks
+                    piece.channel.cancel(piece.state.transfer_id)
                 send.ended = True
 
     def finished_sending(self, finished_req_ids: set[str]) -> set[str]:
@@ -141,22 +179,24 @@ class PrefillSends:
             if send is not None:
                 send.finished = True
                 if not send.ended:
-                    send.channel.cancel(send.state.transfer_id)
+                    for piece in send.pieces:
+                        piece.channel.cancel(piece.state.transfer_id)
                     send.ended = True
         done: set[str] = set()
         for rid, send in list(self._sends.items()):
-            if send.finished:
-                state = send.channel.poll(send.state.transfer_id)
-                if state is None or state.settled:
-                    done.add(rid)
-                    send.channel.forget(send.state.transfer_id)
-                    del self._sends[rid]
+            if send.finished and all(
+                    (state := piece.channel.poll(piece.state.transfer_id)) is None
+                    or state.settled for piece in send.pieces):
+                done.add(rid)
+                for piece in send.pieces:
+                    piece.channel.forget(piece.state.transfer_id)
+                del self._sends[rid]
         if done:
             self._drop_lost_channels()
         return done
 
     def _drop_lost_channels(self) -> None:
-        in_use = {id(send.channel) for send in self._sends.values()}
+        in_use = {id(piece.channel) for send in self._sends.values() for piece in send.pieces}
         for key, ch in list(self._channels.items()):
             if id(ch) not in in_use and not ch.connected:
                 ch.close()

@@ -35,6 +35,7 @@ from splitserve.connector.messages import (
     recv,
     send,
 )
+from splitserve.connector.ranks import check_tp
 from splitserve.connector.tls import Conn, TlsStream
 
 PROTOCOL_VERSION = 1
@@ -51,7 +52,9 @@ class PeerRefused(ProtocolError):
 
 @dataclass(frozen=True)
 class Fingerprint:
-    """What must match between P and D before KV moves."""
+    """What must match between P and D before KV moves: the whole model (`num_kv_heads` is
+    the model's, not a rank's), and tensor-parallel sizes that can share its heads. `tp_size`
+    and `tp_rank` are the side's own and may differ."""
 
     config_hash: str
     dtype: str
@@ -59,12 +62,21 @@ class Fingerprint:
     num_kv_heads: int
     head_dim: int
     vllm_version: str
+    tp_size: int = 1
+    tp_rank: int = 0
+    latent: bool = False
 
     def mismatch(self, other: Fingerprint) -> str | None:
         for key, mine in asdict(self).items():
             theirs = getattr(other, key)
-            if mine != theirs:
+            if key not in ("tp_size", "tp_rank") and mine != theirs:
                 return f"{key} differs: decode has {mine!r}, prefill has {theirs!r}"
+        try:
+            check_tp(self.num_kv_heads, other.tp_size, self.latent)
+            check_tp(self.num_kv_heads, self.tp_size, self.latent)
+        except ValueError as exc:
+            return (f"decode tp {self.tp_size} and prefill tp {other.tp_size} cannot share "
+                    f"{self.num_kv_heads} KV heads ({exc})")
         return None
 
 

@@ -17,6 +17,10 @@ Per step it hands the worker side a `SplitserveMeta`:
   or never had it) fails at the worker side as a load error, which vLLM recomputes.
 - cancels: prefill requests preempted mid-transfer (their blocks are about to be reused).
 
+Tensor parallelism (`connector.ranks`): P learns D's ranks from `remote_tp` and every P rank
+pushes its pieces; P's answer carries `prefill_tp`, which the router hands D, so that D checks
+and loads the pieces of that many P ranks on each of its own.
+
 Invariants: `get_num_new_matched_tokens` has no side effects beyond a memo of its last answer
 (sync or async) that `update_state_after_alloc` consumes; a request's load is claimed once (in
 `update_state_after_alloc`), so a failed load is recomputed rather than retried; a finished
@@ -32,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 from splitserve.config import TRANSPORTS
 from splitserve.connector.donetable import DoneTable
 from splitserve.connector.meta import LoadSpec, SaveSpec, SplitserveMeta
+from splitserve.connector.ranks import RankHeads
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -48,6 +53,7 @@ class _Prefill:
     transport: str
     prompt_len: int
     skip: int = 0  # the first token pushed
+    decode_tp: int = 1
     block_ids: list[int] = field(default_factory=list)
     sent_upto: int = 0  # starts at `skip`
 
@@ -65,6 +71,13 @@ def skip_tokens(params: dict[str, Any], prompt_len: int) -> int:
     return max(0, min(raw, prompt_len - 1))
 
 
+def tp_param(params: dict[str, Any], key: str) -> int:
+    """A tensor-parallel size in the transfer params (`remote_tp`, `prefill_tp`); 1 when absent
+    or malformed."""
+    raw = params.get(key, 1)
+    return raw if isinstance(raw, int) and not isinstance(raw, bool) and raw > 1 else 1
+
+
 def decode_transfer_id(request: Request) -> str | None:
     """The transfer a decode-leg request (`do_remote_prefill`) loads from, if it is one."""
     p = transfer_params(request)
@@ -72,10 +85,14 @@ def decode_transfer_id(request: Request) -> str | None:
 
 
 class SchedulerSide:
-    def __init__(self, default_transport: str, done_table_path: str) -> None:
+    def __init__(self, default_transport: str, done_table_paths: list[str],
+                 heads: RankHeads | None = None) -> None:
+        """`done_table_paths`: each rank's DoneTable, rank 0 first; `heads`: rank 0's place
+        among the model's KV heads (default: a single rank holding them all)."""
         self._default_transport = default_transport
-        self._done_path = done_table_path
-        self._done: DoneTable | None = None
+        self._done_paths = done_table_paths
+        self._done: dict[int, DoneTable] = {}
+        self._heads = heads or RankHeads(1)
         self._sync_answer: dict[str, bool] = {}  # last answer per request (a memo, not state)
         self._prefills: dict[str, _Prefill] = {}
         self._saving: set[str] = set()  # a save was emitted: blocks are held at finish
@@ -95,6 +112,7 @@ class SchedulerSide:
                 transport=(str(p["transport"]) if p.get("transport") in TRANSPORTS
                            else self._default_transport),
                 prompt_len=prompt_len, skip=skip, sent_upto=skip,
+                decode_tp=tp_param(p, "remote_tp"),
             )
 
     # -- decode (D) side ---------------------------------------------------------------------
@@ -107,14 +125,23 @@ class SchedulerSide:
         n = remote - num_computed_tokens
         if n <= 0:
             return 0, False
-        ready = self._transfer_complete(tid)
+        ready = self._transfer_complete(tid, tp_param(transfer_params(request), "prefill_tp"))
         self._sync_answer[request.request_id] = ready
         return n, not ready
 
-    def _transfer_complete(self, transfer_id: str) -> bool:
-        if self._done is None:
-            self._done = DoneTable.open_existing(self._done_path)
-        return self._done is not None and self._done.contains(transfer_id)
+    def _transfer_complete(self, transfer_id: str, prefill_tp: int) -> bool:
+        """Whether every rank has every piece of the transfer staged complete (DoneTable)."""
+        for rank, path in enumerate(self._done_paths):
+            if rank not in self._done:
+                table = DoneTable.open_existing(path)
+                if table is None:
+                    return False
+                self._done[rank] = table
+            heads = self._heads.of(rank)
+            if not all(self._done[rank].contains(heads.piece_id(transfer_id, piece))
+                       for piece in heads.pieces_from(prefill_tp)):
+                return False
+        return True
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
@@ -126,8 +153,9 @@ class SchedulerSide:
         end = len(request.prompt_token_ids or ()) - 1
         start = end - num_external_tokens if num_external_tokens > 0 else end
         block_ids = tuple(blocks.get_block_ids()[0]) if num_external_tokens > 0 else ()
-        self._pending.loads.append(LoadSpec(request.request_id, tid, block_ids, start, end,
-                                            sync=sync and start < end))
+        self._pending.loads.append(LoadSpec(
+            request.request_id, tid, block_ids, start, end, sync=sync and start < end,
+            prefill_tp=tp_param(transfer_params(request), "prefill_tp")))
 
     # -- every step --------------------------------------------------------------------------
     def build_connector_meta(self, so: SchedulerOutput) -> SplitserveMeta:
@@ -167,7 +195,7 @@ class SchedulerSide:
             return
         meta.saves.append(SaveSpec(rid, pf.transfer_id, pf.host, pf.port, pf.transport,
                                    tuple(pf.block_ids), pf.sent_upto, end, pf.prompt_len,
-                                   pf.skip))
+                                   pf.skip, pf.decode_tp))
         pf.sent_upto = end
         self._saving.add(rid)
 
@@ -183,10 +211,15 @@ class SchedulerSide:
             # A decode request that never claimed its transfer (rejected, aborted while
             # queued): release the staged KV now rather than at lease expiry.
             if not any(ld.request_id == rid for ld in self._pending.loads):
-                self._pending.loads.append(LoadSpec(rid, tid, (), 0, 0))
+                self._pending.loads.append(LoadSpec(
+                    rid, tid, (), 0, 0, prefill_tp=tp_param(transfer_params(request),
+                                                            "prefill_tp")))
         if pf is None:
             return False, None
-        params = {"transfer_id": pf.transfer_id, "pushed_tokens": pf.sent_upto - pf.skip}
+        params: dict[str, Any] = {"transfer_id": pf.transfer_id,
+                                  "pushed_tokens": pf.sent_upto - pf.skip}
+        if self._heads.tp > 1:  # D then expects the pieces of this many ranks
+            params["prefill_tp"] = self._heads.tp
         if pf.skip:
             params["skipped_tokens"] = pf.skip
         if rid in self._saving:

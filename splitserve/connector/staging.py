@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from splitserve.common.vocab import TransferStatus
 from splitserve.connector.donetable import DoneTable
 from splitserve.connector.layout.staging_format import KVShape
+from splitserve.connector.ranks import RankHeads, transfer_of
 from splitserve.connector.segment import SharedSegment
 from splitserve.connector.stats import ConnectorStats, TransferRecord
 
@@ -78,6 +79,7 @@ class StagedTransfer:
     nbytes: int
     record: TransferRecord
     lease_deadline: float
+    shape: KVShape  # of the heads staged: the rank's, or a piece's (`connector.ranks`)
     tokens_per_layer: list[int] = field(default_factory=list)
     chunks: dict[int, int] = field(default_factory=dict)  # start -> end, as P computed them
     skip: int = 0  # the first token staged: P did not send [0, skip)
@@ -105,10 +107,14 @@ class StagingArea:
     """Thread-safe registry of staged transfers over one SharedSegment."""
 
     def __init__(self, capacity: int, shape: KVShape, lease_s: float, stats: ConnectorStats,
-                 done: DoneTable | None = None) -> None:
+                 done: DoneTable | None = None, heads: RankHeads | None = None) -> None:
+        """`shape`: this rank's heads; `heads`: where they sit among the model's (default: a
+        single rank holding them all)."""
         self.segment = SharedSegment(capacity)
         self.done = done
         self.shape = shape
+        self.heads = heads or RankHeads(1 if shape.latent else shape.num_kv_heads,
+                                        latent=shape.latent)
         self.lease_s = lease_s
         self.stats = stats
         self._alloc = RegionAllocator(self.segment.size)
@@ -118,11 +124,27 @@ class StagingArea:
         self._done: dict[str, TransferStatus] = {}
 
     # -- receiving side (listener threads) --------------------------------------------------
+    def piece_shape(self, staged_id: str) -> KVShape:
+        """The staging shape of a transfer (this rank's heads) or of a piece `<id>@lo-hi` of
+        it (`connector.ranks`); StagingRefused("heads_not_held") if this rank lacks them."""
+        _, at, heads = staged_id.partition("@")
+        if not at:
+            return self.shape
+        try:
+            lo, hi = (int(h) for h in heads.split("-"))
+            self.heads.local((lo, hi))
+        except ValueError:
+            raise StagingRefused("heads_not_held") from None
+        return replace(self.shape, num_kv_heads=hi - lo)
+
     def begin(self, transfer_id: str, num_tokens: int, skip: int = 0) -> StagedTransfer:
-        """Reserve the region of the prompt tokens [skip, num_tokens) of a transfer."""
-        nbytes = self.shape.transfer_bytes(num_tokens - skip)
+        """Reserve the region of the prompt tokens [skip, num_tokens) of a transfer, or of a
+        piece of one (`piece_shape`)."""
+        shape = self.piece_shape(transfer_id)
+        nbytes = shape.transfer_bytes(num_tokens - skip)
         with self._lock:
-            if transfer_id in self._transfers or transfer_id in self._done:
+            if (transfer_id in self._transfers or transfer_id in self._done
+                    or self._done.get(transfer_of(transfer_id)) == TransferStatus.DISCARDED):
                 raise StagingRefused("duplicate_transfer_id")
             if skip < 0:
                 raise StagingRefused("bad_skip")
@@ -134,7 +156,7 @@ class StagingArea:
                 raise StagingRefused("staging_full")
             rec = self.stats.open(transfer_id, "recv", num_tokens - skip, nbytes, skip)
             st = StagedTransfer(transfer_id, num_tokens, offset, nbytes, rec,
-                                time.monotonic() + self.lease_s,
+                                time.monotonic() + self.lease_s, shape,
                                 tokens_per_layer=[0] * self.shape.num_layers, skip=skip)
             self._transfers[transfer_id] = st
             return st
@@ -200,20 +222,21 @@ class StagingArea:
 
     def discard(self, transfer_id: str) -> bool:
         """No decode request will come for this transfer (the request ended at t1, or its client
-        left): free it now, or refuse it at BEGIN if its push has not started. True if found."""
+        left): free it and its pieces now, or refuse them at BEGIN if their push has not
+        started. True if any was found."""
         with self._lock:
-            st = self._transfers.get(transfer_id)
-            if st is None:
-                if transfer_id not in self._done:
-                    self._remember(transfer_id, TransferStatus.DISCARDED)
-                return False
-            if st.claimed or st.reader_done:
-                return True  # a decode request already owns it (or it is already let go)
-            st.reader_done = True
-            self._remember(transfer_id, TransferStatus.DISCARDED)
-            self._free_if_done_locked(st, TransferStatus.DISCARDED)
-        self.stats.close(st.record, TransferStatus.DISCARDED)
-        return True
+            found = [st for sid, st in self._transfers.items()
+                     if transfer_id in (sid, transfer_of(sid))]
+            if transfer_id not in self._transfers and transfer_id not in self._done:
+                self._remember(transfer_id, TransferStatus.DISCARDED)
+            let_go = [st for st in found if not (st.claimed or st.reader_done)]
+            for st in let_go:  # the others: a decode request owns them, or they are let go
+                st.reader_done = True
+                self._remember(st.transfer_id, TransferStatus.DISCARDED)
+                self._free_if_done_locked(st, TransferStatus.DISCARDED)
+        for st in let_go:
+            self.stats.close(st.record, TransferStatus.DISCARDED)
+        return bool(found)
 
     def final_status(self, transfer_id: str) -> TransferStatus | None:
         """The transfer's terminal status (`failed`, `refused`, `aborted`, `expired`, `loaded`,

@@ -10,10 +10,11 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter, OrderedDict, defaultdict
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from splitserve.common import wire
 from splitserve.common.vocab import TransferStatus
+from splitserve.connector.ranks import transfer_of
 
 MAX_RECORDS = 4096
 
@@ -129,10 +130,21 @@ class ConnectorStats:
                                          dict(self.bytes_total), dict(self.seconds_total))
 
     def record(self, transfer_id: str) -> wire.TransferRecord | None:
-        """This worker's records of one transfer (one per side it took part as), or None."""
+        """This worker's records of one transfer (one per side it took part as), or None. A
+        rank that moved the transfer as pieces (`connector.ranks`) answers for them as one:
+        the bytes summed, a failed piece's record if any failed, else the last to complete."""
         with self._lock:
             sides = {side: r.to_wire() for (side, t), r in self._records.items()
                      if t == transfer_id}
+            pieces: dict[str, list[wire.SideRecord]] = {}
+            for (side, t), r in self._records.items():
+                if not sides and transfer_of(t) == transfer_id:
+                    pieces.setdefault(side, []).append(r.to_wire())
+        for side, recs in pieces.items():
+            failed = [r for r in recs if r.status == TransferStatus.FAILED]
+            last = failed[0] if failed else max(recs, key=lambda r: r.complete_s or 0.0)
+            sides[side] = replace(last, transfer_id=transfer_id,
+                                  bytes=sum(r.bytes for r in recs))
         if not sides:
             return None
         return wire.TransferRecord(transfer_id, **sides)

@@ -26,6 +26,7 @@ from splitserve.config import ConnectorConfig
 from splitserve.connector.donetable import table_path
 from splitserve.connector.layout.paged import EngineKV
 from splitserve.connector.meta import SplitserveMeta
+from splitserve.connector.ranks import RankHeads
 from splitserve.connector.scheduler_side import SchedulerSide
 
 if TYPE_CHECKING:
@@ -37,6 +38,14 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
+def rank_heads(vllm_config: VllmConfig, rank: int) -> RankHeads:
+    """Tensor-parallel rank `rank`'s place among the model's KV heads."""
+    mc = vllm_config.model_config
+    latent = bool(mc.use_mla)
+    return RankHeads(1 if latent else mc.get_total_num_kv_heads(),
+                     vllm_config.parallel_config.tensor_parallel_size, rank, latent)
+
+
 class SplitserveConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None) -> None:
@@ -45,15 +54,22 @@ class SplitserveConnector(KVConnectorBase_V1):
         self.cfg = ConnectorConfig.from_extra_config(tc.kv_connector_extra_config)
         self._sched: SchedulerSide | None = None
         self._worker = None
+        tp = vllm_config.parallel_config.tensor_parallel_size
         if role == KVConnectorRole.SCHEDULER:
-            self._sched = SchedulerSide(self.cfg.transport, table_path(str(tc.engine_id)))
+            self._sched = SchedulerSide(
+                self.cfg.transport, [table_path(str(tc.engine_id), r) for r in range(tp)],
+                rank_heads(vllm_config, 0))
         else:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
             from splitserve.common.engine import installed_vllm_version
             from splitserve.connector.worker_side import WorkerSide
 
             mc = vllm_config.model_config
+            rank = get_tensor_model_parallel_rank() if tp > 1 else 0
             self._worker = WorkerSide(self.cfg, str(tc.engine_id), mc.hf_config.to_dict(),
-                                      mc.dtype, installed_vllm_version() or "unknown")
+                                      mc.dtype, installed_vllm_version() or "unknown",
+                                      heads=rank_heads(vllm_config, rank))
 
     @property
     def requires_kv_delivery(self) -> bool:

@@ -35,6 +35,7 @@ from splitserve.connector.listener import KVListener
 from splitserve.connector.meta import SplitserveMeta
 from splitserve.connector.prefill_send import PrefillSends
 from splitserve.connector.protocol import Fingerprint, config_hash
+from splitserve.connector.ranks import RankHeads
 from splitserve.connector.staging import StagingArea
 from splitserve.connector.stats import ConnectorStats
 from splitserve.connector.tls import client_context, server_context
@@ -50,10 +51,14 @@ def _layer_index(name: str) -> int:
 
 class WorkerSide:
     def __init__(self, cfg: ConnectorConfig, engine_id: str, hf_config: dict[str, Any],
-                 dtype: torch.dtype, vllm_version: str, copier: Copier | None = None) -> None:
+                 dtype: torch.dtype, vllm_version: str, copier: Copier | None = None,
+                 heads: RankHeads | None = None) -> None:
         """`copier`: how copies between the blocks and host bytes run; None: chosen from the
-        caches' device at registration (`CudaCopies` on CUDA, `InlineCopies` otherwise)."""
+        caches' device at registration (`CudaCopies` on CUDA, `InlineCopies` otherwise).
+        `heads`: this tensor-parallel rank's place among the model's KV heads (None: a single
+        rank holding them all); rank r listens on `kv_port + r`."""
         self.cfg = cfg
+        self._heads = heads
         self.engine_id = engine_id
         self._token = load_token(required=True) or ""
         # TLS configured: the listener accepts only TLS, and every push this worker makes uses it
@@ -85,28 +90,35 @@ class WorkerSide:
         first = layouts[0]
         shape = self.shape = kv_shape(layouts)
         heads, head_dim = shape.num_kv_heads, shape.head_dim
+        rank = self._heads or RankHeads(1 if shape.latent else heads, latent=shape.latent)
+        if rank.held[1] - rank.held[0] != heads:
+            raise RuntimeError(f"rank {rank.rank} of tp {rank.tp} holds {heads} KV heads, "
+                               f"not the {rank.held} splitserve expects")
+        port = self.cfg.kv_port + rank.rank if self.cfg.kv_port else 0
         logger.info("splitserve connector: role=%s transport=%s kv=%s:%d tls=%s layout=%s "
-                    "layers=%d kv_heads=%d head_dim=%d block_size=%d dtype=%s", self.cfg.role,
-                    self.cfg.transport, self.cfg.kv_host, self.cfg.kv_port,
+                    "layers=%d kv_heads=%d head_dim=%d block_size=%d dtype=%s rank=%d/%d",
+                    self.cfg.role, self.cfg.transport, self.cfg.kv_host, port,
                     ("mutual" if self.cfg.tls_ca else "on") if self.cfg.tls_enabled else "off",
-                    first.name, len(names), heads, head_dim, first.block_size, first.dtype)
+                    first.name, len(names), heads, head_dim, first.block_size, first.dtype,
+                    rank.rank, rank.tp)
         fingerprint = self.fingerprint = Fingerprint(
             config_hash=config_hash(self._hf_config), dtype=str(self._dtype).replace("torch.", ""),
-            num_layers=len(names), num_kv_heads=heads, head_dim=head_dim,
-            vllm_version=self._vllm_version,
+            num_layers=len(names), num_kv_heads=rank.total, head_dim=head_dim,
+            vllm_version=self._vllm_version, tp_size=rank.tp, tp_rank=rank.rank,
+            latent=shape.latent,
         )
         if self.cfg.role in (Role.DECODE, Role.BOTH):
-            self.staging = open_staging(self.cfg, self.engine_id, shape, self.stats)
+            self.staging = open_staging(self.cfg, self.engine_id, shape, self.stats, rank)
             self._copier.register_host(self.staging.segment.tensor)
         sends = self._sends = PrefillSends(self.cfg, self._token, self._tls_client, self._faults,
                                            self.stats, layers, layouts, shape, fingerprint,
-                                           copier=self._copier)
+                                           copier=self._copier, heads=rank)
         loads = self._loads = DecodeLoads(self.cfg, self.staging, self.stats, layouts, shape,
                                           self._copier)
         control = ControlAnswers(self.cfg, self.engine_id, self._vllm_version, fingerprint,
                                  self.stats, self.staging, lambda: loads.pending,
                                  lambda: sends.held)
-        self.listener = KVListener(self.cfg.kv_host, self.cfg.kv_port, self._token,
+        self.listener = KVListener(self.cfg.kv_host, port, self._token,
                                    fingerprint, self.staging, control.answer, self._tls_server,
                                    self._faults)
 

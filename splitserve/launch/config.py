@@ -174,13 +174,11 @@ class DeploymentConfig:
             raise ValueError(f"{flag} after `--` would reach every worker, P too: give it as "
                              "--speculative-config (YAML: speculative), which goes to decode "
                              "and colocated workers only")
-        for pool, connector in (("prefill", self.connector), ("decode", self.connector),
-                                ("colocated", None)):
+        for pool in ("prefill", "decode", "colocated"):
             if not isinstance(tp := getattr(self, f"{pool}_tp"), int):
                 raise ValueError(f"{pool}_tp must be a whole number, got {tp!r}")
             try:
-                check_tensor_parallel(tp, self.worker_args, None,
-                                      Connector(connector) if connector else None)
+                check_tensor_parallel(tp, self.worker_args, None)
             except ValueError as exc:
                 raise ValueError(f"{pool}_tp: {exc}") from None
         if self.speculative is not None:

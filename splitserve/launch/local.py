@@ -119,10 +119,12 @@ def plan_cores(cores: list[int], n_workers: int, ranks: tuple[int, ...] | None =
 def pool_worker_config(cfg: DeploymentConfig, role: Role | None, model_dir: str,
                        served_name: str | None, host: str, cpus: tuple[int, ...] | None
                        ) -> WorkerConfig:
-    """One pool member's worker, on free ports of `host`: the same for every backend."""
+    """One pool member's worker, on free ports of `host` (a KV port a rank): the same for every
+    backend."""
+    tp = cfg.tp_of(role.value if role is not None else Pool.COLOCATED.value)
     return WorkerConfig(
-        model=model_dir, port=free_port(host), role=role,
-        host=host, cpus=cpus, kv_port=free_port(host) if role else 0,
+        model=model_dir, port=free_port(host), role=role, host=host, cpus=cpus,
+        kv_port=free_port(host, tp) if role else 0,
         connector=cfg.connector, transport=cfg.transport,  # type: ignore[arg-type]
         dtype=cfg.dtype, lease_s=cfg.kv_lease_s,
         kv_cache_gib=cfg.kv_cache_gib, max_model_len=cfg.max_model_len,
@@ -130,7 +132,7 @@ def pool_worker_config(cfg: DeploymentConfig, role: Role | None, model_dir: str,
         served_model_name=served_name,
         staging_bytes=cfg.staging_mib * 1024**2, kv_events=cfg.kv_events,
         speculative_config=cfg.speculative if role != Role.PREFILL else None,
-        tensor_parallel_size=cfg.tp_of(role.value if role is not None else Pool.COLOCATED.value),
+        tensor_parallel_size=tp,
         extra_args=cfg.worker_args,
         # one certificate for every connector worker (plain workers have no KV channel)
         kv_tls_cert=cfg.kv_tls_cert if role else None,

@@ -54,17 +54,15 @@ def plan_profiles(args: argparse.Namespace) -> dict[int, Profile]:
 
 def deploy_commands(shape: Shape, model_flag: str) -> list[str]:
     """The command that starts `shape` with splitserve's launcher (`model_flag`: `--model NAME`
-    or `--embedded`), each pool at its TP degree. P/D with TP > 1 runs over vLLM's
-    NixlConnector: splitserve's connector moves single-rank KV (docs/guides/tp-moe.md)."""
+    or `--embedded`), each pool at its TP degree, on splitserve's connector."""
     c = shape.config
     tp = lambda pool, t: f" --{pool}-tp {t}" if t > 1 else ""  # noqa: E731
     if c.mode != "disagg":
         return [f"splitserve serve {model_flag} --colocated {c.n_workers}"
                 f"{tp('colocated', shape.tp_p)}"]
     policies = f"--prefill-policy {c.p_policy} --decode-policy {c.d_policy}"
-    nixl = " --connector nixl" if max(shape.tp_p, shape.tp_d) > 1 else ""
     return [f"splitserve serve {model_flag} --prefill {c.n_prefill} --decode {c.n_decode} "
-            f"{policies}{nixl}{tp('prefill', shape.tp_p)}{tp('decode', shape.tp_d)}"]
+            f"{policies}{tp('prefill', shape.tp_p)}{tp('decode', shape.tp_d)}"]
 
 
 def print_gpu_plan(plan: GpuPlan, rungs: list[Rung], verdict: str | None, model_flag: str

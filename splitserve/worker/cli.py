@@ -125,7 +125,7 @@ def config_from_args(args: argparse.Namespace, extra: list[str]) -> WorkerConfig
     check_passthrough(extra)
     source = (ModelSource(str(embedded_model_dir()), "splitserve-demo") if args.embedded
               else resolve_model(args.model, args.revision))
-    kv_port = args.kv_port or (free_port(args.host) if args.role else 0)
+    kv_port = args.kv_port or (free_port(args.host, args.tp) if args.role else 0)
     return WorkerConfig(
         model=source.path, port=args.port, role=args.role, host=args.host, cpus=args.cpus,
         kv_port=kv_port, connector=args.connector,

@@ -61,7 +61,7 @@ def prefill(rid: str, n: int, skip: object) -> Request:
 def side() -> Iterator[SchedulerSide]:
     path = table_path(f"delta-test-{uuid.uuid4().hex[:8]}")
     table = DoneTable(path, create=True)
-    yield SchedulerSide("tcp", path)
+    yield SchedulerSide("tcp", [path])
     table.close()
 
 

@@ -34,7 +34,7 @@ def done_path() -> Iterator[str]:
 
 def test_chunked_prefill_pushes_every_token_range_and_holds_blocks_until_sent(
         done_path: str) -> None:
-    side = SchedulerSide("tcp", done_path)
+    side = SchedulerSide("tcp", [done_path])
     req = prefill_request("p1", 300)
     side.on_new_request(req)
     meta = side.build_connector_meta(Step({"p1": 256}, [NewReq("p1", ([4, 9],))]))
@@ -55,7 +55,7 @@ def test_chunked_prefill_pushes_every_token_range_and_holds_blocks_until_sent(
 def test_prefix_cached_tokens_are_pushed_and_the_transport_defaults(done_path: str) -> None:
     """A prompt P had partly cached still sends from token 0; an unknown transport gives way
     to the worker's default, a known one is kept."""
-    side = SchedulerSide("shm", done_path)
+    side = SchedulerSide("shm", [done_path])
     side.on_new_request(prefill_request("a", 100, transport="carrier-pigeon"))
     side.on_new_request(prefill_request("b", 100, transport="tcp"))
     meta = side.build_connector_meta(Step({"a": 36, "b": 100},
@@ -66,7 +66,7 @@ def test_prefix_cached_tokens_are_pushed_and_the_transport_defaults(done_path: s
 
 
 def test_preempted_push_is_cancelled_and_not_resumed(done_path: str) -> None:
-    side = SchedulerSide("tcp", done_path)
+    side = SchedulerSide("tcp", [done_path])
     req = prefill_request("p", 300)
     side.on_new_request(req)
     side.build_connector_meta(Step({"p": 128}, [NewReq("p", ([0],))]))
@@ -82,7 +82,7 @@ def test_preempted_push_is_cancelled_and_not_resumed(done_path: str) -> None:
 
 
 def test_prefill_finished_before_any_save_frees_its_blocks(done_path: str) -> None:
-    side = SchedulerSide("tcp", done_path)
+    side = SchedulerSide("tcp", [done_path])
     req = prefill_request("q", 50)
     side.on_new_request(req)
     assert side.request_finished(req, []) == (False, {"transfer_id": "t-q", "pushed_tokens": 0})
@@ -90,7 +90,7 @@ def test_prefill_finished_before_any_save_frees_its_blocks(done_path: str) -> No
 
 
 def test_plain_requests_are_left_alone(done_path: str) -> None:
-    side = SchedulerSide("tcp", done_path)
+    side = SchedulerSide("tcp", [done_path])
     req = Request("plain", list(range(20)))
     side.on_new_request(req)
     assert side.get_num_new_matched_tokens(req, 0) == (0, False)
@@ -103,7 +103,7 @@ def test_plain_requests_are_left_alone(done_path: str) -> None:
 def test_decode_load_waits_for_a_transfer_not_yet_complete(done_path: str) -> None:
     """Prompt + [t1] of 301 tokens: 300 come from P, less D's own 128-token prefix hit;
     asynchronous (not in the done table), claimed once."""
-    side = SchedulerSide("tcp", done_path)
+    side = SchedulerSide("tcp", [done_path])
     req = decode_request("d", 301)
     assert side.get_num_new_matched_tokens(req, 128) == (172, True)
     side.update_state_after_alloc(req, Blocks([5, 6, 7]), 172)
@@ -117,7 +117,7 @@ def test_decode_load_waits_for_a_transfer_not_yet_complete(done_path: str) -> No
 
 def test_decode_load_of_a_complete_transfer_is_synchronous(done_path: str) -> None:
     DoneTable(done_path, create=False).mark("t-s")
-    side = SchedulerSide("tcp", done_path)
+    side = SchedulerSide("tcp", [done_path])
     req = decode_request("s", 65)
     assert side.get_num_new_matched_tokens(req, 0) == (64, False)
     side.update_state_after_alloc(req, Blocks([3, 4]), 64)
@@ -128,7 +128,7 @@ def test_decode_load_of_a_complete_transfer_is_synchronous(done_path: str) -> No
 def test_nothing_to_load_still_releases_the_staged_transfer(done_path: str) -> None:
     """D had the whole prompt cached: the load is empty, so the worker side only releases
     the staged KV; a decode request that finished before claiming gets one release too."""
-    side = SchedulerSide("tcp", done_path)
+    side = SchedulerSide("tcp", [done_path])
     full = decode_request("f", 65)
     assert side.get_num_new_matched_tokens(full, 64) == (0, False)
     side.update_state_after_alloc(full, Blocks([]), 0)

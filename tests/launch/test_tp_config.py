@@ -1,6 +1,6 @@
 """Tensor parallelism per worker and per pool (pure logic): the cores split across a worker's
 ranks in vLLM-CPU's per-rank bind lists, the core plan giving a TP worker a share a rank, the
-flags and YAML keys, and the refusals (splitserve's connector moves single-rank KV only)."""
+flags and YAML keys, and the refusals."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from splitserve.cli import build_parser
+from splitserve.common.ports import bindable
 from splitserve.config import WorkerConfig, split_evenly
 from splitserve.launch.cli import config_from_args
 from splitserve.launch.config import DeploymentConfig, load_yaml
@@ -42,7 +43,6 @@ def test_a_tp_worker_gets_vllms_per_rank_bind_lists(tmp_path: Path) -> None:
     ({"tensor_parallel_size": 3, "cpus": (0, 1)}, "at least 3 cores"),
     ({"extra_args": ("--tensor-parallel-size", "2")}, "as --tp N"),
     ({"extra_args": ("-tp=2",)}, "as --tp N"),
-    ({"tensor_parallel_size": 2, "role": "decode", "kv_port": 8101}, "single-rank engines"),
 ])
 def test_tp_refusals(tmp_path: Path, overrides: dict, says: str) -> None:
     with pytest.raises(ValueError, match=says):
@@ -75,7 +75,9 @@ def test_serve_flags_and_yaml_reach_each_pools_workers(tmp_path: Path) -> None:
     colo = config_from_args(args)
     assert colo.colocated_tp == 2
     assert [w.tensor_parallel_size for _, w in LocalDeployment(colo).plan_workers()] == [2]
-    with pytest.raises(ValueError, match="decode_tp: tp 2 on splitserve's connector"):
-        DeploymentConfig(prefill=1, decode=1, decode_tp=2)
+    pd = LocalDeployment(DeploymentConfig(prefill=1, decode=1, decode_tp=2, cpus=(0, 1, 2)))
+    d = next(w for _, w in pd.plan_workers() if w.role == "decode")
+    assert d.tensor_parallel_size == 2  # on splitserve's connector: rank r listens on kv_port + r
+    assert all(bindable(d.host, d.kv_port + r) for r in range(2))
     with pytest.raises(ValueError, match="as --tp N"):
         DeploymentConfig(colocated=1, worker_args=("--tensor-parallel-size", "2"))

@@ -96,7 +96,7 @@ def test_deploy_commands_start_each_pool_with_its_tp() -> None:
     same = Shape(SimConfig("disagg", n_prefill=2, n_decode=3), 2, 2)
     assert deploy_commands(same, "--model org/m") == [
         "splitserve serve --model org/m --prefill 2 --decode 3 --prefill-policy power_of_two "
-        "--decode-policy power_of_two --connector nixl --prefill-tp 2 --decode-tp 2"]
+        "--decode-policy power_of_two --prefill-tp 2 --decode-tp 2"]
     tp1 = Shape(SimConfig("disagg", n_prefill=1, n_decode=1, p_policy="cache", d_policy="cache"),
                 1, 1)
     assert deploy_commands(tp1, "--embedded") == [
@@ -104,7 +104,7 @@ def test_deploy_commands_start_each_pool_with_its_tp() -> None:
         "--decode-policy cache"]
     apart = deploy_commands(Shape(SimConfig("disagg", n_prefill=1, n_decode=2), 8, 4), "--model m")
     assert apart == ["splitserve serve --model m --prefill 1 --decode 2 --prefill-policy "
-                     "power_of_two --decode-policy power_of_two --connector nixl --prefill-tp 8 "
+                     "power_of_two --decode-policy power_of_two --prefill-tp 8 "
                      "--decode-tp 4"]
     assert deploy_commands(Shape(SimConfig("chunked", n_workers=2), 4), "--embedded") == [
         "splitserve serve --embedded --colocated 2 --colocated-tp 4"]

@@ -55,6 +55,8 @@ TEST_SPECS["qwen3_moe"] = ModelSpec(arch="qwen3_moe", num_kv_heads=1, head_dim=6
 # MLA backend) and MoE with a shared expert after a dense first layer
 TEST_SPECS["deepseek_v2"] = ModelSpec(arch="deepseek_v2", num_kv_heads=4, head_dim=32, seed=8,
                                       **_MOE)
+# GQA with 4 KV heads (8 query heads): two KV heads a rank at tensor parallelism 2.
+TEST_SPECS["llama-kv4"] = replace(TEST_SPECS["llama"], num_heads=8, num_kv_heads=4, seed=9)
 # The llama test model with attention's output scaled down: its greedy output repeats itself,
 # so n-gram speculative decoding has drafts to accept (tests/worker/test_speculative.py).
 TEST_SPECS["llama-repeats"] = replace(TEST_SPECS["llama"], attention_out_scale=0.003)
@@ -122,8 +124,18 @@ class Worker:
         without splitserve's connector (plain, NIXL) has only its KV usage to show."""
         if not self.has_connector_state:
             return 0, 0, 0, self.kv_usage()
-        s = self.state()
-        return s["staged_bytes"], s["pending_loads"], s["held_sends"], self.kv_usage()
+        ranks = self.rank_states()
+        return (sum(s["staged_bytes"] for s in ranks), sum(s["pending_loads"] for s in ranks),
+                sum(s["held_sends"] for s in ranks), self.kv_usage())
+
+    def rank_states(self) -> list[dict]:
+        """Each tensor-parallel rank's connector state: rank 0's through the worker's HTTP,
+        the others' from their own KV listeners (`kv_port + rank`)."""
+        from splitserve.connector.messages import Query
+        from splitserve.connector.protocol import query
+
+        return [self.state()] + [query(self.cfg.host, self.kv_port + r, TOKEN, Query("state"))
+                                 for r in range(1, self.cfg.tensor_parallel_size)]
 
     def stop(self) -> None:
         LIVE.discard(self)
@@ -154,8 +166,10 @@ def launch(model: Path, name: str, role: str | None, env: dict[str, str] | None 
            **overrides: object) -> Worker:
     """Start one worker and wait until it is healthy. It is in `LIVE` until stopped or killed:
     after every integration test, each live worker must drain (tests/conftest.py)."""
+    ranks = int(overrides.get("tensor_parallel_size", 1))  # type: ignore[call-overload]
     cfg = WorkerConfig(model=str(model), port=free_port(), role=role,  # type: ignore[arg-type]
-                       kv_port=free_port() if role else 0, staging_bytes=64 * 1024**2)
+                       kv_port=free_port(count=ranks) if role else 0,  # a KV port a rank
+                       staging_bytes=64 * 1024**2)
     cfg = replace(cfg, **overrides)  # type: ignore[arg-type]
     LOG_DIR.mkdir(parents=True, exist_ok=True)
     log = LOG_DIR / f"{name}-{cfg.port}.log"
@@ -264,6 +278,8 @@ def two_legs(p: Worker, d: Worker, prompt: list[int], max_tokens: int, transfer_
                                  "transport": transport}
     if skip:
         params["skip_tokens"] = skip
+    if d.cfg.tensor_parallel_size > 1:  # as the router says it, from D's fingerprint
+        params["remote_tp"] = d.cfg.tensor_parallel_size
     body = {"model": name, "prompt": prompt, "max_tokens": 1, "temperature": 0,
             "return_token_ids": True, "kv_transfer_params": params}
     rp = httpx.post(f"{p.url}/v1/completions", json=body, headers=auth_headers(), timeout=120)
@@ -271,9 +287,13 @@ def two_legs(p: Worker, d: Worker, prompt: list[int], max_tokens: int, transfer_
     t1 = rp.json()["choices"][0]["token_ids"][0]
     if max_tokens == 1:
         return [t1], rp, None
+    decode_params = {"do_remote_prefill": True, "transfer_id": transfer_id}
+    p_tp = (rp.json().get("kv_transfer_params") or {}).get("prefill_tp")
+    if p_tp:  # P's ranks, which D must hear from, as the router hands them on
+        decode_params["prefill_tp"] = p_tp
     body = {"model": name, "prompt": prompt + [t1], "max_tokens": max_tokens - 1,
             "temperature": 0, "ignore_eos": True, "return_token_ids": True,
-            "kv_transfer_params": {"do_remote_prefill": True, "transfer_id": transfer_id}}
+            "kv_transfer_params": decode_params}
     rd = httpx.post(f"{d.url}/v1/completions", json=body, headers=auth_headers(), timeout=120)
     if rd.status_code != 200:
         return [t1], rp, rd

@@ -5,8 +5,10 @@
   "transport"}`, and `"skip_tokens": d_cached` when the router expects D's prefix cache to hold
   the prompt's first `d_cached` tokens: P then pushes only the rest. D loads from its own hit; a
   hit short of `skip_tokens` (the expectation was stale) fails D's load, which D recomputes.
-- D's leg claims the transfer: `{"do_remote_prefill": true, "transfer_id"}`; D is sent
-  prompt + [t1]. Nothing of P's answer is needed beyond its tokens.
+  A D of several tensor-parallel ranks (its fingerprint's `tp_size`) adds `"remote_tp"`.
+- D's leg claims the transfer: `{"do_remote_prefill": true, "transfer_id"}`, plus P's
+  `"prefill_tp"` when P has several ranks; D is sent prompt + [t1]. Nothing else of P's
+  answer is needed beyond its tokens.
 - Release: `DELETE /splitserve/transfers/{id}` on D frees the staged KV (or refuses a push not
   begun); D's lease frees it anyway if that request is lost.
 - Record: `GET /splitserve/transfers/{id}` on D.
@@ -54,17 +56,23 @@ class SplitserveLegs(LegProtocol):
     def open(self, p: Worker, d: Worker, transfer_id: str, d_cached: int = 0
              ) -> Transfer | None:
         endpoint = None if d.info is None else push_target(d.info, self.transport)
-        if endpoint is None:
+        if endpoint is None or d.info is None:
             return None
         params: dict[str, Any] = {"do_remote_decode": True, "transfer_id": transfer_id,
                                   **endpoint}
         if d_cached > 0:
             params["skip_tokens"] = d_cached
+        d_tp = (d.info.model_fingerprint or {}).get("tp_size", 1)
+        if isinstance(d_tp, int) and d_tp > 1:
+            params["remote_tp"] = d_tp
         return Transfer(self, transfer_id, p, d, params)
 
     def received(self, transfer: Transfer, answer: dict[str, Any]) -> None:
         transfer.decode_params = {"do_remote_prefill": True,
                                   "transfer_id": transfer.transfer_id}
+        p_tp = (answer.get("kv_transfer_params") or {}).get("prefill_tp", 1)
+        if isinstance(p_tp, int) and p_tp > 1:
+            transfer.decode_params["prefill_tp"] = p_tp
 
     async def poll_staging(self, get: Getter) -> Staging | None:
         status, raw = await get("/splitserve/state")
