@@ -154,10 +154,12 @@ class WorkerSide:
         out = KVConnectorTransferResults()
         if self._sends is None or self._loads is None:
             return out
-        if idle and self._sends.held and not self._loads.pending:
-            # The engine keeps stepping, computing nothing, only until D acknowledges our
-            # pushes; on a worker with one core that spin would starve the sender thread and
-            # the API server answering t1. Yield the core for a moment instead.
+        if idle and not self._loads.pending:
+            # The engine keeps stepping, computing nothing, only until D acknowledges the
+            # pushes of some rank (this one's, or, with tensor parallelism, another's: the
+            # ranks step together); on a worker with one core a rank a spin would starve the
+            # sender thread, the API server answering t1, and whatever shares the core.
+            # Yield the core for a moment instead.
             time.sleep(IDLE_WAIT_S)
         out.finished_sending |= self._sends.finished_sending(finished_req_ids)
         loaded = self._loads.poll()

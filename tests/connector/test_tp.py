@@ -1,30 +1,39 @@
 """splitserve's connector across tensor-parallel ranks: a worker of 2 ranks beside one of 1,
-each prefilling for the other (role both), so P TP=2 -> D TP=1 and P TP=1 -> D TP=2 run over
-tcp and shm. Two models: Llama with 4 KV heads (2 a rank: each P rank sends its own, and the
-single-rank side sends each D rank its half) and Qwen3-MoE with 1 KV head (replicated on both
-ranks: only the first rank sends it, and the TP=1 P sends it to each D rank). Greedy output
-equals transformers (float32) on concurrent prompts of mixed lengths, and every rank of both
-workers drains to zero afterwards."""
+each prefilling for the other and the TP=2 one for itself (role both), so P TP=2 -> D TP=1,
+P TP=1 -> D TP=2 and P TP=2 -> D TP=2 run over tcp and shm. Two models: Llama with 4 KV heads
+(2 a rank: each P rank sends its own, and the single-rank side sends each D rank its half) and
+Qwen3-MoE with 1 KV head (replicated on both ranks: only the first rank sends it, and the
+TP=1 P sends it to each D rank). Greedy output equals transformers (float32) on concurrent
+prompts of mixed lengths, directly and through the router, D's rank 0 receives exactly the
+bytes of its heads, and every rank of both workers drains to zero afterwards, also when P
+dies mid-push."""
 
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
+from splitserve.config import FAULTS_ENV
+from splitserve.connector.messages import Query
+from splitserve.connector.protocol import query
 from tests.support import cores
 from tests.support.routers import start_router
 from tests.support.workers import (
+    TOKEN,
     Worker,
     auth_headers,
     hf_greedy,
+    launch,
     launch_together,
     make_checkpoint,
     model_name,
     split_at_once,
+    two_legs,
     wait_drained,
     whole_answer,
 )
@@ -54,17 +63,27 @@ def tp_pair(request: pytest.FixtureRequest, checkpoint_root: Path
     one.stop()
 
 
+# (KV heads, head_dim) of each model: the bytes a D rank receives follow from them
+HEADS = {"llama-kv4": (4, 32), "qwen3_moe": (1, 64)}
+LAYERS = 2
+
+
 @pytest.mark.parametrize("transport", ["tcp", "shm"])
-@pytest.mark.parametrize("direction", ["p2-d1", "p1-d2"])
-def test_unequal_tp_matches_transformers(tp_pair: tuple[str, Worker, Worker], direction: str,
-                                         transport: str) -> None:
+@pytest.mark.parametrize("direction", ["p2-d1", "p1-d2", "p2-d2"])
+def test_tp_pairs_match_transformers(tp_pair: tuple[str, Worker, Worker], direction: str,
+                                     transport: str) -> None:
+    """P TP=2 -> D TP=1, P TP=1 -> D TP=2, and P TP=2 -> D TP=2 (the TP=2 worker pushing to
+    its own ranks)."""
     name, two, one = tp_pair
-    p, d = (two, one) if direction == "p2-d1" else (one, two)
-    seed = {"p2-d1": 0, "p1-d2": 20}[direction] + (0 if transport == "tcp" else 10)
+    p, d = {"p2-d1": (two, one), "p1-d2": (one, two), "p2-d2": (two, two)}[direction]
+    seed = {"p2-d1": 0, "p1-d2": 20, "p2-d2": 40}[direction] + (0 if transport == "tcp" else 10)
     prompts = [prompt_of(n, seed + i) for i, n in enumerate(PROMPT_LENGTHS)]
     split = split_at_once(p, d, prompts, MAX_TOKENS, transport, f"{name}-{direction}")
+    heads, head_dim = HEADS[name]
+    rank0_heads = heads if d is one else max(heads // 2, 1)  # a replicated head comes once
     for prompt, _, rec in split:  # the KV came over the channel (D's rank 0, its pieces)
         assert rec["status"] == "loaded" and rec["tokens"] == len(prompt), rec
+        assert rec["bytes"] == len(prompt) * LAYERS * 2 * rank0_heads * head_dim * 4, rec
     wait_drained(p, d, timeout_s=60.0)  # every rank of both: see the slack above
 
 
@@ -87,6 +106,34 @@ def test_through_the_router(tp_pair: tuple[str, Worker, Worker], tmp_path: Path)
             assert r.json()["choices"][0]["token_ids"] == want, name
         finally:
             router.stop()
+
+
+def test_a_prefill_killed_mid_push_leaves_no_d_rank_holding_kv(
+        tp_pair: tuple[str, Worker, Worker]) -> None:
+    """A P dies (SIGKILL, its whole process group) mid-push into the TP=2 worker: each D rank
+    fails its piece (peer gone) and frees it, every rank drains to zero, and the next
+    transfer into the same ranks loads and matches transformers."""
+    name, two, one = tp_pair
+    if name != "llama-kv4":
+        pytest.skip("one model suffices: the failure path does not depend on the heads")
+    crashing = launch(Path(two.cfg.model), f"{name}-crash-p", "prefill",
+                      env={FAULTS_ENV: "1,crash"}, cpus=cores.spare_cores("prefill"))
+    tid = f"{name}-fault-crash-p-{uuid.uuid4().hex}"
+    try:
+        with pytest.raises(httpx.HTTPError):
+            two_legs(crashing, two, prompt_of(300, 77), MAX_TOKENS, tid)
+        assert crashing.proc.wait(30) is not None
+    finally:
+        crashing.kill()
+    wait_drained(two, timeout_s=60.0)
+    causes = [rank_record(two, r, tid)["recv"] for r in range(2)]
+    assert all(c["status"] == "failed" and c["cause"] == "peer_gone" for c in causes), causes
+    split_at_once(one, two, [prompt_of(130, 78)], MAX_TOKENS, "tcp", f"{name}-after-crash")
+
+
+def rank_record(worker: Worker, rank: int, transfer_id: str) -> dict:
+    """Rank `rank`'s record of a transfer, from its own KV listener."""
+    return query(worker.cfg.host, worker.kv_port + rank, TOKEN, Query("transfer", transfer_id))
 
 
 def test_the_tp2_worker_serving_whole_requests_matches_transformers(
