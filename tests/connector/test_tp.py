@@ -52,8 +52,7 @@ def tp_pair(request: pytest.FixtureRequest, checkpoint_root: Path
     """(model, the TP=2 worker, the TP=1 worker), both of role both."""
     name = request.param
     ckpt = make_checkpoint(checkpoint_root, name)
-    # vLLM-CPU's ranks sometimes wake for a step only after their 5 s re-check of the shared
-    # step queue, the other rank holding the GIL meanwhile: the timeouts leave room for it
+    # three engine processes and two API servers on two cores: loads get room to wait
     slack = {"max_num_batched_tokens": 256, "load_timeout_s": 30.0}
     two, one = launch_together(
         ckpt, (f"{name}-tp2", "both", {"tensor_parallel_size": 2, "cpus": cores.BOTH, **slack}),
@@ -84,7 +83,7 @@ def test_tp_pairs_match_transformers(tp_pair: tuple[str, Worker, Worker], direct
     for prompt, _, rec in split:  # the KV came over the channel (D's rank 0, its pieces)
         assert rec["status"] == "loaded" and rec["tokens"] == len(prompt), rec
         assert rec["bytes"] == len(prompt) * LAYERS * 2 * rank0_heads * head_dim * 4, rec
-    wait_drained(p, d, timeout_s=60.0)  # every rank of both: see the slack above
+    wait_drained(p, d, timeout_s=60.0)  # every rank of both
 
 
 def test_through_the_router(tp_pair: tuple[str, Worker, Worker], tmp_path: Path) -> None:
