@@ -114,7 +114,7 @@ def test_deploy_commands_start_each_pool_with_its_tp() -> None:
     for line in (*deploy_commands(same, "--model org/m"), *apart):
         argv = line.split()[1:]
         cfg = config_from_args(build_parser().parse_args(argv))
-        assert cfg.connector == "nixl" and cfg.prefill_tp > 1
+        assert cfg.connector == "splitserve" and cfg.prefill_tp > 1
     assert deploy_commands(Shape(SimConfig("chunked", n_workers=4), 1), "--embedded") == [
         "splitserve serve --embedded --colocated 4"]
 
