@@ -99,10 +99,8 @@ class DecodeLoads:
         if self._staging is None or spec.prefill_tp <= 1:
             return ()
         rank = self._staging.heads
-        pieces = rank.pieces_from(spec.prefill_tp)
-        if len(pieces) == 1:
-            return ()
-        return tuple((rank.piece_id(spec.transfer_id, h), rank.local(h)) for h in pieces)
+        pieces = rank.staged_pieces(spec.transfer_id, spec.prefill_tp)
+        return tuple((sid, rank.local(h)) for sid, h in pieces) if len(pieces) > 1 else ()
 
     def _load_now(self, load: _Load) -> None:
         """A synchronous load (the transfer was complete when scheduled): copy before the forward,

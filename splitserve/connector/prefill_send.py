@@ -94,10 +94,14 @@ class PrefillSends:
         """A channel carrying `heads` of this rank's heads (0: all of them)."""
         cls = ShmPushChannel if transport == "shm" else TcpPushChannel
         part = 0 < heads < self._shape.num_kv_heads
-        shape = replace(self._shape, num_kv_heads=heads) if part else self._shape
         return cls(host, port, self._token, self._fingerprint, self._stats, self._faults,
-                   shape, self._cfg.connect_timeout_s, self._cfg.ack_timeout_s, tls=self._tls,
+                   self._piece_shape(heads) if part else self._shape,
+                   self._cfg.connect_timeout_s, self._cfg.ack_timeout_s, tls=self._tls,
                    copier=InlineCopies() if part else self._copier)
+
+    def _piece_shape(self, heads: int) -> KVShape:
+        """The staging shape of `heads` of this rank's heads."""
+        return replace(self._shape, num_kv_heads=heads)
 
     def _channel(self, host: str, port: int, transport: str, heads: int) -> TransferChannel:
         key = (host, port, transport, heads)
@@ -121,8 +125,7 @@ class PrefillSends:
             lo, hi = self._heads.local(heads)
             ch = self._channel(spec.host, spec.port + d, spec.transport, hi - lo)
             staged_id = self._heads.of(d, spec.decode_tp).piece_id(spec.transfer_id, heads)
-            nbytes = (replace(self._shape, num_kv_heads=hi - lo)
-                      .transfer_bytes(spec.prompt_len - spec.skip))
+            nbytes = self._piece_shape(hi - lo).transfer_bytes(spec.prompt_len - spec.skip)
             state = ch.begin(staged_id, spec.prompt_len, nbytes, self._cfg.ack_timeout_s,
                              spec.skip)
             whole = hi - lo == self._shape.num_kv_heads

@@ -69,11 +69,6 @@ class RankHeads:
             self.rank if self.tp <= self.total else lo * (self.tp // self.total))
         return self.held if self.rank == first_holder else None
 
-    @property
-    def whole(self) -> bool:
-        """The rank holds every head (a single rank, or a latent cache)."""
-        return self.held == (0, self.total)
-
     def pieces_to(self, d_tp: int) -> list[tuple[int, HeadRange]]:
         """As a P rank: (D rank, heads) for every piece this rank sends to a D of `d_tp` ranks."""
         owned = self.owned
@@ -96,6 +91,11 @@ class RankHeads:
             if heads is not None:
                 out.append(heads)
         return sorted(out)
+
+    def staged_pieces(self, transfer_id: str, p_tp: int) -> list[tuple[str, HeadRange]]:
+        """As a D rank: (staged id, heads) of every piece of a transfer from a P of `p_tp`
+        ranks."""
+        return [(self.piece_id(transfer_id, h), h) for h in self.pieces_from(p_tp)]
 
     def piece_id(self, transfer_id: str, heads: HeadRange) -> str:
         """As a D rank: the id under which the piece `heads` of a transfer is staged here."""

@@ -137,9 +137,8 @@ class SchedulerSide:
                 if table is None:
                     return False
                 self._done[rank] = table
-            heads = self._heads.of(rank)
-            if not all(self._done[rank].contains(heads.piece_id(transfer_id, piece))
-                       for piece in heads.pieces_from(prefill_tp)):
+            pieces = self._heads.of(rank).staged_pieces(transfer_id, prefill_tp)
+            if not all(self._done[rank].contains(sid) for sid, _ in pieces):
                 return False
         return True
 
