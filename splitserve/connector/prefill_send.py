@@ -78,8 +78,7 @@ class PrefillSends:
         self._token, self._tls, self._faults, self._stats = token, tls, faults, stats
         self._layers, self._layouts = layers, layouts
         self._shape, self._fingerprint = shape, fingerprint
-        self._heads = heads or RankHeads(1 if shape.latent else shape.num_kv_heads,
-                                         latent=shape.latent)
+        self._heads = heads or RankHeads.single(shape.num_kv_heads, shape.latent)
         self._open_channel = open_channel or self._push_channel
         self._channels: dict[tuple[str, int, str, int], TransferChannel] = {}
         self._sends: dict[str, _Send] = {}

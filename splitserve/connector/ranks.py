@@ -46,6 +46,12 @@ class RankHeads:
         if self.latent and self.total != 1:
             raise ValueError("a latent cache has one head")
 
+    @classmethod
+    def single(cls, kv_heads: int, latent: bool = False) -> RankHeads:
+        """The one rank of an engine without tensor parallelism, holding `kv_heads` heads (or a
+        latent cache)."""
+        return cls(1 if latent else kv_heads, latent=latent)
+
     def of(self, rank: int, tp: int | None = None) -> RankHeads:
         """Another rank of the same model (of `tp` ranks; default this one's)."""
         return RankHeads(self.total, self.tp if tp is None else tp, rank, self.latent)

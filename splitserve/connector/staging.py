@@ -113,8 +113,7 @@ class StagingArea:
         self.segment = SharedSegment(capacity)
         self.done = done
         self.shape = shape
-        self.heads = heads or RankHeads(1 if shape.latent else shape.num_kv_heads,
-                                        latent=shape.latent)
+        self.heads = heads or RankHeads.single(shape.num_kv_heads, shape.latent)
         self.lease_s = lease_s
         self.stats = stats
         self._alloc = RegionAllocator(self.segment.size)

@@ -90,7 +90,7 @@ class WorkerSide:
         first = layouts[0]
         shape = self.shape = kv_shape(layouts)
         heads, head_dim = shape.num_kv_heads, shape.head_dim
-        rank = self._heads or RankHeads(1 if shape.latent else heads, latent=shape.latent)
+        rank = self._heads or RankHeads.single(heads, shape.latent)
         if rank.held[1] - rank.held[0] != heads:
             raise RuntimeError(f"rank {rank.rank} of tp {rank.tp} holds {heads} KV heads, "
                                f"not the {rank.held} splitserve expects")
