@@ -11,8 +11,10 @@ dies mid-push."""
 from __future__ import annotations
 
 import json
+import os
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -135,9 +137,33 @@ def rank_record(worker: Worker, rank: int, transfer_id: str) -> dict:
     return query(worker.cfg.host, worker.kv_port + rank, TOKEN, Query("transfer", transfer_id))
 
 
+def session_rss_mib(sid: int) -> float:
+    """Resident memory of every process in session `sid` (a worker and its engine's ranks)."""
+    total = 0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.getsid(int(pid)) != sid:
+                continue
+            with open(f"/proc/{pid}/status") as f:
+                total += next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+        except (OSError, StopIteration):
+            continue
+    return total / 1024
+
+
 def test_the_tp2_worker_serving_whole_requests_matches_transformers(
         tp_pair: tuple[str, Worker, Worker]) -> None:
+    """The TP=2 worker answers concurrent whole requests of mixed lengths token-exact, each rank
+    bound to its own core by the per-rank bind list splitserve writes. Prints the memory of the
+    worker's processes (a figure the TP issue asks for)."""
     name, two, _ = tp_pair
-    prompt = prompt_of(300, 90)
-    assert whole_answer(two, prompt, MAX_TOKENS) == hf_greedy(Path(two.cfg.model), prompt,
-                                                               MAX_TOKENS), name
+    print(f"\n{name}: the tp=2 worker's processes hold {session_rss_mib(two.proc.pid):.0f} MiB")
+    prompts = [prompt_of(n, 90 + i) for i, n in enumerate(PROMPT_LENGTHS)]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        outs = list(pool.map(lambda pr: whole_answer(two, pr, MAX_TOKENS), prompts))
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert out == hf_greedy(Path(two.cfg.model), prompt, MAX_TOKENS), (name, len(prompt))
+    # vLLM-CPU read the per-rank bind list and bound each rank to its own core
+    log = two.log.read_text(errors="replace")
+    assert "VLLM_CPU_OMP_THREADS_BIND='0|1'" in log
+    assert "local_rank=0, core ids=[0]" in log and "local_rank=1, core ids=[1]" in log
