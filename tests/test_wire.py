@@ -139,6 +139,25 @@ def test_state_round_trips() -> None:
     assert ConnectorState.from_json(over_json(state.to_json())) == state
 
 
+def test_a_worker_of_two_ranks_is_their_states_summed_under_rank_0s_identity() -> None:
+    rank0 = ConnectorState.from_json(STATE)
+    rank1 = ConnectorState.from_json({**INFO, "tp_rank": 1, "staged_bytes": 1000,
+                                      "held_sends": 1, "transfers": {
+                                          "counts": {"recv_complete": 2, "send_complete": 5},
+                                          "bytes_total": {"recv": 100},
+                                          "seconds_total": {"recv": 0.5}}})
+    whole = ConnectorState.of_ranks([rank0, rank1])
+    assert whole.info == rank0.info
+    assert (whole.staged_bytes, whole.held_sends, whole.open_leases) == (5096, 3, 1)
+    assert whole.transfers.counts == {"recv_complete": 5, "recv_aborted": 1, "send_complete": 5}
+    assert whole.transfers.failures == {"aborted_by_prefill": 1}
+    assert whole.transfers.bytes_total == {"recv": 12388}
+    assert whole.transfers.seconds_total == {"recv": 0.75}
+    assert ConnectorState.of_ranks([rank0]) == rank0
+    with pytest.raises(ValueError, match="at least one rank"):
+        ConnectorState.of_ranks([])
+
+
 def test_a_state_without_counts_is_a_drained_worker() -> None:
     state = ConnectorState.from_json({"role": "prefill"})
     assert all(getattr(state, k) == 0 for k in ConnectorState.COUNTS)

@@ -182,6 +182,14 @@ class TransferCounters:
     def to_json(self) -> dict[str, dict[str, Any]]:
         return asdict(self)
 
+    def plus(self, other: TransferCounters) -> TransferCounters:
+        """Both counters summed, key by key."""
+        def add(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+            return {k: a.get(k, 0) + b.get(k, 0) for k in a.keys() | b.keys()}
+
+        return TransferCounters(*(add(getattr(self, f.name), getattr(other, f.name))
+                                  for f in fields(self)))
+
 
 @dataclass(frozen=True)
 class ConnectorState:
@@ -218,6 +226,19 @@ class ConnectorState:
             counts[key] = value
         return cls(info=WorkerInfo.from_json(raw), **counts,
                    transfers=TransferCounters.from_json(raw.get("transfers", {})))
+
+    @classmethod
+    def of_ranks(cls, states: list[Self]) -> Self:
+        """A worker of several tensor-parallel ranks as one: rank 0's identity (the first
+        state), every count and counter summed over the ranks (a transfer between TP workers
+        counts once for each rank's piece)."""
+        if not states:
+            raise ValueError("a worker has at least one rank")
+        transfers = states[0].transfers
+        for st in states[1:]:
+            transfers = transfers.plus(st.transfers)
+        return cls(info=states[0].info, transfers=transfers,
+                   **{k: sum(getattr(st, k) for st in states) for k in cls.COUNTS})
 
     def to_json(self) -> dict[str, Any]:
         """The worker's info, each count, and `transfers` (the counters), in one object."""

@@ -118,19 +118,43 @@ def nixl_info(args: Namespace | None) -> WorkerInfo | None:
                       vllm_version=installed_vllm_version())
 
 
-class ConnectorCollector:
-    """Prometheus collector that reads the connector's state (`ConnectorState`) at scrape
-    time; `splitserve_kv_listener_up` is 0 when the connector does not answer, or not in shape."""
+def tensor_parallel_size(args: Namespace | None) -> int:
+    """The worker's ranks (vLLM's `--tensor-parallel-size`); rank r's connector listens on
+    `kv_port + r`."""
+    return int(getattr(args, "tensor_parallel_size", None) or 1)
 
-    def __init__(self, cfg: ConnectorConfig, token: str) -> None:
-        self.cfg, self.token = cfg, token
+
+class RankListeners:
+    """The control channels of a worker's connector, one a tensor-parallel rank."""
+
+    def __init__(self, cfg: ConnectorConfig, token: str, ranks: int) -> None:
+        self.cfg, self.token, self.ranks = cfg, token, ranks
         self.tls = client_context(cfg)  # the listener speaks TLS whenever it is configured
+
+    def ask(self, question: Query, timeout_s: float) -> list[dict[str, Any]]:
+        """Every rank's answer, rank 0's first; raises (OSError, ProtocolError) if one does
+        not answer."""
+        return [query(self.cfg.kv_host, self.cfg.kv_port + r, self.token, question, timeout_s,
+                      self.tls) for r in range(self.ranks)]
+
+    def state(self, timeout_s: float) -> ConnectorState:
+        """The worker's state: its ranks' summed (`ConnectorState.of_ranks`)."""
+        return ConnectorState.of_ranks([ConnectorState.from_json(raw)
+                                        for raw in self.ask(Query("state"), timeout_s)])
+
+
+class ConnectorCollector:
+    """Prometheus collector that reads the connector's state (`ConnectorState`, every rank's
+    summed) at scrape time; `splitserve_kv_listener_up` is 0 when a rank's connector does not
+    answer, or not in shape."""
+
+    def __init__(self, listeners: RankListeners) -> None:
+        self.listeners = listeners
 
     def collect(self) -> Iterator[Metric]:
         up = GaugeMetricFamily("splitserve_kv_listener_up", "connector control channel answers")
         try:
-            state = ConnectorState.from_json(query(self.cfg.kv_host, self.cfg.kv_port,
-                                                   self.token, Query("state"), 1.0, self.tls))
+            state = self.listeners.state(1.0)
         except (OSError, ProtocolError, WireError):
             up.add_metric([], 0)
             yield up
@@ -305,48 +329,58 @@ class SplitserveEndpointPlugin:
             return
         if not token:
             raise RuntimeError("a worker with splitserve's connector needs the deployment token")
-        collector = ConnectorCollector(cfg, token)
-        _attach_metrics(app, collector, *([kv.collector()] if kv else []))
+        listeners = RankListeners(cfg, token, tensor_parallel_size(args))
+        _attach_metrics(app, ConnectorCollector(listeners), *([kv.collector()] if kv else []))
 
         async def ask_connector(question: Query,
-                                respond: Callable[[dict[str, Any]], JSONResponse] = JSONResponse
+                                respond: Callable[[list[dict[str, Any]]], JSONResponse],
                                 ) -> JSONResponse:
-            """The connector's answer shaped by `respond` (TokenGuard already checked the
-            caller); 503 if the connector does not answer, 502 if `respond` finds its answer
-            malformed (`WireError`)."""
+            """The answers of the connector's ranks (rank 0's first) shaped by `respond`
+            (TokenGuard already checked the caller); 503 if a rank does not answer, 502 if
+            `respond` finds an answer malformed (`WireError`)."""
             try:
-                answer = await asyncio.to_thread(query, cfg.kv_host, cfg.kv_port, token,
-                                                 question, 2.0, collector.tls)
+                answers = await asyncio.to_thread(listeners.ask, question, 2.0)
             except (OSError, ProtocolError) as exc:
                 return _error(f"connector unavailable: {exc}", "service_unavailable", 503)
             try:
-                return respond(answer)
+                return respond(answers)
             except WireError as exc:
                 return _error(f"connector answered out of shape: {exc}", "bad_gateway", 502)
 
+        def summed(answers: list[dict[str, Any]]) -> ConnectorState:
+            return ConnectorState.of_ranks([ConnectorState.from_json(a) for a in answers])
+
         @app.get("/splitserve/info")
         async def info() -> JSONResponse:
-            return await ask_connector(Query("state"), lambda raw: JSONResponse(
-                _with_kv(ConnectorState.from_json(raw).info, kv).to_json()))
+            return await ask_connector(Query("state"), lambda answers: JSONResponse(
+                _with_kv(ConnectorState.from_json(answers[0]).info, kv).to_json()))
 
         @app.get("/splitserve/state")
         async def state() -> JSONResponse:
-            return await ask_connector(Query("state"), lambda raw: JSONResponse(
-                ConnectorState.from_json(raw).to_json()))
+            """The worker's state: every rank's counts summed."""
+            return await ask_connector(Query("state"), lambda answers: JSONResponse(
+                summed(answers).to_json()))
 
         @app.get("/splitserve/transfers/{transfer_id}")
         async def transfer(transfer_id: str) -> JSONResponse:
-            def respond(raw: dict[str, Any]) -> JSONResponse:
-                if "error" in raw:
+            """Rank 0's record of the transfer (every rank keeps its own)."""
+            def respond(answers: list[dict[str, Any]]) -> JSONResponse:
+                if "error" in answers[0]:
                     return _error(f"unknown transfer {transfer_id}", "not_found", 404)
-                return JSONResponse(TransferRecord.from_json(raw).to_json())
+                return JSONResponse(TransferRecord.from_json(answers[0]).to_json())
 
             return await ask_connector(Query("transfer", transfer_id), respond)
 
         @app.delete("/splitserve/transfers/{transfer_id}")
         async def discard(transfer_id: str) -> JSONResponse:
-            """Free staged KV no decode request will claim (or refuse its push if not begun)."""
-            return await ask_connector(Query("discard", transfer_id))
+            """Free staged KV no decode request will claim (or refuse its push if not begun),
+            on every rank: `{"discarded": true}` if any rank held some."""
+            def respond(answers: list[dict[str, Any]]) -> JSONResponse:
+                if "error" in answers[0]:
+                    return JSONResponse(answers[0])
+                return JSONResponse({"discarded": any(a.get("discarded") for a in answers)})
+
+            return await ask_connector(Query("discard", transfer_id), respond)
 
     async def init_state(self, engine_client: Any, state: State, args: Namespace) -> None:
         if self.kv is not None and engine_client is not None:

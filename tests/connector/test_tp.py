@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -130,6 +131,27 @@ def test_a_prefill_killed_mid_push_leaves_no_d_rank_holding_kv(
     causes = [rank_record(two, r, tid)["recv"] for r in range(2)]
     assert all(c["status"] == "failed" and c["cause"] == "peer_gone" for c in causes), causes
     split_at_once(one, two, [prompt_of(130, 78)], MAX_TOKENS, "tcp", f"{name}-after-crash")
+
+
+def test_the_worker_state_and_discard_cover_every_rank(tp_pair: tuple[str, Worker, Worker]
+                                                      ) -> None:
+    """P's leg alone into the TP=2 worker (a request that ended at t1): each D rank stages its
+    piece; the worker's `/splitserve/state` is the sum of what each rank's own listener says,
+    and `DELETE /splitserve/transfers/{id}` frees the pieces on every rank."""
+    name, two, one = tp_pair
+    tid = f"{name}-discard-{uuid.uuid4().hex}"
+    two_legs(one, two, prompt_of(300, 81), 1, tid)
+    deadline = time.monotonic() + 30
+    while not all(s["staged_bytes"] > 0 for s in two.rank_states()):
+        assert time.monotonic() < deadline, two.rank_states()
+        time.sleep(0.1)
+    ranks, whole = two.rank_states(), two.state()
+    for key in ("staged_bytes", "staging_capacity_bytes", "staging_free_bytes"):
+        assert whole[key] == sum(s[key] for s in ranks), (key, whole, ranks)
+    r = httpx.delete(f"{two.url}/splitserve/transfers/{tid}", headers=auth_headers(), timeout=10)
+    assert r.status_code == 200 and r.json() == {"discarded": True}, r.text
+    wait_drained(two, one, timeout_s=30.0)
+    assert all(s["staged_bytes"] == 0 for s in two.rank_states())
 
 
 def rank_record(worker: Worker, rank: int, transfer_id: str) -> dict:

@@ -121,21 +121,22 @@ class Worker:
 
     def drain_state(self) -> tuple[int, int, int, float]:
         """(staged bytes, pending loads, held sends, KV usage): all zero once drained. A worker
-        without splitserve's connector (plain, NIXL) has only its KV usage to show."""
+        without splitserve's connector (plain, NIXL) has only its KV usage to show. The
+        worker's `/splitserve/state` sums its tensor-parallel ranks (checked against
+        `rank_states` in tests/connector/test_tp.py)."""
         if not self.has_connector_state:
             return 0, 0, 0, self.kv_usage()
-        ranks = self.rank_states()
-        return (sum(s["staged_bytes"] for s in ranks), sum(s["pending_loads"] for s in ranks),
-                sum(s["held_sends"] for s in ranks), self.kv_usage())
+        s = self.state()
+        return s["staged_bytes"], s["pending_loads"], s["held_sends"], self.kv_usage()
 
     def rank_states(self) -> list[dict]:
-        """Each tensor-parallel rank's connector state: rank 0's through the worker's HTTP,
-        the others' from their own KV listeners (`kv_port + rank`)."""
+        """Each tensor-parallel rank's connector state, from the rank's own KV listener
+        (`kv_port + rank`)."""
         from splitserve.connector.messages import Query
         from splitserve.connector.protocol import query
 
-        return [self.state()] + [query(self.cfg.host, self.kv_port + r, TOKEN, Query("state"))
-                                 for r in range(1, self.cfg.tensor_parallel_size)]
+        return [query(self.cfg.host, self.kv_port + r, TOKEN, Query("state"))
+                for r in range(self.cfg.tensor_parallel_size)]
 
     def stop(self) -> None:
         LIVE.discard(self)
