@@ -340,19 +340,14 @@ def router_families() -> list[tuple[str, str, tuple[str, ...], str]]:
 def worker_families() -> list[tuple[str, str, tuple[str, ...], str]]:
     """A worker's splitserve families: the connector's collector over a stand-in state, and
     the cache report's relay collector over a stand-in relay (no engine, no sockets)."""
-    from unittest import mock
-
-    from splitserve.worker import kvrelay, plugin
+    from splitserve.worker import kvrelay, rank_listeners
 
     transfers = SimpleNamespace(counts={"send_ok": 0}, failures={"none": 0},
                                 bytes_total={"send": 0}, seconds_total={"send": 0.0})
-    state = SimpleNamespace(transfers=transfers, **{k: 0 for k in plugin.GAUGES})
-    collector = plugin.ConnectorCollector.__new__(plugin.ConnectorCollector)
-    collector.cfg = SimpleNamespace(kv_host="", kv_port=0)
-    collector.token, collector.tls = "", None
-    with mock.patch.object(plugin, "query", lambda *a, **k: ""), \
-            mock.patch.object(plugin.ConnectorState, "from_json", lambda *a, **k: state):
-        rows = _family_rows(collector.collect())
+    state = SimpleNamespace(transfers=transfers, **{k: 0 for k in rank_listeners.GAUGES})
+    listeners = SimpleNamespace(state=lambda timeout_s: state)  # the ranks' summed state
+    collector = rank_listeners.ConnectorCollector(listeners)  # type: ignore[arg-type]
+    rows = _family_rows(collector.collect())
     blocks = type("Blocks", (), {"__len__": lambda self: 0, "entries": 0, "exact": True,
                                  "changes_total": 0, "epochs_lost": 0})()
     relay = SimpleNamespace(lock=threading.Lock(), blocks=blocks, batches=0, replayed=0, gaps=0)

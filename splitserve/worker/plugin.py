@@ -5,8 +5,9 @@ server when a deployment token is set, and adds the connector's routes and metri
 the server runs splitserve's connector (a worker running vLLM's NixlConnector gets
 `/splitserve/info` alone: its connector, role and NIXL side channel; the cache report below is
 on every worker). The connector's state lives in the worker process,
-so every route and the metrics collector ask the connector's listener over its authenticated
-control channel — which works while the engine is idle.
+so every route and the metrics collector ask the connector's listeners (one a tensor-parallel
+rank: `worker.rank_listeners`) over their authenticated control channel — which works while the
+engine is idle.
 
 Authentication: whenever the worker holds a deployment token (its environment), every HTTP path —
 the OpenAI API, `/health`, `/metrics`, and the routes below — requires
@@ -47,7 +48,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi import Query as Param
 from fastapi.responses import JSONResponse, Response
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import Metric
 from starlette.datastructures import Headers, State
 from starlette.routing import Mount
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -57,8 +58,6 @@ from splitserve.common.wire import ConnectorState, TransferRecord, WireError, Wo
 from splitserve.config import ConnectorConfig, load_token
 from splitserve.connector.framing import ProtocolError
 from splitserve.connector.messages import Query
-from splitserve.connector.protocol import query
-from splitserve.connector.tls import client_context
 from splitserve.kvindex.blockset import BlockSet, Gone
 from splitserve.kvindex.messages import EVENTS_PATH, SNAPSHOT_PATH
 from splitserve.worker.kvrelay import (
@@ -70,17 +69,13 @@ from splitserve.worker.kvrelay import (
 )
 from splitserve.worker.load import LOAD_PATH, read_load
 from splitserve.worker.nixl_tuning import NixlTuning
+from splitserve.worker.rank_listeners import (
+    ConnectorCollector,
+    RankListeners,
+    tensor_parallel_size,
+)
 
 log = logging.getLogger("splitserve.plugin")
-
-GAUGES = {
-    "staged_bytes": "KV bytes staged on this worker, not yet loaded",
-    "staging_capacity_bytes": "size of the staging area",
-    "open_leases": "staged transfers not yet claimed by a decode request",
-    "pending_loads": "decode requests waiting for their KV",
-    "held_sends": "prefill requests whose blocks are held until the decode worker acknowledges",
-}
-
 
 def _extra_config(args: Namespace | None) -> dict[str, Any] | None:
     raw = getattr(args, "kv_transfer_config", None)
@@ -116,78 +111,6 @@ def nixl_info(args: Namespace | None) -> WorkerInfo | None:
                       kv_port=envs.VLLM_NIXL_SIDE_CHANNEL_PORT,
                       progress_delay_us=tuning.progress_delay_us,
                       vllm_version=installed_vllm_version())
-
-
-def tensor_parallel_size(args: Namespace | None) -> int:
-    """The worker's ranks (vLLM's `--tensor-parallel-size`); rank r's connector listens on
-    `kv_port + r`."""
-    return int(getattr(args, "tensor_parallel_size", None) or 1)
-
-
-class RankListeners:
-    """The control channels of a worker's connector, one a tensor-parallel rank."""
-
-    def __init__(self, cfg: ConnectorConfig, token: str, ranks: int) -> None:
-        self.cfg, self.token, self.ranks = cfg, token, ranks
-        self.tls = client_context(cfg)  # the listener speaks TLS whenever it is configured
-
-    def ask(self, question: Query, timeout_s: float) -> list[dict[str, Any]]:
-        """Every rank's answer, rank 0's first; raises (OSError, ProtocolError) if one does
-        not answer."""
-        return [query(self.cfg.kv_host, self.cfg.kv_port + r, self.token, question, timeout_s,
-                      self.tls) for r in range(self.ranks)]
-
-    def state(self, timeout_s: float) -> ConnectorState:
-        """The worker's state: its ranks' summed (`ConnectorState.of_ranks`)."""
-        return ConnectorState.of_ranks([ConnectorState.from_json(raw)
-                                        for raw in self.ask(Query("state"), timeout_s)])
-
-
-class ConnectorCollector:
-    """Prometheus collector that reads the connector's state (`ConnectorState`, every rank's
-    summed) at scrape time; `splitserve_kv_listener_up` is 0 when a rank's connector does not
-    answer, or not in shape."""
-
-    def __init__(self, listeners: RankListeners) -> None:
-        self.listeners = listeners
-
-    def collect(self) -> Iterator[Metric]:
-        up = GaugeMetricFamily("splitserve_kv_listener_up", "connector control channel answers")
-        try:
-            state = self.listeners.state(1.0)
-        except (OSError, ProtocolError, WireError):
-            up.add_metric([], 0)
-            yield up
-            return
-        up.add_metric([], 1)
-        yield up
-        for key, doc in GAUGES.items():
-            g = GaugeMetricFamily(f"splitserve_kv_{key}", doc)
-            g.add_metric([], float(getattr(state, key)))
-            yield g
-        t = state.transfers
-        transfers = CounterMetricFamily("splitserve_kv_transfers", "transfers by side and status",
-                                        labels=["side", "status"])
-        for name, n in t.counts.items():
-            side, _, status = name.partition("_")
-            transfers.add_metric([side, status], n)
-        yield transfers
-        failures = CounterMetricFamily("splitserve_kv_failures", "transfer failures by cause",
-                                       labels=["cause"])
-        for cause, n in t.failures.items():
-            failures.add_metric([cause], n)
-        yield failures
-        nbytes = CounterMetricFamily("splitserve_kv_bytes", "bytes of completed transfers",
-                                     labels=["side"])
-        secs = CounterMetricFamily("splitserve_kv_transfer_seconds",
-                                   "seconds spent in completed transfers (bytes/seconds = GB/s)",
-                                   labels=["side"])
-        for side, n in t.bytes_total.items():
-            nbytes.add_metric([side], n)
-        for side, s in t.seconds_total.items():
-            secs.add_metric([side], s)
-        yield nbytes
-        yield secs
 
 
 class KvReport:
@@ -290,6 +213,62 @@ class TokenGuard:
         await self.app(scope, receive, send)
 
 
+def _attach_connector_routes(app: FastAPI, listeners: RankListeners, kv: KvReport | None
+                             ) -> None:
+    """The routes of a worker running splitserve's connector: its info, state, transfer records
+    and discard, each answered by the connector's ranks (TokenGuard checks the callers)."""
+
+    async def ask_connector(question: Query,
+                            respond: Callable[[list[dict[str, Any]]], JSONResponse],
+                            ) -> JSONResponse:
+        """The answers of the connector's ranks (rank 0's first) shaped by `respond`
+        (TokenGuard already checked the caller); 503 if a rank does not answer, 502 if
+        `respond` finds an answer malformed (`WireError`)."""
+        try:
+            answers = await asyncio.to_thread(listeners.ask, question, 2.0)
+        except (OSError, ProtocolError) as exc:
+            return _error(f"connector unavailable: {exc}", "service_unavailable", 503)
+        try:
+            return respond(answers)
+        except WireError as exc:
+            return _error(f"connector answered out of shape: {exc}", "bad_gateway", 502)
+
+    def summed(answers: list[dict[str, Any]]) -> ConnectorState:
+        return ConnectorState.of_ranks([ConnectorState.from_json(a) for a in answers])
+
+    @app.get("/splitserve/info")
+    async def info() -> JSONResponse:
+        return await ask_connector(Query("state"), lambda answers: JSONResponse(
+            _with_kv(ConnectorState.from_json(answers[0]).info, kv).to_json()))
+
+    @app.get("/splitserve/state")
+    async def state() -> JSONResponse:
+        """The worker's state: every rank's counts summed."""
+        return await ask_connector(Query("state"), lambda answers: JSONResponse(
+            summed(answers).to_json()))
+
+    @app.get("/splitserve/transfers/{transfer_id}")
+    async def transfer(transfer_id: str) -> JSONResponse:
+        """Rank 0's record of the transfer (every rank keeps its own)."""
+        def respond(answers: list[dict[str, Any]]) -> JSONResponse:
+            if "error" in answers[0]:
+                return _error(f"unknown transfer {transfer_id}", "not_found", 404)
+            return JSONResponse(TransferRecord.from_json(answers[0]).to_json())
+
+        return await ask_connector(Query("transfer", transfer_id), respond)
+
+    @app.delete("/splitserve/transfers/{transfer_id}")
+    async def discard(transfer_id: str) -> JSONResponse:
+        """Free staged KV no decode request will claim (or refuse its push if not begun),
+        on every rank: `{"discarded": true}` if any rank held some."""
+        def respond(answers: list[dict[str, Any]]) -> JSONResponse:
+            if "error" in answers[0]:
+                return JSONResponse(answers[0])
+            return JSONResponse({"discarded": any(a.get("discarded") for a in answers)})
+
+        return await ask_connector(Query("discard", transfer_id), respond)
+
+
 class SplitserveEndpointPlugin:
     name = "splitserve"
     required_tasks = None
@@ -332,55 +311,7 @@ class SplitserveEndpointPlugin:
         listeners = RankListeners(cfg, token, tensor_parallel_size(args))
         _attach_metrics(app, ConnectorCollector(listeners), *([kv.collector()] if kv else []))
 
-        async def ask_connector(question: Query,
-                                respond: Callable[[list[dict[str, Any]]], JSONResponse],
-                                ) -> JSONResponse:
-            """The answers of the connector's ranks (rank 0's first) shaped by `respond`
-            (TokenGuard already checked the caller); 503 if a rank does not answer, 502 if
-            `respond` finds an answer malformed (`WireError`)."""
-            try:
-                answers = await asyncio.to_thread(listeners.ask, question, 2.0)
-            except (OSError, ProtocolError) as exc:
-                return _error(f"connector unavailable: {exc}", "service_unavailable", 503)
-            try:
-                return respond(answers)
-            except WireError as exc:
-                return _error(f"connector answered out of shape: {exc}", "bad_gateway", 502)
-
-        def summed(answers: list[dict[str, Any]]) -> ConnectorState:
-            return ConnectorState.of_ranks([ConnectorState.from_json(a) for a in answers])
-
-        @app.get("/splitserve/info")
-        async def info() -> JSONResponse:
-            return await ask_connector(Query("state"), lambda answers: JSONResponse(
-                _with_kv(ConnectorState.from_json(answers[0]).info, kv).to_json()))
-
-        @app.get("/splitserve/state")
-        async def state() -> JSONResponse:
-            """The worker's state: every rank's counts summed."""
-            return await ask_connector(Query("state"), lambda answers: JSONResponse(
-                summed(answers).to_json()))
-
-        @app.get("/splitserve/transfers/{transfer_id}")
-        async def transfer(transfer_id: str) -> JSONResponse:
-            """Rank 0's record of the transfer (every rank keeps its own)."""
-            def respond(answers: list[dict[str, Any]]) -> JSONResponse:
-                if "error" in answers[0]:
-                    return _error(f"unknown transfer {transfer_id}", "not_found", 404)
-                return JSONResponse(TransferRecord.from_json(answers[0]).to_json())
-
-            return await ask_connector(Query("transfer", transfer_id), respond)
-
-        @app.delete("/splitserve/transfers/{transfer_id}")
-        async def discard(transfer_id: str) -> JSONResponse:
-            """Free staged KV no decode request will claim (or refuse its push if not begun),
-            on every rank: `{"discarded": true}` if any rank held some."""
-            def respond(answers: list[dict[str, Any]]) -> JSONResponse:
-                if "error" in answers[0]:
-                    return JSONResponse(answers[0])
-                return JSONResponse({"discarded": any(a.get("discarded") for a in answers)})
-
-            return await ask_connector(Query("discard", transfer_id), respond)
+        _attach_connector_routes(app, listeners, kv)
 
     async def init_state(self, engine_client: Any, state: State, args: Namespace) -> None:
         if self.kv is not None and engine_client is not None:
