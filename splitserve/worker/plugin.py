@@ -72,6 +72,7 @@ from splitserve.worker.nixl_tuning import NixlTuning
 from splitserve.worker.rank_listeners import (
     ConnectorCollector,
     RankListeners,
+    summed,
     tensor_parallel_size,
 )
 
@@ -220,12 +221,12 @@ def _attach_connector_routes(app: FastAPI, listeners: RankListeners, kv: KvRepor
 
     async def ask_connector(question: Query,
                             respond: Callable[[list[dict[str, Any]]], JSONResponse],
-                            ) -> JSONResponse:
-        """The answers of the connector's ranks (rank 0's first) shaped by `respond`
-        (TokenGuard already checked the caller); 503 if a rank does not answer, 502 if
-        `respond` finds an answer malformed (`WireError`)."""
+                            every_rank: bool = True) -> JSONResponse:
+        """The answers of the connector's ranks (rank 0's first; rank 0's alone unless
+        `every_rank`) shaped by `respond` (TokenGuard already checked the caller); 503 if a
+        rank does not answer, 502 if `respond` finds an answer malformed (`WireError`)."""
         try:
-            answers = await asyncio.to_thread(listeners.ask, question, 2.0)
+            answers = await asyncio.to_thread(listeners.ask, question, 2.0, every_rank)
         except (OSError, ProtocolError) as exc:
             return _error(f"connector unavailable: {exc}", "service_unavailable", 503)
         try:
@@ -233,13 +234,11 @@ def _attach_connector_routes(app: FastAPI, listeners: RankListeners, kv: KvRepor
         except WireError as exc:
             return _error(f"connector answered out of shape: {exc}", "bad_gateway", 502)
 
-    def summed(answers: list[dict[str, Any]]) -> ConnectorState:
-        return ConnectorState.of_ranks([ConnectorState.from_json(a) for a in answers])
-
     @app.get("/splitserve/info")
     async def info() -> JSONResponse:
+        """Rank 0's identity (the router polls this every health round)."""
         return await ask_connector(Query("state"), lambda answers: JSONResponse(
-            _with_kv(ConnectorState.from_json(answers[0]).info, kv).to_json()))
+            _with_kv(ConnectorState.from_json(answers[0]).info, kv).to_json()), every_rank=False)
 
     @app.get("/splitserve/state")
     async def state() -> JSONResponse:
@@ -255,7 +254,7 @@ def _attach_connector_routes(app: FastAPI, listeners: RankListeners, kv: KvRepor
                 return _error(f"unknown transfer {transfer_id}", "not_found", 404)
             return JSONResponse(TransferRecord.from_json(answers[0]).to_json())
 
-        return await ask_connector(Query("transfer", transfer_id), respond)
+        return await ask_connector(Query("transfer", transfer_id), respond, every_rank=False)
 
     @app.delete("/splitserve/transfers/{transfer_id}")
     async def discard(transfer_id: str) -> JSONResponse:

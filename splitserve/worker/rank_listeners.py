@@ -40,16 +40,22 @@ class RankListeners:
         self.cfg, self.token, self.ranks = cfg, token, ranks
         self.tls = client_context(cfg)  # the listener speaks TLS whenever it is configured
 
-    def ask(self, question: Query, timeout_s: float) -> list[dict[str, Any]]:
-        """Every rank's answer, rank 0's first; raises (OSError, ProtocolError) if one does
-        not answer."""
+    def ask(self, question: Query, timeout_s: float, every_rank: bool = True
+            ) -> list[dict[str, Any]]:
+        """Every rank's answer, rank 0's first (`every_rank` False: rank 0's alone); raises
+        (OSError, ProtocolError) if one does not answer."""
+        ranks = self.ranks if every_rank else 1
         return [query(self.cfg.kv_host, self.cfg.kv_port + r, self.token, question, timeout_s,
-                      self.tls) for r in range(self.ranks)]
+                      self.tls) for r in range(ranks)]
 
     def state(self, timeout_s: float) -> ConnectorState:
-        """The worker's state: its ranks' summed (`ConnectorState.of_ranks`)."""
-        return ConnectorState.of_ranks([ConnectorState.from_json(raw)
-                                        for raw in self.ask(Query("state"), timeout_s)])
+        """The worker's state: its ranks' summed."""
+        return summed(self.ask(Query("state"), timeout_s))
+
+
+def summed(answers: list[dict[str, Any]]) -> ConnectorState:
+    """The ranks' state answers (rank 0's first) as the worker's (`ConnectorState.of_ranks`)."""
+    return ConnectorState.of_ranks([ConnectorState.from_json(raw) for raw in answers])
 
 
 class ConnectorCollector:
