@@ -14,20 +14,31 @@ CHROMIUM := command -v chromium >/dev/null || { command -v apt-get >/dev/null ||
 	{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } \
 	|| { echo "make install: apt-get could not install chromium (run as root)" >&2; exit 1; }; }
 
+# Mooncake's transfer engine (the `mooncake` extra) links libibverbs: Debian's libibverbs1,
+# installed when missing (as root, as here and in CI).
+IBVERBS := ldconfig -p | grep -q libibverbs.so.1 || { command -v apt-get >/dev/null || { echo \
+	"make install: libibverbs.so.1 is missing and there is no apt-get here: install your \
+	system's libibverbs (--connector mooncake needs it)" >&2; exit 1; }; \
+	{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 \
+	>/dev/null; } || { echo "make install: apt-get could not install libibverbs1 (run as root)" \
+	>&2; exit 1; }; }
+
 .PHONY: install demo test test-fast lint docs clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[$(VLLM_EXTRA),nixl,test,ray,docs]"
+	$(PY) -m pip install -q -e ".[$(VLLM_EXTRA),nixl,mooncake,test,ray,docs]"
 	# PyPI's builds of these do not match the pinned torch and break transformers' imports.
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 	@$(CHROMIUM)
+	@$(IBVERBS)
 	touch $(STAMP)
 
 install: $(STAMP)
 	@$(CHROMIUM)
+	@$(IBVERBS)
 
 demo: $(STAMP)
 	$(VENV)/bin/splitserve demo

@@ -1,8 +1,10 @@
-"""splitserve's connector (tcp, shm) against vLLM's NixlConnector, side by side: the same model
+"""splitserve's connector (tcp, shm) against vLLM's NixlConnector and MooncakeConnector, side by
+side: the same model
 (the demo model unless --model), the same cores (P on core 0, D on core 1, the router sharing
 them), the same request streams, splitserve's router in front of every system.
 
-Each arm is the deployment `splitserve bench compare --deploy NAME=disagg:{tcp,shm,nixl}` starts
+Each arm is the deployment `splitserve bench compare --deploy NAME=disagg:{tcp,shm,nixl,mooncake}`
+starts
 (`splitserve.bench.deploy`), and gets, in this order:
 - TTFT probes: streamed prompts of each `--lengths` (fresh random ids, `--reps` each, a quiet
   `--gap-s` after each: vLLM's model runner busy-polls for ~1 s after a step), 8 output tokens:
@@ -10,8 +12,10 @@ Each arm is the deployment `splitserve bench compare --deploy NAME=disagg:{tcp,s
   `kv_tail_s` (the router's timings from D's record: end of P's last layer -> D's ACK), NIXL's
   pull time (`vllm:nixl_xfer_time_seconds` on D, read before and after each probe: probes run
   one at a time, so each delta is one request's transfer; vLLM keeps no per-request record,
-  and the whole pull comes after P's leg); and D's wait, the router's `d_queue_s` (D's leg sent
-  -> D's first token: for NIXL the pull plus D's one-token recompute);
+  and the whole pull comes after P's leg; Mooncake exports no transfer metric, so "–"); and
+  D's wait, the router's `d_queue_s` (D's leg sent -> D's first token: for NIXL the pull plus
+  D's one-token recompute; Mooncake's D leg goes out with P's, so its wait holds P's prefill
+  too);
 - the interference workload (`splitserve bench --workload interference`, seed 0): ITL p50 / p99 /
   max and the interference ratio (splitserve/bench/metrics.py), and, for NIXL, vLLM's transfer
   histograms over the run (the result's `nixl_transfers`).
@@ -19,7 +23,8 @@ Each arm is the deployment `splitserve bench compare --deploy NAME=disagg:{tcp,s
 Arms run one at a time; results merge into --out (so arms can run in separate invocations) and
 the table of every arm in it is printed. Timings are reported, never asserted.
 
-    python benchmarks/nixl_side_by_side.py [--arms tcp,shm,nixl] [--lengths 256,2048] [--reps 5]
+    python benchmarks/nixl_side_by_side.py [--arms tcp,shm,nixl,mooncake] [--lengths 256,2048]
+        [--reps 5]
 """
 
 from __future__ import annotations
@@ -51,7 +56,9 @@ from splitserve.config import bearer_headers  # noqa: E402
 from splitserve.hub import ModelSource  # noqa: E402
 
 SPEC = WorkloadSpec(source="interference", interference=INTERFERENCE, seed=0, warmup=2)
-ARMS = ("tcp", "shm", "nixl")
+ARMS = ("tcp", "shm", "nixl", "mooncake")
+LABELS = {"nixl": "NIXL", "mooncake": "Mooncake (tcp)"}
+TAIL_KEYS = {"nixl": "nixl_xfer_s", "mooncake": "mooncake_xfer_s"}  # Mooncake's: never set
 
 
 def nixl_xfer(d: httpx.Client) -> tuple[float, float]:
@@ -130,7 +137,7 @@ def table(results: dict[str, Any], lengths: list[int]) -> str:
         if name not in results:
             continue
         r = results[name]
-        tail_key = "nixl_xfer_s" if name == "nixl" else "kv_tail_s"
+        tail_key = TAIL_KEYS.get(name, "kv_tail_s")
 
         def cell(key: str, digits: int = 1, r: dict[str, Any] = r) -> str:
             return " / ".join(fmt(med_ms(r["probes"].get(str(n), []), key), digits)
@@ -139,7 +146,7 @@ def table(results: dict[str, Any], lengths: list[int]) -> str:
         i = r["interference"]
         load = r.get("loadavg_1m")
         lines.append("| " + " | ".join([
-            "NIXL" if name == "nixl" else f"splitserve {name}", cell("ttft_s", 0),
+            LABELS.get(name, f"splitserve {name}"), cell("ttft_s", 0),
             cell("handover_s"), cell(tail_key), cell("d_queue_s"),
             f"{fmt(i.get('median_itl_ms'))} / {fmt(i.get('p99_itl_ms'))} / "
             f"{fmt(i.get('max_itl_ms'))}",
@@ -153,7 +160,7 @@ def table(results: dict[str, Any], lengths: list[int]) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--arms", default=",".join(ARMS), help="of tcp, shm, nixl")
+    ap.add_argument("--arms", default=",".join(ARMS), help="of tcp, shm, nixl, mooncake")
     ap.add_argument("--model", default=None, help="model directory (default: the demo model)")
     ap.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")],
                     default=[256, 2048])

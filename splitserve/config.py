@@ -150,6 +150,8 @@ class WorkerConfig:
     nixl_progress_delay_us: int = NIXL_PROGRESS_DELAY_US
     # nixl: the forward thread keeps `cpus` (False: vLLM moves it to the last core per NUMA node)
     nixl_keep_affinity: bool = True
+    # mooncake: the transfer engine's protocol, tcp or rdma (None: rdma where an RDMA device is)
+    mooncake_protocol: str | None = None
     shutdown_timeout_s: int = 30  # SIGTERM: finish in-flight requests for up to this long
     kv_tls_cert: str | None = None  # TLS on the KV channel (see ConnectorConfig)
     kv_tls_key: str | None = None
@@ -205,6 +207,12 @@ class WorkerConfig:
         if self.connector == Connector.NIXL and self.kv_tls_cert is not None:
             raise ValueError("kv TLS is splitserve's connector's; NIXL's side channel and UCX "
                              "transfers are not encrypted (keep them on a trusted network)")
+        if self.connector == Connector.MOONCAKE and self.kv_tls_cert is not None:
+            raise ValueError("kv TLS is splitserve's connector's; Mooncake's bootstrap server "
+                             "and transfers are not encrypted (keep them on a trusted network)")
+        if self.mooncake_protocol not in (None, "tcp", "rdma"):
+            raise ValueError(f"mooncake_protocol must be tcp or rdma, "
+                             f"got {self.mooncake_protocol!r}")
 
     @property
     def url(self) -> str:

@@ -59,7 +59,7 @@ def over_json(raw: Any) -> Any:
 def test_vocabularies_are_defined_once_and_the_router_waits_for_their_terminal_set() -> None:
     assert values(Role) == ("prefill", "decode", "both")
     assert values(Pool) == ("prefill", "decode", "colocated")
-    assert values(Connector) == ("splitserve", "nixl")
+    assert values(Connector) == ("splitserve", "nixl", "mooncake")
     assert {s for s in TransferStatus if not s.terminal} == {"open", "complete"}
     assert FINAL_STATUS == TERMINAL_STATUSES
     assert {"aborted", "refused", "cancelled"} <= TERMINAL_STATUSES

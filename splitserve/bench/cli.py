@@ -336,10 +336,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     cmp_.add_argument("--deploy", action="append", metavar="NAME=KIND",
                       help="a deployment to start here, fresh (cold caches), one at a time, on "
                       "--deploy-cores: NAME=colocated[:TOKEN_BUDGET] or NAME=disagg[:FIELD...] "
-                      "with FIELDs in any order: shm|tcp|nixl (KV path; nixl: vLLM's "
-                      "NixlConnector), <P>p<D>d (default 1p1d), POLICY or PREFILL/DECODE "
-                      "policies (default cache), blind, spec (D drafts with "
-                      "--speculative-config), e.g. cache=disagg:shm:2p2d:cache "
+                      "with FIELDs in any order: shm|tcp|nixl|mooncake (KV path; nixl, "
+                      "mooncake: vLLM's NixlConnector, MooncakeConnector), <P>p<D>d (default "
+                      "1p1d), POLICY or PREFILL/DECODE policies (default cache), blind, spec "
+                      "(D drafts with --speculative-config), e.g. cache=disagg:shm:2p2d:cache "
                       "load=disagg:shm:2p2d:load")
     cmp_.add_argument("--speculative-config", default=None, metavar="JSON",
                       help="vLLM's speculative config for the --deploy arms marked `spec` "

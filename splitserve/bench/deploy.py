@@ -6,7 +6,8 @@
   Started with `splitserve.worker.launch`, reached directly (no router hop).
 - `disagg`: prefill and decode workers (default 1P+1D, half the cores each) behind splitserve's
   router, started by the launcher (`splitserve.launch.local`), moving KV with splitserve's
-  connector (`shm` or `tcp`) or with vLLM's NixlConnector (`nixl`: D pulls P's blocks over UCX),
+  connector (`shm` or `tcp`), with vLLM's NixlConnector (`nixl`: D pulls P's blocks over UCX) or
+  with vLLM's MooncakeConnector (`mooncake`: both legs at once, D pulls over Mooncake's tcp),
   with the router's routing policies (default: the router's, `cache`). More workers than cores
   share cores (the launcher's core plan says so in the run sheet). Its workers run with
   `--enable-prompt-tokens-details`, so the engine's cached-token count reaches the client and
@@ -16,7 +17,7 @@ Arm spec (`parse_arm`), for `bench compare --deploy`:
 
     NAME=colocated[:TOKEN_BUDGET][:spec]
     NAME=disagg[:FIELD[:FIELD...]]   each FIELD at most once, in any order, known by its form:
-        shm | tcp | nixl             KV path (default shm)
+        shm | tcp | nixl | mooncake  KV path (default shm)
         <P>p<D>d                     shape: P prefill and D decode workers (default 1p1d)
         POLICY | PPOLICY/DPOLICY     router policy for both pools, or prefill/decode
                                      (default: the router's default, cache)
@@ -53,11 +54,13 @@ from splitserve.routing.prefix import LOCAL_PREFILL_MAX_TOKENS
 from splitserve.worker.launch import free_port, start_worker, wait_healthy
 
 ARM_KINDS: tuple[str, ...] = ("colocated", "disagg")
-# a disaggregated arm's KV path: splitserve's connector over a transport, or vLLM's NixlConnector
-KV_PATHS: tuple[str, ...] = (*TRANSPORTS, "nixl")
+# a disaggregated arm's KV path: splitserve's connector over a transport, or vLLM's
+# NixlConnector or MooncakeConnector
+PULLED: tuple[str, ...] = ("nixl", "mooncake")
+KV_PATHS: tuple[str, ...] = (*TRANSPORTS, *PULLED)
 ARM_GRAMMAR = ("NAME=colocated[:TOKEN_BUDGET][:spec] or NAME=disagg[:FIELD...] with FIELDs "
-               "(each at most once, any order): shm|tcp|nixl, <P>p<D>d (e.g. 2p2d), POLICY or "
-               "PREFILL_POLICY/DECODE_POLICY, blind, spec")
+               "(each at most once, any order): shm|tcp|nixl|mooncake, <P>p<D>d (e.g. 2p2d), "
+               "POLICY or PREFILL_POLICY/DECODE_POLICY, blind, spec")
 _SHAPE = re.compile(r"^([0-9]+)p([0-9]+)d$")
 # what every started disaggregated arm passes to vLLM: the engine's cached-token count in usage
 DISAGG_WORKER_ARGS: tuple[str, ...] = ("--enable-prompt-tokens-details",)
@@ -72,7 +75,7 @@ class Arm:
     cores: tuple[int, ...]
     max_num_batched_tokens: int | None = None
     transport: str = "shm"  # disagg only: splitserve's connector's transport
-    connector: str = "splitserve"  # disagg only: "splitserve" or "nixl"
+    connector: str = "splitserve"  # disagg only: "splitserve", "nixl" or "mooncake"
     prefill: int = 1  # disagg only: prefill workers
     decode: int = 1  # disagg only: decode workers
     prefill_policy: str = DEFAULT_POLICY  # disagg only: the router's policies
@@ -93,8 +96,9 @@ class Arm:
             raise ValueError("a disaggregated arm needs at least two cores")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 16:
             raise ValueError("max_num_batched_tokens must be at least 16")
-        if self.connector not in ("splitserve", "nixl"):
-            raise ValueError(f"connector must be splitserve or nixl, got {self.connector!r}")
+        if self.connector not in ("splitserve", *PULLED):
+            raise ValueError(f"connector must be splitserve, nixl or mooncake, "
+                             f"got {self.connector!r}")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
         if self.prefill < 1 or self.decode < 1:
@@ -180,9 +184,9 @@ def parse_arm(text: str, cores: tuple[int, ...], speculative_config: str | None 
     path = fields.get("kv path", "shm")
     prefill, decode = fields.get("shape", (1, 1))
     p_policy, d_policy = fields.get("policy", (DEFAULT_POLICY, DEFAULT_POLICY))
-    nixl = path == "nixl"
-    return Arm(name, kind, cores, transport="shm" if nixl else path,
-               connector="nixl" if nixl else "splitserve", prefill=prefill, decode=decode,
+    pulled = path in PULLED
+    return Arm(name, kind, cores, transport="shm" if pulled else path,
+               connector=path if pulled else "splitserve", prefill=prefill, decode=decode,
                prefill_policy=p_policy, decode_policy=d_policy,
                kv_events=not fields.get("blind", False), speculative=drafts)
 

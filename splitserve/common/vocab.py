@@ -36,10 +36,13 @@ class Connector(StrEnum):
     """The KV connector a pair of workers moves KV with.
 
     `splitserve`: this project's layer-wise push (tcp or shm; vLLM-CPU's paged layout and the
-    CUDA layouts). `nixl`: vLLM's NixlConnector (D pulls P's blocks; RDMA on GPU clusters)."""
+    CUDA layouts). `nixl`: vLLM's NixlConnector (D pulls P's blocks; RDMA on GPU clusters).
+    `mooncake`: vLLM's MooncakeConnector (both legs sent at once; D pulls P's blocks over the
+    Mooncake transfer engine, tcp or rdma)."""
 
     SPLITSERVE = "splitserve"
     NIXL = "nixl"
+    MOONCAKE = "mooncake"
 
 
 class TransferStatus(StrEnum):

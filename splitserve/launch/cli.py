@@ -28,6 +28,7 @@ from splitserve.worker.cli import (
 )
 from splitserve.worker.launch import (
     check_kv_fits,
+    check_mooncake_installed,
     check_nixl_installed,
     gpu_connector_warning,
 )
@@ -81,6 +82,8 @@ def check_can_start(cfg: DeploymentConfig) -> None:
                              "pip install 'splitserve[ray]'") from None
     elif cfg.connector == Connector.NIXL and (cfg.prefill or cfg.decode):
         check_nixl_installed()
+    elif cfg.connector == Connector.MOONCAKE and (cfg.prefill or cfg.decode):
+        check_mooncake_installed()
     if cfg.backend == "local" and Path(cfg.model).is_dir():  # a hub id: the workers tell
         check_model_dir(cfg.model)
         check_kv_fits(cfg.model, cfg.max_model_len, cfg.kv_cache_gib, cfg.dtype,
@@ -181,7 +184,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="branch, tag or commit of a Hugging Face model id (default: main)")
     p.add_argument("--transport", choices=("tcp", "shm"), default=None)
     p.add_argument("--connector", choices=values(Connector), default=None,
-                   help="KV connector: splitserve (default) or nixl (vLLM's NixlConnector)")
+                   help="KV connector: splitserve (default), nixl (vLLM's NixlConnector) or "
+                        "mooncake (vLLM's MooncakeConnector)")
     p.add_argument("--kv-lease", type=float, default=None, metavar="S",
                    help="seconds KV no D claims is kept: D's staging lease (splitserve), "
                         "P's held blocks (nixl); default 60")

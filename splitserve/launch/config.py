@@ -7,7 +7,7 @@ YAML keys are the field names below; `router:` holds the router's policy fields.
     prefill: 1
     decode: 1
     transport: tcp
-    connector: splitserve    # or nixl: vLLM's NixlConnector (D pulls P's blocks over UCX)
+    connector: splitserve    # or nixl / mooncake: vLLM's NixlConnector / MooncakeConnector
     port: 8000
     routers: 2               # optional: routers over the same workers, on ports 8000 and 8001
     router: {decode_policy: round_robin, local_prefill_max_tokens: 0}
@@ -70,7 +70,8 @@ class DeploymentConfig:
     max_model_len: int | None = None  # None: the model's own length
     kv_cache_gib: int = 1
     staging_mib: int = 512
-    kv_lease_s: float = 60.0  # splitserve: D's staging lease; nixl: P's held blocks' lease
+    kv_lease_s: float = 60.0  # splitserve: D's staging lease; nixl, mooncake: P's held blocks'
+
     cpus: tuple[int, ...] | None = None  # cores to use (default: this process's affinity)
     # the router's cores (default: a core of its own when there are workers + 1, else all)
     router_cpus: tuple[int, ...] | None = None
@@ -112,9 +113,9 @@ class DeploymentConfig:
             raise ValueError(f"transport must be one of {TRANSPORTS}")
         if self.connector not in values(Connector):
             raise ValueError(f"connector must be one of {values(Connector)}")
-        if self.connector == Connector.NIXL and self.kv_tls_cert is not None:
-            raise ValueError("kv TLS is splitserve's connector's; NIXL's transfers are not "
-                             "encrypted (keep them on a trusted network)")
+        if self.connector != Connector.SPLITSERVE and self.kv_tls_cert is not None:
+            raise ValueError(f"kv TLS is splitserve's connector's; {self.connector}'s transfers "
+                             "are not encrypted (keep them on a trusted network)")
         if self.dtype not in ("float32", "bfloat16", "auto"):
             raise ValueError("dtype must be float32, bfloat16 or auto")
         if not 1 <= self.port <= 65535:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from splitserve.common.procs import stop_groups
-from splitserve.common.vocab import Pool, Role, values
+from splitserve.common.vocab import Connector, Pool, Role, values
 from splitserve.config import TOKEN_ENV, WorkerConfig, load_token, new_token
 from splitserve.hub import resolve_model
 from splitserve.launch.backend import LauncherBackend
@@ -156,6 +156,12 @@ class Child:
         return self.name.startswith("router")
 
 
+def kv_kind(wcfg: WorkerConfig) -> str:
+    """What a worker moves KV with, as the launcher prints it: the transport of splitserve's
+    connector, else vLLM's connector's name."""
+    return wcfg.transport if wcfg.connector == Connector.SPLITSERVE else wcfg.connector
+
+
 class LocalDeployment(LauncherBackend):
     """`start()` brings every part up healthy and returns the router's URL; `stop()` ends all."""
 
@@ -231,7 +237,7 @@ class LocalDeployment(LauncherBackend):
                 child = self._spawn(name, wcfg.url, argv, env, wcfg.cpus)
                 self.workers.append(wcfg)
                 self.say(f"splitserve: {name} {wcfg.url} cpus {','.join(map(str, wcfg.cpus or ()))}"
-                         + (f" kv {wcfg.connector if wcfg.connector == 'nixl' else wcfg.transport}"
+                         + (f" kv {kv_kind(wcfg)}"
                             f":{wcfg.kv_port}" if wcfg.role else "")
                          + f" (log {child.log})")
             self.say(f"splitserve: loading {len(self.children)} worker(s); each says when it "

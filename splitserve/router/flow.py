@@ -8,6 +8,10 @@ Retries: P on another P with a fresh transfer id before t1; D, if it fails befor
 resumed on another D with prompt + every token already produced (recomputed there, so nothing
 stale is read), and the client sees one unbroken stream. Closing a leg's HTTP stream aborts
 that request in vLLM, so cancelling the client's task aborts whichever leg is open.
+A connector whose legs go at once (`LegProtocol.concurrent`: Mooncake) has D's first leg sent
+with P's (`early.EarlyDecode`): D waits for P's KV itself and generates t1 again, which is
+checked against the client's and dropped; a failed P attempt, a request ending at t1 and a
+client gone before D close that leg.
 
 Both legs go over the app's one aiohttp session (`http.new_session`), whose default headers
 carry the deployment token: every request to a worker is authenticated. The unsplit path (one
@@ -37,6 +41,7 @@ import aiohttp
 from splitserve.common.vocab import Pool
 from splitserve.router.cacheview import CacheView
 from splitserve.router.config import RouterConfig
+from splitserve.router.early import EarlyDecode
 from splitserve.router.failures import (
     RETRYABLE_STATUS,
     LegFailed,
@@ -98,6 +103,15 @@ class Prefilled:
     decode: Worker | None  # the D the KV went to (None when the request ended at t1)
     transfer: Transfer | None  # the KV handoff D's first leg claims; None: D recomputes
     reserved: bool = True
+    early: EarlyDecode | None = None  # D's first leg, sent with P's (a concurrent protocol)
+
+
+def abandon(tr: Transfer | None, early: EarlyDecode | None) -> None:
+    """No D leg will claim `tr`: close the D leg sent with P's (if any), then release it."""
+    if early is not None:
+        early.abort()
+    if tr is not None:
+        tr.via.release(tr)
 
 
 class Flow:
@@ -209,6 +223,8 @@ class Flow:
             d_cached = request.cached_on(d.url)
             tr = proto.open(p, d, tid, d_cached=d_cached) if proto is not None else None
             body = prefill_body(legs, self.model, None if tr is None else tr.prefill_params)
+            early = (EarlyDecode.send(self.session, tr, legs, self.model, f"{rid}-d0", encode)
+                     if tr is not None and tr.via.concurrent else None)
             t.prefill_url, t.decode_url = p.url, d.url
             t.transfer_id, t.transfer = (tid, tr) if tr else (None, None)
             p_reused = self._p_reused(p, request)
@@ -219,23 +235,15 @@ class Flow:
             d.acquire()  # reserved now, so a burst spreads over D before any decode leg starts
             reserved = False
             try:
-                # read to the end inside the block: the connection goes back to the pool
-                async with self.session.post(
-                        f"{p.url}/v1/completions", data=encode(body),
-                        headers={**JSON_HEADERS, "X-Request-Id": f"{rid}-p{attempt}"}) as r:
-                    raw = await r.read()
-                if r.status in RETRYABLE_STATUS:
-                    raise LegFailed(f"http_{r.status}", raw[:200].decode(errors="replace"),
-                                    r.status)
-                if r.status != 200:
-                    raise UpstreamError(r.status, upstream_body(r.status, raw))
-                out = json.loads(raw)
+                out = await self._prefill_leg(p, body, f"{rid}-p{attempt}")
                 reserved = True
             except (*TRANSPORT_ERRORS, LegFailed) as exc:
                 retry.failed(p, exc)
-                if tr is not None:  # whatever P sent for this attempt will never be claimed
-                    tr.via.release(tr)
+                abandon(tr, early)  # whatever P sent for this attempt will never be claimed
                 continue
+            except BaseException:  # P refused it, or the client left: D's early leg goes too
+                abandon(tr, early)
+                raise
             finally:
                 p.release(prompt_len)
                 if not reserved:
@@ -256,16 +264,31 @@ class Flow:
                 tr.via.received(tr, out)
             if done:
                 d.release()
-                if tr is not None:  # KV was sent for a decode leg that will never come
-                    tr.via.release(tr)
+                abandon(tr, early)  # KV was sent for a decode leg that will never come
             return Prefilled(
                 prompt_ids=prompt_ids,
                 t1_text=choice.get("text") or "", t1_ids=list(choice.get("token_ids") or []),
                 finish_reason=reason if done else None,
                 stop_reason=choice.get("stop_reason") if done else None,
                 fingerprint=out.get("system_fingerprint"), decode=None if done else d,
-                transfer=None if done else tr, reserved=not done)
+                transfer=None if done else tr, reserved=not done,
+                early=None if done else early)
         raise exhausted(retry.last, "prefill", "prefill")
+
+    async def _prefill_leg(self, p: Worker, body: dict[str, Any], request_id: str
+                           ) -> dict[str, Any]:
+        """P's answer (HTTP 200); LegFailed on a status worth a retry, UpstreamError on any
+        other. Read to the end inside the block: the connection goes back to the pool."""
+        async with self.session.post(
+                f"{p.url}/v1/completions", data=encode(body),
+                headers={**JSON_HEADERS, "X-Request-Id": request_id}) as r:
+            raw = await r.read()
+        if r.status in RETRYABLE_STATUS:
+            raise LegFailed(f"http_{r.status}", raw[:200].decode(errors="replace"), r.status)
+        if r.status != 200:
+            raise UpstreamError(r.status, upstream_body(r.status, raw))
+        out: dict[str, Any] = json.loads(raw)
+        return out
 
     # --- D ----------------------------------------------------------------------------------
     def _resume_on(self, tried: set[str]) -> Worker:
@@ -306,15 +329,19 @@ class Flow:
                 d.acquire()
             t.decode_url = d.url
             start = DecodeStart(None) if tr is None else tr.via.decode_start(tr, joiner.produced)
-            body = decode_body(legs, self.model, pre.prompt_ids, joiner.produced,
-                               start.kv_transfer_params, start.replayed)
-            t.d_sent, t.d_first = time.monotonic(), None  # d_queue_s: this attempt's
+            early = pre.early if attempt == 0 else None  # sent with P's leg: take it over
+            t.d_sent, t.d_first = early.sent if early else time.monotonic(), None
             r: aiohttp.ClientResponse | None = None
             complete = False  # read to the end: the connection may be reused
             try:
-                r = await self.session.post(
-                    f"{d.url}/v1/completions", data=encode(body),
-                    headers={**JSON_HEADERS, "X-Request-Id": f"{rid}-d{attempt}"})
+                if early is not None:
+                    r = await early.response()
+                else:
+                    body = decode_body(legs, self.model, pre.prompt_ids, joiner.produced,
+                                       start.kv_transfer_params, start.replayed)
+                    r = await self.session.post(
+                        f"{d.url}/v1/completions", data=encode(body),
+                        headers={**JSON_HEADERS, "X-Request-Id": f"{rid}-d{attempt}"})
                 if r.status in RETRYABLE_STATUS:
                     raise LegFailed(f"http_{r.status}",
                                     (await r.read())[:200].decode(errors="replace"), r.status)
@@ -350,8 +377,7 @@ class Flow:
         if pre is not None and pre.reserved and pre.decode is not None:
             pre.reserved = False
             pre.decode.release()
-            if pre.transfer is not None:
-                pre.transfer.via.release(pre.transfer)
+            abandon(pre.transfer, pre.early)
 
     async def _relay(self, r: aiohttp.ClientResponse, joiner: Joiner, t: Timings,
                      tr: Transfer | None, replayed: int) -> AsyncIterator[dict[str, Any]]:

@@ -85,6 +85,8 @@ class HealthLoop:
                 self.registry.identified(
                     worker, WorkerInfo.from_json(json.loads(raw)) if status == 200 else None)
         proto = self.protocols.for_worker(worker)
+        if worker.pool == Pool.PREFILL and proto is not None:
+            await proto.poll_prefill(worker)
         if worker.pool == Pool.DECODE and proto is not None:
             staging = await proto.poll_staging(lambda path: self.get(worker, path))
             if staging is not None:

@@ -34,6 +34,7 @@ from splitserve.secretflags import add_secret_guards, check_passthrough
 from splitserve.worker.diagnose import explain_start_failure
 from splitserve.worker.launch import (
     check_kv_fits,
+    check_mooncake_installed,
     check_nixl_installed,
     check_vllm_version,
     child_preexec,
@@ -73,11 +74,15 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
                    help="tensor parallelism: N ranks of one engine, --cpus split evenly across "
                         "them (plain workers and --connector nixl; default 1)")
     p.add_argument("--kv-port", type=int, default=0,
-                   help="connector port, NIXL's side-channel port with --connector nixl "
-                        "(default: a free one)")
+                   help="connector port, NIXL's side-channel port with --connector nixl, "
+                        "P's bootstrap port with --connector mooncake (default: a free one)")
     p.add_argument("--connector", choices=values(Connector), default=Connector.SPLITSERVE.value,
-                   help="KV connector: splitserve's own (tcp/shm push), or vLLM's NixlConnector "
-                        "(D pulls over UCX)")
+                   help="KV connector: splitserve's own (tcp/shm push), vLLM's NixlConnector "
+                        "(D pulls over UCX), or vLLM's MooncakeConnector (D pulls over "
+                        "Mooncake's transfer engine)")
+    p.add_argument("--mooncake-protocol", choices=("tcp", "rdma"), default=None,
+                   help="Mooncake transfer engine's protocol (default: rdma where the machine "
+                        "has an RDMA device, else tcp)")
     p.add_argument("--nixl-progress-delay-us", type=int, default=NIXL_PROGRESS_DELAY_US,
                    help="NIXL progress thread's poll timeout (0: nixl's busy spin)")
     p.add_argument("--transport", choices=TRANSPORTS, default="tcp",
@@ -128,7 +133,7 @@ def config_from_args(args: argparse.Namespace, extra: list[str]) -> WorkerConfig
     kv_port = args.kv_port or (free_port(args.host, args.tp) if args.role else 0)
     return WorkerConfig(
         model=source.path, port=args.port, role=args.role, host=args.host, cpus=args.cpus,
-        kv_port=kv_port, connector=args.connector,
+        kv_port=kv_port, connector=args.connector, mooncake_protocol=args.mooncake_protocol,
         nixl_progress_delay_us=args.nixl_progress_delay_us, transport=args.transport,
         on_transfer_failure=args.on_transfer_failure,
         dtype=args.dtype, kv_cache_gib=args.kv_cache_gib, max_model_len=args.max_model_len,
@@ -159,6 +164,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"splitserve worker: warning: {warning}", file=sys.stderr, flush=True)
         if cfg.role is not None and cfg.connector == Connector.NIXL:
             check_nixl_installed()
+        if cfg.role is not None and cfg.connector == Connector.MOONCAKE:
+            check_mooncake_installed()
         check_kv_fits(cfg.model, cfg.max_model_len, cfg.kv_cache_gib, cfg.dtype,
                       cfg.extra_args, cfg.tensor_parallel_size)
         # unreadable or mismatched TLS files fail here, not in vLLM
@@ -170,8 +177,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     token = load_token(required=cfg.role is not None)
     argv, env = worker_command(cfg, token)
-    kv = (f"nixl side channel {cfg.host}:{cfg.kv_port}" if cfg.connector == Connector.NIXL
-          else f"kv {cfg.transport}://{cfg.host}:{cfg.kv_port}")
+    kv = {Connector.NIXL: f"nixl side channel {cfg.host}:{cfg.kv_port}",
+          Connector.MOONCAKE: f"mooncake bootstrap {cfg.host}:{cfg.kv_port}"}.get(
+        cfg.connector, f"kv {cfg.transport}://{cfg.host}:{cfg.kv_port}")
     print(f"splitserve worker: vLLM {version}, role={cfg.role or 'plain'}, {cfg.url}"
           + (f", {kv}" if cfg.role else "")
           + (" (TLS)" if cfg.kv_tls_cert else "")

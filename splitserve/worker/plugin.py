@@ -68,6 +68,7 @@ from splitserve.worker.kvrelay import (
     remove_private_dir,
 )
 from splitserve.worker.load import LOAD_PATH, read_load
+from splitserve.worker.mooncake_settings import MooncakeSettings
 from splitserve.worker.nixl_tuning import NixlTuning
 from splitserve.worker.rank_listeners import (
     ConnectorCollector,
@@ -112,6 +113,21 @@ def nixl_info(args: Namespace | None) -> WorkerInfo | None:
                       kv_port=envs.VLLM_NIXL_SIDE_CHANNEL_PORT,
                       progress_delay_us=tuning.progress_delay_us,
                       vllm_version=installed_vllm_version())
+
+
+def mooncake_info(args: Namespace | None) -> WorkerInfo | None:
+    """`/splitserve/info` of a worker running vLLM's MooncakeConnector the way splitserve starts
+    it: its role, protocol and bootstrap port (P's engine id is read from that server)."""
+    extra = _extra_config(args)
+    if not MooncakeSettings.present(extra):
+        return None
+    from splitserve.common.engine import installed_vllm_version
+
+    settings = MooncakeSettings.from_extra_config(extra)
+    host = getattr(args, "host", None) or "127.0.0.1"
+    return WorkerInfo(connector=Connector.MOONCAKE, role=Role(settings.role),
+                      transport=settings.protocol, kv_host=host,
+                      kv_port=settings.bootstrap_port, vllm_version=installed_vllm_version())
 
 
 class KvReport:
@@ -293,12 +309,12 @@ class SplitserveEndpointPlugin:
         kv = self.kv
 
         args = getattr(app.state, "args", None)
-        nixl = nixl_info(args)
-        if nixl is not None:
+        pulled = nixl_info(args) or mooncake_info(args)  # vLLM's connectors: D pulls from P
+        if pulled is not None:
             @app.get("/splitserve/info")
-            async def nixl_worker_info() -> JSONResponse:
-                assert nixl is not None
-                return JSONResponse(_with_kv(nixl, kv).to_json())
+            async def pulling_worker_info() -> JSONResponse:
+                assert pulled is not None
+                return JSONResponse(_with_kv(pulled, kv).to_json())
             _attach_metrics(app, *([kv.collector()] if kv else []))
             return
         cfg = connector_config(args)

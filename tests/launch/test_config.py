@@ -84,7 +84,7 @@ def test_yaml_connector_reaches_every_connector_worker(tmp_path: Path) -> None:
     assert len({w.kv_port for w in planned if w.role}) == 2  # a side channel per worker
     assert DeploymentConfig(colocated=1).connector == "splitserve"
     with pytest.raises(ValueError, match="connector"):
-        DeploymentConfig(colocated=1, connector="mooncake")
+        DeploymentConfig(colocated=1, connector="lmcache")
 
 
 def test_cache_routing_is_the_default_and_reaches_the_router(tmp_path: Path) -> None:

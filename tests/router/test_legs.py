@@ -93,7 +93,7 @@ async def test_the_advertised_connector_selects_the_protocol() -> None:
         assert protocols.for_pair(*pair(INFO, None)) is None  # D's info not read yet
         p, d = pair({}, None)
         assert protocols.for_worker(p) is None and protocols.for_worker(d) is None
-        assert set(leg_protocols(session, None).by_connector) == {"splitserve", "nixl"}
+        assert set(leg_protocols(session, None).by_connector) == {"splitserve", "nixl", "mooncake"}
     finally:
         await session.close()
 

@@ -31,13 +31,20 @@ Contract, in the order `Flow` calls it (one `Transfer` per P attempt):
    `first_byte_s`, ...), or None;
    `record_final(record)` says whether it can no longer change. Best effort: never raises.
 
-6. **What the health loop asks of a worker.** `endpoint(info)` is the worker as a KV target,
+6. **Legs sent at once.** A protocol whose `concurrent` is True has D's first leg sent together
+   with P's (one per P attempt), before P answers: `open` must then set `decode_params`, D is
+   sent the request's own prompt and budget with them, and `decode_start` says how many tokens
+   D generates again (`replayed`, counted from P's t1). That D leg is closed (aborting it in
+   vLLM) whenever the P attempt fails or the request ends at t1, before `release` is called.
+
+7. **What the health loop asks of a worker.** `endpoint(info)` is the worker as a KV target,
    from its `/splitserve/info` (shown in `/workers`; None: it has no KV endpoint).
    `poll_staging(get)` is called on every good check of a D that speaks this connector, with
    `get(path) -> (status, body)` over the router's session to that worker; it returns the
    connector's staging (`worker.Staging`, which the `load` policy reads) or None (none kept, or
    not readable now). It may raise the transport errors and `ValueError`: the check logs them
-   and stays good.
+   and stays good. `poll_prefill(p)` is called on every good check of a P that speaks this
+   connector (what `open` needs to know of P that P's info does not say); it never raises.
 
 Which implementation drives a pair: the `connector` that both workers advertise in
 `/splitserve/info` (`LegProtocols.for_pair`; `WorkerInfo` reads an absent key as
@@ -102,6 +109,7 @@ class LegProtocol(ABC):
     """One connector's side of the two legs (see the module docstring for the contract)."""
 
     connector: ClassVar[Connector]
+    concurrent: ClassVar[bool] = False  # D's first leg goes out with P's (contract, 6)
 
     def endpoint(self, info: WorkerInfo) -> dict[str, Any] | None:
         """The worker as the target of a KV push or pull (default: `advertised_endpoint`)."""
@@ -109,6 +117,11 @@ class LegProtocol(ABC):
 
     async def poll_staging(self, get: Getter) -> Staging | None:
         """The connector's staging on a D, read on each good check; None: it keeps none."""
+        return None
+
+    async def poll_prefill(self, p: Worker) -> None:
+        """Learn what `open` needs of P beyond its info, on each good check of P (default:
+        nothing)."""
         return None
 
     @abstractmethod
