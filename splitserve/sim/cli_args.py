@@ -53,24 +53,31 @@ def add_connector_args(g: argparse._ArgumentGroup | argparse.ArgumentParser,
                        compare: bool = False) -> None:
     g.add_argument("--connector", choices=CONNECTORS + (("compare",) if compare else ()),
                    default="splitserve",
-                   help="disagg KV connector: splitserve (layer-wise push) or nixl (D pulls "
-                   "after the prefill, then replays t1)"
-                   + ("; compare: plan over both, side by side" if compare else ""))
+                   help="disagg KV connector: splitserve (layer-wise push), nixl (D pulls "
+                   "after the prefill, then replays t1) or mooncake (D's leg sent with P's; "
+                   "P sends the whole blocks when its prefill ends, then D replays t1)"
+                   + ("; compare: plan over splitserve and nixl, side by side" if compare
+                      else ""))
     g.add_argument("--transport", default=None,
-                   help="a link in the profile (default: nixl for --connector nixl, else tcp, "
-                   "else its only one)")
+                   help="a link in the profile (default: nixl for --connector nixl, mooncake "
+                   "for --connector mooncake when the profile has one, else tcp, else its "
+                   "only one)")
     g.add_argument("--pull-request-ms", type=float, default=0.0,
                    help="nixl: D's leg from its arrival at D to D's scheduler (beyond the "
                    "router hop); D's next step then posts the READ")
 
 
 def transport_for(args: argparse.Namespace, prof: Profile, connector: str) -> str:
-    """The profile link a connector uses: `--transport`, else `nixl` for NIXL, else `tcp`
-    (or the profile's first non-nixl link)."""
+    """The profile link a connector uses: `--transport`, else `nixl` for NIXL, `mooncake` for
+    Mooncake when the profile has that link, else `tcp` (or the profile's first non-nixl
+    link): Mooncake's engine moves KV over tcp here, so splitserve's measured tcp link stands
+    in for it until one is measured."""
     if args.transport and (connector == "splitserve" or args.connector != "compare"):
         return str(args.transport)
     if connector == "nixl":
         return "nixl"
+    if connector == "mooncake" and "mooncake" in prof.transfer:
+        return "mooncake"
     others = sorted(t for t in prof.transfer if t != "nixl")
     return "tcp" if "tcp" in prof.transfer or not others else others[0]
 

@@ -16,9 +16,9 @@ Mode = Literal["disagg", "colocated", "chunked"]
 # `cache` sees the workers' prefix caches when the workload has prefix identity
 # (`SimWorkload.blocks`); without it nothing is cached and `cache` picks as `load` does.
 Policy = Literal["cache", "load", "round_robin", "random", "power_of_two", "least_loaded"]
-Connector = Literal["splitserve", "nixl"]
+Connector = Literal["splitserve", "nixl", "mooncake"]
 MODES: tuple[str, ...] = ("disagg", "colocated", "chunked")
-CONNECTORS: tuple[str, ...] = ("splitserve", "nixl")
+CONNECTORS: tuple[str, ...] = ("splitserve", "nixl", "mooncake")
 POLICIES: tuple[str, ...] = policy_names(Pool.PREFILL)
 
 
@@ -31,8 +31,10 @@ class SimConfig:
     `connector` (disagg): `splitserve` pushes the KV layer by layer while P prefills (`overlap`)
     and D computes t2 in its first step; `nixl` (vLLM's NixlConnector) has D pull P's whole
     blocks after P's prefill, from D's next step once its leg reached D's scheduler (t1 + router
-    hop + `pull_request_s`), and D's first step replays t1, so t2 comes with its second step.
-    `transport` names the profile's link either uses.
+    hop + `pull_request_s`), and D's first step replays t1, so t2 comes with its second step;
+    `mooncake` (vLLM's MooncakeConnector) sends D's leg with P's, so P sends its whole blocks
+    the moment its prefill ends and D's first step after they are in replays t1.
+    `transport` names the profile's link each uses.
 
     Prefix caching (a workload with `blocks`): `prefix_caching` gives every engine its prefix
     cache (`sim.prefixcache`); `cache_aware` gives the router its exact index of them: the

@@ -54,15 +54,16 @@ def plan_profiles(args: argparse.Namespace) -> dict[int, Profile]:
 
 def deploy_commands(shape: Shape, model_flag: str) -> list[str]:
     """The command that starts `shape` with splitserve's launcher (`model_flag`: `--model NAME`
-    or `--embedded`), each pool at its TP degree, on splitserve's connector."""
+    or `--embedded`), each pool at its TP degree, on the plan's KV connector."""
     c = shape.config
     tp = lambda pool, t: f" --{pool}-tp {t}" if t > 1 else ""  # noqa: E731
     if c.mode != "disagg":
         return [f"splitserve serve {model_flag} --colocated {c.n_workers}"
                 f"{tp('colocated', shape.tp_p)}"]
     policies = f"--prefill-policy {c.p_policy} --decode-policy {c.d_policy}"
+    connector = "" if c.connector == "splitserve" else f" --connector {c.connector}"
     return [f"splitserve serve {model_flag} --prefill {c.n_prefill} --decode {c.n_decode} "
-            f"{policies}{tp('prefill', shape.tp_p)}{tp('decode', shape.tp_d)}"]
+            f"{policies}{tp('prefill', shape.tp_p)}{tp('decode', shape.tp_d)}{connector}"]
 
 
 def print_gpu_plan(plan: GpuPlan, rungs: list[Rung], verdict: str | None, model_flag: str

@@ -69,8 +69,8 @@ def run_plan(args: argparse.Namespace) -> int:
         pngs = [plot_plan(cp.plan, out / f"plan-{cp.connector}.png") for cp in c.plans]
         print(f"wrote {out / 'compare.json'} and {', '.join(map(str, pngs))}")
         return 0
-    if connector == "nixl" and prof.split is not None:
-        print("note: the profile's split costs are splitserve's connector's; the nixl "
+    if connector != "splitserve" and prof.split is not None:
+        print(f"note: the profile's split costs are splitserve's connector's; the {connector} "
               "candidates run without them")
     with Progress("[progress.description]{task.description}", BarColumn(),
                   MofNCompleteColumn(), TimeElapsedColumn()) as bar:

@@ -110,7 +110,9 @@ class Simulation:
                     + [self._limits(d_prof)] * len(self.D))
         self.gpus = [profile.gpus] * len(self.P) + [d_prof.gpus] * len(self.D)  # by worker
         self.npw = len(self.P)
-        self.pull = config.mode == "disagg" and config.connector == "nixl"
+        # nixl, mooncake: D loads the prompt's blocks and its first step replays t1
+        self.replay = config.mode == "disagg" and config.connector in ("nixl", "mooncake")
+        self.pull = self.replay and config.connector == "nixl"  # D's step posts the READ
         self.charged = [0] * n  # per request: the prompt tokens it queued on its P (`load`)
         self.d_reused = [0] * n  # per request: the prompt tokens its D already held (delta)
         self.local = [False] * n  # per request: run whole on its D (prefill on D)
@@ -161,7 +163,7 @@ class Simulation:
             if w.caches is not None:  # the leg's KV is D's now: its prefix cache holds it
                 w.caches.store(wi, r)
                 w.caches.trim(wi, w.kv_used)
-            replay = int(self.pull)  # a pulled leg's first step replays t1
+            replay = int(self.replay)  # a pulled leg's first step replays t1
             heapq.heappush(w.running, (w.steps + output_lens[r] - 1 + replay, r))
             self.decode_worker[r], self.join_step[r] = wi, w.steps + replay
             w.batch += 1
@@ -224,7 +226,7 @@ class Simulation:
                 self._schedule(wi, w, w.kv_release[0][0])
             w.new.clear()
             return
-        if self.pull:  # last step's joiners replayed t1: this step emits their t2
+        if self.replay:  # last step's joiners replayed t1: this step emits their t2
             w.joined.clear()
             w.joined, w.replaying = w.replaying, w.joined
             w.n_joined = len(w.new) + len(w.joined)
@@ -251,7 +253,7 @@ class Simulation:
             # invariant: a segment's steps all run at one pace (no overlay event in it)
             pace, carry = self.overlay.decode_step(wi - self.npw, w.batch)
             alpha, beta = alpha * pace, beta * pace
-        if self.pull and w.new and carry is None:  # joiners replay t1: t2 comes next
+        if self.replay and w.new and carry is None:  # joiners replay t1: t2 comes next
             carry = 0.0
         if carry is not None:  # one step carrying the overlay's work
             w.kind, w.step_dur, w.started = STEP, alpha + carry, t
@@ -328,7 +330,8 @@ class Simulation:
     def _prefilled(self, wi: int, w: Worker, r: int, t: float) -> None:
         """P-worker wi finished request r's prompt at t: emit t1, then (splitserve) push the
         KV, the leg joining D at max(t1 + hop and the overlay's handover, the KV's arrival),
-        or (NIXL) send the leg to D's scheduler, whose next step pulls it (`_post_read`)."""
+        or (NIXL) send the leg to D's scheduler, whose next step pulls it (`_post_read`), or
+        (Mooncake: D's leg is there already) send the whole blocks, joining D on arrival."""
         hop, links, out = self.cfg.router_hop_s, self.links, self.output_lens[r]
         assert links is not None, "a hand-off happens only in a disaggregated run"
         leg = None  # the request as the overlay's per-request hooks see it
@@ -354,7 +357,11 @@ class Simulation:
             self._push(ready + self.cfg.pull_request_s, _EV_LEG, r, 0)
             return
         self.kv_bytes[r] = nbytes = self.kvbpt * (self.prompt_lens[r] - self.d_reused[r])
-        arrive, free = links.push(wi, nbytes, self.prefill_start[r], t)
+        if self.replay:  # mooncake: D's leg has waited since P's; P sends its blocks now
+            arrive, free = links.pull(wi, nbytes, t)
+            ready = arrive
+        else:
+            arrive, free = links.push(wi, nbytes, self.prefill_start[r], t)
         heapq.heappush(w.kv_release, (free, self.prompt_lens[r], r))
         self.kv_transfer[r] = arrive - t
         self._push(max(arrive, ready), _EV_JOIN, r, 0)

@@ -106,6 +106,9 @@ def test_deploy_commands_start_each_pool_with_its_tp() -> None:
     assert apart == ["splitserve serve --model m --prefill 1 --decode 2 --prefill-policy "
                      "power_of_two --decode-policy power_of_two --prefill-tp 8 "
                      "--decode-tp 4"]
+    moon = deploy_commands(Shape(SimConfig("disagg", connector="mooncake"), 1, 1), "--embedded")
+    assert moon == ["splitserve serve --embedded --prefill 1 --decode 1 --prefill-policy "
+                    "power_of_two --decode-policy power_of_two --connector mooncake"]
     assert deploy_commands(Shape(SimConfig("chunked", n_workers=2), 4), "--embedded") == [
         "splitserve serve --embedded --colocated 2 --colocated-tp 4"]
     # every command parses as splitserve serve's flags

@@ -232,3 +232,23 @@ def test_p_waits_for_the_pull_to_free_its_kv() -> None:
     assert o.first_token[0] == pytest.approx(PREFILL_S)
     assert o.first_token[1] == pytest.approx(freed + PREFILL_S)
     assert not o.failed.any() and np.isfinite(o.finish).all()
+
+
+def test_mooncake_sends_the_whole_blocks_when_ps_prefill_ends() -> None:
+    """Mooncake's D leg goes out with P's: P sends its whole blocks the moment its prefill
+    ends (no router hop, no D step to post a READ), and D's first step after they are in
+    replays t1. A lone request's handover is NIXL's less D's round trip; splitserve's
+    layer-wise push exposes only its last layer."""
+    prof = replace(make_profile(), transfer={"nixl": LINK, "tcp": LINK})
+    wl = SimWorkload(np.array([0.0]), np.array([L]), np.array([OUT]))
+    got = {c: simulate(prof, SimConfig("disagg", connector=c, transport="nixl" if c == "nixl"
+                                       else "tcp", pull_request_s=PULL_REQ), wl)
+           for c in ("splitserve", "nixl", "mooncake")}
+    send = L * 8192 / LINK.bandwidth_Bps
+    moon = got["mooncake"]
+    assert float(moon.first_token[0]) == pytest.approx(PREFILL_S)
+    assert float(moon.kv_transfer_s[0]) == pytest.approx(send + LINK.latency_s)
+    handover = {c: float(o.second_token[0] - o.first_token[0]) for c, o in got.items()}
+    assert handover["nixl"] - handover["mooncake"] == pytest.approx(PULL_REQ)
+    assert handover["splitserve"] < handover["mooncake"]
+    assert not moon.failed.any() and np.isfinite(moon.finish).all()
