@@ -32,7 +32,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,16 +52,12 @@ from splitserve.router.failures import (
 )
 from splitserve.router.formats import Joiner
 from splitserve.router.http import TRANSPORT_ERRORS
-from splitserve.router.legs import (
-    DecodeStart,
-    LegProtocols,
-    Transfer,
-    drop_replayed,
-)
+from splitserve.router.legs import DecodeStart, LegProtocols, Transfer
 from splitserve.router.metrics import RouterMetrics
 from splitserve.router.params import Legs, decode_body, prefill_body
 from splitserve.router.policy import NoWorker, Picker
 from splitserve.router.registry import Registry
+from splitserve.router.relay import relay
 from splitserve.router.timings import Timings
 from splitserve.router.worker import Worker
 from splitserve.routing import RouteRequest
@@ -347,7 +343,8 @@ class Flow:
                                     (await r.read())[:200].decode(errors="replace"), r.status)
                 if r.status != 200:
                     raise UpstreamError(r.status, upstream_body(r.status, await r.read()))
-                async for chunk in self._relay(r, joiner, t, tr, start.replayed):
+                async for chunk in relay(r, joiner, t, start.replayed,
+                                         self._record_on_first(t, tr)):
                     yield chunk
                 complete = True
                 if joiner.finish_reason is None:
@@ -379,57 +376,13 @@ class Flow:
             pre.decode.release()
             abandon(pre.transfer, pre.early)
 
-    async def _relay(self, r: aiohttp.ClientResponse, joiner: Joiner, t: Timings,
-                     tr: Transfer | None, replayed: int) -> AsyncIterator[dict[str, Any]]:
-        """D's SSE events as the client's chunks. Reads the body to its end (past `[DONE]`), so
-        a finished leg's connection is reused rather than closed. `tr`: the transfer this leg
-        loads (None when it recomputes); `replayed`: tokens D generates again first, dropped
-        here once checked against what the client has."""
-        rest = b""
-        async for piece in r.content.iter_any():
-            lines = (rest + piece if rest else piece).split(b"\n")
-            rest = lines.pop()  # an unterminated line waits for the next piece
-            for line in lines:
-                if not line.startswith(b"data: {"):
-                    continue  # blank separators, comments, and `data: [DONE]`
-                obj = json.loads(line[6:])
-                if "error" in obj:
-                    err = obj["error"]
-                    raise UpstreamError(int(err.get("code") or 500), obj)
-                if obj.get("usage"):
-                    t.d_usage = obj["usage"]
-                choices = obj.get("choices")
-                if not choices:
-                    continue
-                c = choices[0]
-                if t.d_first is None:
-                    t.d_first = time.monotonic()
-                    if tr is not None and t.record_fetch is None:
-                        t.record_fetch = asyncio.get_running_loop().create_task(
-                            self._fetch_record(t, tr, tr.decode.url))
-                ids = list(c.get("token_ids") or [])
-                text = c.get("text") or ""
-                if ids:
-                    t.d_chunks += 1
-                    t.d_tokens += len(ids)
-                if replayed:
-                    ids, text, replayed = self._drop_replayed(joiner, ids, text, replayed)
-                    if not ids and c.get("finish_reason") is None:
-                        continue
-                yield joiner.tokens(text, ids, c.get("finish_reason"), c.get("stop_reason"))
-
-    @staticmethod
-    def _drop_replayed(joiner: Joiner, ids: list[int], text: str, pending: int
-                       ) -> tuple[list[int], str, int]:
-        """One chunk of D's stream less the tokens it replays: (ids, text, still pending)."""
-        try:
-            rest = drop_replayed(ids, joiner.produced, pending)
-        except ValueError as exc:
-            raise LegFailed("replay_mismatch", str(exc)) from exc
-        if rest and joiner.text_stream is None:
-            # the worker's text of the new tokens cannot be told apart from the replayed ones
-            raise LegFailed("replay_mismatch", "a chunk mixes replayed and new tokens")
-        return rest, text if rest else "", pending - (len(ids) - len(rest))
+    def _record_on_first(self, t: Timings, tr: Transfer | None) -> Callable[[], None]:
+        """At D's first token: fetch the transfer's record while D streams (once)."""
+        def fetch() -> None:
+            if tr is not None and t.record_fetch is None:
+                t.record_fetch = asyncio.get_running_loop().create_task(
+                    self._fetch_record(t, tr, tr.decode.url))
+        return fetch
 
     async def transfer_record(self, t: Timings, timeout_s: float = 0.5) -> None:
         """The connector's record of the transfer into `t.kv` (best effort: timings only). Uses

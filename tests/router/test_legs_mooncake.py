@@ -203,7 +203,43 @@ async def held_until_closed(req: web.Request, aborted: list[str]) -> web.StreamR
     return resp
 
 
-async def until_aborted(aborted: list[str]) -> None:
-    while not aborted:
+async def until_aborted(aborted: list[str], count: int = 1) -> None:
+    while len(aborted) < count:
         await asyncio.sleep(0.01)
 
+
+
+async def test_a_client_gone_during_ps_leg_aborts_both_legs() -> None:
+    """Cancelling the request's task while P prefills (what a client disconnect does) closes
+    P's leg and the D leg sent with it: vLLM aborts both."""
+    aborted: list[str] = []
+    p_started = asyncio.Event()
+
+    async def handler(name: str, req: web.Request) -> web.StreamResponse:
+        if req.path == "/query":
+            return web.json_response(query_answer("e-p"))
+        if name == "p1":
+            tid = (await req.json())["kv_transfer_params"]["transfer_id"]
+            p_started.set()
+            try:
+                await asyncio.sleep(30)  # a long prefill
+            except asyncio.CancelledError:
+                aborted.append(f"p:{tid}")
+                raise
+            return web.json_response(PREFILL_OK)
+        return await held_until_closed(req, aborted)
+
+    async with workers(handler, ("p1", "d1")) as urls, make_flow(urls) as (flow, _):
+        await mooncake_workers(flow, urls)
+        legs = plan_legs({"model": "m", "prompt": "x", "max_tokens": 50, "stream": True},
+                         "completion", "x")
+        task = asyncio.ensure_future(flow.prefill(legs, "rid", Timings()))
+        await asyncio.wait_for(p_started.wait(), 5)
+        await asyncio.sleep(0.1)  # D's leg is out too
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.wait_for(until_aborted(aborted, 2), 5)
+        assert all(w.inflight == 0 for w in flow.registry.workers.values())
+    (p_tid,) = [a[2:] for a in aborted if a.startswith("p:")]
+    assert sorted(aborted) == sorted([f"p:{p_tid}", p_tid])  # both legs of that attempt
