@@ -219,7 +219,8 @@ class Flow:
             d_cached = request.cached_on(d.url)
             tr = proto.open(p, d, tid, d_cached=d_cached) if proto is not None else None
             body = prefill_body(legs, self.model, None if tr is None else tr.prefill_params)
-            early = (EarlyDecode.send(self.session, tr, legs, self.model, f"{rid}-d0", encode)
+            early = (EarlyDecode.send(self.session, tr, legs, self.model,
+                                      f"{rid}-p{attempt}d", encode)
                      if tr is not None and tr.via.concurrent else None)
             t.prefill_url, t.decode_url = p.url, d.url
             t.transfer_id, t.transfer = (tid, tr) if tr else (None, None)

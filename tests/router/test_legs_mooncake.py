@@ -124,7 +124,7 @@ async def test_a_failed_p_aborts_ds_early_leg_and_retries_under_a_fresh_id() -> 
         if req.path == "/query":
             return web.json_response(query_answer(f"e-{name}"))
         body = await req.json()
-        seen.append((name, body))
+        seen.append((name, body | {"request_id": req.headers["X-Request-Id"]}))
         if name == "p1":
             await asyncio.sleep(0.2)  # D's first leg is waiting for this P's blocks
             return web.json_response({"error": {"message": "overloaded"}}, status=503)
@@ -152,6 +152,8 @@ async def test_a_failed_p_aborts_ds_early_leg_and_retries_under_a_fresh_id() -> 
     assert len(tids) == 2 and tids[0] != tids[1]
     d_tids = [b["kv_transfer_params"]["transfer_id"] for n, b in seen if n == "d1"]
     assert d_tids == tids and aborted == [tids[0]]
+    # each leg named after the request and its P attempt
+    assert sorted(b["request_id"] for _, b in seen) == ["rid-p0", "rid-p0d", "rid-p1", "rid-p1d"]
 
 
 async def test_a_request_ending_at_t1_aborts_ds_early_leg() -> None:
