@@ -72,19 +72,25 @@ def transfers_loaded(d: Worker) -> int:
     return int(d.state()["transfers"]["counts"].get("recv_loaded", 0))
 
 
+def local_prefills(router: Router, d: Worker) -> int:
+    return int(router_metric(router, "splitserve_router_local_prefills_total", url=d.url))
+
+
 def test_concurrent_requests_use_both_pools_and_match_transformers(
         router_2p2d: Router, pools: tuple[list[Worker], list[Worker]], llama_ckpt: Path) -> None:
     ps, ds = pools
     model = str(ps[0].cfg.model)
-    before = [transfers_loaded(d) for d in ds]
+    before = [transfers_loaded(d) + local_prefills(router_2p2d, d) for d in ds]
     prompts = [[7 + (i * 29 + n * 3) % 900 for i in range(n)] for n in LENGTHS]
     jobs = [(p, i % 2 == 0) for i, p in enumerate(prompts)]
     with ThreadPoolExecutor(len(jobs)) as pool:
         outs = list(pool.map(lambda j: generate(router_2p2d.url, model, j[0], j[1]), jobs))
     for prompt, out in zip(prompts, outs, strict=True):
         assert out == hf_greedy(llama_ckpt, prompt, MAX_TOKENS), f"{len(prompt)} tokens"
-    gained = [transfers_loaded(d) - b for d, b in zip(ds, before, strict=True)]
-    assert all(g > 0 for g in gained), f"a decode worker got no transfer: {gained}"
+    # Each D served some of them: by a transfer from P, or whole (prefill on D, short prompts)
+    gained = [transfers_loaded(d) + local_prefills(router_2p2d, d) - b
+              for d, b in zip(ds, before, strict=True)]
+    assert all(g > 0 for g in gained), f"a decode worker served no request: {gained}"
     served = {w["url"]: w for w in router_2p2d.workers()}
     assert all(served[p.url]["role"] == "prefill" for p in ps)
 
