@@ -16,7 +16,7 @@ from tests.support.routers import Router, start_router
 from tests.support.workers import Worker, launch
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def colocated_worker(llama_ckpt: Path) -> Iterator[Worker]:
     """A plain vLLM worker (no connector) on the P/D pair's checkpoint: the reference."""
     w = launch(llama_ckpt, "router-colocated", None, cpus=cores.BOTH)
@@ -24,12 +24,12 @@ def colocated_worker(llama_ckpt: Path) -> Iterator[Worker]:
     w.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def router_logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("router-logs")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def router_pd(llama_pair: tuple[Worker, Worker], router_logs: Path) -> Iterator[Router]:
     """1P1D over tcp (what the workers advertise)."""
     p, d = llama_pair
@@ -38,7 +38,7 @@ def router_pd(llama_pair: tuple[Worker, Worker], router_logs: Path) -> Iterator[
     r.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def router_pd_shm(llama_pair: tuple[Worker, Worker], router_logs: Path) -> Iterator[Router]:
     """1P1D with every transfer over shared memory."""
     p, d = llama_pair
@@ -47,7 +47,7 @@ def router_pd_shm(llama_pair: tuple[Worker, Worker], router_logs: Path) -> Itera
     r.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def router_colocated(colocated_worker: Worker, router_logs: Path) -> Iterator[Router]:
     r = start_router(router_logs, "--colocated", colocated_worker.url)
     yield r
