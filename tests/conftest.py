@@ -23,7 +23,7 @@ import pytest
 from splitserve.worker.kvrelay import RUNTIME_DIR_ENV
 from tests.support import cores
 from tests.support.integration import check_drained, is_integration, no_server_processes
-from tests.support.workers import Worker, launch_together, make_checkpoint
+from tests.support.workers import Worker, launch_together, make_checkpoint, stop_all
 
 RAY_TESTS = Path(__file__).parent / "raybackend"
 
@@ -91,5 +91,4 @@ def llama_pair(llama_ckpt: Path) -> Iterator[tuple[Worker, Worker]]:
                                             "max_num_batched_tokens": 256, "cpus": cores.PREFILL}),
         ("llama-d", "decode", {"load_timeout_s": 3.0, "cpus": cores.DECODE}))
     yield p, d
-    p.stop()
-    d.stop()
+    stop_all(p, d)

@@ -1,10 +1,16 @@
-"""Package-scoped fixtures end with their package only where pytest sees a package: a folder
-with `__init__.py`. Without one, pytest 8+ scopes them to the session, so the workers they start
-outlive their tests and take the memory later packages' workers need."""
+"""Test packages, checked before any worker starts:
+
+- package-scoped fixtures end with their package only where pytest sees a package, a folder with
+  `__init__.py`; without one, pytest 8+ scopes them to the session, so the workers they start
+  outlive their tests and take the memory later packages' workers need;
+- a test package is imported under its folder's name (`tests` itself is not a package), so that
+  name must not be an installed module's: `tests/nixl` would stand in for NIXL's `nixl`."""
 
 from __future__ import annotations
 
 import ast
+import importlib.machinery
+import site
 from pathlib import Path
 
 TESTS = Path(__file__).parent
@@ -28,3 +34,13 @@ def test_every_package_scoped_fixture_lives_in_a_package() -> None:
     outside = {str(c.relative_to(TESTS)): names for c, names in found.items()
                if names and not (c.parent / "__init__.py").exists()}
     assert not outside, f"package-scoped fixtures that would live all session: {outside}"
+
+
+def test_no_test_package_is_named_as_an_installed_module() -> None:
+    installed = site.getsitepackages()
+    assert importlib.machinery.PathFinder.find_spec("nixl", installed) is not None  # the check
+    packages = sorted(p.parent.name for p in TESTS.glob("*/__init__.py"))
+    assert "raybackend" in packages
+    shadowing = [name for name in packages
+                 if importlib.machinery.PathFinder.find_spec(name, installed) is not None]
+    assert not shadowing, f"test packages named as installed modules: {shadowing}"

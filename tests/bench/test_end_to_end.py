@@ -36,7 +36,7 @@ def worker_key(monkeypatch: pytest.MonkeyPatch) -> None:
 def plain_worker(llama_ckpt: Path) -> Iterator[Worker]:
     """One plain vLLM worker (no connector) on the small llama checkpoint, for this module only:
     the router tests' `colocated_worker` is the same worker, but a session worker started here
-    would live through tests/nixl's seven workers (about 3 GB each on a 24 GiB machine)."""
+    would live through tests/nixlconnector's workers (about 3 GB each on a 24 GiB machine)."""
     w = launch(llama_ckpt, "bench-plain", None, cpus=cores.BOTH)
     yield w
     w.stop()

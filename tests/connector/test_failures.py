@@ -19,6 +19,7 @@ from tests.support.workers import (
     hf_greedy,
     launch_together,
     model_name,
+    stop_all,
     transfer_record,
     two_legs,
     wait_drained,
@@ -40,8 +41,7 @@ def spare_ds(llama_ckpt: Path) -> Iterator[tuple[Worker, Worker]]:
         ("llama-d-tiny", "decode", {"staging_bytes": 1024**2, "load_timeout_s": 3.0,
                                     "cpus": cores.spare_cores("prefill", 1)}))
     yield fail, tiny
-    fail.stop()
-    tiny.stop()
+    stop_all(fail, tiny)
 
 
 @pytest.fixture

@@ -21,11 +21,11 @@ from tests.support.workers import (
     Worker,
     auth_headers,
     hf_greedy,
-    launch,
     launch_together,
     make_checkpoint,
     model_name,
     split_at_once,
+    stop_all,
     wait_drained,
     whole_answer,
 )
@@ -42,15 +42,22 @@ def prompt_of(length: int, seed: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def mla_pair(checkpoint_root: Path) -> Iterator[tuple[Worker, Worker]]:
+def mla_workers(checkpoint_root: Path) -> Iterator[tuple[Worker, Worker, Worker]]:
     """P and D of the DeepSeek-V2 checkpoint (the MLA backend turns chunked prefill and
-    prefix caching off, so P takes no token budget)."""
+    prefix caching off, so P takes no token budget), and a second P of TP 2, started side by
+    side."""
     ckpt = make_checkpoint(checkpoint_root, "deepseek_v2")
-    p, d = launch_together(ckpt, ("mla-p", "prefill", {"cpus": cores.PREFILL}),
-                           ("mla-d", "decode", {"load_timeout_s": 30.0, "cpus": cores.DECODE}))
-    yield p, d
-    p.stop()
-    d.stop()
+    p, d, p_tp2 = launch_together(
+        ckpt, ("mla-p", "prefill", {"cpus": cores.PREFILL}),
+        ("mla-d", "decode", {"load_timeout_s": 30.0, "cpus": cores.DECODE}),
+        ("mla-p-tp2", "prefill", {"tensor_parallel_size": 2, "cpus": cores.BOTH}))
+    yield p, d, p_tp2
+    stop_all(p, d, p_tp2)
+
+
+@pytest.fixture(scope="module")
+def mla_pair(mla_workers: tuple[Worker, Worker, Worker]) -> tuple[Worker, Worker]:
+    return mla_workers[0], mla_workers[1]
 
 
 @pytest.mark.parametrize("transport", ["tcp", "shm"])
@@ -87,20 +94,16 @@ def test_through_the_router_and_colocated(mla_pair: tuple[Worker, Worker],
     assert whole_answer(p, prompt, MAX_TOKENS) == want
 
 
-def test_a_prefill_of_two_ranks_sends_the_latent_once(mla_pair: tuple[Worker, Worker]) -> None:
+def test_a_prefill_of_two_ranks_sends_the_latent_once(
+        mla_workers: tuple[Worker, Worker, Worker]) -> None:
     """P of TP 2 -> D of TP 1: the latent is whole on each P rank, and only the first sends it
     (D's bytes are one copy); token-exact against transformers, and P of TP 2 serving whole
     answers the same."""
-    _, d = mla_pair
+    _, d, p2 = mla_workers
     ckpt = Path(d.cfg.model)
-    p2 = launch(ckpt, "mla-p-tp2", "prefill", tensor_parallel_size=2, cpus=cores.BOTH)
-    try:
-        prompts = [prompt_of(n, 90 + i) for i, n in enumerate((7, 300))]
-        for prompt, _, rec in split_at_once(p2, d, prompts, MAX_TOKENS, "tcp", "mla-tp2"):
-            assert rec["status"] == "loaded", rec
-            assert rec["bytes"] == len(prompt) * LAYERS * LATENT * 4, rec
-        assert whole_answer(p2, prompts[1], MAX_TOKENS) == hf_greedy(ckpt, prompts[1],
-                                                                     MAX_TOKENS)
-        wait_drained(p2, d, timeout_s=60.0)
-    finally:
-        p2.stop()
+    prompts = [prompt_of(n, 90 + i) for i, n in enumerate((7, 300))]
+    for prompt, _, rec in split_at_once(p2, d, prompts, MAX_TOKENS, "tcp", "mla-tp2"):
+        assert rec["status"] == "loaded", rec
+        assert rec["bytes"] == len(prompt) * LAYERS * LATENT * 4, rec
+    assert whole_answer(p2, prompts[1], MAX_TOKENS) == hf_greedy(ckpt, prompts[1], MAX_TOKENS)
+    wait_drained(p2, d, timeout_s=60.0)

@@ -36,6 +36,7 @@ from tests.support.workers import (
     make_checkpoint,
     model_name,
     split_at_once,
+    stop_all,
     two_legs,
     wait_drained,
     whole_answer,
@@ -61,8 +62,7 @@ def tp_pair(request: pytest.FixtureRequest, checkpoint_root: Path
         ckpt, (f"{name}-tp2", "both", {"tensor_parallel_size": 2, "cpus": cores.BOTH, **slack}),
         (f"{name}-tp1", "both", {"cpus": cores.DECODE, **slack}))
     yield name, two, one
-    two.stop()
-    one.stop()
+    stop_all(two, one)
 
 
 # (KV heads, head_dim) of each model: the bytes a D rank receives follow from them

@@ -20,6 +20,7 @@ from tests.support.workers import (
     launch_together,
     make_checkpoint,
     split_at_once,
+    stop_all,
     transfer_record,
     two_legs,
     whole_answer,
@@ -47,8 +48,7 @@ def pair(request: pytest.FixtureRequest, checkpoint_root: Path
         ckpt, (f"{arch}-p", "prefill", {"max_num_batched_tokens": 256, "cpus": cores.PREFILL}),
         (f"{arch}-d", "decode", {"load_timeout_s": 3.0, "cpus": cores.DECODE}))
     yield arch, ckpt, p, d
-    p.stop()
-    d.stop()
+    stop_all(p, d)
 
 
 @pytest.mark.parametrize("transport", ["tcp", "shm"])

@@ -1,4 +1,5 @@
-"""Router test fixtures: a plain colocated reference worker and routers as real processes.
+"""Router test fixtures: a plain colocated reference worker, a second P/D pair, and routers as
+real processes, all gone after this package.
 
 Routers run as `splitserve router` subprocesses on loopback over the session's llama P/D pair
 (tests/conftest.py) and one plain vLLM worker on the same checkpoint (the colocated reference).
@@ -13,7 +14,7 @@ import pytest
 
 from tests.support import cores
 from tests.support.routers import Router, start_router
-from tests.support.workers import Worker, launch
+from tests.support.workers import Worker, launch, launch_together, stop_all
 
 
 @pytest.fixture(scope="package")
@@ -22,6 +23,24 @@ def colocated_worker(llama_ckpt: Path) -> Iterator[Worker]:
     w = launch(llama_ckpt, "router-colocated", None, cpus=cores.BOTH)
     yield w
     w.stop()
+
+
+@pytest.fixture(scope="package")
+def second_pair(llama_ckpt: Path) -> Iterator[tuple[Worker, Worker]]:
+    """A second P and D beside the session's pair, started side by side: test_2p2d's 2P+2D,
+    test_cache_e2e's second P. P's answers carry the engine's count of cached prompt tokens,
+    for a router to compare. test_2p2d's last tests kill this D: no later test may use it."""
+    p2, d2 = launch_together(
+        llama_ckpt, ("llama-p2", "prefill", {"cpus": cores.spare_cores("prefill", 0),
+                                             "extra_args": ("--enable-prompt-tokens-details",)}),
+        ("llama-d2", "decode", {"cpus": cores.spare_cores("decode", 1)}))
+    yield p2, d2
+    stop_all(p2, d2)  # stopping the killed D's group only reaps it
+
+
+@pytest.fixture(scope="package")
+def second_p(second_pair: tuple[Worker, Worker]) -> Worker:
+    return second_pair[0]
 
 
 @pytest.fixture(scope="package")

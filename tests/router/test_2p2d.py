@@ -20,25 +20,19 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support import cores
 from tests.support.routers import Router, start_router
-from tests.support.workers import Worker, hf_greedy, launch_together
+from tests.support.workers import Worker, hf_greedy
 
 MAX_TOKENS = 8
 LENGTHS = (3, 40, 130, 260, 333, 90, 17, 200)
 
 
 @pytest.fixture(scope="module")
-def pools(llama_pair: tuple[Worker, Worker], llama_ckpt: Path
-          ) -> Iterator[tuple[list[Worker], list[Worker]]]:
-    """The shared pair plus one more prefill and one more decode worker."""
-    p1, d1 = llama_pair
-    p2, d2 = launch_together(
-        llama_ckpt, ("llama-p2", "prefill", {"cpus": cores.spare_cores("prefill", 0)}),
-        ("llama-d2", "decode", {"cpus": cores.spare_cores("decode", 1)}))
-    yield [p1, p2], [d1, d2]
-    p2.stop()
-    d2.stop()  # killed by the last tests: stopping a dead worker's group only reaps it
+def pools(llama_pair: tuple[Worker, Worker], second_pair: tuple[Worker, Worker]
+          ) -> tuple[list[Worker], list[Worker]]:
+    """The session's pair and the package's second pair (its D is killed by the last tests)."""
+    (p1, d1), (p2, d2) = llama_pair, second_pair
+    return [p1, p2], [d1, d2]
 
 
 @pytest.fixture(scope="module", params=["tcp", "shm"])

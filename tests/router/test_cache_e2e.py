@@ -5,8 +5,9 @@ a worker whose event stream is lost is routed by load; a router started later (a
 router) rebuilds the same index within seconds; two routers over the pool hit the cache as one
 does, and killing one of them costs only the requests it held.
 
-Workers: the session's llama P and D, and one more P (behind a proxy that can cut its cache
-report). Prompts are fresh per test (their own seeds), so no earlier test's cache hits them.
+Workers: the session's llama P and D, and the package's second P (behind a proxy that can cut
+its cache report). Prompts are fresh per test (their own seeds), so no earlier test's cache
+hits them.
 """
 
 from __future__ import annotations
@@ -23,10 +24,9 @@ import httpx
 import pytest
 
 from splitserve.worker.launch import free_port
-from tests.support import cores
 from tests.support.proxy import Proxy
 from tests.support.routers import Router, start_router
-from tests.support.workers import Worker, auth_headers, chat_prompt_ids, hf_greedy, launch
+from tests.support.workers import Worker, auth_headers, chat_prompt_ids, hf_greedy
 
 MAX_TOKENS = 8
 BLOCK = 128  # vLLM-CPU's block size
@@ -34,15 +34,6 @@ BLOCK = 128  # vLLM-CPU's block size
 
 def prompt_of(length: int, seed: int) -> list[int]:
     return [3 + (seed * 41 + i * 17) % 1000 for i in range(length)]
-
-
-@pytest.fixture(scope="module")
-def second_p(llama_ckpt: Path) -> Iterator[Worker]:
-    # its answers carry the engine's count of cached prompt tokens, for the router to compare
-    p2 = launch(llama_ckpt, "llama-cache-p2", "prefill", cpus=cores.spare_cores("prefill", 0),
-                extra_args=("--enable-prompt-tokens-details",))
-    yield p2
-    p2.stop()
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ import pytest
 from splitserve.bench.chaos import ChaosRequest, Outcome, chaos_requests, run_wave, summarize
 from tests.support import cores
 from tests.support.routers import Router, start_router
-from tests.support.workers import Worker, hf_greedy, launch, launch_together, metric_sum
+from tests.support.workers import Worker, hf_greedy, launch, launch_together, metric_sum, stop_all
 
 MAX_TOKENS = 24
 CRASHABLE = {"SPLITSERVE_FAULTS": "1,crash"}
@@ -49,8 +49,7 @@ def spares(llama_ckpt: Path) -> Iterator[dict[str, Worker]]:
     try:
         yield spare
     finally:
-        for w in spare.values():
-            w.stop()
+        stop_all(*spare.values())
 
 
 def requests_for(wave: int, n: int, crashes: bool = True) -> list[ChaosRequest]:

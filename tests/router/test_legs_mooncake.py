@@ -3,7 +3,7 @@ dispatch it asks of `Flow` (`router.early`): P's engine id from its bootstrap se
 when P restarts), both legs sent at once with one transfer id, D's replayed t1 checked and
 dropped, and D's early leg aborted when P fails (P retried under a fresh transfer id) or the
 request ends at t1. Scripted workers answer as Mooncake workers and P's bootstrap server do;
-real ones are in tests/mooncake."""
+real ones are in tests/mooncakeconnector."""
 
 from __future__ import annotations
 

@@ -19,7 +19,14 @@ import pytest
 from tests.support import cores
 from tests.support.nixl_helpers import stream_tokens
 from tests.support.routers import Router, start_router
-from tests.support.workers import Worker, hf_greedy, launch_together, make_checkpoint, metric_sum
+from tests.support.workers import (
+    Worker,
+    hf_greedy,
+    launch_together,
+    make_checkpoint,
+    metric_sum,
+    stop_all,
+)
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}
 DRAFTS = "vllm:spec_decode_num_drafts_total"
@@ -47,13 +54,11 @@ def drafting(repeats_ckpt: Path, tmp_path_factory: pytest.TempPathFactory
         router = start_router(tmp_path_factory.mktemp("router-spec"), "--prefill", p.url,
                               "--decode", d1.url, d2.url)
     except BaseException:
-        for w in (p, d1, d2):
-            w.stop()
+        stop_all(p, d1, d2)
         raise
     yield p, d1, d2, router
     router.stop()
-    for w in (p, d1, d2):
-        w.stop()  # D2 is killed by the last test: stopping it only reaps it
+    stop_all(p, d1, d2)  # D2 is killed by the last test: stopping it only reaps it
 
 
 def prompt_of(n: int) -> list[int]:

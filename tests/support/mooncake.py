@@ -1,4 +1,4 @@
-"""The workers of the Mooncake tests (tests/mooncake/conftest.py starts them)."""
+"""The workers of the Mooncake tests (tests/mooncakeconnector/conftest.py starts them)."""
 
 from __future__ import annotations
 

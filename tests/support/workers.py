@@ -22,7 +22,7 @@ from pathlib import Path
 
 import httpx
 
-from splitserve.common.procs import stop_group
+from splitserve.common.procs import stop_groups
 from splitserve.config import WorkerConfig, bearer_headers
 from splitserve.demo_model import ModelSpec, build_checkpoint
 from splitserve.worker.launch import free_port, start_worker, wait_healthy
@@ -139,8 +139,7 @@ class Worker:
                 for r in range(self.cfg.tensor_parallel_size)]
 
     def stop(self) -> None:
-        LIVE.discard(self)
-        stop_group(self.proc, 20.0)
+        stop_all(self)
 
     def kill(self) -> None:
         """SIGKILL the worker's whole process group (vLLM's EngineCore with it), as a crash."""
@@ -149,6 +148,14 @@ class Worker:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(10)
+
+
+def stop_all(*workers: Worker) -> None:
+    """Stop the workers side by side: SIGTERM to every group, then up to 20 s for all of them to
+    exit (each shuts down as it would alone), then SIGKILL to what is left."""
+    for w in workers:
+        LIVE.discard(w)
+    stop_groups([w.proc for w in workers], 20.0)
 
 
 def auth_headers() -> dict[str, str]:
@@ -196,8 +203,7 @@ def launch_together(model: Path, *specs: tuple[str, str | None, dict[str, object
         wait_futures(futures)
     started = [f.result() for f in futures if f.exception() is None]
     if len(started) < len(futures):
-        for w in started:
-            w.stop()
+        stop_all(*started)
         next(f.result() for f in futures if f.exception() is not None)  # raises its error
     return started
 
@@ -207,8 +213,7 @@ def running(*workers: Worker) -> Iterator[tuple[Worker, ...]]:
     try:
         yield workers
     finally:
-        for w in workers:
-            w.stop()
+        stop_all(*workers)
 
 
 def wait_drained(*workers: Worker, timeout_s: float = 15.0) -> None:

@@ -1,6 +1,6 @@
 """A worker running vLLM's MooncakeConnector as `--connector mooncake` starts it: its
 `--kv-transfer-config` and environment, its settings, its info, and the device-index answer on a
-machine without an accelerator. Real Mooncake workers are in tests/mooncake."""
+machine without an accelerator. Real Mooncake workers are in tests/mooncakeconnector."""
 
 from __future__ import annotations
 

@@ -16,7 +16,14 @@ import pytest
 from tests.support import cores
 from tests.support.nixl_helpers import NIXL_LEASE_S, tokens_by_source, wait_kv_free
 from tests.support.routers import Router, start_router
-from tests.support.workers import Worker, hf_greedy, launch_together, make_checkpoint, metric_sum
+from tests.support.workers import (
+    Worker,
+    hf_greedy,
+    launch_together,
+    make_checkpoint,
+    metric_sum,
+    stop_all,
+)
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}
 DRAFTS = "vllm:spec_decode_num_drafts_total"
@@ -46,8 +53,7 @@ def nixl_drafting(checkpoint_root: Path, tmp_path_factory: pytest.TempPathFactor
     finally:
         if router is not None:
             router.stop()
-        p.stop()
-        d.stop()
+        stop_all(p, d)
 
 
 def test_nixl_d_drafts_and_stays_token_exact(

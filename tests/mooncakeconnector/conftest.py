@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.mooncake import MOONCAKE_LEASE_S, MooncakeWorkers
-from tests.support.workers import launch_together
+from tests.support.workers import launch_together, stop_all
 
 
 @pytest.fixture(scope="package")
@@ -26,5 +26,4 @@ def mooncake(llama_ckpt: Path) -> Iterator[MooncakeWorkers]:
         ("mooncake-d2", "decode", common | {"cpus": (1,)}))
     workers = MooncakeWorkers(p1, p2, d1, d2)
     yield workers
-    for w in (p1, p2, d1, d2):
-        w.stop()
+    stop_all(p1, p2, d1, d2)

@@ -16,7 +16,7 @@ import pytest
 
 from tests.support import cores
 from tests.support.nixl_helpers import NIXL_LEASE_S
-from tests.support.workers import Worker, launch_together, make_checkpoint
+from tests.support.workers import Worker, launch_together, make_checkpoint, stop_all
 
 
 @pytest.fixture(scope="package")
@@ -32,5 +32,4 @@ def nixl_pd(nixl_ckpt: Path) -> Iterator[tuple[Worker, Worker]]:
                                                     "max_num_batched_tokens": 256}),
         ("nixl-d", "decode", common | {"cpus": cores.DECODE}))
     yield p, d
-    p.stop()
-    d.stop()
+    stop_all(p, d)

@@ -39,7 +39,14 @@ from tests.support.nixl_helpers import (
     wait_kv_free,
 )
 from tests.support.routers import Router, start_router
-from tests.support.workers import Worker, chat_prompt_ids, hf_greedy, launch_together, metric_sum
+from tests.support.workers import (
+    Worker,
+    chat_prompt_ids,
+    hf_greedy,
+    launch_together,
+    metric_sum,
+    stop_all,
+)
 
 MAX_TOKENS = 16
 LONG = 1500  # prompt tokens: a dozen blocks for D to pull
@@ -64,8 +71,7 @@ def spares(nixl_ckpt: Path) -> Iterator[Spares]:
         ("nixl-fail-d1", "decode", common | {"cpus": (1,)}),
         ("nixl-fail-d2", "decode", common | {"cpus": (1,)}))
     yield Spares(p, d1, d2)
-    for w in (p, d1, d2):
-        w.stop()
+    stop_all(p, d1, d2)
 
 
 @pytest.fixture(scope="module")
