@@ -39,10 +39,7 @@ def router(mooncake: MooncakeWorkers, tmp_path_factory: pytest.TempPathFactory) 
                      "--prefill", mooncake.p1.url, mooncake.p2.url,
                      "--decode", mooncake.d1.url, mooncake.d2.url)
     try:
-        deadline = time.monotonic() + 30
-        while not all(w["healthy"] and w["kv_endpoint"] for w in r.workers()):
-            assert time.monotonic() < deadline, r.workers()
-            time.sleep(0.2)
+        r.wait_kv_endpoints()
         yield r
     finally:
         r.stop()

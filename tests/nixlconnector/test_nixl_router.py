@@ -9,7 +9,6 @@ D loads P's blocks (it computes no prompt token); afterwards P's and D's KV is f
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -38,10 +37,7 @@ def nixl_router(nixl_pd: tuple[Worker, Worker], tmp_path_factory: pytest.TempPat
     r = start_router(tmp_path_factory.mktemp("nixl-router"), "--prefill", p.url,
                      "--decode", d.url)
     try:
-        deadline = time.monotonic() + 30
-        while not all(w["healthy"] and w["kv_endpoint"] for w in r.workers()):
-            assert time.monotonic() < deadline, r.workers()
-            time.sleep(0.2)
+        r.wait_kv_endpoints()
         yield r
     finally:
         r.stop()

@@ -5,7 +5,6 @@ prompt token), and its output equals transformers while its counters show drafts
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -14,6 +13,7 @@ import httpx
 import pytest
 
 from tests.support import cores
+from tests.support.drafting import ACCEPTED, DRAFTS, NGRAM
 from tests.support.nixl_helpers import NIXL_LEASE_S, tokens_by_source, wait_kv_free
 from tests.support.routers import Router, start_router
 from tests.support.workers import (
@@ -25,9 +25,6 @@ from tests.support.workers import (
     stop_all,
 )
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}
-DRAFTS = "vllm:spec_decode_num_drafts_total"
-ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
 LENGTHS = (3, 130, 260, 40)
 MAX_TOKENS = 96  # each of these prompts' outputs falls into a cycle within 70 tokens
 
@@ -45,10 +42,7 @@ def nixl_drafting(checkpoint_root: Path, tmp_path_factory: pytest.TempPathFactor
     try:
         router = start_router(tmp_path_factory.mktemp("nixl-spec-router"), "--prefill", p.url,
                               "--decode", d.url)
-        deadline = time.monotonic() + 30
-        while not all(w["healthy"] and w["kv_endpoint"] for w in router.workers()):
-            assert time.monotonic() < deadline, router.workers()
-            time.sleep(0.2)
+        router.wait_kv_endpoints()
         yield ckpt, p, d, router
     finally:
         if router is not None:

@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from tests.support import cores
+from tests.support.drafting import ACCEPTED, DRAFTS, NGRAM
 from tests.support.nixl_helpers import stream_tokens
 from tests.support.routers import Router, start_router
 from tests.support.workers import (
@@ -28,9 +29,6 @@ from tests.support.workers import (
     stop_all,
 )
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}
-DRAFTS = "vllm:spec_decode_num_drafts_total"
-ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
 LENGTHS = (3, 40, 130, 260, 90, 17)
 MAX_TOKENS = 96  # each of these prompts' outputs falls into a cycle within 70 tokens
 

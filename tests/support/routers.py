@@ -42,6 +42,14 @@ class Router:
         for w in self.workers():
             self.drain(w["url"], w["url"] not in urls)
 
+    def wait_kv_endpoints(self, timeout_s: float = 30.0) -> None:
+        """Until every worker is healthy and the router holds its KV endpoint (learnt by its
+        health checks), so that the next request can be split."""
+        deadline = time.monotonic() + timeout_s
+        while not all(w["healthy"] and w["kv_endpoint"] for w in self.workers()):
+            assert time.monotonic() < deadline, self.workers()
+            time.sleep(0.2)
+
     def wait_idle(self, timeout_s: float = 20.0) -> None:
         """Until the router has no leg open on any worker."""
         deadline = time.monotonic() + timeout_s
