@@ -2,7 +2,7 @@
 
 What it measures is NIXL's transport (UCX, as vLLM's NixlConnector builds its agents), DRAM to
 DRAM between two local processes, loopback: a "P" process registers a source buffer and hands
-its agent metadata over a pipe; this process ("D") registers a destination buffer, loads P's
+its agent metadata over a pipe; a "D" process registers a destination buffer, loads P's
 metadata and READs from it, as a NixlConnector D pulls a finished request's blocks. Each
 transfer is a list of `desc_bytes` descriptors (one per KV block and layer on vLLM-CPU: block
 size × kv heads × head dim × dtype bytes), timed from posting to DONE. Both agents run their
@@ -73,24 +73,66 @@ def _descs(base: int, nbytes: int, desc_bytes: int) -> np.ndarray:
 def measure_reads(sizes: tuple[int, ...] = PROBE_SIZES, desc_bytes: int = DESC_BYTES,
                   repeats: int = 5, progress_delay_us: int = NIXL_PROGRESS_DELAY_US,
                   timeout_s: float = 60.0) -> dict[int, float]:
-    """Bytes → the fastest READ's seconds, over `repeats` READs of each size from a P agent in
-    a child process. Raises RuntimeError if a READ fails, times out or delivers wrong bytes."""
+    """Bytes → the fastest READ's seconds, over `repeats` READs of each size by a D agent from
+    a P agent. Raises RuntimeError if a READ fails, times out or delivers wrong bytes.
+
+    Both agents live in child processes, never in this one: a process that built a NIXL agent
+    crashed at its exit here (SIGSEGV; nixl 1.5.1 with UCX), which made `splitserve profile
+    --nixl-probe` exit 139 after it had written the profile."""
     if not sizes or min(sizes) < desc_bytes or desc_bytes < 1 or repeats < 1:
         raise ValueError("need sizes >= desc_bytes >= 1 and repeats >= 1")
-    top = max(sizes)
-    ctx = mp.get_context("spawn")  # a fresh interpreter: no inherited UCX or engine state
-    here, there = ctx.Pipe()
-    child = ctx.Process(target=_serve, args=(there, top, progress_delay_us), daemon=True)
-    child.start()
+    ctx = mp.get_context("spawn")  # fresh interpreters: no inherited UCX or engine state
+    to_p, p_end = ctx.Pipe()
+    to_d, d_end = ctx.Pipe()
+    p = ctx.Process(target=_serve, args=(p_end, max(sizes), progress_delay_us), daemon=True)
+    d = ctx.Process(target=_read, args=(d_end, sizes, desc_bytes, repeats, progress_delay_us,
+                                        timeout_s), daemon=True)
+    p.start()
+    d.start()
     try:
-        if not here.poll(timeout_s):
+        if not to_p.poll(timeout_s):
             raise RuntimeError("nixl probe: P's agent did not start")
-        meta, src_base = here.recv()
-        agent = _agent("splitserve-probe-D", progress_delay_us)
-        dst = np.zeros(top, dtype=np.uint8)
-        agent.register_memory([(dst.ctypes.data, top, 0, "")], "DRAM")
-        peer = agent.add_remote_agent(meta)
-        want = pattern(top)
+        to_d.send(to_p.recv())  # P's metadata and buffer address
+        deadline = time.monotonic() + timeout_s * (1 + len(sizes) * repeats)  # a READ each
+        while not to_d.poll(0.2):
+            if not d.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("nixl probe: D's agent ended or hung before its READs did")
+        status, result = to_d.recv()
+        to_p.send("done")
+    finally:
+        for child in (d, p):
+            child.join(timeout=10)
+            if child.is_alive():
+                child.kill()
+                child.join()
+    if status != "ok":
+        raise RuntimeError(result)
+    return result
+
+
+def _read(conn: Connection, sizes: tuple[int, ...], desc_bytes: int, repeats: int,
+          progress_delay_us: int, timeout_s: float) -> None:
+    """D: wait for P's (metadata, address), READ, send ("ok", bytes → seconds) or ("error",
+    why)."""
+    meta, src_base = conn.recv()
+    try:
+        conn.send(("ok", _read_from(meta, src_base, sizes, desc_bytes, repeats,
+                                    progress_delay_us, timeout_s)))
+    except Exception as exc:  # any failure is the caller's RuntimeError
+        conn.send(("error", f"nixl probe: {exc!r}" if not isinstance(exc, RuntimeError)
+                   else str(exc)))
+
+
+def _read_from(meta: bytes, src_base: int, sizes: tuple[int, ...], desc_bytes: int,
+               repeats: int, progress_delay_us: int, timeout_s: float) -> dict[int, float]:
+    """D's READs; its agent is torn down before this returns (peer removed, memory
+    deregistered)."""
+    agent = _agent("splitserve-probe-D", progress_delay_us)
+    dst = np.zeros(max(sizes), dtype=np.uint8)
+    registered = agent.register_memory([(dst.ctypes.data, dst.nbytes, 0, "")], "DRAM")
+    peer = agent.add_remote_agent(meta)
+    try:
+        want = pattern(dst.nbytes)
         best: dict[int, float] = {}
         for n in [n for n in sizes for _ in range(repeats)]:
             n = n // desc_bytes * desc_bytes
@@ -110,14 +152,10 @@ def measure_reads(sizes: tuple[int, ...] = PROBE_SIZES, desc_bytes: int = DESC_B
             if not np.array_equal(dst[:n], want[:n]):
                 raise RuntimeError(f"nixl probe: a READ of {n} bytes delivered wrong bytes")
             best[n] = min(best.get(n, float("inf")), elapsed)
-        agent.remove_remote_agent(peer)
-        here.send("done")
+        return best
     finally:
-        child.join(timeout=10)
-        if child.is_alive():
-            child.kill()
-            child.join()
-    return best
+        agent.remove_remote_agent(peer)
+        agent.deregister_memory(registered)
 
 
 def probe_nixl(sizes: tuple[int, ...] = PROBE_SIZES, desc_bytes: int = DESC_BYTES,

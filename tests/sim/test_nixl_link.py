@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -88,6 +90,17 @@ def test_profile_adds_a_nixl_link_measured_by_real_agents(tmp_path: Path) -> Non
     assert "65536 B descriptors" in link.source
     # a 1 MiB READ takes what the link says, within the noise of a shared machine
     assert 0 < link.time(1 << 20) < 1.0
+
+
+def test_the_probes_caller_exits_cleanly() -> None:
+    """The agents live in child processes: the caller, which only reads their result, exits 0
+    (a process that built a NIXL agent crashed at its exit here)."""
+    script = ("from splitserve.sim.nixl_probe import measure_reads; "
+              "print(sorted(measure_reads(sizes=(1 << 16, 1 << 18), repeats=1)))")
+    child = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                           timeout=180, check=False)
+    assert child.returncode == 0, child.stderr[-3000:]
+    assert child.stdout.strip().splitlines()[-1] == "[65536, 262144]"  # NIXL logs above it
 
 
 def _two_link_profile(tcp: TransferLink, nixl: TransferLink) -> Profile:
