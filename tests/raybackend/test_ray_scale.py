@@ -109,6 +109,13 @@ class Timeline:
         self._until(lambda c: all(self.peak[k] >= n for k, n in want.items()),
                     f"peaked at {want}", timeout_s)
 
+    def wait_started(self, kind: str, n: int, timeout_s: float) -> None:
+        """Until Serve holds `n` replicas of `kind`, all running (none starting or stopping). A
+        replica registers with the directory, and so is routable, seconds before Serve sees its
+        constructor return."""
+        self._until(lambda c: self.points[-1]["serve"][kind] == {"RUNNING": n},
+                    f"{n} {kind} running in Serve", timeout_s)
+
     def wait(self, want: dict[str, int], timeout_s: float) -> None:
         """Until every pool named in `want` has that many routable replicas."""
         self._until(lambda c: all(c[k] == n for k, n in want.items()), f"reached {want}",
@@ -190,7 +197,10 @@ def test_pools_scale_apart_survive_a_node_loss_and_drain_back(
         tl.mark("load 3")
         tl.wait_peak({"prefill": 2}, START_S)
 
-        # the node of one D, removed mid-stream
+        # the node of one D, removed mid-stream, once both Ds run in Serve's eyes: Serve
+        # replaces a lost replica at once, beside one still starting, and the count of
+        # replicas starting at once below is about the policies' steps
+        tl.wait_started("decode", 2, 60)
         time.sleep(2)  # streams on both D
         victim = next(w for w in dep.workers() if w["kind"] == "decode")
         node = next(n for n in ray_cluster.decode_nodes if n.node_id == victim["node_id"])
