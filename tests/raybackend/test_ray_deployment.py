@@ -3,10 +3,11 @@ equals Hugging Face transformers; the router's workers are the ones Ray placed, 
 its Ray node (in `/workers` and the per-worker Prometheus families); the token is on no command
 line; every TCP connection of the cluster's processes (`ss -tnp`) is on loopback.
 
-And 1P+1D over vLLM's NixlConnector on the same cluster (a second deployment, on the P slot and
-the D node the first leaves free, stopped before the scaling test needs them), behind two router
-replicas that know each other as peers: D pulls P's blocks across the Ray nodes over NIXL,
-token-exact through either router, each following both workers' cache reports."""
+And 1P+1D over vLLM's NixlConnector, then over its MooncakeConnector, on the same cluster (a
+second deployment each, on the P slot and the D node the first leaves free, stopped before the
+scaling test needs them), behind two router replicas that know each other as peers: D loads
+P's blocks across the Ray nodes and computes no prompt token, token-exact through either
+router, each following both workers' cache reports."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from splitserve.config import bearer_headers
 from splitserve.launch.config import from_mapping
@@ -77,24 +79,27 @@ def test_1p1d_on_two_ray_nodes_matches_transformers(ray_deployment: Any, llama_c
     assert off_loopback_connections(ours | {os.getpid()}) == []
 
 
-def test_1p1d_over_nixl_across_ray_nodes_matches_transformers(
-        ray_deployment: Any, ray_cluster: Any, llama_ckpt: Path) -> None:
+@pytest.mark.parametrize("connector", ["nixl", "mooncake"])
+def test_1p1d_over_vllms_connector_across_ray_nodes_matches_transformers(
+        ray_deployment: Any, ray_cluster: Any, llama_ckpt: Path, connector: str) -> None:
     from splitserve.launch.raybackend.deployment import RayDeployment
 
     mapping = ray_mapping(llama_ckpt, ray_cluster.cluster.address)
     # cache-aware, as deployed by default: each router follows both workers' cache reports
-    mapping |= {"connector": "nixl", "port": free_port(count=2), "routers": 2,
+    mapping |= {"connector": connector, "port": free_port(count=2), "routers": 2,
                 "kv_events": True}
     del mapping["router"]
     mapping["ray"] = {k: v for k, v in mapping["ray"].items() if not k.endswith("_max")}
-    mapping["ray"]["name"] = "nixl"
+    mapping["ray"]["name"] = connector
     dep = RayDeployment(from_mapping(mapping), say=lambda line: print(line, flush=True))
     dep.start()
     try:
         placed = {w["kind"]: w for w in dep.workers()}
         assert placed["prefill"]["node_id"] != placed["decode"]["node_id"]
         routed = httpx.get(f"{dep.url}/workers", timeout=10).json()["workers"]
-        assert {w["kv_endpoint"]["transport"] for w in routed} == {"nixl"}
+        # NIXL's endpoint names NIXL; Mooncake's names its protocol (tcp here)
+        assert {w["kv_endpoint"]["transport"] for w in routed} == \
+            {{"nixl": "nixl", "mooncake": "tcp"}[connector]}
         assert len(dep.urls) == 2
         deadline = time.monotonic() + 10  # each router host sets its peers in its next round
         for front, peer in (dep.urls, dep.urls[::-1]):
@@ -107,16 +112,19 @@ def test_1p1d_over_nixl_across_ray_nodes_matches_transformers(
                 time.sleep(0.2)
         d_metrics = f"{placed['decode']['url']}/metrics"
 
-        def pulls() -> float:
+        def d_prompt_tokens(source: str) -> float:
             text = httpx.get(d_metrics, headers=bearer_headers(dep.token), timeout=5).text
-            return metric(text, "vllm:nixl_xfer_time_seconds_count")
+            return metric(text, "vllm:prompt_tokens_by_source_total", f'source="{source}"')
 
-        before = pulls()
         for i, length in enumerate((130, 400)):
             prompt = prompt_of(length, 20 + i)
             want = hf_greedy(llama_ckpt, prompt, MAX_TOKENS)
+            computed, loaded = d_prompt_tokens("local_compute"), \
+                d_prompt_tokens("external_kv_transfer")
             assert complete(dep.urls[i], prompt, MAX_TOKENS, stream=True) == want
+            # a new prompt's blocks came from P: D computed none of its tokens
+            assert d_prompt_tokens("local_compute") == computed
+            assert d_prompt_tokens("external_kv_transfer") > loaded
             assert complete(dep.urls[1 - i], prompt, MAX_TOKENS, stream=False) == want
-        assert pulls() - before >= 2  # each new prompt's blocks came from P over NIXL
     finally:
         dep.stop()
