@@ -6,6 +6,7 @@
     splitserve sim --profile P.json --mode disagg --prefill 1 --decode 3 [workload] --out r.json
     splitserve sim validate --profile P.json --rates 1,2 --repeats 3 [--url URL] [workload]
     splitserve profile --add-links P.json --nixl-probe --out P.json   # + a measured nixl link
+    splitserve profile --add-links P.json --mooncake-probe --out P.json   # + a mooncake link
     splitserve plan --profile P.json --workers 8 --request-rate 4 --slo-ttft-ms 1000 \\
         --slo-tpot-ms 50 [--connector splitserve|nixl|compare] [workload] --out-dir plan/
         (`sim.plan_cli`)
@@ -102,11 +103,13 @@ def _with_links(args: argparse.Namespace) -> Profile:
     from splitserve.sim.profile import nixl_desc_bytes
 
     prof = load_profile(args.add_links)
-    desc = nixl_desc_bytes(prof.model, args.block_size) if args.nixl_probe else None
-    links = measured_links(args.transfer_json, not args.no_tcp_probe, desc)
+    desc = nixl_desc_bytes(prof.model, args.block_size)
+    links = measured_links(args.transfer_json, not args.no_tcp_probe,
+                           desc if args.nixl_probe else None,
+                           desc if args.mooncake_probe else None)
     if not links and not args.nixl_json:
-        raise SystemExit("--add-links: nothing to measure (--nixl-probe, --nixl-json, "
-                         "--transfer-json, or the tcp probe)")
+        raise SystemExit("--add-links: nothing to measure (--nixl-probe, --mooncake-probe, "
+                         "--nixl-json, --transfer-json, or the tcp probe)")
     if args.nixl_json:  # vLLM's own pulls replace the probe's transport numbers
         links["nixl"], beyond = nixl_link_from_side_by_side(
             args.nixl_json, prof.model.kv_bytes_per_token)
@@ -152,11 +155,19 @@ def _measured(args: argparse.Namespace) -> Profile:
         task = bar.add_task("profile: grid steps measured", total=None)
         return profile_worker(args.url, plan, model_path(args.model_dir), args.transfer_json,
                               probe_tcp=not args.no_tcp_probe, probe_nixl=args.nixl_probe,
+                              probe_mooncake=args.mooncake_probe,
                               progress=lambda done, total: bar.update(task, completed=done,
                                                                       total=total))
 
 
 def run_profile(args: argparse.Namespace) -> int:
+    if args.mooncake_probe:
+        from splitserve.worker.launch import check_mooncake_installed
+
+        try:
+            check_mooncake_installed()
+        except ValueError as exc:
+            raise SystemExit(f"splitserve profile --mooncake-probe: {exc}") from None
     if args.add_links:
         prof = _with_links(args)
     elif args.refit:  # a split profile's split costs, else a plain profile's fits
@@ -273,11 +284,15 @@ def _register_profile(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     prof.add_argument("--no-tcp-probe", action="store_true")
     prof.add_argument("--nixl-probe", action="store_true", help="add a `nixl` link: NIXL READs "
                       "DRAM->DRAM between two local agents (the transport, loopback)")
+    prof.add_argument("--mooncake-probe", action="store_true", help="add a `mooncake` link: "
+                      "Mooncake transfer-engine WRITEs DRAM->DRAM over tcp between two local "
+                      "engines (the engine, loopback; needs the `mooncake` extra)")
     prof.add_argument("--add-links", metavar="PROFILE", help="measure links (tcp probe, "
-                      "--nixl-probe, --transfer-json) onto an existing profile; no worker")
+                      "--nixl-probe, --mooncake-probe, --transfer-json) onto an existing "
+                      "profile; no worker")
     prof.add_argument("--nixl-json", help="--add-links: the `nixl` link from vLLM's own pulls "
                       "in benchmarks/nixl_side_by_side.py's JSON (replaces --nixl-probe's)")
-    prof.add_argument("--block-size", type=int, default=128, help="--add-links --nixl-probe: "
+    prof.add_argument("--block-size", type=int, default=128, help="--add-links with a probe: "
                       "the workers' KV block size (tokens; vLLM-CPU: 128)")
     prof.add_argument("--quick", action="store_true", help="a smaller measurement grid")
     prof.add_argument("--refit", metavar="PROFILE", help="fit a measured profile's points again "

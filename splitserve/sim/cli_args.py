@@ -69,16 +69,16 @@ def add_connector_args(g: argparse._ArgumentGroup | argparse.ArgumentParser,
 
 def transport_for(args: argparse.Namespace, prof: Profile, connector: str) -> str:
     """The profile link a connector uses: `--transport`, else `nixl` for NIXL, `mooncake` for
-    Mooncake when the profile has that link, else `tcp` (or the profile's first non-nixl
-    link): Mooncake's engine moves KV over tcp here, so splitserve's measured tcp link stands
-    in for it until one is measured."""
+    Mooncake when the profile has that link (`splitserve profile --mooncake-probe`), else `tcp`
+    (or the profile's first link of splitserve's transports): Mooncake's engine moves KV over
+    tcp here, so splitserve's measured tcp link stands in for it until one is measured."""
     if args.transport and (connector == "splitserve" or args.connector != "compare"):
         return str(args.transport)
     if connector == "nixl":
         return "nixl"
     if connector == "mooncake" and "mooncake" in prof.transfer:
         return "mooncake"
-    others = sorted(t for t in prof.transfer if t != "nixl")
+    others = sorted(t for t in prof.transfer if t not in ("nixl", "mooncake"))
     return "tcp" if "tcp" in prof.transfer or not others else others[0]
 
 

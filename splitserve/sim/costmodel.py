@@ -150,6 +150,17 @@ def fit_link(samples: list[tuple[float, float]], source: str) -> TransferLink:
     return TransferLink(float(1.0 / inv_bw), max(0.0, float(lat)), source)
 
 
+def fit_link_or_span(best: dict[int, float], source: str) -> TransferLink:
+    """`fit_link` of a probe's fastest time per size; where the fit degenerates (time not
+    growing with bytes, on a noisy machine), bandwidth from the largest size and latency from
+    the smallest, labelled "unfitted"."""
+    try:
+        return fit_link(sorted(best.items()), source)
+    except ValueError:
+        big, small = max(best), min(best)
+        return TransferLink(big / best[big], best[small], source + ", unfitted")
+
+
 def transfer_arrival(link: TransferLink, nbytes: float, layers: int, prefill_start: float,
                      prefill_end: float, overlap: bool, link_free: float = 0.0
                      ) -> tuple[float, float]:

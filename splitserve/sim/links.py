@@ -5,6 +5,8 @@
 - `probe_loopback_tcp`: this host's loopback socket copy cost (not the connector's protocol);
 - `sim.nixl_probe.probe_nixl`: NIXL READs DRAM to DRAM between two local agents (the transport,
   not the NixlConnector's whole pull);
+- `sim.mooncake_probe.probe_mooncake`: Mooncake transfer-engine WRITEs DRAM to DRAM between two
+  local engines (the engine, not the MooncakeConnector's whole handover);
 - `measured_links`: what `splitserve profile` puts in a measured profile.
 """
 
@@ -17,7 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from splitserve.sim.costmodel import TransferLink, fit_link
+from splitserve.sim.costmodel import TransferLink, fit_link, fit_link_or_span
+from splitserve.sim.mooncake_probe import probe_mooncake
 from splitserve.sim.nixl_probe import probe_nixl
 
 _DURATION_KEYS = ("duration_s", "median_s", "seconds", "time_s")
@@ -80,27 +83,27 @@ def probe_loopback_tcp(sizes: tuple[int, ...] = (1 << 16, 1 << 20, 1 << 23, 1 <<
                 cli.recv(1)
                 best[n] = min(best.get(n, float("inf")), time.perf_counter() - t0)
         th.join(timeout=10)
-    source = "loopback TCP probe of this host (not the connector)"
-    try:
-        return fit_link(sorted(best.items()), source)
-    except ValueError:
-        big, small = max(best), min(best)
-        return TransferLink(big / best[big], best[small], source + ", unfitted")
+    return fit_link_or_span(best, "loopback TCP probe of this host (not the connector)")
 
 
 def measured_links(transfer_json: str | None = None, probe_tcp: bool = True,
-                   nixl_desc_bytes: int | None = None) -> dict[str, TransferLink]:
+                   nixl_desc_bytes: int | None = None, mooncake_desc_bytes: int | None = None
+                   ) -> dict[str, TransferLink]:
     """A measured profile's KV links by transport: with `probe_tcp`, `tcp` from a loopback
     TCP probe of this host (`probe_loopback_tcp`: the CPU default when nothing better is
     measured, labelled as such); with `nixl_desc_bytes` (a KV block's bytes per layer), `nixl`
-    from NIXL READs of such descriptors between two local agents (`sim.nixl_probe`); then every
-    transport a KV-transfer benchmark JSON measured (`links_from_benchmark`), which replaces
-    the probes' links of the same name."""
+    from NIXL READs of such descriptors between two local agents (`sim.nixl_probe`); with
+    `mooncake_desc_bytes`, `mooncake` from transfer-engine WRITEs of such entries between two
+    local engines over tcp (`sim.mooncake_probe`); then every transport a KV-transfer
+    benchmark JSON measured (`links_from_benchmark`), which replaces the probes' links of the
+    same name."""
     links: dict[str, TransferLink] = {}
     if probe_tcp:
         links["tcp"] = probe_loopback_tcp()
     if nixl_desc_bytes is not None:
         links["nixl"] = probe_nixl(desc_bytes=nixl_desc_bytes)
+    if mooncake_desc_bytes is not None:
+        links["mooncake"] = probe_mooncake(desc_bytes=mooncake_desc_bytes)
     if transfer_json:
         links |= links_from_benchmark(transfer_json)
     return links

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from splitserve.config import NIXL_PROGRESS_DELAY_US
-from splitserve.sim.costmodel import TransferLink, fit_link
+from splitserve.sim.costmodel import TransferLink, fit_link_or_span
 
 PROBE_SIZES: tuple[int, ...] = (1 << 18, 1 << 20, 1 << 22, 1 << 24)
 DESC_BYTES = 1 << 16  # 128 tokens × 2 kv heads × 64 × 4 B: the demo model's block per layer
@@ -167,8 +167,4 @@ def probe_nixl(sizes: tuple[int, ...] = PROBE_SIZES, desc_bytes: int = DESC_BYTE
     source = (f"nixl probe of this host: UCX READ DRAM->DRAM between two local processes, "
               f"{desc_bytes} B descriptors, progress delay {progress_delay_us} us "
               "(the transport, not the connector's whole pull)")
-    try:
-        return fit_link(sorted(best.items()), source)
-    except ValueError:
-        big, small = max(best), min(best)
-        return TransferLink(big / best[big], best[small], source + ", unfitted")
+    return fit_link_or_span(best, source)

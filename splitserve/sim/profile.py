@@ -15,8 +15,10 @@ token-id prompts (no prefix-cache hits) and `ignore_eos`.
 - KV capacity and the step budget come from the worker's `/metrics`
   (`vllm:cache_config_info`) and the caller (vLLM does not expose `max_num_batched_tokens`).
 - Transfer links (`sim.links.measured_links`): from the connector benchmark's JSON, or a
-  loopback TCP probe of this host, and with `probe_nixl` a `nixl` link from NIXL READs between
-  two local agents (`sim.nixl_probe`), each labelled with what it measured.
+  loopback TCP probe of this host, with `probe_nixl` a `nixl` link from NIXL READs between two
+  local agents (`sim.nixl_probe`), and with `probe_mooncake` a `mooncake` link from Mooncake
+  transfer-engine WRITEs between two local engines (`sim.mooncake_probe`), each labelled with
+  what it measured.
 """
 
 from __future__ import annotations
@@ -258,13 +260,14 @@ def shape_from_config(model_dir: str | Path, name: str) -> ModelShape:
 
 
 def nixl_desc_bytes(shape: ModelShape, block_size: int) -> int:
-    """The bytes of one KV block of one layer's K (or V): one NIXL descriptor on vLLM-CPU."""
+    """The bytes of one KV block of one layer's K (or V): one NIXL descriptor on vLLM-CPU, and
+    one entry of a MooncakeConnector write."""
     return block_size * shape.kv_heads * shape.head_dim * shape.dtype_bytes
 
 
 def profile_worker(url: str, plan: ProfilePlan, model_dir: str | None = None,
                    transfer_json: str | None = None, probe_tcp: bool = True,
-                   probe_nixl: bool = False,
+                   probe_nixl: bool = False, probe_mooncake: bool = False,
                    progress: Callable[[int, int], None] | None = None) -> Profile:
     """Measure a running worker's prefill and decode costs on `plan`'s grid and fit them.
     `progress(done, total)` is called as the grid's steps end (the prefill grid is one step,
@@ -287,8 +290,9 @@ def profile_worker(url: str, plan: ProfilePlan, model_dir: str | None = None,
     dec, jitter = measure_decode(url, plan, max_len, step)
     prefill, qp = fit_prefill(pre, plan.token_budget)
     decode, qd = fit_decode(dec)
-    desc = nixl_desc_bytes(shape, int(facts.get("block_size", 128))) if probe_nixl else None
-    links = measured_links(transfer_json, probe_tcp, desc)
+    desc = nixl_desc_bytes(shape, int(facts.get("block_size", 128)))
+    links = measured_links(transfer_json, probe_tcp, desc if probe_nixl else None,
+                           desc if probe_mooncake else None)
     return Profile(
         kind="measured", engine=Engine("vllm", str(facts["version"])), model=shape,
         hardware=hardware() | {"measured_url": url}, prefill=prefill, decode=decode,
