@@ -26,10 +26,9 @@ from splitserve.worker.cli import (
     add_speculative_argument,
     add_tls_arguments,
 )
+from splitserve.worker.kv_transfer import check_mooncake_installed, check_nixl_installed
 from splitserve.worker.launch import (
     check_kv_fits,
-    check_mooncake_installed,
-    check_nixl_installed,
     gpu_connector_warning,
 )
 

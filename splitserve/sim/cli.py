@@ -162,7 +162,7 @@ def _measured(args: argparse.Namespace) -> Profile:
 
 def run_profile(args: argparse.Namespace) -> int:
     if args.mooncake_probe:
-        from splitserve.worker.launch import check_mooncake_installed
+        from splitserve.worker.kv_transfer import check_mooncake_installed
 
         try:
             check_mooncake_installed()

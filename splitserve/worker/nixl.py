@@ -2,9 +2,10 @@
 handled through vLLM's supported `kv_connector_module_path` hook.
 
 vLLM loads `NixlConnector` from this module when a worker's `--kv-transfer-config` names it
-(`splitserve.worker.launch.kv_transfer_config`). The class *is* vLLM's connector (a subclass with
-the same name, so every `has_connector("NixlConnector")` check in vLLM still holds, and peers,
-proxies and vllm-router see the stock protocol). Only the worker-side constructor differs:
+(`splitserve.worker.kv_transfer.kv_transfer_config`). The class *is* vLLM's connector (a
+subclass with the same name, so every `has_connector("NixlConnector")` check in vLLM still
+holds, and peers, proxies and vllm-router see the stock protocol). Only the worker-side
+constructor differs:
 
 - **Progress thread delay.** nixl's Python API builds every agent with `pthrDelay = 0`, so UCX's
   progress thread busy-spins a whole core even when idle, and vLLM exposes no setting for it.

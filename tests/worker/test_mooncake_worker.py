@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from splitserve.config import WorkerConfig
-from splitserve.worker.launch import check_mooncake_installed, worker_command
+from splitserve.worker.kv_transfer import check_mooncake_installed
+from splitserve.worker.launch import worker_command
 from splitserve.worker.mooncake_settings import MooncakeSettings, default_protocol
 from splitserve.worker.plugin import mooncake_info
 from tests.support.workers import TOKEN

@@ -14,8 +14,9 @@ from splitserve.common import engine
 from splitserve.common.cpus import parse_cpus
 from splitserve.common.vocab import Connector, Role
 from splitserve.config import TOKEN_ENV, TOKEN_FILE_ENV, WorkerConfig, load_token
+from splitserve.worker.kv_transfer import kv_buffer_device
 from splitserve.worker.kvrelay import KV_EVENTS_DIR_ENV, events_config
-from splitserve.worker.launch import check_vllm_version, kv_buffer_device, worker_command
+from splitserve.worker.launch import check_vllm_version, worker_command
 from tests.support.workers import TOKEN, Worker
 
 
