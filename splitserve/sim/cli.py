@@ -165,9 +165,9 @@ def run_profile(args: argparse.Namespace) -> int:
         from splitserve.worker.kv_transfer import check_mooncake_installed
 
         try:
-            check_mooncake_installed()
+            check_mooncake_installed("splitserve profile --mooncake-probe")
         except ValueError as exc:
-            raise SystemExit(f"splitserve profile --mooncake-probe: {exc}") from None
+            raise SystemExit(str(exc)) from None
     if args.add_links:
         prof = _with_links(args)
     elif args.refit:  # a split profile's split costs, else a plain profile's fits

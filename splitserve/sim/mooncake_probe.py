@@ -5,9 +5,11 @@ What it measures is the engine as vLLM's MooncakeConnector builds it (`initializ
 "P2PHANDSHAKE", protocol, "")`), DRAM to DRAM between two local processes, loopback: a "D"
 process registers a destination buffer and hands its session (`host:rpc_port`) and address over
 a pipe; a "P" process registers a source buffer holding a pattern and writes into D's with
-`batch_transfer_sync_write`, one entry per KV block and layer, as the connector's sender writes
-a finished prompt's blocks into D's. Each write is timed from the call to its return, and D
-checks its bytes. It is not the connector's whole handover (no bootstrap query, no request from
+`batch_transfer_sync_write`, one entry per KV block and layer. That is the connector sender's
+most fragmented write: it merges runs of blocks contiguous on both sides into one entry, so a
+write of whole fresh caches may take fewer, larger entries than this. Each write is timed from
+the call to its return (the tcp transport returns once D acknowledged it), and D checks its
+bytes. It is not the connector's whole handover (no bootstrap query, no request from
 D, no wait for P's next engine step): `splitserve.sim` adds D's leg and P's step boundary to
 the transfer it fits.
 
@@ -102,7 +104,7 @@ def _ask(conn: Connection, child: BaseProcess, msg: Any, timeout_s: float, who: 
         conn.send(msg)
     deadline = time.monotonic() + timeout_s
     while not conn.poll(0.2):
-        if not child.is_alive() or time.monotonic() > deadline:
+        if (not child.is_alive() and not conn.poll(0)) or time.monotonic() > deadline:
             raise RuntimeError(f"mooncake probe: {who}'s engine ended or hung")
     status, *rest = conn.recv()
     if status != "ok":

@@ -75,12 +75,13 @@ def mooncake_transfer_config(cfg: WorkerConfig) -> dict[str, object]:
     }
 
 
-def check_mooncake_installed() -> None:
-    """Raise ValueError with the install command when Mooncake's engine cannot be loaded."""
+def check_mooncake_installed(flag: str = "--connector mooncake") -> None:
+    """Raise ValueError with the install command when Mooncake's engine cannot be loaded;
+    `flag` is what the user asked for that needs it."""
     try:
         from mooncake.engine import TransferEngine  # noqa: F401
     except ImportError as exc:
-        raise ValueError("--connector mooncake needs Mooncake's transfer engine, which does "
+        raise ValueError(f"{flag} needs Mooncake's transfer engine, which does "
                          f"not load here ({exc}): pip install 'splitserve[mooncake]' (and "
                          "your system's libibverbs, e.g. Debian's libibverbs1)") from None
 

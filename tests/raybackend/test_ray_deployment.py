@@ -22,6 +22,7 @@ import pytest
 from splitserve.config import bearer_headers
 from splitserve.launch.config import from_mapping
 from splitserve.worker.launch import free_port
+from splitserve.worker.mooncake_settings import default_protocol
 from tests.support.rayload import (
     cmdlines,
     complete,
@@ -97,9 +98,9 @@ def test_1p1d_over_vllms_connector_across_ray_nodes_matches_transformers(
         placed = {w["kind"]: w for w in dep.workers()}
         assert placed["prefill"]["node_id"] != placed["decode"]["node_id"]
         routed = httpx.get(f"{dep.url}/workers", timeout=10).json()["workers"]
-        # NIXL's endpoint names NIXL; Mooncake's names its protocol (tcp here)
+        # NIXL's endpoint names NIXL; Mooncake's names its protocol (tcp without an RDMA device)
         assert {w["kv_endpoint"]["transport"] for w in routed} == \
-            {{"nixl": "nixl", "mooncake": "tcp"}[connector]}
+            {{"nixl": "nixl", "mooncake": default_protocol()}[connector]}
         assert len(dep.urls) == 2
         deadline = time.monotonic() + 10  # each router host sets its peers in its next round
         for front, peer in (dep.urls, dep.urls[::-1]):
