@@ -14,9 +14,8 @@ from splitserve.bench.workload import LengthDist, WorkloadSpec, build_stream
 from splitserve.cli import main
 from splitserve.common.procs import stop_group
 from splitserve.worker.launch import free_port, wait_healthy
-from tests.support import cores
 from tests.support.cli import splitserve_argv
-from tests.support.workers import TOKEN, Worker, hub_cache, launch
+from tests.support.workers import TOKEN, Worker, hub_cache
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 STREAM = ["--num-prompts", "10", "--request-rate", "20", "--input-dist", "uniform",
@@ -30,16 +29,6 @@ def worker_key(monkeypatch: pytest.MonkeyPatch) -> None:
     router, it reads the workers' /metrics with the deployment token from the environment."""
     monkeypatch.setenv("SPLITSERVE_API_KEY", TOKEN)
     monkeypatch.setenv("SPLITSERVE_TOKEN", TOKEN)
-
-
-@pytest.fixture(scope="module")
-def plain_worker(llama_ckpt: Path) -> Iterator[Worker]:
-    """One plain vLLM worker (no connector) on the small llama checkpoint, for this module only:
-    the router tests' `colocated_worker` is the same worker, but a session worker started here
-    would live through tests/nixlconnector's workers (about 3 GB each on a 24 GiB machine)."""
-    w = launch(llama_ckpt, "bench-plain", None, cpus=cores.BOTH)
-    yield w
-    w.stop()
 
 
 def assert_png(path: Path) -> None:

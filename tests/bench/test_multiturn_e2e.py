@@ -1,51 +1,27 @@
-"""`splitserve bench --workload multiturn` against one real colocated vLLM worker: every turn
+"""`splitserve bench --workload multiturn` against the package's plain vLLM worker: every turn
 resends the previous prompt and the answer the server generated, and the result reports the
 cache figures the server gives."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from splitserve.cli import main
-from splitserve.common.procs import stop_group
-from splitserve.config import WorkerConfig
-from splitserve.demo_model import ModelSpec, build_checkpoint
-from splitserve.worker.launch import free_port, start_worker, wait_healthy
+from tests.support.workers import TOKEN, Worker
 
-TOKEN = "splitserve-multiturn-test-token-0123456789"
-TINY = ModelSpec(arch="llama", vocab_size=1024, hidden_size=128, intermediate_size=256,
-                 num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
-                 max_position_embeddings=2048, seed=1)
 SYSTEM, USER, OUTPUT = 256, 16, 8  # vLLM-CPU caches whole 128-token blocks
 
 
-@pytest.fixture(scope="module")
-def worker_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """One plain vLLM worker with the per-request cached-token count turned on."""
-    root = tmp_path_factory.mktemp("multiturn")
-    model = build_checkpoint(root / "model", TINY)
-    cfg = WorkerConfig(model=str(model), port=free_port(), cpus=(0, 1),
-                       extra_args=("--enable-prompt-tokens-details",))
-    log = root / "worker.log"
-    proc = start_worker(cfg, TOKEN, str(log))
-    try:
-        wait_healthy(cfg.url, proc, timeout_s=600, token=TOKEN, log=log)
-        yield cfg.url
-    finally:
-        stop_group(proc, 20.0, reap_s=None)
-
-
 @pytest.mark.integration
-def test_multiturn_resends_the_generated_answers(worker_url: str, tmp_path: Path,
+def test_multiturn_resends_the_generated_answers(plain_worker: Worker, tmp_path: Path,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SPLITSERVE_API_KEY", TOKEN)
     monkeypatch.setenv("SPLITSERVE_TOKEN", TOKEN)
     out = tmp_path / "mt.json"
-    assert main(["bench", "--url", worker_url, "--result-json", str(out), "--workload",
+    assert main(["bench", "--url", plain_worker.url, "--result-json", str(out), "--workload",
                  "multiturn", "--sessions", "2", "--turns", "3", "--system-prompt-tokens",
                  str(SYSTEM), "--user-tokens", str(USER), "--turn-output-tokens", str(OUTPUT),
                  "--think-time", "0.2", "--session-rate", "4", "--warmup", "1",

@@ -200,7 +200,7 @@ def test_pools_scale_apart_survive_a_node_loss_and_drain_back(
         # the node of one D, removed mid-stream, once both Ds run in Serve's eyes: Serve
         # replaces a lost replica at once, beside one still starting, and the count of
         # replicas starting at once below is about the policies' steps
-        tl.wait_started("decode", 2, 60)
+        tl.wait_started("decode", 2, START_S)
         time.sleep(2)  # streams on both D
         victim = next(w for w in dep.workers() if w["kind"] == "decode")
         node = next(n for n in ray_cluster.decode_nodes if n.node_id == victim["node_id"])
