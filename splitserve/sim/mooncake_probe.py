@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from splitserve.sim.costmodel import TransferLink, fit_link_or_span
-from splitserve.sim.nixl_probe import DESC_BYTES, PROBE_SIZES, pattern
+from splitserve.sim.nixl_probe import DESC_BYTES, PROBE_SIZES, join_or_kill, pattern
 
 HOST = "127.0.0.1"
 
@@ -49,14 +49,14 @@ def _registered(engine: Any, buf: np.ndarray) -> None:
 
 
 def _d_side(conn: Connection, nbytes: int, protocol: str) -> None:
-    """D: register a destination buffer, send ("ok", session, address); then answer "zero n"
+    """D: register a destination buffer, send ("ok", (session, address)); then answer "zero n"
     (clear its first n bytes) and "check n" (are they P's pattern?) until "stop"."""
     try:
         engine = _engine(protocol)
         dst = np.zeros(nbytes, dtype=np.uint8)
         _registered(engine, dst)
         want = pattern(nbytes)
-        conn.send(("ok", f"{HOST}:{engine.get_rpc_port()}", dst.ctypes.data))
+        conn.send(("ok", (f"{HOST}:{engine.get_rpc_port()}", dst.ctypes.data)))
         while (msg := conn.recv())[0] != "stop":
             what, n = msg
             if what == "zero":
@@ -70,9 +70,10 @@ def _d_side(conn: Connection, nbytes: int, protocol: str) -> None:
                    else f"mooncake probe: {exc!r}"))
 
 
-def _p_side(conn: Connection, nbytes: int, protocol: str) -> None:
+def _p_side(conn: Connection, nbytes: int, desc_bytes: int, protocol: str) -> None:
     """P: register a source buffer holding the pattern, send ("ok", None); take D's (session,
-    address), then answer "write n desc_bytes" with the write's seconds until "stop"."""
+    address), then answer "write n" (entries of `desc_bytes`) with the write's seconds until
+    "stop"."""
     try:
         engine = _engine(protocol)
         src = pattern(nbytes)
@@ -80,7 +81,7 @@ def _p_side(conn: Connection, nbytes: int, protocol: str) -> None:
         conn.send(("ok", None))
         session, dst_base = conn.recv()
         while (msg := conn.recv())[0] != "stop":
-            _, n, desc_bytes = msg
+            _, n = msg
             offsets = list(range(0, n, desc_bytes))
             lengths = [min(desc_bytes, n - o) for o in offsets]
             srcs = [src.ctypes.data + o for o in offsets]
@@ -98,18 +99,18 @@ def _p_side(conn: Connection, nbytes: int, protocol: str) -> None:
 
 
 def _ask(conn: Connection, child: BaseProcess, msg: Any, timeout_s: float, who: str) -> Any:
-    """Send `msg` (None: only wait) and return the child's answer; RuntimeError if it ends,
-    fails or does not answer within `timeout_s`."""
+    """Send `msg` (None: only wait) and return the child's ("ok", answer)'s answer;
+    RuntimeError if it ends, fails or does not answer within `timeout_s`."""
     if msg is not None:
         conn.send(msg)
     deadline = time.monotonic() + timeout_s
     while not conn.poll(0.2):
         if (not child.is_alive() and not conn.poll(0)) or time.monotonic() > deadline:
             raise RuntimeError(f"mooncake probe: {who}'s engine ended or hung")
-    status, *rest = conn.recv()
+    status, answer = conn.recv()
     if status != "ok":
-        raise RuntimeError(rest[0])
-    return rest[0] if len(rest) == 1 else tuple(rest)
+        raise RuntimeError(answer)
+    return answer
 
 
 def measure_writes(sizes: tuple[int, ...] = PROBE_SIZES, desc_bytes: int = DESC_BYTES,
@@ -124,7 +125,8 @@ def measure_writes(sizes: tuple[int, ...] = PROBE_SIZES, desc_bytes: int = DESC_
     ctx = mp.get_context("spawn")  # fresh interpreters: no inherited engine state
     to_p, p_end = ctx.Pipe()
     to_d, d_end = ctx.Pipe()
-    p = ctx.Process(target=_p_side, args=(p_end, max(sizes), protocol), daemon=True)
+    p = ctx.Process(target=_p_side, args=(p_end, max(sizes), desc_bytes, protocol),
+                    daemon=True)
     d = ctx.Process(target=_d_side, args=(d_end, max(sizes), protocol), daemon=True)
     p.start()
     d.start()
@@ -135,7 +137,7 @@ def measure_writes(sizes: tuple[int, ...] = PROBE_SIZES, desc_bytes: int = DESC_
         to_p.send((session, dst_base))
         for n in [n // desc_bytes * desc_bytes for n in sizes for _ in range(repeats)]:
             _ask(to_d, d, ("zero", n), timeout_s, "D")
-            elapsed = _ask(to_p, p, ("write", n, desc_bytes), timeout_s, "P")
+            elapsed = _ask(to_p, p, ("write", n), timeout_s, "P")
             if not _ask(to_d, d, ("check", n), timeout_s, "D"):
                 raise RuntimeError(f"mooncake probe: a write of {n} bytes delivered wrong bytes")
             best[n] = min(best.get(n, float("inf")), elapsed)
@@ -146,10 +148,7 @@ def measure_writes(sizes: tuple[int, ...] = PROBE_SIZES, desc_bytes: int = DESC_
                     conn.send(("stop",))
                 except OSError:
                     pass
-            child.join(timeout=10)
-            if child.is_alive():
-                child.kill()
-                child.join()
+        join_or_kill(p, d)
     return best
 
 

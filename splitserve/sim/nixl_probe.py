@@ -20,6 +20,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import time
 from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 from typing import Any
 
 import numpy as np
@@ -100,14 +101,19 @@ def measure_reads(sizes: tuple[int, ...] = PROBE_SIZES, desc_bytes: int = DESC_B
         status, result = to_d.recv()
         to_p.send("done")
     finally:
-        for child in (d, p):
-            child.join(timeout=10)
-            if child.is_alive():
-                child.kill()
-                child.join()
+        join_or_kill(d, p)
     if status != "ok":
         raise RuntimeError(result)
     return result
+
+
+def join_or_kill(*children: BaseProcess) -> None:
+    """Wait up to 10 s for each probe child to end, then kill it."""
+    for child in children:
+        child.join(timeout=10)
+        if child.is_alive():
+            child.kill()
+            child.join()
 
 
 def _read(conn: Connection, sizes: tuple[int, ...], desc_bytes: int, repeats: int,
