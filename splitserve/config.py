@@ -182,7 +182,7 @@ class WorkerConfig:
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
         object.__setattr__(self, "connector", as_member(Connector, self.connector, "connector"))
-        check_tensor_parallel(self.tensor_parallel_size, self.extra_args, self.cpus)
+        check_tensor_parallel(self.tensor_parallel_size, self.extra_args)
         if self.nixl_progress_delay_us < 0:
             raise ValueError("nixl_progress_delay_us must not be negative")
         if self.on_transfer_failure not in FAILURE_POLICIES:
@@ -220,8 +220,13 @@ class WorkerConfig:
 
     def rank_cpus(self, cores: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
         """`cores` split across the TP ranks: contiguous runs, as even as the count allows
-        (the first ranks get one more)."""
-        return split_evenly(cores, self.tensor_parallel_size)
+        (the first ranks get one more). With fewer cores than ranks, rank r shares core
+        `cores[r % len(cores)]`: the ranks stay on this worker's cores, slowed but not
+        spread onto another worker's."""
+        tp = self.tensor_parallel_size
+        if len(cores) < tp:
+            return tuple((cores[r % len(cores)],) for r in range(tp))
+        return split_evenly(cores, tp)
 
     def connector_config(self) -> ConnectorConfig:
         assert self.role is not None
@@ -236,19 +241,16 @@ class WorkerConfig:
 TP_FLAGS = ("--tensor-parallel-size", "-tp")
 
 
-def check_tensor_parallel(tp: int, extra_args: tuple[str, ...], cpus: tuple[int, ...] | None
-                          ) -> None:
-    """Refuse a TP degree a worker cannot run: below 1, given to vLLM after `--` (the ranks'
-    cores are splitserve's to split), or more ranks than cores. Whether the model's heads
-    shard over `tp` is vLLM's to say at start-up."""
+def check_tensor_parallel(tp: int, extra_args: tuple[str, ...]) -> None:
+    """Refuse a TP degree a worker cannot run: below 1, or given to vLLM after `--` (the
+    ranks' cores are splitserve's to split; more ranks than cores share them). Whether the
+    model's heads shard over `tp` is vLLM's to say at start-up."""
     if tp < 1:
         raise ValueError(f"tensor parallel size must be at least 1, got {tp}")
     if any(a.split("=", 1)[0] in TP_FLAGS for a in extra_args):
         raise ValueError("give the tensor-parallel degree as --tp N (serve: --prefill-tp, "
                          "--decode-tp, --colocated-tp), not after `--`: splitserve splits the "
                          "worker's cores across its ranks")
-    if cpus is not None and len(cpus) < tp:
-        raise ValueError(f"tp {tp} needs at least {tp} cores (one a rank), got {len(cpus)}")
 
 
 def split_evenly(cores: tuple[int, ...], parts: int) -> tuple[tuple[int, ...], ...]:

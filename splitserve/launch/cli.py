@@ -169,11 +169,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--decode", type=int, default=None, metavar="M", help="decode workers")
     p.add_argument("--colocated", type=int, default=None, metavar="K",
                    help="colocated (plain vLLM) workers: the baseline")
-    for pool, note in (("prefill", "nixl only"), ("decode", "nixl only"), ("colocated", "")):
+    for pool in ("prefill", "decode", "colocated"):
         p.add_argument(f"--{pool}-tp", type=int, default=None, metavar="N",
                        help=f"tensor parallelism of each {pool} worker: N ranks, each on "
-                            f"cores of its own when there are enough (default 1"
-                            + (f"; above 1: {note})" if note else ")"))
+                            "cores of its own when there are enough, else sharing the worker's "
+                            "(default 1)")
     model = p.add_mutually_exclusive_group()
     model.add_argument("--model", default=None,
                        help="model directory, or Hugging Face model id (org/name)")

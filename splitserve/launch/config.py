@@ -13,7 +13,7 @@ YAML keys are the field names below; `router:` holds the router's policy fields.
     router: {decode_policy: round_robin, local_prefill_max_tokens: 0}
     kv_events: false         # optional: workers do not report their prefix cache (default true)
     speculative: {method: ngram, num_speculative_tokens: 3, prompt_lookup_max: 4}  # D, colocated
-    colocated_tp: 2          # optional: tensor parallelism per pool (prefill_tp, decode_tp: nixl)
+    colocated_tp: 2          # optional: tensor parallelism per pool (also prefill_tp, decode_tp)
     kv_tls_cert: certs/kv.pem  # optional: TLS on the KV channel; one cert for every worker,
     kv_tls_key: certs/kv.key   # valid for `host`; kv_tls_ca verifies it (and makes TLS mutual)
     kv_tls_ca: certs/ca.pem
@@ -179,7 +179,7 @@ class DeploymentConfig:
             if not isinstance(tp := getattr(self, f"{pool}_tp"), int):
                 raise ValueError(f"{pool}_tp must be a whole number, got {tp!r}")
             try:
-                check_tensor_parallel(tp, self.worker_args, None)
+                check_tensor_parallel(tp, self.worker_args)
             except ValueError as exc:
                 raise ValueError(f"{pool}_tp: {exc}") from None
         if self.speculative is not None:

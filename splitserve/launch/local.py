@@ -109,11 +109,32 @@ def plan_cores(cores: list[int], n_workers: int, ranks: tuple[int, ...] | None =
                                                                             strict=True))
         return CorePlan(tuple(cores), workers,
                         f"{per} {unit}; the router shares them (only {n} cores)")
+    if n >= n_workers:
+        # a worker's ranks share its own cores, never another worker's: a rank spinning on a
+        # core another engine needs starves that engine (measured: P's NIXL handshake listener
+        # waited out its 5 s timeout beside a spinning D rank)
+        shares = _apportion(n, ranks)
+        bounds = [sum(shares[:i]) for i in range(n_workers + 1)]
+        workers = tuple(tuple(cores[bounds[i]:bounds[i + 1]]) for i in range(n_workers))
+        return CorePlan(tuple(cores), workers,
+                        f"only {n} cores for {units} ranks: each worker keeps its own cores and "
+                        "its ranks share them, slower than a core a rank; the router shares "
+                        "them all")
     workers = tuple(tuple(cores[(s + k) % n] for k in range(r)) if r <= n else tuple(cores)
                     for s, r in zip(starts, ranks, strict=True))
     return CorePlan(tuple(cores), workers,
                     f"only {n} cores for {units} ranks of {n_workers} workers: they share cores "
                     "round-robin, so they slow each other down")
+
+
+def _apportion(n: int, ranks: tuple[int, ...]) -> list[int]:
+    """`n` cores over workers of `ranks` ranks (len(ranks) <= n < sum(ranks)): one each, then
+    one at a time to the worker with the most ranks per core so far (the first on ties)."""
+    shares = [1] * len(ranks)
+    for _ in range(n - len(ranks)):
+        i = max(range(len(ranks)), key=lambda w: (ranks[w] / shares[w], -w))
+        shares[i] += 1
+    return shares
 
 
 def pool_worker_config(cfg: DeploymentConfig, role: Role | None, model_dir: str,

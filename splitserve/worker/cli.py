@@ -71,7 +71,7 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpus", type=parse_cpus, default=None, help="cores, e.g. 0,1 or 0-3")
     p.add_argument("--tp", type=int, default=1, metavar="N",
                    help="tensor parallelism: N ranks of one engine, --cpus split evenly across "
-                        "them (plain workers and --connector nixl; default 1)")
+                        "them (fewer cores than ranks: the ranks share them; default 1)")
     p.add_argument("--kv-port", type=int, default=0,
                    help="connector port, NIXL's side-channel port with --connector nixl, "
                         "P's bootstrap port with --connector mooncake (default: a free one)")

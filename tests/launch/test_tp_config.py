@@ -33,6 +33,11 @@ def test_a_tp_worker_gets_vllms_per_rank_bind_lists(tmp_path: Path) -> None:
     one = WorkerConfig(model=str(tmp_path), port=8100, cpus=(0, 1))
     argv, env = worker_command(one, None)
     assert "--tensor-parallel-size" not in argv and env["VLLM_CPU_OMP_THREADS_BIND"] == "0,1"
+    # more ranks than cores: rank r shares core r mod n, on this worker's cores only
+    shared = WorkerConfig(model=str(tmp_path), port=8100, cpus=(1,), tensor_parallel_size=2)
+    assert worker_command(shared, None)[1]["VLLM_CPU_OMP_THREADS_BIND"] == "1|1"
+    three = WorkerConfig(model=str(tmp_path), port=8100, cpus=(0, 1), tensor_parallel_size=3)
+    assert three.rank_cpus((0, 1)) == ((0,), (1,), (0,))
     nixl_p = WorkerConfig(model=str(tmp_path), port=8100, role="prefill", kv_port=8101,
                           connector="nixl", cpus=(0, 1), tensor_parallel_size=2)
     assert worker_command(nixl_p, "t")[1]["VLLM_CPU_OMP_THREADS_BIND"] == "0|1"
@@ -40,7 +45,6 @@ def test_a_tp_worker_gets_vllms_per_rank_bind_lists(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("overrides", "says"), [
     ({"tensor_parallel_size": 0}, "at least 1"),
-    ({"tensor_parallel_size": 3, "cpus": (0, 1)}, "at least 3 cores"),
     ({"extra_args": ("--tensor-parallel-size", "2")}, "as --tp N"),
     ({"extra_args": ("-tp=2",)}, "as --tp N"),
 ])
@@ -56,9 +60,15 @@ def test_the_core_plan_gives_each_rank_a_share() -> None:
     assert "2 core(s) per rank" in plan.note
     # colocated tp2 on 2 cores: a core a rank, the router shares them
     assert plan_cores([0, 1], 1, (2,)).workers == ((0, 1),)
-    # too few cores: ranks share round-robin, each worker's ranks on distinct cores
+    # fewer cores than ranks: each worker keeps cores of its own and its ranks share them
+    # (a rank spinning on another engine's core starves it)
     tight = plan_cores([0, 1], 2, (2, 2))
-    assert tight.workers == ((0, 1), (0, 1)) and "slow each other down" in tight.note
+    assert tight.workers == ((0,), (1,)) and "its ranks share them" in tight.note
+    assert plan_cores([0, 1], 2, (1, 2)).workers == ((0,), (1,))
+    assert plan_cores([0, 1, 2], 2, (1, 4)).workers == ((0,), (1, 2))
+    assert plan_cores([0, 1, 2], 2, (2, 2)).workers == ((0, 1), (2,))
+    # more workers than cores: workers themselves share, round-robin
+    assert plan_cores([0, 1], 3, (1, 1, 2)).workers == ((0,), (1,), (0, 1))
     assert plan_cores([0, 1, 2], 2).workers == ((1,), (2,))  # single-rank plans as before
 
 
