@@ -26,7 +26,9 @@ and D's under prefill on D), the engine-reported cached tokens (`reported`: P le
 carried `usage.prompt_tokens_details.cached_tokens`), the prediction for those same legs
 (`predicted_reported`) and `error` = |predicted_reported − reported| / reported; summed as
 `predicted_cached_tokens`, `reported_cached_tokens` and `prediction_error`. An error is null
-when nothing was reported (0 when neither side saw a cached token). A counter lower at the stop
+when nothing was reported (0 when neither side saw a cached token). `index_lag_s`: the mean of
+`splitserve_router_kv_event_lag_seconds` over the run (how long after a worker stamped a cache
+change the router's index applied it; null when it applied none). A counter lower at the stop
 than at the start (the router restarted) counts from zero.
 """
 
@@ -133,8 +135,10 @@ ROUTER_CACHED = {"splitserve_router_cached_predicted_tokens_total": "predicted",
                  "splitserve_router_cached_reported_tokens_total": "reported",
                  "splitserve_router_cached_predicted_reported_tokens_total":
                      "predicted_reported"}
+ROUTER_KV_LAG = "splitserve_router_kv_event_lag_seconds"
 ROUTER_KEYS = ("kv_bytes_moved", "kv_transfers", "local_prefills", "cache_prediction",
-               "predicted_cached_tokens", "reported_cached_tokens", "prediction_error")
+               "predicted_cached_tokens", "reported_cached_tokens", "prediction_error",
+               "index_lag_s")
 
 
 @dataclass
@@ -144,6 +148,8 @@ class RouterCounters:
     kv_bytes: float = 0.0
     kv_transfers: float = 0.0
     local_prefills: float = 0.0
+    kv_lag_sum: float = 0.0  # seconds, over the index's applied cache changes
+    kv_lag_count: float = 0.0
     # worker URL -> {"role": ..., "predicted" / "reported" / "predicted_reported": tokens}
     cached: dict[str, dict[str, Any]] = field(default_factory=dict)
 
@@ -165,6 +171,10 @@ def parse_router_counters(metrics_text: str) -> RouterCounters | None:
                 out.kv_transfers = value
             elif name == ROUTER_LOCAL_PREFILLS:
                 out.local_prefills += value
+            elif name == ROUTER_KV_LAG + "_sum":
+                out.kv_lag_sum = value
+            elif name == ROUTER_KV_LAG + "_count":
+                out.kv_lag_count = value
             elif name in ROUTER_CACHED and "url" in labels:
                 worker = out.cached.setdefault(labels["url"], {"role": labels.get("role")})
                 worker[ROUTER_CACHED[name]] = worker.get(ROUTER_CACHED[name], 0.0) + value
@@ -208,10 +218,13 @@ def router_deltas(before: RouterCounters | None, after: RouterCounters | None
     predicted = sum(d["predicted_reported"] for d in per.values())
     reported = sum(d["reported"] for d in per.values())
     any_reported = any("reported" in end for end in after.cached.values())
+    lags = _delta(before.kv_lag_count, after.kv_lag_count)
+    lag = _delta(before.kv_lag_sum, after.kv_lag_sum) / lags if lags > 0 else None
     return {"kv_bytes_moved": round(_delta(before.kv_bytes, after.kv_bytes)),
             "kv_transfers": round(_delta(before.kv_transfers, after.kv_transfers)),
             "local_prefills": round(_delta(before.local_prefills, after.local_prefills)),
             "cache_prediction": per,
             "predicted_cached_tokens": round(predicted) if any_reported else None,
             "reported_cached_tokens": round(reported) if any_reported else None,
-            "prediction_error": _error(predicted, reported) if any_reported else None}
+            "prediction_error": _error(predicted, reported) if any_reported else None,
+            "index_lag_s": lag}

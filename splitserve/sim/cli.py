@@ -67,6 +67,10 @@ def _add_deployment_args(p: argparse.ArgumentParser) -> None:
     c.add_argument("--local-prefill-max-tokens", type=int, default=LOCAL_PREFILL_MAX_TOKENS,
                    help="prefill on D when its D holds all but at most this many prompt tokens "
                    f"(the router's flag; default {LOCAL_PREFILL_MAX_TOKENS}; 0: never)")
+    c.add_argument("--index-lag-ms", type=float, default=None,
+                   help="the router's index sees each cache change this long after it (the "
+                   "router measures it: splitserve_router_kv_event_lag_seconds; default 0, "
+                   "sim validate: each repeat's measured mean)")
     c.add_argument("--cache-block-tokens", type=int, default=None,
                    help="tokens per cache block for prompts made of token ids (default: 128, "
                    "vLLM-CPU's block, for a measured profile; 16, vLLM's GPU default, for an "
@@ -88,7 +92,8 @@ def _sim_config(args: argparse.Namespace, prof: Profile) -> SimConfig:
                      router_hop_s=args.router_hop_ms / 1000, seed=args.seed,
                      split_costs=not args.no_split_costs,
                      prefix_caching=not args.no_prefix_caching, cache_aware=not args.cache_blind,
-                     local_prefill_max_tokens=args.local_prefill_max_tokens)
+                     local_prefill_max_tokens=args.local_prefill_max_tokens,
+                     index_lag_s=(args.index_lag_ms or 0.0) / 1000)
 
 
 def _label(cfg: SimConfig) -> str:

@@ -37,12 +37,14 @@ class SimConfig:
     `transport` names the profile's link each uses.
 
     Prefix caching (a workload with `blocks`): `prefix_caching` gives every engine its prefix
-    cache (`sim.prefixcache`); `cache_aware` gives the router its exact index of them: the
-    policies see each worker's cached prefix, a request whose D holds all but at most
-    `local_prefill_max_tokens` of the prompt runs whole on D (prefill on D; 0: never), and P
-    sends D only the KV it lacks (a delta transfer). Cache-blind (`cache_aware` False), the
-    engines still reuse what they hold, but routing is by load alone and every transfer is
-    whole, as the router runs without its index."""
+    cache (`sim.prefixcache`); `cache_aware` gives the router its index of them, which sees
+    each block cached or evicted `index_lag_s` after it happened (the router learns them from
+    the workers' KV events; 0: exactly current): the policies see each worker's cached
+    prefix, a request whose D holds all but at most `local_prefill_max_tokens` of the prompt
+    runs whole on D (prefill on D; 0: never), and P sends D only the KV it lacks (a delta
+    transfer). Cache-blind (`cache_aware` False), the engines still reuse what they hold, but
+    routing is by load alone and every transfer is whole, as the router runs without its
+    index."""
 
     mode: Mode = "disagg"
     n_prefill: int = 1
@@ -61,6 +63,7 @@ class SimConfig:
     prefix_caching: bool = True  # the engines' prefix caches (with a workload's `blocks`)
     cache_aware: bool = True  # the router's index of them: cached prefixes, prefill on D, deltas
     local_prefill_max_tokens: int = LOCAL_PREFILL_MAX_TOKENS  # prefill on D (0: never)
+    index_lag_s: float = 0.0  # the router's index sees a cache change this long after it
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -79,8 +82,8 @@ class SimConfig:
             raise ValueError("n_workers must be >= 1")
         if self.token_budget is not None and self.token_budget < 1:
             raise ValueError("token_budget must be >= 1")
-        if self.router_hop_s < 0 or self.pull_request_s < 0:
-            raise ValueError("router_hop_s and pull_request_s must be >= 0")
+        if self.router_hop_s < 0 or self.pull_request_s < 0 or self.index_lag_s < 0:
+            raise ValueError("router_hop_s, pull_request_s and index_lag_s must be >= 0")
         if self.local_prefill_max_tokens < 0:
             raise ValueError("local_prefill_max_tokens must not be negative (0 turns it off)")
 

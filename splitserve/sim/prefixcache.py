@@ -12,7 +12,9 @@ up to its block), as vLLM's prefix cache holds KV blocks:
 A request's hit on a worker is its leading run of blocks that worker holds, in tokens, reused as
 `routing.prefix.reusable` says (the engine computes at least the last prompt token). The index
 (`cached_on`) answers what the router's index answers: per worker of a pool, the prompt tokens of
-a request that worker holds, exactly current (the router's own index lags by its event stream).
+a request that worker holds. With `lag_s` 0 it is exactly current; else it sees each block cached
+or evicted `lag_s` after it happened, as the router's index learns them from the workers' KV
+event streams (the simulator sets `now` to each event's time before it changes a cache).
 
 Contract: `pin`, `store` and `release` are called once per (worker, request) in that order of
 life: `pin` when its prefill starts there (its hit), `store` when the worker holds the request's
@@ -22,7 +24,7 @@ the worker frees the request's KV. A request released without `store` unpins its
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 
 from splitserve.routing.prefix import reusable
@@ -51,14 +53,21 @@ class PrefixCaches:
     run's request blocks; `holders`: key -> the workers that hold it (the index)."""
 
     def __init__(self, blocks: Sequence[Sequence[int]], block_tokens: int,
-                 prompt_lens: Sequence[int], capacity_tokens: Sequence[int]) -> None:
-        """`capacity_tokens`: each worker's KV memory in tokens (one entry a worker)."""
+                 prompt_lens: Sequence[int], capacity_tokens: Sequence[int],
+                 lag_s: float = 0.0) -> None:
+        """`capacity_tokens`: each worker's KV memory in tokens (one entry a worker); `lag_s`:
+        how long after a change the index sees it."""
         if block_tokens < 1 or not capacity_tokens or min(capacity_tokens) < 1:
             raise ValueError("block_tokens and every capacity must be >= 1")
+        if lag_s < 0:
+            raise ValueError(f"the index lag must be >= 0 s, got {lag_s}")
         self.blocks, self.block_tokens, self.prompt_lens = blocks, block_tokens, prompt_lens
         self.workers = [WorkerCache(c // block_tokens) for c in capacity_tokens]
-        self.holders: dict[int, set[int]] = {}
+        self.holders: dict[int, set[int]] = {}  # the index: key -> workers, as it sees them
         self.hits = [0] * len(prompt_lens)  # per request: its computing worker's hit (`pin`)
+        self.lag_s, self.now = lag_s, 0.0
+        # changes the index does not see yet: (time it sees them, key, worker, cached?)
+        self.pending: deque[tuple[float, int, int, bool]] = deque()
 
     # --- what is held ---------------------------------------------------------------------
     def held_blocks(self, wi: int, r: int) -> int:
@@ -79,6 +88,8 @@ class PrefixCaches:
     def cached_on(self, r: int, first: int, count: int) -> dict[str, int]:
         """Per worker first..first+count-1 (named by its number in that pool, as
         `SimWorkerView.worker_id`): the prompt tokens of request r it holds (absent: none)."""
+        if self.pending:
+            self._catch_up()
         out: dict[str, int] = {}
         live: set[int] | None = None
         n_blocks = 0
@@ -112,7 +123,7 @@ class PrefixCaches:
         keys = self.blocks[r]
         for key in keys[cache.held.get(r, 0):full]:
             if key not in cache:
-                self.holders.setdefault(key, set()).add(wi)
+                self._indexed(key, wi, True)
             self._pin(cache, key)
         cache.held[r] = max(full, cache.held.get(r, 0))
 
@@ -136,7 +147,29 @@ class PrefixCaches:
         lru = cache.lru
         while len(lru) > room:
             key, _ = lru.popitem(last=False)
-            holders = self.holders[key]
+            self._indexed(key, wi, False)
+
+    # --- the index ------------------------------------------------------------------------
+    def _indexed(self, key: int, wi: int, cached: bool) -> None:
+        """Worker wi cached (or evicted) `key` now: the index sees it now, or `lag_s` later."""
+        if self.lag_s:
+            self.pending.append((self.now + self.lag_s, key, wi, cached))
+        else:
+            self._apply(key, wi, cached)
+
+    def _catch_up(self) -> None:
+        """Apply the changes the index sees by `now` (in the order they happened)."""
+        pending, now = self.pending, self.now
+        while pending and pending[0][0] <= now:
+            _, key, wi, cached = pending.popleft()
+            self._apply(key, wi, cached)
+
+    def _apply(self, key: int, wi: int, cached: bool) -> None:
+        if cached:
+            self.holders.setdefault(key, set()).add(wi)
+            return
+        holders = self.holders.get(key)
+        if holders is not None:
             holders.discard(wi)
             if not holders:
                 del self.holders[key]

@@ -89,7 +89,7 @@ class Simulation:
                 d_prof.kv_capacity_tokens] * self.cfg.n_decode if config.mode == "disagg" else [
                 profile.kv_capacity_tokens] * self.cfg.n_workers
             self.caches = PrefixCaches(workload.blocks, workload.block_tokens, self.prompt_lens,
-                                       capacity)
+                                       capacity, config.index_lag_s if config.cache_aware else 0)
         caches = self.caches
         self.links: KvLinks | None = None
         if config.mode == "disagg":
@@ -393,11 +393,15 @@ class Simulation:
         pop = heapq.heappop
         i, events = 0, 0
         inf = float("inf")
+        # a lagging index needs each change's time (`PrefixCaches.now`)
+        clock = self.caches if self.caches is not None and self.caches.lag_s else None
         while i < n or heap:
             ta = arrivals[i] if i < n else inf
             if heap and heap[0][0] < ta:
                 t, _, kind, subject, version = pop(heap)
                 events += 1
+                if clock is not None:
+                    clock.now = t
                 if kind == _EV_STEP:
                     w = W[subject]
                     if version != w.version:
@@ -420,6 +424,8 @@ class Simulation:
                 continue
             r, i = i, i + 1
             events += 1
+            if clock is not None:
+                clock.now = ta
             self._arrive(r, ta, router.route(r, bool(D) and output_lens[r] > 1))
         return self._outcome(events)
 

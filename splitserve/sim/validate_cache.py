@@ -107,15 +107,24 @@ def repeat_workload(spec: WorkloadSpec, run: dict[str, Any], block_tokens: int) 
                                   else q.arrival_s - first) for q in plan], block_tokens)
 
 
+def with_lag(cfg: SimConfig, run: dict[str, Any], index_lag_s: float | None) -> SimConfig:
+    """`cfg` with the index lag a repeat is simulated at (see `compare_cached`)."""
+    if index_lag_s is None:
+        index_lag_s = run.get("index_lag_s")
+    return cfg if index_lag_s is None else replace(cfg, index_lag_s=float(index_lag_s))
+
+
 def compare_cached(profile: Profile, cfg: SimConfig, spec: WorkloadSpec,
-                   rates: tuple[float, ...], real: Real, block_tokens: int = 128) -> list[Point]:
+                   rates: tuple[float, ...], real: Real, block_tokens: int = 128,
+                   index_lag_s: float | None = None) -> list[Point]:
     """Per rate, every metric (`CACHE_METRICS` first, then `validate.METRICS`): the measured
     repeats against the mean of each repeat's own simulation (its `seed`; see the module
-    docstring)."""
+    docstring). `index_lag_s`: the router index's lag each simulation runs with; None: each
+    repeat's as the router measured it (`index_lag_s` of its run, else `cfg`'s)."""
     points = []
     for rate in rates:
         runs = real[rate]
-        sims = [summarize(simulate(profile, cfg, repeat_workload(
+        sims = [summarize(simulate(profile, with_lag(cfg, run, index_lag_s), repeat_workload(
             replace(spec.with_rate(rate), seed=int(run["seed"])), run, block_tokens)),
             system="sim") for run in runs]
         for m in CACHE_METRICS + METRICS:

@@ -178,7 +178,14 @@ class Validation:
         run, the raw repeats beside it for a later `--real-json`)."""
         args, cfg, prof = self.args, self.cfg, self.prof
         if self.caching:  # no canaries; the handovers would be read off one stream
-            points = compare_cached(prof, cfg, self.spec, self.rates, real, self.block_tokens)
+            lag = None if args.index_lag_ms is None else args.index_lag_ms / 1000
+            points = compare_cached(prof, cfg, self.spec, self.rates, real, self.block_tokens,
+                                    lag)
+            measured = [run.get("index_lag_s") for runs in real.values() for run in runs]
+            print("router index lag simulated: " + (
+                f"{args.index_lag_ms:g} ms (--index-lag-ms)" if lag is not None else
+                "each repeat's measured mean, ms: " + ", ".join(
+                    "none" if m is None else f"{m * 1000:.1f}" for m in measured)))
         elif cfg.mode == "disagg":  # P's busy windows are one P's; read against D's step
             print_drifts(real, self.reference, prof.split.decode if prof.split else prof.decode)
             print_handovers(prof, cfg, self.spec, real)

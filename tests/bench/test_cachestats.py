@@ -83,8 +83,11 @@ def test_deltas_from_the_routers_own_registry() -> None:
         m.cached_predicted_reported.labels("prefill", url).inc(pred)
     m.cached_predicted.labels("decode", D1).inc(384)
     m.local_prefills.labels(D1).inc()
+    m.kv_event_lag.observe(0.010)
+    m.kv_event_lag.observe(0.030)
     after = parse_router_counters(generate_latest(m.registry).decode())
     d = router_deltas(before, after)
+    assert d["index_lag_s"] == pytest.approx(0.020)  # the index's mean lag over the run
     assert (d["kv_bytes_moved"], d["kv_transfers"], d["local_prefills"]) == (6000, 2, 1)
     assert d["cache_prediction"][P1] == {"role": "prefill", "predicted": 256.0,
                                          "reported": 250.0, "predicted_reported": 256.0,
@@ -102,6 +105,7 @@ def test_deltas_edge_cases() -> None:
     assert router_deltas(RouterCounters(), None) == dict.fromkeys(ROUTER_KEYS)
     empty = router_deltas(RouterCounters(), RouterCounters())
     assert empty["kv_bytes_moved"] == 0 and empty["prediction_error"] is None
+    assert empty["index_lag_s"] is None  # no cache change applied
     # a router restarted mid-run: its counters restart at zero
     restarted = router_deltas(RouterCounters(kv_bytes=9000.0, kv_transfers=3.0),
                               RouterCounters(kv_bytes=500.0, kv_transfers=1.0))

@@ -127,3 +127,43 @@ def test_a_small_cache_evicts_and_hits_less(profile: Profile) -> None:
     full = run(profile, wl, n_prefill=1, n_decode=1)
     small = run(make_profile(capacity=4 * 128 * 2), wl, n_prefill=1, n_decode=1)
     assert full["prefix_hit_rate"] > small["prefix_hit_rate"]
+
+
+def test_a_lagging_index_sees_each_change_lag_s_after_it() -> None:
+    """The router's index learns a block cached or evicted `lag_s` later (its event stream);
+    the engine's own hit is immediate."""
+    c = PrefixCaches([(1, 2, 3), (1, 2, 4)], B, [11, 12], [3 * B], lag_s=0.5)
+    c.now = 1.0
+    c.pin(0, 0, 0)
+    c.store(0, 0)
+    assert c.hit(0, 1) == 8  # the engine holds it now
+    c.now = 1.4
+    assert c.cached_on(1, 0, 1) == {}  # the index does not know yet
+    c.now = 1.5
+    assert c.cached_on(1, 0, 1) == {"0": 8}
+    c.now = 2.0
+    c.release(0, 0)
+    c.trim(0, used_tokens=3 * B)  # the worker's KV is full: both blocks evicted at 2.0
+    assert c.hit(0, 1) == 0
+    c.now = 2.4
+    assert c.cached_on(1, 0, 1) == {"0": 8}  # still believed cached
+    c.now = 2.5
+    assert c.cached_on(1, 0, 1) == {} and not c.holders
+    with pytest.raises(ValueError, match="lag"):
+        PrefixCaches([(1,)], B, [4], [B], lag_s=-1.0)
+
+
+def test_a_lagging_index_moves_whole_kv_until_it_learns(profile: Profile) -> None:
+    """Requests 2 s apart, each prefill long done before the next arrives: an index that learns
+    a change within the gap routes exactly as the exact index (D gets only the KV it lacks); one
+    that learns after the run routes as a cache-blind router (every transfer whole)."""
+    wl = stream(turns=3, tail=150)
+    cfg = {"n_prefill": 2, "n_decode": 1, "p_policy": "cache", "d_policy": "cache"}
+    exact = run(profile, wl, **cfg)
+    assert run(profile, wl, index_lag_s=0.0, **cfg) == exact
+    assert run(profile, wl, index_lag_s=0.5, **cfg)["kv_bytes_moved"] == exact["kv_bytes_moved"]
+    late = run(profile, wl, index_lag_s=100.0, **cfg)
+    blind = run(profile, wl, cache_aware=False, **cfg)
+    assert late["kv_bytes_moved"] == blind["kv_bytes_moved"] > exact["kv_bytes_moved"]
+    with pytest.raises(ValueError, match="index_lag_s"):
+        SimConfig(index_lag_s=-0.1)

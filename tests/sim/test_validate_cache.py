@@ -20,6 +20,7 @@ from splitserve.sim.validate_cache import (
     measure_cached,
     repeat_seed,
     repeat_workload,
+    with_lag,
 )
 from tests.sim.conftest import make_profile
 from tests.support import cores
@@ -98,3 +99,10 @@ def test_simulated_hit_rate_is_within_3_points_of_a_real_1p1d(cache_pd: str) -> 
     hit = next(p for p in points if p.metric == "prefix_hit_rate")
     assert hit.real_mean > 0.3, hit
     assert abs(hit.error) <= 0.03, hit
+
+
+def test_each_repeat_is_simulated_at_the_index_lag_its_router_measured() -> None:
+    run = {"index_lag_s": 0.02}
+    assert with_lag(CACHE_PD, run, None).index_lag_s == 0.02
+    assert with_lag(CACHE_PD, run, 0.5).index_lag_s == 0.5  # --index-lag-ms wins
+    assert with_lag(CACHE_PD, {"index_lag_s": None}, None) is CACHE_PD  # not measured
