@@ -90,7 +90,9 @@ def plan_cores(cores: list[int], n_workers: int, ranks: tuple[int, ...] | None =
                ) -> CorePlan:
     """Disjoint cores per worker (and one for the router) when there are enough, else even.
     `ranks`: each worker's TP degree (default 1 each); a worker gets that many shares, so each
-    of its ranks gets as many cores as a single-rank worker."""
+    of its ranks gets as many cores as a single-rank worker. With fewer cores than ranks but
+    at least one a worker, each worker still gets cores of its own (apportioned by its ranks)
+    and its ranks share them; only with fewer cores than workers do workers share cores."""
     ranks = ranks or (1,) * n_workers
     if len(ranks) != n_workers:
         raise ValueError("ranks needs one TP degree a worker")

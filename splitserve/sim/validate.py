@@ -213,14 +213,15 @@ def stored_real(stored: dict[str, Any]
 
 
 def attach_records(real: dict[float, list[dict[str, Any]]], runs: dict[str, Any]) -> None:
-    """Give `stored_real`'s repeats their per-request records from the `.runs.json` that
-    `sim validate --out` writes beside its JSON (rate → repeats, as measured), where it holds
-    the same repeats."""
+    """Give `stored_real`'s repeats their per-request records and the router index's measured
+    lag (`index_lag_s`) from the `.runs.json` that `sim validate --out` writes beside its JSON
+    (rate → repeats, as measured), where it holds the same repeats."""
     for rate, repeats in real.items():
         stored = runs.get(f"{rate:g}")
         if stored is not None and len(stored) == len(repeats):
             for run, measured in zip(repeats, stored, strict=True):
                 run["requests"] = measured.get("requests")
+                run["index_lag_s"] = measured.get("index_lag_s")
 
 
 NO_CACHE_WORKER_ARGS = ("--no-enable-prefix-caching",)
