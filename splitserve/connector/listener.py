@@ -11,6 +11,7 @@ handshake (plain client, untrusted certificate) is closed before the token hands
 from __future__ import annotations
 
 import contextlib
+import logging
 import socket
 import ssl
 import threading
@@ -42,6 +43,7 @@ from splitserve.connector.protocol import Fingerprint, server_handshake
 from splitserve.connector.staging import StagedTransfer, StagingArea, StagingRefused
 from splitserve.connector.tls import Conn, TlsStream
 
+log = logging.getLogger(__name__)
 REAP_INTERVAL_S = 0.5
 
 
@@ -90,8 +92,13 @@ class KVListener:
                 conn, _ = self._server.accept()
             except TimeoutError:
                 continue
-            except OSError:
-                return
+            except OSError as exc:
+                if self._stop.is_set():  # closed
+                    return
+                # out of descriptors, or a connection that died in the queue: keep listening
+                log.warning("KV listener: accept failed (%r)", exc)
+                time.sleep(0.1)
+                continue
             thread = threading.Thread(target=self._serve, args=(conn,), daemon=True,
                                       name="splitserve-kv-conn")
             with self._conns_lock:

@@ -3,6 +3,8 @@ over both transports; corruption, refusal and a vanished peer settle the transfe
 
 from __future__ import annotations
 
+import logging
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -221,6 +223,40 @@ def test_vanished_peer_fails_pending_transfers() -> None:
     assert settle(ch, "lost") == "failed"
     assert ch.poll("lost").record.cause == "peer_unreachable"
     ch.close()
+
+
+@pytest.mark.parametrize("kind", ["tcp", "shm"])
+def test_a_connect_refused_once_is_tried_again(kind: str, caplog: pytest.LogCaptureFixture
+                                               ) -> None:
+    """D's listener is not up when P first connects (refused), and is by the next try: the
+    transfer arrives intact, its region then freed."""
+    with socket.socket() as probe:  # a port nothing listens on, for now
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    staging = StagingArea(8 * 1024**2, SHAPE, lease_s=30.0, stats=ConnectorStats())
+    ch = channel(kind, port)
+    caches = [torch.randn(2, 2, 64, 64) for _ in range(2)]
+    lis = None
+    try:
+        with caplog.at_level(logging.WARNING, logger="splitserve.connector.transport.base"):
+            push(ch, "late-d", caches, (1,), [(0, 50)])
+            deadline = time.monotonic() + 5
+            while "try 1 of" not in caplog.text:  # the first connect was refused
+                assert time.monotonic() < deadline, caplog.text
+                time.sleep(0.005)
+            lis = KVListener("127.0.0.1", port, TOKEN, FP, staging, lambda q: {})
+            assert settle(ch, "late-d") == "complete"
+        assert "failed" not in caplog.text.split("try 1 of", 1)[1], caplog.text
+        st = staging.claim("late-d")
+        assert st is not None and st.complete
+        assert_staged_equals(staging, st, caches, (1,), ((0, 50),))
+        staging.release(st, "loaded")
+        assert staging.state()["staged_bytes"] == 0
+    finally:
+        ch.close()
+        if lis is not None:
+            lis.close()
+        staging.close()
 
 
 def test_open_shm_transfer_is_copied_on_the_calling_thread(

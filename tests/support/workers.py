@@ -320,7 +320,13 @@ def split_at_once(p: Worker, d: Worker, prompts: list[list[int]], max_tokens: in
     for prompt, tid, (tokens, _, rd) in zip(prompts, ids, results, strict=True):
         assert rd is not None and rd.status_code == 200, rd and rd.text
         assert tokens == hf_greedy(ckpt, prompt, max_tokens), f"prompt of {len(prompt)} tokens"
-        out.append((prompt, tid, transfer_record(d, tid)["recv"]))
+        recv = httpx.get(f"{d.url}/splitserve/transfers/{tid}", headers=auth_headers(), timeout=5)
+        if recv.status_code == 404:  # no BEGIN reached D: P's record says why
+            sent = httpx.get(f"{p.url}/splitserve/transfers/{tid}", headers=auth_headers(),
+                             timeout=5)
+            raise AssertionError(f"D never saw transfer {tid}; P's record: {sent.text}")
+        recv.raise_for_status()
+        out.append((prompt, tid, recv.json()["recv"]))
     return out
 
 

@@ -68,6 +68,8 @@ from splitserve.connector.transport.items import (
 )
 
 log = logging.getLogger(__name__)
+CONNECT_TRIES = 3
+CONNECT_RETRY_S = 0.2  # the pause before try n+1 is n times this
 
 
 class PushChannel(ABC):
@@ -204,14 +206,36 @@ class PushChannel(ABC):
 
     # -- the sender thread -------------------------------------------------------------------
     def _ensure_connected(self) -> Conn:
+        """The connection, opened (handshake done, payload path ready) if there is none. A
+        connection that cannot be made (refused, reset, timed out) is tried `CONNECT_TRIES`
+        times in all before it raises; a refusal of the handshake or TLS is not retried."""
         if self._sock is None:
-            sock, info = connect(self.host, self.port, self._token, "push", self._fingerprint,
-                                 self._connect_timeout_s, self._tls)
-            self.on_connected(info)
+            for attempt in range(1, CONNECT_TRIES + 1):
+                try:
+                    sock = self._open_connection()
+                    break
+                except (ssl.SSLError, PeerRefused):
+                    raise
+                except OSError as exc:
+                    if attempt == CONNECT_TRIES:
+                        raise
+                    log.warning("connecting to D at %s:%d failed (%r), try %d of %d", self.host,
+                                self.port, exc, attempt, CONNECT_TRIES)
+                    time.sleep(CONNECT_RETRY_S * attempt)
             self._sock = sock
             threading.Thread(target=self._reply_loop, args=(sock,), daemon=True,
                              name=f"splitserve-acks-{self.host}:{self.port}").start()
         return self._sock
+
+    def _open_connection(self) -> Conn:
+        sock, info = connect(self.host, self.port, self._token, "push", self._fingerprint,
+                             self._connect_timeout_s, self._tls)
+        try:
+            self.on_connected(info)
+        except BaseException:
+            sock.close()  # D's thread for it ends
+            raise
+        return sock
 
     def _fail(self, st: SendState, cause: str) -> None:
         with self._lock:
@@ -221,7 +245,8 @@ class PushChannel(ABC):
         st.began.set()
         self._stats.close(st.record, TransferStatus.FAILED, cause)
 
-    def _connection_lost(self, cause: str, sock: Conn | None) -> None:
+    def _connection_lost(self, cause: str, sock: Conn | None,
+                         error: BaseException | None = None) -> None:
         """`sock` (None: a connect that failed) ended: fail what is pending on it. The end of
         an older connection, already replaced, changes nothing."""
         with self._lock:
@@ -232,6 +257,10 @@ class PushChannel(ABC):
         if sock is not None:
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)  # its reply thread ends with it
+        if pending:
+            log.warning("push channel to %s:%d %s (%s: %r): %d transfer(s) failed",
+                        self.host, self.port, "lost" if sock is not None else "not connected",
+                        cause, error, len(pending))
         for st in pending:
             self._fail(st, cause)
 
@@ -268,7 +297,7 @@ class PushChannel(ABC):
             except (OSError, ProtocolError) as exc:  # TLS: untrusted cert, wrong host, not TLS
                 cause = ("tls_failed" if isinstance(exc, ssl.SSLError) else
                          "peer_refused" if isinstance(exc, PeerRefused) else "peer_unreachable")
-                self._connection_lost(cause, self._sock)
+                self._connection_lost(cause, self._sock, exc)
             finally:
                 with self._lock:
                     self._busy_with = None
@@ -317,6 +346,8 @@ class PushChannel(ABC):
             return
         send(self._ensure_connected(), Begin(st.transfer_id, st.num_tokens, st.skip))
         if not st.began.wait(self._begin_timeout_s):
+            log.warning("D at %s:%d did not answer BEGIN of %s in %.1f s", self.host, self.port,
+                        st.transfer_id, self._begin_timeout_s)
             self._fail(st, "begin_timeout")
 
     def _send_layer(self, st: SendState, item: LayerItem) -> None:
