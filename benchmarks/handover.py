@@ -9,6 +9,9 @@ so drift of this shared machine hits all alike; per-pair differences are reporte
 medians:
 - `1p1d`: the deployment, through the router;
 - `colocated`: a separate plain vLLM worker on the P-worker's cores (the baseline as specified);
+- `colocated-all`: a plain vLLM worker on all of the deployment's cores (P's and D's: the demo's
+  colocated arm at no load). Against `colocated` it is what the second core buys a prefill:
+  the part of 1P1D's TTFT price on the demo that no handover or router change can remove;
 - `p-direct`: the P-worker itself, sent a plain request (no KV push: it serves it colocated).
   Two vLLM processes on the same core can differ in speed by 10-15 % for as long as they live;
   this baseline is the same process as P, so `1p1d` against it is the cost of disaggregation
@@ -32,7 +35,7 @@ import statistics
 import sys
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -127,7 +130,7 @@ def paired_ms(a: list[StreamTiming], b: list[StreamTiming]) -> float:
 
 
 def row_for(length: int, d: list[StreamTiming], c: list[StreamTiming], p: list[StreamTiming],
-            pp: list[StreamTiming]) -> dict[str, Any]:
+            pp: list[StreamTiming], call: list[StreamTiming]) -> dict[str, Any]:
     kv_ms = [t.server["kv_transfer_s"] * 1e3 for t in d
              if isinstance(t.server.get("kv_transfer_s"), int | float)]
     kv_mb = [t.server["kv_bytes"] / 1e6 for t in d
@@ -138,6 +141,10 @@ def row_for(length: int, d: list[StreamTiming], c: list[StreamTiming], p: list[S
         "ttft_1p1d_ms": summary([t.ttft for t in d]),
         "ttft_colocated_ms": summary([t.ttft for t in c]),
         "ttft_p_direct_ms": summary([t.ttft for t in p]),
+        "ttft_colocated_all_ms": summary([t.ttft for t in call]),
+        # 1P1D's TTFT over a plain worker's on all the cores, and the P-worker's cores' over
+        # all the cores' (no load: compute alone)
+        "ratio_1p1d_vs_all": ms(d) / ms(call), "ratio_p_cores_vs_all": ms(c) / ms(call),
         "target_ms": target, "target_met": ms(d) <= target,
         "target_vs_p_direct_ms": target_p, "target_vs_p_direct_met": ms(d) <= target_p,
         "paired_diff_vs_colocated_ms": paired_ms(d, c),
@@ -167,7 +174,7 @@ def row_for(length: int, d: list[StreamTiming], c: list[StreamTiming], p: list[S
         "kv_status": sorted({str(t.server.get("kv_status")) for t in d}),
         "raw_ttft_ms": {name: [round(t.ttft * 1e3, 2) for t in ts]
                         for name, ts in (("1p1d", d), ("colocated", c), ("p-direct", p),
-                                         ("p-push", pp))},
+                                         ("p-push", pp), ("colocated-all", call))},
     }
 
 
@@ -183,7 +190,8 @@ def print_row(r: dict[str, Any]) -> None:
           f"{r['router_cost_ms']:>+7.1f} {med('handover_1p1d_ms'):>9.1f} "
           f"{med('first_itl_colocated_ms'):>6.1f} "
           f"{r['kv_transfer_ms_median'] or float('nan'):>7.1f} "
-          f"{r['kv_mb_median'] or float('nan'):>6.2f}")
+          f"{r['kv_mb_median'] or float('nan'):>6.2f} {med('ttft_colocated_all_ms'):>8.1f} "
+          f"{r['ratio_1p1d_vs_all']:>6.2f} {r['ratio_p_cores_vs_all']:>6.2f}")
 
 
 def main() -> int:
@@ -210,7 +218,7 @@ def main() -> int:
     dep.start()  # its core plan reads this process's affinity: pin the client only after it
     if args.client_cpus:
         os.sched_setaffinity(0, args.client_cpus)
-    colocated = None
+    colocated = colocated_all = None
     try:
         model = httpx.get(f"{dep.url}/v1/models").json()["data"][0]["id"]
         vocab = int(json.loads((Path(dep.model_dir) / "config.json").read_text())["vocab_size"])
@@ -220,6 +228,10 @@ def main() -> int:
                             served_model_name=p_cfg.served_model_name)
         colocated = start_worker(ccfg, None, str(dep.log_dir / "colocated.log"))
         wait_healthy(ccfg.url, colocated)
+        all_cores = tuple(sorted({c for w in dep.workers for c in (w.cpus or ())}))
+        acfg = replace(ccfg, port=free_port(), cpus=all_cores or None)
+        colocated_all = start_worker(acfg, None, str(dep.log_dir / "colocated-all.log"))
+        wait_healthy(acfg.url, colocated_all)
         systems = {
             "1p1d": httpx.Client(base_url=dep.url, timeout=300),
             "colocated": httpx.Client(base_url=ccfg.url, timeout=300),
@@ -227,6 +239,7 @@ def main() -> int:
                                      headers=bearer_headers(dep.token)),
             "p-push": httpx.Client(base_url=p_cfg.url, timeout=300,
                                    headers=bearer_headers(dep.token)),
+            "colocated-all": httpx.Client(base_url=acfg.url, timeout=300),
         }
         d_client = httpx.Client(base_url=dep.workers[1].url, timeout=30,
                                 headers=bearer_headers(dep.token))
@@ -237,20 +250,22 @@ def main() -> int:
         push = PushLeg(systems["p-push"], d_client, endpoint)
         res = run(systems, model, lengths, args.reps, vocab, args.max_tokens, args.gap_s, push)
     finally:
-        if colocated is not None:
-            colocated.terminate()
-            colocated.wait(30)
+        for proc in (colocated, colocated_all):
+            if proc is not None:
+                proc.terminate()
+                proc.wait(30)
         dep.stop()
 
     print(f"{'':>7} {'--- TTFT ms ---':^28} {'':>4} {'paired':>7} {'P-direct':>9} {'met':>4} "
           f"{'paired':>7} {'of which':^14}")
     print(f"{'prompt':>7} {'1P1D':>9} {'coloc':>9} {'target':>8} {'met':>4} {'vs col':>7} "
           f"{'TTFT':>9} {'':>4} {'vs P':>7} {'push':>6} {'router':>7} {'handover':>9} "
-          f"{'ITL1c':>6} {'KV ms':>7} {'KV MB':>6}")
+          f"{'ITL1c':>6} {'KV ms':>7} {'KV MB':>6} {'all-core':>8} {'1P1D/':>6} {'cores/':>6}")
     rows = []
     for length in lengths:
         rows.append(row_for(length, res["1p1d"][length], res["colocated"][length],
-                            res["p-direct"][length], res["p-push"][length]))
+                            res["p-direct"][length], res["p-push"][length],
+                            res["colocated-all"][length]))
         print_row(rows[-1])
     write_json(Path(args.out), {
         "benchmark": "handover", "model": args.model, "transport": args.transport,

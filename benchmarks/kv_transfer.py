@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from splitserve.common.vocab import TransferStatus
 from splitserve.connector.faults import Faults
 from splitserve.connector.layout.cpu import VllmCpuLayout
 from splitserve.connector.layout.staging_format import KVShape, region_offset
@@ -64,7 +65,7 @@ def ours(ch: PushChannel, tokens: int, staging: StagingArea, src: list[torch.Ten
     ch.end(tid)
     while not (st := ch.poll(tid)).settled:
         time.sleep(0.0002)
-    assert st.status == "acked", st.status
+    assert st.status == TransferStatus.COMPLETE, st.status
     staged = staging.claim(tid)
     assert staged is not None and staged.complete
     nbytes = tokens * SHAPE.bytes_per_token_layer

@@ -1,5 +1,5 @@
 """Verdicts: how the last system compares with the baselines before it (one line), and the
-demo's claim in four parts (a)-(d) with its targets."""
+demo's claim in five parts (a)-(e) with its targets."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ def _ms(x: float | None) -> str:
 
 STALL_TARGET_PCT = 90.0  # (a): 1P+1D max ITL and p99.9 at least this much below unchunked
 INTERFERENCE_TARGET = 1.2  # (b): 1P+1D interference ratio at p50 and p99 at most this
+PRICE_TARGET = 1.1  # (e): 1P+1D TTFT p50 at most this times unchunked colocated's
 
 
 def _ratio(x: float | None) -> str:
@@ -77,24 +78,40 @@ def interference_removed(disagg: dict[str, Any], target: float = INTERFERENCE_TA
     return all(r is not None and r <= target for r in ratios)
 
 
+def price_ratio(disagg: dict[str, Any], unchunked: dict[str, Any]) -> float | None:
+    """1P+1D's TTFT p50 over unchunked colocated's (None when either is missing)."""
+    new, old = disagg.get("median_ttft_ms"), unchunked.get("median_ttft_ms")
+    return None if new is None or not old else new / old
+
+
+def price_met(disagg: dict[str, Any], unchunked: dict[str, Any],
+              target: float = PRICE_TARGET) -> bool:
+    """(e): 1P+1D's TTFT p50 at most `target` times unchunked colocated's."""
+    ratio = price_ratio(disagg, unchunked)
+    return ratio is not None and ratio <= target
+
+
 def demo_verdict(unchunked: dict[str, Any], chunked: dict[str, Any],
                  disagg: dict[str, Any] | None) -> str:
     """The demo's claim, one line per part: (a) stalls removed (max ITL and p99.9 ≥ 90 % below
     unchunked), (b) interference removed (1P+1D's ratio ≤ 1.2 at p50 and p99, beside both
-    baselines'), (c) the tail against chunked (no target), (d) the TTFT price. MET means (a)
-    and (b) hold on a 1P+1D run in which every request completed."""
+    baselines'), (c) the tail against chunked (no target), (d) the TTFT price in full (no
+    target), (e) the price's target (1P+1D's TTFT p50 ≤ 1.1 × unchunked colocated's). MET means
+    (a), (b) and (e) hold on a 1P+1D run in which every request completed."""
     if disagg is None:
         return ("VERDICT: no disaggregated arm ran; interference ratio p50 / p99: chunked "
                 f"{_ratios(chunked)}, unchunked {_ratios(unchunked)}")
     a, b = stalls_removed(disagg, unchunked), interference_removed(disagg)
+    e = price_met(disagg, unchunked)
     failed = disagg.get("failed", 0)
     held = {True: "met", False: "missed"}
-    head = ("MET" if a and b and not failed else "NOT MET") + (
+    head = ("MET" if a and b and e and not failed else "NOT MET") + (
         f" ({failed} 1P+1D requests failed)" if failed else "")
     long_ttft = [r.get("by_kind", {}).get("long", {}).get("median_ttft_ms")
                  for r in (disagg, unchunked, chunked)]
     return "\n".join((
-        f"VERDICT: {head}: (a) stalls removed {held[a]}, (b) interference removed {held[b]}",
+        f"VERDICT: {head}: (a) stalls removed {held[a]}, (b) interference removed {held[b]}, "
+        f"(e) price {held[e]}",
         f"  (a) stalls, 1P+1D vs unchunked (target: >= {STALL_TARGET_PCT:.0f} % lower): "
         f"max ITL {_vs(disagg, unchunked, 'max_itl_ms')}, "
         f"p99.9 {_vs(disagg, unchunked, 'p999_itl_ms')}",
@@ -111,4 +128,6 @@ def demo_verdict(unchunked: dict[str, Any], chunked: dict[str, Any],
         f"({_pct(change(disagg.get('p99_ttft_ms'), chunked.get('p99_ttft_ms')))}); long "
         f"prompts' TTFT p50 {_ms(long_ttft[0])} vs {_ms(long_ttft[1])} unchunked, "
         f"{_ms(long_ttft[2])} chunked",
+        f"  (e) price, 1P+1D TTFT p50 / unchunked's (target: <= {PRICE_TARGET}): "
+        f"{_ratio(price_ratio(disagg, unchunked))}",
     ))

@@ -1,6 +1,7 @@
 """The demo's verdict: MET means (a) stalls removed (1P+1D max ITL and p99.9 >= 90 % below the
-unchunked baseline) and (b) interference removed (1P+1D's ratio <= 1.2 at p50 and p99); the
-tail against chunked (c) and the TTFT price (d) are reported without a target."""
+unchunked baseline), (b) interference removed (1P+1D's ratio <= 1.2 at p50 and p99) and (e) the
+price held (1P+1D's TTFT p50 <= 1.1 x unchunked's); the tail against chunked (c) and the TTFT
+price in full (d) are reported without a target."""
 
 from __future__ import annotations
 
@@ -8,7 +9,12 @@ from typing import Any
 
 import pytest
 
-from splitserve.bench.verdict import demo_verdict, interference_removed, stalls_removed
+from splitserve.bench.verdict import (
+    demo_verdict,
+    interference_removed,
+    price_met,
+    stalls_removed,
+)
 
 
 def arm(max_itl: float, p999: float, p99: float, r50: float | None, r99: float | None,
@@ -26,18 +32,32 @@ CHUNKED = arm(80.3, 43.5, 34.7, 3.49, 1.93, ttft50=43.4, ttft99=474.0, long_ttft
 
 def test_met_needs_stalls_and_interference_removed_not_the_chunked_p99() -> None:
     # 1P+1D's p99 is *above* chunked's: (c) has no target, so the verdict is still MET.
-    disagg = arm(44.9, 30.0, 40.0, 0.98, 1.09, ttft50=57.0, ttft99=699.0, long_ttft=599.0)
+    disagg = arm(44.9, 30.0, 40.0, 0.98, 1.09, ttft50=42.0, ttft99=699.0, long_ttft=599.0)
     lines = demo_verdict(UNCHUNKED, CHUNKED, disagg).splitlines()
-    assert lines[0] == ("VERDICT: MET: (a) stalls removed met, (b) interference removed met")
+    assert lines[0] == ("VERDICT: MET: (a) stalls removed met, (b) interference removed met, "
+                        "(e) price met")
     assert lines[1].startswith("  (a)") and "max ITL 44.9 ms vs 453 ms (-90 %)" in lines[1]
     assert "p99.9 30.0 ms vs 305 ms (-90 %)" in lines[1]
     assert lines[2].startswith("  (b)") and (
         "1P+1D 0.98 / 1.09; chunked 3.49 / 1.93; unchunked 1.28 / 19.20") in lines[2]
     assert lines[3].startswith("  (c)") and "p99 40.0 ms vs 34.7 ms (+15 %)" in lines[3]
     assert "target" not in lines[3].replace("no target", "")
-    assert lines[4].startswith("  (d)") and "TTFT p50 57.0 ms vs 38.3 ms (+49 %)" in lines[4]
-    assert "vs 43.4 ms chunked (+31 %)" in lines[4]
+    assert lines[4].startswith("  (d)") and "TTFT p50 42.0 ms vs 38.3 ms (+10 %)" in lines[4]
+    assert "vs 43.4 ms chunked (-3 %)" in lines[4]
     assert "long prompts' TTFT p50 599 ms vs 336 ms unchunked, 440 ms chunked" in lines[4]
+    assert lines[5] == "  (e) price, 1P+1D TTFT p50 / unchunked's (target: <= 1.1): 1.10"
+
+
+@pytest.mark.parametrize(("ttft50", "met"), [(42.13, True), (42.14, False), (57.0, False),
+                                             (None, False)])
+def test_the_price_decides_too(ttft50: float | None, met: bool) -> None:
+    """(e): 1P+1D's TTFT p50 at most 1.1 x unchunked's (38.3 ms: 42.13 holds, 42.14 not); a
+    missing TTFT is not shown to hold. (a) and (b) hold here, so (e) alone decides MET."""
+    disagg = arm(44.9, 30.0, 40.0, 0.98, 1.09, ttft50=ttft50)  # type: ignore[arg-type]
+    assert price_met(disagg, UNCHUNKED) == met
+    head = demo_verdict(UNCHUNKED, CHUNKED, disagg).splitlines()[0]
+    assert head.startswith("VERDICT: MET:" if met else "VERDICT: NOT MET:")
+    assert head.endswith(f"(e) price {'met' if met else 'missed'}")
 
 
 @pytest.mark.parametrize(("disagg", "a", "b"), [
@@ -50,7 +70,7 @@ def test_met_needs_stalls_and_interference_removed_not_the_chunked_p99() -> None
 ])
 def test_each_part_decides(disagg: dict[str, Any], a: bool, b: bool) -> None:
     assert (stalls_removed(disagg, UNCHUNKED), interference_removed(disagg)) == (a, b)
-    head = demo_verdict(UNCHUNKED, CHUNKED, disagg).splitlines()[0]
+    head = demo_verdict(UNCHUNKED, CHUNKED, disagg).splitlines()[0]  # (e) holds: ttft50 40
     assert head.startswith("VERDICT: MET:" if a and b else "VERDICT: NOT MET:")
     assert f"(a) stalls removed {'met' if a else 'missed'}" in head
     assert f"(b) interference removed {'met' if b else 'missed'}" in head
