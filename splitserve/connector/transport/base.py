@@ -208,7 +208,8 @@ class PushChannel(ABC):
     def _ensure_connected(self) -> Conn:
         """The connection, opened (handshake done, payload path ready) if there is none. A
         connection that cannot be made (refused, reset, timed out) is tried `CONNECT_TRIES`
-        times in all before it raises; a refusal of the handshake or TLS is not retried."""
+        times in all before it raises, while a transfer still waits to be sent; a refusal of
+        the handshake or TLS is not retried."""
         if self._sock is None:
             for attempt in range(1, CONNECT_TRIES + 1):
                 try:
@@ -217,7 +218,9 @@ class PushChannel(ABC):
                 except (ssl.SSLError, PeerRefused):
                     raise
                 except OSError as exc:
-                    if attempt == CONNECT_TRIES:
+                    with self._lock:  # nothing left to send (cancelled meanwhile): no retry
+                        waiting = any(not st.settled for st in self._states.values())
+                    if attempt == CONNECT_TRIES or self._closed or not waiting:
                         raise
                     log.warning("connecting to D at %s:%d failed (%r), try %d of %d", self.host,
                                 self.port, exc, attempt, CONNECT_TRIES)
