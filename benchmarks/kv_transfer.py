@@ -114,16 +114,28 @@ def shm_ceiling(nbytes: int, blocks_dst: torch.Tensor, segment: SharedSegment) -
     return time.perf_counter() - t0
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--tokens", type=int, nargs="+", default=[128, 512, 2048, 4096, 8192])
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--out", default="benchmarks/results/kv_transfer.json")
+def parse_args(doc: str, tokens: list[int], reps: int, out: str) -> argparse.Namespace:
+    """`--tokens`, `--reps` and `--out`, with these defaults; one compute thread from here."""
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
+    ap.add_argument("--tokens", type=int, nargs="+", default=tokens)
+    ap.add_argument("--reps", type=int, default=reps)
+    ap.add_argument("--out", default=out)
     args = ap.parse_args()
     torch.set_num_threads(1)
+    return args
+
+
+def open_d() -> tuple[StagingArea, KVListener, SharedSegment]:
+    """D's staging and listener in this process, and a segment for the ceiling's copies."""
     staging = StagingArea(256 * 1024**2, SHAPE, lease_s=60.0, stats=ConnectorStats())
     listener = KVListener("127.0.0.1", 0, TOKEN, FP, staging, lambda q: {})
-    segment = SharedSegment(256 * 1024**2)
+    return staging, listener, SharedSegment(256 * 1024**2)
+
+
+def main() -> None:
+    args = parse_args(__doc__, [128, 512, 2048, 4096, 8192], 5,
+                      "benchmarks/results/kv_transfer.json")
+    staging, listener, segment = open_d()
     channels: dict[str, PushChannel] = {
         kind: cls("127.0.0.1", listener.port, TOKEN, FP, ConnectorStats(), Faults(False), SHAPE,
                   5.0)

@@ -20,7 +20,6 @@ reported, never asserted.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -32,12 +31,20 @@ import torch
 import xxhash
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kv_transfer import BLOCK, FP, SHAPE, TOKEN, ours, paged_caches  # noqa: E402
+from kv_transfer import (  # noqa: E402
+    BLOCK,
+    FP,
+    SHAPE,
+    TOKEN,
+    open_d,
+    ours,
+    paged_caches,
+    parse_args,
+)
 
 from splitserve.connector.faults import Faults  # noqa: E402
 from splitserve.connector.layout.cpu import VllmCpuLayout  # noqa: E402
 from splitserve.connector.layout.staging_format import region_offset  # noqa: E402
-from splitserve.connector.listener import KVListener  # noqa: E402
 from splitserve.connector.segment import SharedSegment  # noqa: E402
 from splitserve.connector.staging import StagingArea  # noqa: E402
 from splitserve.connector.stats import ConnectorStats  # noqa: E402
@@ -93,17 +100,10 @@ def phases(tokens: int, reps: int, segment: SharedSegment, ch: ShmPushChannel,
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--tokens", type=int, nargs="+", default=[2048, 8192])
-    ap.add_argument("--reps", type=int, default=7)
-    ap.add_argument("--out", default="benchmarks/results/kv_transfer_phases.json")
-    args = ap.parse_args()
-    torch.set_num_threads(1)
-    staging = StagingArea(256 * 1024**2, SHAPE, lease_s=60.0, stats=ConnectorStats())
-    listener = KVListener("127.0.0.1", 0, TOKEN, FP, staging, lambda q: {})
+    args = parse_args(__doc__, [2048, 8192], 7, "benchmarks/results/kv_transfer_phases.json")
+    staging, listener, segment = open_d()
     ch = ShmPushChannel("127.0.0.1", listener.port, TOKEN, FP, ConnectorStats(), Faults(False),
                         SHAPE, 5.0)
-    segment = SharedSegment(256 * 1024**2)
     rows = []
     print(f"{'tokens':>7} {'MB':>6} " + " ".join(f"{p + ' ms':>11}" for p in PHASES)
           + f" {'rest ms':>8} {'ratio':>6}")

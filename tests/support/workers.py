@@ -320,13 +320,10 @@ def split_at_once(p: Worker, d: Worker, prompts: list[list[int]], max_tokens: in
     for prompt, tid, (tokens, _, rd) in zip(prompts, ids, results, strict=True):
         assert rd is not None and rd.status_code == 200, rd and rd.text
         assert tokens == hf_greedy(ckpt, prompt, max_tokens), f"prompt of {len(prompt)} tokens"
-        recv = httpx.get(f"{d.url}/splitserve/transfers/{tid}", headers=auth_headers(), timeout=5)
-        if recv.status_code == 404:  # no BEGIN reached D: P's record says why
-            sent = httpx.get(f"{p.url}/splitserve/transfers/{tid}", headers=auth_headers(),
-                             timeout=5)
-            raise AssertionError(f"D never saw transfer {tid}; P's record: {sent.text}")
-        recv.raise_for_status()
-        out.append((prompt, tid, recv.json()["recv"]))
+        recv = find_record(d, tid)
+        # no BEGIN reached D: P's record says why
+        assert recv is not None, f"D never saw transfer {tid}; P's record: {find_record(p, tid)}"
+        out.append((prompt, tid, recv["recv"]))
     return out
 
 
@@ -339,8 +336,17 @@ def whole_answer(worker: Worker, prompt: list[int], max_tokens: int) -> list[int
     return list(r.json()["choices"][0]["token_ids"])
 
 
-def transfer_record(worker: Worker, transfer_id: str) -> dict:
+def find_record(worker: Worker, transfer_id: str) -> dict | None:
+    """The worker's record of a transfer, or None if it has none (404)."""
     r = httpx.get(f"{worker.url}/splitserve/transfers/{transfer_id}", headers=auth_headers(),
                   timeout=5)
+    if r.status_code == 404:
+        return None
     r.raise_for_status()
     return r.json()
+
+
+def transfer_record(worker: Worker, transfer_id: str) -> dict:
+    rec = find_record(worker, transfer_id)
+    assert rec is not None, f"{worker.url} has no record of transfer {transfer_id}"
+    return rec
