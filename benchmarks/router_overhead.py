@@ -5,6 +5,11 @@ Rust router from PyPI) in front of the same worker, when it is installed.
 Each router is pinned to one core; the worker gets the rest. Requests to the targets are
 interleaved so drift hits all alike. Printed and written to JSON, never asserted.
 
+The colocated run adds `bare-relay` (`_bare_relay.py`, same core): uvicorn and one aiohttp
+session relaying bytes with none of a router's work. It is the floor of splitserve's server
+stack, so the run splits what the router costs into its stack's share and its own. Streaming
+throughput runs `--rounds` times per target, interleaved, and sums chunks and CPU over them.
+
 `--split`: the same for the two-leg path — splitserve in front of a P- and a D-worker (both on
 the worker cores). Per request (`max_tokens: 1`, so only P is involved) against P reached
 directly; per streamed token (D's leg relayed, each event re-framed) against D reached directly.
@@ -112,6 +117,26 @@ async def throughput(url: str, model: str, concurrency: int, tokens: int, pid: i
             "chunks_per_router_cpu_s": received / cpu if cpu else float("nan")}
 
 
+def throughput_rounds(urls: dict[str, str], pids: dict[str, int], args: argparse.Namespace,
+                      token: str | None = None) -> dict[str, dict[str, float]]:
+    """`throughput` for every target, `--rounds` times interleaved so drift hits all alike;
+    chunks and router CPU summed over the rounds (one round's CPU is a few clock ticks)."""
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in urls}
+    for _ in range(args.rounds):
+        for name, url in urls.items():
+            runs[name].append(asyncio.run(throughput(url, "bench", args.concurrency, args.tokens,
+                                                     pids.get(name), token)))
+    out = {}
+    for name, rs in runs.items():
+        chunks = sum(r["chunks"] for r in rs)
+        wall = sum(r["wall_s"] for r in rs)
+        cpu = sum(r["router_cpu_s"] for r in rs)
+        out[name] = {"chunks": chunks, "wall_s": wall, "chunks_per_s": chunks / wall,
+                     "router_cpu_s": cpu,
+                     "chunks_per_router_cpu_s": chunks / cpu if cpu else float("nan")}
+    return out
+
+
 def split_run(args: argparse.Namespace, model_dir: str, logs: Path, router_core: tuple[int, ...],
               worker_cores: tuple[int, ...]) -> tuple[dict[str, list[float]],
                                                       dict[str, list[float]], dict[str, Any],
@@ -156,10 +181,7 @@ def split_run(args: argparse.Namespace, model_dir: str, logs: Path, router_core:
                                   args.requests)
             gaps = token_gaps(client, {"direct": cfgs[1].url} | urls, "bench", args.streams,
                               args.tokens)
-        thr = {"direct": asyncio.run(throughput(cfgs[1].url, "bench", args.concurrency,
-                                                args.tokens, None, token))}
-        thr |= {name: asyncio.run(throughput(url, "bench", args.concurrency, args.tokens,
-                                             pids[name])) for name, url in urls.items()}
+        thr = throughput_rounds({"direct": cfgs[1].url} | urls, pids, args, token)
     finally:
         for r in routers:
             stop(r)
@@ -201,6 +223,8 @@ def main() -> int:
     ap.add_argument("--streams", type=int, default=20)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=5,
+                    help="streaming-throughput rounds per target, interleaved")
     ap.add_argument("--vllm-router-path", default=None,
                     help="directory holding the vllm_router package (pip install --target)")
     ap.add_argument("--split", action="store_true",
@@ -261,14 +285,20 @@ def colocated_run(args: argparse.Namespace, model_dir: str, logs: Path,
             urls["vllm-router"] = f"http://127.0.0.1:{rust_port}"
             pids["vllm-router"] = rust.pid
             rust_note = "installed"
+        bare_port = free_port()
+        bare = spawn([sys.executable, str(Path(__file__).parent / "_bare_relay.py"),
+                      "--upstream", wcfg.url, "--port", str(bare_port)],
+                     logs / "bare-relay.log", router_core)
+        procs.append(bare)
+        urls["bare-relay"] = f"http://127.0.0.1:{bare_port}"
+        pids["bare-relay"] = bare.pid
         for url in urls.values():
             wait_healthy(url, None, 120)
         with httpx.Client(timeout=120) as client:
             token_gaps(client, urls, "bench", 2, 8)  # warm-up
             lat = request_latency(client, urls, "bench", args.requests)
             gaps = token_gaps(client, urls, "bench", args.streams, args.tokens)
-        thr = {name: asyncio.run(throughput(url, "bench", args.concurrency, args.tokens,
-                                            pids.get(name))) for name, url in urls.items()}
+        thr = throughput_rounds(urls, pids, args)
     finally:
         for p in procs:
             stop(p)
@@ -302,12 +332,20 @@ def report(args: argparse.Namespace, model_dir: str, router_core: tuple[int, ...
         print(f"{name:>12} {statistics.median(lat[name]) * 1e3:>11.2f} {added_req:>9.2f} "
               f"{statistics.median(gaps[name]) * 1e3:>11.2f} {added_tok:>15.3f} "
               f"{thr[name]['chunks_per_s']:>9.0f} {thr[name]['chunks_per_router_cpu_s']:>20.0f}")
-    if "vllm-router" in urls:
-        ours_added = result["targets"]["splitserve"]["added_request_ms"]
-        rust_added = result["targets"]["vllm-router"]["added_request_ms"]
-        ratio = ours_added / rust_added if rust_added > 0 else float("inf")
-        result["added_latency_ratio_vs_vllm_router"] = ratio
-        print(f"added request latency, splitserve / vllm-router: {ratio:.2f} (target <= 2)")
+    for other in ("vllm-router", "bare-relay"):
+        if other not in urls:
+            continue
+        ours, theirs = result["targets"]["splitserve"], result["targets"][other]
+        key = other.replace("-", "_")
+        if not args.split or other != "vllm-router":  # its PD request runs a D leg too
+            ratio = (ours["added_request_ms"] / theirs["added_request_ms"]
+                     if theirs["added_request_ms"] > 0 else float("inf"))
+            result[f"added_latency_ratio_vs_{key}"] = ratio
+            print(f"added request latency, splitserve / {other}: {ratio:.2f}")
+        cpu_ratio = (theirs["throughput"]["chunks_per_router_cpu_s"]
+                     / ours["throughput"]["chunks_per_router_cpu_s"])
+        result[f"cpu_per_chunk_ratio_vs_{key}"] = cpu_ratio
+        print(f"router CPU per relayed chunk, splitserve / {other}: {cpu_ratio:.2f}")
     write_json(Path(args.out), result)
 
 
