@@ -159,7 +159,7 @@ def split_run(args: argparse.Namespace, model_dir: str, logs: Path, router_core:
                               "--log-level", "warning"], logs / "splitserve-router.log",
                              router_core, dict(os.environ, SPLITSERVE_TOKEN=token)))
         urls = {"splitserve": f"http://127.0.0.1:{port}"}
-        pids = {"splitserve": routers[0].pid}
+        started = {"splitserve": routers[0]}
         if args.connector == "nixl" and vllm_router_installed(args, logs):
             rust_port = free_port()
             routers.append(spawn([sys.executable, "-m", "vllm_router.launch_router",
@@ -171,9 +171,8 @@ def split_run(args: argparse.Namespace, model_dir: str, logs: Path, router_core:
                                   "--log-level", "warning"],
                                  logs / "vllm-router.log", router_core, vllm_router_env(args)))
             urls["vllm-router"] = f"http://127.0.0.1:{rust_port}"
-            pids["vllm-router"] = routers[-1].pid
-        for url in urls.values():
-            wait_healthy(url, None, 120)
+            started["vllm-router"] = routers[-1]
+        pids = wait_started(urls, started, logs)
         # workers require the deployment token (the routers ignore it: no API key is set)
         with httpx.Client(timeout=120, headers=bearer_headers(token)) as client:
             token_gaps(client, urls, "bench", 2, 8)  # warm-up
@@ -201,6 +200,18 @@ def start_open_worker(cfg: WorkerConfig, token: str, log: str) -> subprocess.Pop
     with open(log, "ab") as out:
         return subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT,
                                 preexec_fn=child_preexec(cfg.cpus), start_new_session=True)
+
+
+def wait_started(urls: dict[str, str], started: dict[str, subprocess.Popen[bytes]],
+                 logs: Path) -> dict[str, int]:
+    """Wait until every started router answers `/health`, failing as soon as one exits (its log
+    is named); their pids by name."""
+    for name, proc in started.items():
+        try:
+            wait_healthy(urls[name], proc, 120)
+        except RuntimeError as exc:
+            raise RuntimeError(f"{name} did not start ({exc}); see {logs}/") from exc
+    return {name: proc.pid for name, proc in started.items()}
 
 
 def vllm_router_env(args: argparse.Namespace) -> dict[str, str]:
@@ -269,21 +280,17 @@ def colocated_run(args: argparse.Namespace, model_dir: str, logs: Path,
                      logs / "splitserve-router.log", router_core)
         procs.append(ours)
         urls = {"direct": wcfg.url, "splitserve": f"http://127.0.0.1:{ours_port}"}
-        pids = {"splitserve": ours.pid}
+        started = {"splitserve": ours}
         rust_note = "not installed (pip install vllm-router, or --vllm-router-path)"
-        env = dict(os.environ)
-        if args.vllm_router_path:
-            env["PYTHONPATH"] = args.vllm_router_path + os.pathsep + env.get("PYTHONPATH", "")
-        probe = spawn([sys.executable, "-c", "import vllm_router"], logs / "probe.log", env=env)
-        if probe.wait(60) == 0:
+        if vllm_router_installed(args, logs):
             rust_port = free_port()
             rust = spawn([sys.executable, "-m", "vllm_router.launch_router", "--worker-urls",
                           wcfg.url, "--policy", "round_robin", "--port", str(rust_port),
                           "--host", "127.0.0.1", "--log-level", "warning"],
-                         logs / "vllm-router.log", router_core, env)
+                         logs / "vllm-router.log", router_core, vllm_router_env(args))
             procs.append(rust)
             urls["vllm-router"] = f"http://127.0.0.1:{rust_port}"
-            pids["vllm-router"] = rust.pid
+            started["vllm-router"] = rust
             rust_note = "installed"
         bare_port = free_port()
         bare = spawn([sys.executable, str(Path(__file__).parent / "_bare_relay.py"),
@@ -291,9 +298,8 @@ def colocated_run(args: argparse.Namespace, model_dir: str, logs: Path,
                      logs / "bare-relay.log", router_core)
         procs.append(bare)
         urls["bare-relay"] = f"http://127.0.0.1:{bare_port}"
-        pids["bare-relay"] = bare.pid
-        for url in urls.values():
-            wait_healthy(url, None, 120)
+        started["bare-relay"] = bare
+        pids = wait_started(urls, started, logs)
         with httpx.Client(timeout=120) as client:
             token_gaps(client, urls, "bench", 2, 8)  # warm-up
             lat = request_latency(client, urls, "bench", args.requests)
