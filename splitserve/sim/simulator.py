@@ -4,8 +4,8 @@ of the colocated baselines (one engine doing both, with or without chunked prefi
 Workers step like vLLM's v1 scheduler: continuous batching, a token budget per step (decodes
 first, one token each, then prompt chunks FIFO), KV capacity checked when a request is admitted
 (its whole prompt + output is reserved; no preemption), at most `max_num_seqs` running
-requests, requests arriving during a step join at the next step. A step's duration comes from
-the profile's cost model.
+requests, requests arriving during a step join at the next step (`sim.stepping`). A step's
+duration comes from the profile's cost model.
 
 Speed: while a worker only decodes and nothing arrives, its steps are deterministic, so it
 advances to the next finishing request in one event (a *segment*: step k lasts
@@ -36,12 +36,12 @@ from splitserve.sim.model import Profile
 from splitserve.sim.overlay import Leg, Overlay
 from splitserve.sim.prefixcache import PrefixCaches
 from splitserve.sim.routing import Route, SimRouter
+from splitserve.sim.stepping import WorkerStepping
 from splitserve.sim.workerstate import (
     COLOCATED,
     DECODE,
     KV_WAIT,
     PREFILL,
-    SEGMENT,
     STEP,
     Limits,
     Worker,
@@ -58,11 +58,12 @@ Event = tuple[float, int, int, int, int]
 _EV_STEP, _EV_JOIN, _EV_OVERLAY, _EV_LEG = 0, 1, 2, 3
 
 
-class Simulation:
+class Simulation(WorkerStepping):
     """One run of one workload on one deployment, with the overlay its caller chose (default:
     the null one). `run()` returns a `SimOutcome`. Requests are indices into the run's
-    arrays; P-workers are `W[0:len(P)]`, D-workers `W[len(P):]`. It is the `RunControl` its
-    overlay is bound to.
+    arrays; P-workers are `W[0:len(P)]`, D-workers `W[len(P):]`. Its workers step as
+    `WorkerStepping` says; it owns their events, the routing and the hand-offs. It is the
+    `RunControl` its overlay is bound to.
 
     `decode_profile`: the D pool's workers, when they differ from P's (another TP degree, or
     other GPUs of the same model); D's steps, limits and KV memory are then its. None: every
@@ -134,7 +135,7 @@ class Simulation:
         return Limits(cfg.token_budget or profile.token_budget, profile.max_num_seqs,
                       profile.kv_capacity_tokens, cfg.mode != "colocated")
 
-    # worker mechanics ------------------------------------------------------------------
+    # the event heap ----------------------------------------------------------------------
     def _push(self, t: float, kind: int, subject: int, version: int) -> None:
         self.seq += 1
         heapq.heappush(self.heap, (t, self.seq, kind, subject, version))
@@ -143,34 +144,6 @@ class Simulation:
         w.version += 1
         w.busy = True
         self._push(end, _EV_STEP, wi, w.version)
-
-    def _admit(self, wi: int, w: Worker) -> None:
-        """D-worker `w` admits its waiting legs FIFO within KV capacity and `max_seqs`."""
-        prompt_lens, output_lens = self.prompt_lens, self.output_lens
-        cap, max_seqs = self.lim[wi].kv_capacity, self.lim[wi].max_seqs
-        while w.waiting and w.batch < max_seqs:
-            r = w.waiting[0]
-            need = prompt_lens[r] + output_lens[r]
-            if w.kv_used + need > cap:
-                if need > cap:  # can never fit
-                    w.waiting.popleft()
-                    self.failed[r] = True
-                    w.load -= 1
-                    continue
-                break
-            w.waiting.popleft()
-            w.kv_used += need
-            if w.caches is not None:  # the leg's KV is D's now: its prefix cache holds it
-                w.caches.store(wi, r)
-                w.caches.trim(wi, w.kv_used)
-            replay = int(self.replay)  # a pulled leg's first step replays t1
-            heapq.heappush(w.running, (w.steps + output_lens[r] - 1 + replay, r))
-            self.decode_worker[r], self.join_step[r] = wi, w.steps + replay
-            w.batch += 1
-            w.context += prompt_lens[r] + 1 - replay
-            w.new.append(r)
-            if self.overlay.active:
-                self.overlay.admitted(wi - self.npw, w.batch - 1)
 
     # the overlay's RunControl (D-workers by number) ----------------------------------------
     def decode_batch(self, d: int) -> int:
@@ -196,135 +169,6 @@ class Simulation:
 
     def cut_decode_segment(self, d: int, t: float) -> None:
         self.cut_segment(self.npw + d, self.D[d], t)
-
-    def cut_segment(self, wi: int, w: Worker, t: float) -> None:
-        """End `w`'s decode-only segment at its next step boundary (the next step differs)."""
-        if (end := w.cut_short(t)) is not None:
-            self._schedule(wi, w, end)
-
-    def _plan(self, wi: int, w: Worker, t: float) -> None:
-        """Plan idle worker `w`'s next step at t: prompt chunks up to the token budget (a
-        mixed step if it also decodes), else a decode-only segment (one step where the
-        overlay's work or a pulled leg's replay makes it differ), else nothing."""
-        w.chunks.clear()
-        if w.queue:
-            w.take_chunks(t, self.lim[wi], self.prompt_lens, self.output_lens, self.failed,
-                          self.prefill_start, self.charged)
-        if w.role == PREFILL and self.overlay.active:
-            self.overlay.prefilling(wi, bool(w.chunks), t)
-        if w.chunks:
-            first = w.start_chunk_step(t)
-            end = t + first
-        elif w.batch:
-            first, end = self._decode_step(wi, w, t)
-        else:  # nothing to run: wait, or wake when a transfer frees the KV its queue needs
-            w.busy = False
-            if w.role == DECODE and self.overlay.active:
-                self.overlay.idle(wi - self.npw)
-            if w.queue and w.kv_release:
-                w.kind = KV_WAIT
-                self._schedule(wi, w, w.kv_release[0][0])
-            w.new.clear()
-            return
-        if self.replay:  # last step's joiners replayed t1: this step emits their t2
-            w.joined.clear()
-            w.joined, w.replaying = w.replaying, w.joined
-            w.n_joined = len(w.new) + len(w.joined)
-            local = self.local
-            for r in w.new:  # a leg prefilled on D pulled nothing: it replays no t1
-                (w.joined if local[r] else w.replaying).append(r)
-        else:
-            w.n_joined = len(w.new)
-            w.joined, w.new = w.new, w.joined  # the joiners of the step now in progress
-        for r in w.joined:
-            self.t2[r] = t + first
-        w.new.clear()
-        self._schedule(wi, w, end)
-
-    def _decode_step(self, wi: int, w: Worker, t: float) -> tuple[float, float]:
-        """Start `w`'s decode-only work at t: a segment until its next request finishes (step
-        k lasts α + β·k), or one step carrying the overlay's work or a pulled leg's replay.
-        (The first step's duration, the end.)"""
-        dc = w.decode_cost
-        alpha = dc.a + dc.b * w.context + w.batch_term[w.batch]
-        beta = dc.b * w.batch
-        carry = None
-        if w.role == DECODE and self.overlay.active:
-            # invariant: a segment's steps all run at one pace (no overlay event in it)
-            pace, carry = self.overlay.decode_step(wi - self.npw, w.batch)
-            alpha, beta = alpha * pace, beta * pace
-        if self.replay and w.new and carry is None:  # joiners replay t1: t2 comes next
-            carry = 0.0
-        if carry is not None:  # one step carrying the overlay's work
-            w.kind, w.step_dur, w.started = STEP, alpha + carry, t
-            return w.step_dur, t + w.step_dur
-        k = w.running[0][0] - w.steps
-        w.kind, w.started, w.alpha, w.beta = SEGMENT, t, alpha, beta
-        w.seg_steps, w.cut = k, False
-        return alpha, t + alpha * k + beta * k * (k - 1) / 2
-
-    def _boundary(self, wi: int, w: Worker, t: float) -> None:
-        """The step (or segment) in progress on `w` ends at `t`."""
-        prompt_lens, output_lens = self.prompt_lens, self.output_lens
-        if w.role == DECODE and self.overlay.active:
-            self.overlay.step_ended(wi - self.npw)
-        if w.kind == SEGMENT:
-            k = w.seg_steps
-            self.segs.append((w.alpha, w.beta, k, w.batch, w.n_joined, w.started, wi, w.steps))
-            w.steps += k
-            w.context += k * w.batch
-        elif w.kind == STEP:
-            if w.batch:
-                self.segs.append((w.step_dur, 0.0, 1, w.batch, w.n_joined, w.started, wi, w.steps))
-            w.steps += 1
-            w.context += w.batch
-            for r, q, p in w.chunks:
-                if p + q < prompt_lens[r]:
-                    continue
-                if w.role == PREFILL:
-                    self._prefilled(wi, w, r, t)
-                    continue
-                self.t1[r] = t
-                if w.caches is not None:
-                    w.caches.store(wi, r)
-                if output_lens[r] == 1:
-                    self.finish[r] = t
-                    w.kv_used -= prompt_lens[r] + 1
-                    w.load -= 1
-                    if w.caches is not None:
-                        w.caches.release(wi, r)
-                else:
-                    heapq.heappush(w.running, (w.steps + output_lens[r] - 1, r))
-                    self.decode_worker[r], self.join_step[r] = wi, w.steps
-                    w.batch += 1
-                    w.context += prompt_lens[r] + 1
-                    w.new.append(r)
-            w.chunks.clear()
-        run = w.running
-        while run and run[0][0] <= w.steps:
-            r = heapq.heappop(run)[1]
-            self.finish[r] = t
-            w.batch -= 1
-            w.context -= prompt_lens[r] + output_lens[r]
-            w.kv_used -= prompt_lens[r] + output_lens[r]
-            w.load -= 1
-            if w.caches is not None:
-                w.caches.release(wi, r)
-            if w.role == DECODE and w.batch and self.overlay.active:
-                self.overlay.finished(wi - self.npw, w.batch)
-        w.busy = False
-        if w.waiting:
-            self._admit(wi, w)
-        self._plan(wi, w, t)
-
-    def _poke(self, wi: int, w: Worker, t: float) -> None:
-        """New work reached `w` at t: start it now if idle, else at the next step boundary."""
-        if not w.busy:
-            if w.waiting:
-                self._admit(wi, w)
-            self._plan(wi, w, t)
-        else:
-            self.cut_segment(wi, w, t)
 
     # the KV hand-off from P to D ---------------------------------------------------------
     def _prefilled(self, wi: int, w: Worker, r: int, t: float) -> None:

@@ -1,7 +1,7 @@
 """One simulated worker's state (`Worker`: its queues, batch, KV, the step in progress), its
 scheduler's choice of prompt chunks per step within its `Limits`, and the closed form of a
-decode-only segment (`steps_done`, `next_boundary`); the event loop that moves it and the
-requests' hand-offs between workers live in `simulator.py`."""
+decode-only segment (`steps_done`, `next_boundary`); the steps that move it are
+`stepping.py`'s, the event loop and the requests' hand-offs between workers `simulator.py`'s."""
 
 from __future__ import annotations
 

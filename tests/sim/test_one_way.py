@@ -11,7 +11,8 @@ from pathlib import Path
 import splitserve
 
 ROOT = Path(splitserve.__file__).parent
-ENGINE = ("simulator", "workerstate", "handoff", "overlay", "routing", "deployment", "model")
+ENGINE = ("simulator", "stepping", "workerstate", "handoff", "overlay", "routing", "deployment",
+          "model")
 
 
 def _module(path: Path) -> str:
