@@ -27,6 +27,7 @@ import asyncio
 import json
 import time
 from dataclasses import dataclass, field
+from typing import cast
 
 import uvloop
 
@@ -137,8 +138,8 @@ class Connection(asyncio.Protocol):
         self.transport: asyncio.Transport
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]  # uvloop's is no subclass
-        transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's: no subclass
+        self.transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True

@@ -40,7 +40,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import uvloop
@@ -75,8 +75,8 @@ class StreamReader(asyncio.Protocol):
     transport: asyncio.Transport | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]  # uvloop's is no subclass
-        transport.write(self.request)
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's: no subclass
+        self.transport.write(self.request)
 
     def data_received(self, data: bytes) -> None:
         now = time.perf_counter()
@@ -142,6 +142,10 @@ async def phase(port: int, streams: int, tokens: int, ramp_s: float, pids: dict[
 def measure(readers: list[StreamReader], ok: list[bool],
             samples: list[tuple[float, dict[str, float]]]) -> dict[str, Any]:
     good = [r for r, k in zip(readers, ok, strict=True) if k and r.reads]
+    if not good:
+        return {"streams_ok": 0, "streams_failed": len(readers), "window_s": 0.0,
+                "tokens_per_s": 0.0, "gap_ms": {}, "ttft_ms": {}, "cpu_busy": {},
+                "tokens_per_router_cpu_s": float("nan")}
     start = max(r.reads[0][0] for r in good)
     end = min(r.reads[-1][0] for r in good)
     if end <= start:  # streams too short to overlap: the whole run is the window
