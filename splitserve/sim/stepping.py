@@ -32,13 +32,14 @@ Invariants:
 from __future__ import annotations
 
 import heapq
+from abc import ABC, abstractmethod
 
 from splitserve.sim.deployment import Segment
 from splitserve.sim.overlay import Overlay
 from splitserve.sim.workerstate import DECODE, KV_WAIT, PREFILL, SEGMENT, STEP, Limits, Worker
 
 
-class WorkerStepping:
+class WorkerStepping(ABC):
     """The per-worker scheduler steps of one run. Requests are indices into the run's lists;
     worker `wi` is `W[wi]`, D-worker d is `wi = npw + d`. The attributes below are the loop's,
     set before its first event."""
@@ -60,13 +61,13 @@ class WorkerStepping:
     join_step: list[int]  # that worker's step count when it joined the batch
     segs: list[Segment]  # every decode step run, as segments
 
+    @abstractmethod
     def _schedule(self, wi: int, w: Worker, end: float) -> None:
         """Mark `w` busy until `end`, its one live step event (the loop's heap)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _prefilled(self, wi: int, w: Worker, r: int, t: float) -> None:
         """P-worker wi's step ending at t finished request r's prompt: the hand-off."""
-        raise NotImplementedError
 
     def _admit(self, wi: int, w: Worker) -> None:
         """D-worker `w` admits its waiting legs FIFO within KV capacity and `max_seqs`."""
