@@ -47,7 +47,7 @@ import uvloop
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from _common import cpu_seconds, spawn, stop, write_json  # noqa: E402
+from _common import cpu_seconds, spawn, stop, summary, write_json  # noqa: E402
 from router_overhead import (  # noqa: E402
     tiny_model,
     vllm_router_env,
@@ -159,18 +159,10 @@ def measure(readers: list[StreamReader], ok: list[bool],
     span = inside[-1][0] - inside[0][0]
     return {"streams_ok": len(good), "streams_failed": len(readers) - len(good),
             "window_s": end - start, "tokens_per_s": tokens / (end - start),
-            "gap_ms": percentiles(gaps), "ttft_ms": percentiles(ttft),
+            "gap_ms": summary(gaps), "ttft_ms": summary(ttft),
             "cpu_busy": {k: v / span for k, v in cpu.items()} if span > 0 else {},
             "tokens_per_router_cpu_s": (tokens / (end - start)) / (cpu["router"] / span)
             if "router" in cpu and cpu["router"] > 0 and span > 0 else float("nan")}
-
-
-def percentiles(xs: list[float]) -> dict[str, float]:
-    if not xs:
-        return {}
-    xs = sorted(xs)
-    at = lambda q: xs[min(len(xs) - 1, int(q * len(xs)))] * 1e3  # noqa: E731
-    return {"p50": at(0.5), "p99": at(0.99), "p999": at(0.999), "max": xs[-1] * 1e3}
 
 
 def set_itl(upstream: str, ms: float) -> None:
@@ -257,16 +249,17 @@ def report(args: argparse.Namespace, runs: dict[str, Any], rust_note: str) -> No
         result["medians"][level] = {}
         for name, rs in by_target.items():
             m = {"tokens_per_s": median_of(rs, "tokens_per_s"),
-                 "gap_ms": {q: median_of(rs, "gap_ms", q) for q in ("p50", "p99", "p999")},
-                 "ttft_ms": {q: median_of(rs, "ttft_ms", q) for q in ("p50", "p99")},
+                 "gap_ms": {q: median_of(rs, "gap_ms", f"{q}_ms")
+                            for q in ("median", "p99", "p999")},
+                 "ttft_ms": {q: median_of(rs, "ttft_ms", f"{q}_ms") for q in ("median", "p99")},
                  "router_cpu": median_of(rs, "cpu_busy", "router"),
                  "harness_cpu": median_of(rs, "cpu_busy", "upstream")
                  + median_of(rs, "cpu_busy", "client"),
                  "failed_streams": sum(r["streams_failed"] for r in rs)}
             result["medians"][level][name] = m
             print(f"{level:>14} {name:>12} {m['tokens_per_s']:>7.0f} "
-                  f"{m['gap_ms']['p50']:>8.1f} {m['gap_ms']['p99']:>7.1f} "
-                  f"{m['gap_ms']['p999']:>7.1f} {m['ttft_ms']['p50']:>9.1f} "
+                  f"{m['gap_ms']['median']:>8.1f} {m['gap_ms']['p99']:>7.1f} "
+                  f"{m['gap_ms']['p999']:>7.1f} {m['ttft_ms']['median']:>9.1f} "
                   f"{m['ttft_ms']['p99']:>7.1f} {m['router_cpu']:>10.0%} "
                   f"{m['harness_cpu']:>11.0%} {m['failed_streams']:>6}")
     for name in runs[next(iter(runs))]:
