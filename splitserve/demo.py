@@ -102,7 +102,8 @@ def tour(transport: str) -> None:
         return f"{v * 1e3:.1f} ms" if isinstance(v, int | float) else "n/a"
 
     print(f"prefill leg {ms('p_leg_s')}, TTFT at the router {ms('ttft_s')}, "
-          f"handover t1->t2 {ms('handover_s')}, decode queue {ms('d_queue_s')}")
+          f"handover t1->t2 {ms('handover_s')}, decode queue {ms('d_queue_s')} "
+          f"(D leg -> D's step {ms('d_wait_s')})")
     if (line := kv_line(t)) is not None:
         print(line)
 

@@ -48,6 +48,7 @@ RECV: dict[str, Any] = {
     "transfer_id": "t1", "side": "recv", "status": "loaded", "tokens": 10, "bytes": 4096,
     "cause": None, "started_s": 100.0, "first_byte_s": 100.1, "complete_s": 100.5,
     "load_s": 0.01, "loaded_tokens": 10, "load_mode": "async", "wire_s": 0.2,
+    "scheduled_s": 100.2,
     "duration_s": 0.5, "tail_s": 0.05, "gbps": 2e-5}
 
 
@@ -201,7 +202,7 @@ def test_record_round_trips_and_says_when_it_is_final() -> None:
     ("transfer_id", None), ("transfer_id", 7), ("transfer_id", ""), ("side", "both"),
     ("side", None), ("status", "loading"), ("status", None), ("tokens", -1), ("tokens", 1.5),
     ("bytes", "4096"), ("cause", 3), ("started_s", "now"), ("gbps", True),
-    ("loaded_tokens", 2.5), ("load_mode", 1), ("tail_s", [0.1]),
+    ("loaded_tokens", 2.5), ("load_mode", 1), ("tail_s", [0.1]), ("scheduled_s", "soon"),
 ])
 def test_record_refuses_each_bad_field(key: str, value: Any) -> None:
     with pytest.raises(WireError, match=key):

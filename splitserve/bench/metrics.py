@@ -275,7 +275,7 @@ def compute_metrics(records: Sequence[RequestRecord], duration_s: float,
     result["server_timings"] = server_timing_stats(records)
     # splitserve's router: kv_transfer_s is BEGIN -> END, kv_tail_s the exposed tail
     for name, keys in (("kv_transfer", ("kv_transfer_ms", "kv_transfer_s")),
-                       ("kv_tail", ("kv_tail_s",))):
+                       ("kv_tail", ("kv_tail_s",)), ("d_wait", ("d_wait_s",))):
         for key in keys:
             if key in result["server_timings"]:
                 scale = 1000.0 if key.endswith("_s") else 1.0

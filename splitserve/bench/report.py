@@ -32,6 +32,7 @@ TABLE_ROWS: tuple[tuple[str, str], ...] = (
     ("median_handover_ms", "handover p50 ms"),
     ("median_kv_transfer_ms", "KV transfer BEGIN->END p50 ms"),
     ("median_kv_tail_ms", "KV exposed tail p50 ms"),
+    ("median_d_wait_ms", "D leg -> D's step p50 ms"),
     ("ideal_reuse", "ideal reuse (workload: unbounded single cache)"),
     ("prefix_hit_rate", "prefix hit rate (server-reported)"),
     ("cached_prompt_tokens", "prompt tokens cached (server)"),

@@ -268,6 +268,7 @@ class SideRecord:
     load_s: float | None = None
     loaded_tokens: int | None = None
     load_mode: str | None = None
+    scheduled_s: float | None = None
     copy_forward_s: float = 0.0
     sender_layers_s: float = 0.0
     sender_sends_s: float = 0.0

@@ -166,6 +166,7 @@ class DecodeLoads:
         st.record.load_s = time.perf_counter() - load.copy_t0
         st.record.loaded_tokens = spec.end - spec.start
         st.record.load_mode = "sync" if spec.sync else "async"
+        st.record.scheduled_s = spec.scheduled_s
         self._staging.release(st, TransferStatus.LOADED)
         self._stats.close(st.record, TransferStatus.LOADED)
         return "ok"
@@ -270,6 +271,7 @@ class DecodeLoads:
                 st.record.load_s = time.perf_counter() - t0
                 st.record.loaded_tokens = spec.end - spec.start
                 st.record.load_mode = "sync" if spec.sync else "async"
+                st.record.scheduled_s = spec.scheduled_s
             staging.release(st, status)
             self._stats.close(st.record, status, cause)
         return cause or "ok"

@@ -41,6 +41,9 @@ class LoadSpec:
     end: int  # start == end: nothing to load, just release the staged transfer
     sync: bool = False  # complete at scheduling time: load before this step's forward
     prefill_tp: int = 1  # P's ranks: with more than D's, each D rank gets several pieces
+    # wall time (epoch s) D's scheduler gave the request its blocks: for a sync load, the start
+    # of the step that computes it
+    scheduled_s: float | None = None
 
 
 @dataclass

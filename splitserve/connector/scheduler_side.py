@@ -30,6 +30,7 @@ for it, and the worker reports it in `finished_sending` once the push is settled
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -154,7 +155,8 @@ class SchedulerSide:
         block_ids = tuple(blocks.get_block_ids()[0]) if num_external_tokens > 0 else ()
         self._pending.loads.append(LoadSpec(
             request.request_id, tid, block_ids, start, end, sync=sync and start < end,
-            prefill_tp=tp_param(transfer_params(request), "prefill_tp")))
+            prefill_tp=tp_param(transfer_params(request), "prefill_tp"),
+            scheduled_s=time.time()))
 
     # -- every step --------------------------------------------------------------------------
     def build_connector_meta(self, so: SchedulerOutput) -> SplitserveMeta:

@@ -37,6 +37,9 @@ class TransferRecord:
     load_s: float | None = None  # D: seconds to copy staged KV into vLLM's blocks
     loaded_tokens: int | None = None  # D: tokens copied (fewer when D had a prefix-cache hit)
     load_mode: str | None = None  # D: "sync" (complete when scheduled) or "async" (waited)
+    # D: wall time (epoch s) its scheduler took the decode leg (gave it blocks); the router's
+    # `d_wait_s` is this minus the leg's sending
+    scheduled_s: float | None = None
     # P: seconds spent copying this transfer's KV out of P's blocks (gather and checksum) on the
     # forward thread (on the forward pass's path); and on its layers by the sender thread
     # (copies before BEGIN was answered or for fault-marked transfers; tcp: their sends too)

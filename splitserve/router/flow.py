@@ -328,6 +328,8 @@ class Flow:
             start = DecodeStart(None) if tr is None else tr.via.decode_start(tr, joiner.produced)
             early = pre.early if attempt == 0 else None  # sent with P's leg: take it over
             t.d_sent, t.d_first = early.sent if early else time.monotonic(), None
+            # the leg D's KV record describes: the first one (a resumed leg loads no KV)
+            t.d_sent_wall = time.time() - (time.monotonic() - t.d_sent) if tr else None
             r: aiohttp.ClientResponse | None = None
             complete = False  # read to the end: the connection may be reused
             try:

@@ -121,6 +121,11 @@ class RouterMetrics:
             "splitserve_router_decode_queue_seconds",
             "D leg sent -> first D token (D's queue, KV load and one step)",
             buckets=LATENCY_BUCKETS, registry=r)
+        self.d_wait = Histogram(
+            "splitserve_router_decode_wait_seconds",
+            "D leg sent -> D's scheduler takes it into a step (D's intake and the wait for its "
+            "step in progress; D's clock against the router's)",
+            buckets=LATENCY_BUCKETS, registry=r)
         self.ttft = Histogram("splitserve_router_ttft_seconds",
                               "Request received -> first token sent", buckets=LATENCY_BUCKETS,
                               registry=r)
@@ -179,7 +184,8 @@ class RouterMetrics:
         pairs = ((self.p_queue, "p_queue_s"), (self.p_leg, "p_leg_s"),
                  (self.kv_bytes, "kv_bytes"), (self.kv_seconds, "kv_transfer_s"),
                  (self.kv_gbps, "kv_gbps"), (self.handover, "handover_s"),
-                 (self.d_first, "d_queue_s"), (self.ttft, "ttft_s"), (self.e2e, "e2e_s"))
+                 (self.d_first, "d_queue_s"), (self.d_wait, "d_wait_s"), (self.ttft, "ttft_s"),
+                 (self.e2e, "e2e_s"))
         for hist, key in pairs:
             value = t.get(key)
             if isinstance(value, int | float):

@@ -28,6 +28,7 @@ class Timings:
     t1_back: float | None = None
     first_sent: float | None = None
     d_sent: float | None = None
+    d_sent_wall: float | None = None  # d_sent as epoch seconds, for the leg that loads KV
     d_first: float | None = None
     t2_sent: float | None = None
     end: float | None = None
@@ -69,4 +70,7 @@ class Timings:
                        kv_gbps=kv.gbps, kv_load_s=kv.load_s, kv_status=kv.status.value)
             if kv.first_byte_s is not None and self.p_sent_wall is not None:
                 out["p_queue_s"] = round(kv.first_byte_s - self.p_sent_wall, 6)
+            if kv.scheduled_s is not None and self.d_sent_wall is not None:
+                # D's intake (HTTP, the engine's queue) and the wait for D's step in progress
+                out["d_wait_s"] = round(kv.scheduled_s - self.d_sent_wall, 6)
         return out

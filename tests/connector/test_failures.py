@@ -3,6 +3,7 @@ from wrong memory; nothing stays allocated on either worker."""
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -99,6 +100,9 @@ def test_complete_transfer_loads_in_the_same_step_late_one_waits(
         assert tokens == hf_greedy(llama_ckpt, prompt, MAX_TOKENS)
         rec = transfer_record(d, tid)["recv"]
         assert rec["status"] == "loaded" and rec["load_mode"] == mode, rec
+        # sync: scheduled after the test saw the push acknowledged; async: before it completed
+        assert rec["started_s"] <= rec["scheduled_s"] <= time.time(), rec
+        assert (rec["scheduled_s"] >= rec["complete_s"]) == (mode == "sync"), rec
 
 
 def test_unknown_transfer_id_is_a_load_error(llama_pair: tuple[Worker, Worker],

@@ -100,6 +100,7 @@ def test_metrics_and_workers(router_pd: Router, llama_pair: tuple[Worker, Worker
     for family in ("splitserve_router_prefill_seconds_count", "splitserve_router_kv_bytes_count",
                    "splitserve_router_handover_seconds_count",
                    "splitserve_router_decode_queue_seconds_count",
+                   "splitserve_router_decode_wait_seconds_count",
                    'splitserve_router_requests_total{endpoint="completion",mode="split",'
                    'outcome="ok"}'):
         line = next(x for x in text.splitlines() if x.startswith(family))

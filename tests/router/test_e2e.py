@@ -100,6 +100,8 @@ def test_every_split_request_moved_its_kv(router_pd: Router, llama_pair: tuple[W
     timings = json.loads(r.headers["x-splitserve-timings"])
     assert timings["mode"] == "split" and timings["kv_status"] == "loaded", timings
     assert timings["kv_bytes"] > 0 and timings["p_leg_s"] > 0
+    # D's scheduler took the leg after the router sent it and before its first token came back
+    assert 0 < timings["d_wait_s"] < timings["d_queue_s"], timings
     # a different prompt of the same length: D has none of it cached, so all of it moves
     events, comments = sse_events(router_pd.url, "/v1/completions",
                                   body | {"stream": True, "prompt": prompt_of(200, 908)})
