@@ -353,12 +353,14 @@ def _pct(x: float, points: bool, spread: bool = False) -> str:
     return f"±{x:.1%}" if spread else f"{x:+.1%}"
 
 
-def print_points(points: list[Point]) -> None:
+def print_points(points: list[Point],
+                 adjusted: str = "each repeat simulated at its canary's drift") -> None:
+    """The comparison table; `adjusted` says what the adjusted columns' simulation is."""
     from rich.console import Console
     from rich.table import Table
 
     t = Table(title="simulated vs measured (error = (sim − real mean) / real mean; pt: sim − "
-                    "real mean in points; adjusted: each repeat simulated at its canary's drift)")
+                    f"real mean in points; adjusted: {adjusted})")
     drift = any(p.adjusted is not None for p in points)
     cols = ["rate", "metric", "real mean", "real min..max", "spread", "sim", "error", "verdict"]
     for col in cols + (["sim adj", "error adj", "verdict adj"] if drift else []):
@@ -369,6 +371,7 @@ def print_points(points: list[Point]) -> None:
                f"{p.sim:.3g}", _pct(p.error, p.absolute), p.verdict()]
         adj = p.adjusted
         if drift:
-            row += [f"{adj.sim:.3g}", f"{adj.error:+.1%}", adj.verdict()] if adj else ["–"] * 3
+            row += ([f"{adj.sim:.3g}", _pct(adj.error, adj.absolute), adj.verdict()] if adj
+                    else ["–"] * 3)
         t.add_row(*row)
     Console(width=max(Console().width, 140)).print(t)

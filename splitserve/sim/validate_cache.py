@@ -17,6 +17,12 @@ identity is the plan's (the placeholder answers have the real answers' lengths).
 value of a metric is the mean over the repeats' simulations, compared with the mean of the
 measured repeats (`validate.Point`; the spread is the measured min..max).
 
+The adjusted simulation (`Point.sim_adjusted`) runs the same streams on the profile paced to
+the deployment (`paced`): every step slowed by one factor, the measured repeats' mean ITL p50
+over their raw simulations'. A shared machine, or workers sharing cores, slows prefill and
+decode alike, and ITL is read off the decode streams alone, so the hit rate, the tokens computed
+and TTFT of the adjusted simulation remain predictions.
+
 The measured cache figures (`cache_figures`): `prefix_hit_rate` and `computed_prompt_tokens`
 as the client read them from the answers' `usage.prompt_tokens_details.cached_tokens` (a plain
 worker started with `--enable-prompt-tokens-details`); behind splitserve's router, whose answers
@@ -35,6 +41,7 @@ from typing import Any
 from splitserve.bench.client import ClientConfig
 from splitserve.bench.runner import RunOptions, run_once
 from splitserve.bench.workload import WorkloadSpec, build_stream
+from splitserve.sim.calibration.drift import scaled
 from splitserve.sim.deployment import SimConfig
 from splitserve.sim.model import Profile
 from splitserve.sim.results import summarize
@@ -124,15 +131,44 @@ def compare_cached(profile: Profile, cfg: SimConfig, spec: WorkloadSpec,
     points = []
     for rate in rates:
         runs = real[rate]
-        sims = [summarize(simulate(profile, with_lag(cfg, run, index_lag_s), repeat_workload(
-            replace(spec.with_rate(rate), seed=int(run["seed"])), run, block_tokens)),
-            system="sim") for run in runs]
+        rate_spec = spec.with_rate(rate)
+        sims = simulate_repeats(profile, cfg, rate_spec, runs, block_tokens, index_lag_s)
+        slowed = paced(profile, runs, sims)
+        adjusted = ([] if slowed is None else
+                    simulate_repeats(slowed, cfg, rate_spec, runs, block_tokens, index_lag_s))
         for m in CACHE_METRICS + METRICS:
             vals = tuple(float(r[m]) for r in runs if r.get(m) is not None)
             simmed = [float(s[m]) for s in sims if s.get(m) is not None]
+            adj = [float(s[m]) for s in adjusted if s.get(m) is not None]
             if vals and simmed:
-                points.append(Point(rate, m, vals, sum(simmed) / len(simmed)))
+                points.append(Point(rate, m, vals, sum(simmed) / len(simmed),
+                                    sum(adj) / len(adj) if adj else None))
     return points
+
+
+def simulate_repeats(profile: Profile, cfg: SimConfig, spec: WorkloadSpec,
+                     runs: list[dict[str, Any]], block_tokens: int, index_lag_s: float | None
+                     ) -> list[dict[str, Any]]:
+    """Each measured repeat's own stream (its seed) simulated on `profile`."""
+    return [summarize(simulate(profile, with_lag(cfg, run, index_lag_s), repeat_workload(
+        replace(spec, seed=int(run["seed"])), run, block_tokens)), system="sim")
+        for run in runs]
+
+
+def pace_factor(runs: list[dict[str, Any]], sims: list[dict[str, Any]]) -> float | None:
+    """The measured repeats' mean ITL p50 over their simulations' (None: either has none)."""
+    real = [float(r["median_itl_ms"]) for r in runs if r.get("median_itl_ms")]
+    simmed = [float(s["median_itl_ms"]) for s in sims if s.get("median_itl_ms")]
+    if not real or not simmed:
+        return None
+    return (sum(real) / len(real)) / (sum(simmed) / len(simmed))
+
+
+def paced(profile: Profile, runs: list[dict[str, Any]], sims: list[dict[str, Any]]
+          ) -> Profile | None:
+    """`profile` with every step (prefill and decode) `pace_factor` times as long."""
+    f = pace_factor(runs, sims)
+    return scaled(profile, f, f) if f is not None and f > 0 else None
 
 
 def seeds_json(real: Real) -> dict[str, list[int]]:

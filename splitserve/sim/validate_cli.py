@@ -193,7 +193,8 @@ class Validation:
             print_drifts(real, self.reference)
         if not self.caching:
             points = compare(prof, cfg, self.spec, self.rates, real, self.reference)
-        print_points(points)
+        print_points(points, "every repeat simulated on the profile paced to the measured "
+                     "ITL p50" if self.caching else "each repeat simulated at its canary's drift")
         if args.out and not args.real_json:
             raw = Path(args.out).with_suffix(".runs.json")
             raw.write_text(json.dumps({f"{r:g}": runs for r, runs in real.items()}, default=str))

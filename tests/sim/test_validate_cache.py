@@ -18,8 +18,10 @@ from splitserve.sim.validate_cache import (
     cache_figures,
     compare_cached,
     measure_cached,
+    pace_factor,
     repeat_seed,
     repeat_workload,
+    simulate_repeats,
     with_lag,
 )
 from tests.sim.conftest import make_profile
@@ -76,6 +78,25 @@ def test_every_repeat_is_simulated_on_its_own_stream() -> None:
     assert {"median_ttft_ms", "p90_ttft_ms"} <= set(metrics)
     hit = next(p for p in points if p.metric == "prefix_hit_rate")
     assert 0.3 < hit.sim < 0.8  # turns after the first reuse the session's history
+
+
+def test_the_adjusted_simulation_runs_at_the_measured_decode_pace() -> None:
+    one = SimConfig(mode="chunked", n_workers=1)
+    runs = [{"seed": 5 + k, "prefix_hit_rate": 0.5, "median_ttft_ms": 50.0} for k in range(2)]
+    raw = {p.metric: p for p in compare_cached(make_profile(), one, MULTITURN, (2.0,),
+                                               {2.0: runs})}
+    assert raw["median_ttft_ms"].sim_adjusted is None  # no measured ITL: nothing to pace to
+    sims = simulate_repeats(make_profile(), one, MULTITURN.with_rate(2.0), runs, 128, None)
+    itl = sum(s["median_itl_ms"] for s in sims) / len(sims)
+    slow = [r | {"median_itl_ms": 3.0 * itl} for r in runs]  # measured 3x the simulated gaps
+    assert pace_factor(slow, sims) == pytest.approx(3.0)
+    paced = {p.metric: p for p in compare_cached(make_profile(), one, MULTITURN, (2.0,),
+                                                 {2.0: slow})}
+    adj = paced["median_itl_ms"].sim_adjusted
+    assert adj is not None and adj > 2.0 * itl  # every step 3x as long (batches differ)
+    ttft = paced["median_ttft_ms"]
+    assert ttft.sim == raw["median_ttft_ms"].sim and ttft.sim_adjusted is not None
+    assert ttft.sim_adjusted > 2.0 * ttft.sim  # every step is slower, prefill too
 
 
 @pytest.fixture(scope="module")
