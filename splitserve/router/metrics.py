@@ -99,6 +99,11 @@ class RouterMetrics:
             ["leg", "cause"], registry=r)
         self.retries = Counter("splitserve_router_retries", "Legs retried on another worker",
                                ["leg"], registry=r)
+        self._timing_families(r)
+        self._cache_families(r)
+
+    def _timing_families(self, r: CollectorRegistry) -> None:
+        """The per-request timing histograms (`observe_timings`)."""
         self.p_queue = Histogram(
             "splitserve_router_prefill_queue_seconds",
             "P leg sent -> first KV byte at D (P's queue plus one layer)",
@@ -131,7 +136,9 @@ class RouterMetrics:
                               registry=r)
         self.e2e = Histogram("splitserve_router_e2e_seconds", "Request received -> last byte",
                              buckets=LATENCY_BUCKETS, registry=r)
-        # --- the cache view and cache-aware routing ---------------------------------------
+
+    def _cache_families(self, r: CollectorRegistry) -> None:
+        """The cache view's and cache-aware routing's families."""
         self.kv_event_lag = Histogram(
             "splitserve_router_kv_event_lag_seconds",
             "A worker's cache change: applied to the router's index - stamped by the worker",
