@@ -4,8 +4,10 @@ by the few fields `SchedulerSide` reads (vLLM's own `CachedRequestData` is used 
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import replace
 
 import pytest
 
@@ -100,15 +102,24 @@ def test_plain_requests_are_left_alone(done_path: str) -> None:
     assert side.request_finished(req, [1]) == (False, None)
 
 
+def stamped(loads: list[LoadSpec], since: float) -> list[LoadSpec]:
+    """`loads` with their `scheduled_s` checked (stamped by `update_state_after_alloc`, between
+    `since` and now) and cleared, to compare with specs built by hand."""
+    for ld in loads:
+        assert ld.scheduled_s is not None and since <= ld.scheduled_s <= time.time(), ld
+    return [replace(ld, scheduled_s=None) for ld in loads]
+
+
 def test_decode_load_waits_for_a_transfer_not_yet_complete(done_path: str) -> None:
     """Prompt + [t1] of 301 tokens: 300 come from P, less D's own 128-token prefix hit;
     asynchronous (not in the done table), claimed once."""
     side = SchedulerSide("tcp", [done_path])
     req = decode_request("d", 301)
     assert side.get_num_new_matched_tokens(req, 128) == (172, True)
+    since = time.time()
     side.update_state_after_alloc(req, Blocks([5, 6, 7]), 172)
     meta = side.build_connector_meta(Step())
-    assert meta.loads == [LoadSpec("d", "t-d", (5, 6, 7), 128, 300, sync=False)]
+    assert stamped(meta.loads, since) == [LoadSpec("d", "t-d", (5, 6, 7), 128, 300, sync=False)]
     assert side.get_num_new_matched_tokens(req, 0) == (0, False)  # claimed: never again
     assert side.build_connector_meta(Step()).loads == []
     assert side.request_finished(req, [5, 6, 7]) == (False, None)
@@ -120,8 +131,9 @@ def test_decode_load_of_a_complete_transfer_is_synchronous(done_path: str) -> No
     side = SchedulerSide("tcp", [done_path])
     req = decode_request("s", 65)
     assert side.get_num_new_matched_tokens(req, 0) == (64, False)
+    since = time.time()
     side.update_state_after_alloc(req, Blocks([3, 4]), 64)
-    assert side.build_connector_meta(Step()).loads == [
+    assert stamped(side.build_connector_meta(Step()).loads, since) == [
         LoadSpec("s", "t-s", (3, 4), 0, 64, sync=True)]
 
 
@@ -131,8 +143,10 @@ def test_nothing_to_load_still_releases_the_staged_transfer(done_path: str) -> N
     side = SchedulerSide("tcp", [done_path])
     full = decode_request("f", 65)
     assert side.get_num_new_matched_tokens(full, 64) == (0, False)
+    since = time.time()
     side.update_state_after_alloc(full, Blocks([]), 0)
-    assert side.build_connector_meta(Step()).loads == [LoadSpec("f", "t-f", (), 64, 64)]
+    assert stamped(side.build_connector_meta(Step()).loads, since) == [
+        LoadSpec("f", "t-f", (), 64, 64)]
     gone = decode_request("g", 65)
     side.request_finished(gone, [])
     side.request_finished(gone, [])
