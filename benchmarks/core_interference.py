@@ -23,13 +23,13 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import httpx
 import numpy as np
 from _common import random_prompt, timed_stream, write_json
 
+from splitserve.bench.client import RequestRecord
 from splitserve.bench.metrics import split_gaps
 from splitserve.common.procs import stop_groups
 from splitserve.config import WorkerConfig
@@ -40,7 +40,7 @@ VOCAB = 4000
 
 
 def decode_streams(url: str, model: str, n: int, until: float, seed: int,
-                   out: list[SimpleNamespace]) -> None:
+                   out: list[RequestRecord]) -> None:
     """`n` concurrent streams (96-token prompt, 128 tokens out), each replaced as it ends."""
 
     def loop(k: int) -> None:
@@ -50,7 +50,8 @@ def decode_streams(url: str, model: str, n: int, until: float, seed: int,
                 body = {"model": model, "prompt": random_prompt(96, seed + 1000 * k + i, VOCAB),
                         "max_tokens": 128, "temperature": 0, "ignore_eos": True}
                 t = timed_stream(client, url, body)
-                out.append(SimpleNamespace(chunk_times=t.chunks, ok=True))
+                out.append(RequestRecord(k * 10_000 + i, "short", 96, 128, t.sent,
+                                         send_s=t.sent, chunk_times=t.chunks))
                 i += 1
 
     with ThreadPoolExecutor(n) as pool:
@@ -73,7 +74,7 @@ def long_prompts(url: str, model: str, start: float, until: float, period_s: flo
 
 def one_round(urls: dict[str, str], model: str, args: argparse.Namespace, seed: int
               ) -> dict[str, Any]:
-    records: list[SimpleNamespace] = []
+    records: list[RequestRecord] = []
     windows: list[tuple[float, float]] = []
     start = time.perf_counter()
     until = start + args.duration
@@ -82,7 +83,7 @@ def one_round(urls: dict[str, str], model: str, args: argparse.Namespace, seed: 
     longs.start()
     decode_streams(urls["decode"], model, args.streams, until, seed + 10_000, records)
     longs.join()
-    during, outside = split_gaps(records, sorted(windows))  # type: ignore[arg-type]
+    during, outside = split_gaps(records, sorted(windows))
     row: dict[str, Any] = {"long_prompts": len(windows),
                            "prefill_ms": statistics.median(b - a for a, b in windows) * 1e3}
     for side, gaps in (("during", during), ("outside", outside)):

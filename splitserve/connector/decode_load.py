@@ -31,7 +31,7 @@ from splitserve.connector.meta import LoadSpec, SplitserveMeta
 from splitserve.connector.ranks import HeadRange, RankHeads
 from splitserve.connector.segment import sweep_orphans
 from splitserve.connector.staging import StagedTransfer, StagingArea
-from splitserve.connector.stats import ConnectorStats
+from splitserve.connector.stats import ConnectorStats, TransferRecord
 
 logger = init_logger(__name__)
 
@@ -45,6 +45,13 @@ def open_staging(cfg: ConnectorConfig, engine_id: str, shape: KVShape, stats: Co
     return StagingArea(cfg.staging_bytes, shape, cfg.lease_s, stats,
                        DoneTable(table_path(engine_id, rank), True), heads)
 
+
+def note_loaded(record: TransferRecord, spec: LoadSpec, seconds: float) -> None:
+    """A successful load's figures in D's record of the transfer."""
+    record.load_s = seconds
+    record.loaded_tokens = spec.end - spec.start
+    record.load_mode = "sync" if spec.sync else "async"
+    record.scheduled_s = spec.scheduled_s
 
 @dataclass
 class _Load:
@@ -162,11 +169,7 @@ class DecodeLoads:
         except Exception:
             logger.exception("KV copy into the blocks of %s failed", load.spec.request_id)
             return self._give_up(load, st, "internal_error")
-        spec = load.spec
-        st.record.load_s = time.perf_counter() - load.copy_t0
-        st.record.loaded_tokens = spec.end - spec.start
-        st.record.load_mode = "sync" if spec.sync else "async"
-        st.record.scheduled_s = spec.scheduled_s
+        note_loaded(st.record, load.spec, time.perf_counter() - load.copy_t0)
         self._staging.release(st, TransferStatus.LOADED)
         self._stats.close(st.record, TransferStatus.LOADED)
         return "ok"
@@ -268,10 +271,7 @@ class DecodeLoads:
                 continue
             status = TransferStatus.FAILED if cause else TransferStatus.LOADED
             if not cause:
-                st.record.load_s = time.perf_counter() - t0
-                st.record.loaded_tokens = spec.end - spec.start
-                st.record.load_mode = "sync" if spec.sync else "async"
-                st.record.scheduled_s = spec.scheduled_s
+                note_loaded(st.record, spec, time.perf_counter() - t0)
             staging.release(st, status)
             self._stats.close(st.record, status, cause)
         return cause or "ok"
