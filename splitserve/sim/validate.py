@@ -202,7 +202,8 @@ def stored_real(stored: dict[str, Any]
             runs[i][p["metric"]] = v
     reference = None
     if drift := stored.get("drift"):
-        reference = Speed.from_dict(drift["reference_measured"])
+        measured = drift.get("reference_measured")  # None: no profiling in that command
+        reference = None if measured is None else Speed.from_dict(measured)
         for rate, canaries in drift["canaries"].items():
             for run, c in zip(real[float(rate)], canaries, strict=True):
                 run["canary"] = c

@@ -17,11 +17,15 @@ identity is the plan's (the placeholder answers have the real answers' lengths).
 value of a metric is the mean over the repeats' simulations, compared with the mean of the
 measured repeats (`validate.Point`; the spread is the measured min..max).
 
-The adjusted simulation (`Point.sim_adjusted`) runs the same streams on the profile paced to
-the deployment (`paced`): every step slowed by one factor, the measured repeats' mean ITL p50
-over their raw simulations'. A shared machine, or workers sharing cores, slows prefill and
-decode alike, and ITL is read off the decode streams alone, so the hit rate, the tokens computed
-and TTFT of the adjusted simulation remain predictions.
+The adjusted simulation (`Point.sim_adjusted`) runs each repeat's stream on the profile scaled
+by that repeat's drift, as `sim validate` without caches does (`calibration.drift`): canaries
+run before the first repeat and after every repeat, each `Canary.reseeded` by its count so that
+none finds an earlier one's prompts cached, and a repeat's drift is the mean of the canaries
+around it over the same canary simulated on the profile (prefill from their TTFT, decode from
+their gaps, D's P-busy stretch from the stretch canary of a disaggregated deployment). The
+canaries are fixed probes, never the workload, so the adjusted hit rate, tokens computed, TTFT
+and ITL remain predictions. Repeats measured without canaries are paced instead (`paced`): every
+step slowed by one factor, the measured repeats' mean ITL p50 over their raw simulations'.
 
 The measured cache figures (`cache_figures`): `prefix_hit_rate` and `computed_prompt_tokens`
 as the client read them from the answers' `usage.prompt_tokens_details.cached_tokens` (a plain
@@ -41,12 +45,12 @@ from typing import Any
 from splitserve.bench.client import ClientConfig
 from splitserve.bench.runner import RunOptions, run_once
 from splitserve.bench.workload import WorkloadSpec, build_stream
-from splitserve.sim.calibration.drift import scaled
+from splitserve.sim.calibration.drift import Canary, Speed, scaled
 from splitserve.sim.deployment import SimConfig
 from splitserve.sim.model import Profile
 from splitserve.sim.results import summarize
 from splitserve.sim.run import simulate
-from splitserve.sim.validate import METRICS, Point
+from splitserve.sim.validate import METRICS, Point, repeat_drifts
 from splitserve.sim.workload import SimWorkload, arrays_from_spec, from_requests
 
 # the cache figures compared (the router's counters only behind splitserve's router)
@@ -76,11 +80,22 @@ def cache_figures(run: dict[str, Any]) -> dict[str, Any]:
 
 
 def measure_cached(url: str, spec: WorkloadSpec, rates: tuple[float, ...], repeats: int,
-                   first: int = 0, api_key: str | None = None) -> Real:
+                   first: int = 0, api_key: str | None = None, canary: Canary | None = None
+                   ) -> Real:
     """Per rate, `repeats` benchmark runs of `spec` at that rate, each at its own seed
     (`repeat_seed`, counting from `first`), with `cache_figures`; each run's dict carries its
-    `seed`. `api_key`: the endpoint's Bearer key, if it wants one."""
+    `seed`. `api_key`: the endpoint's Bearer key, if it wants one. With `canary`, one canary
+    before the first run and one after every run (each `Canary.reseeded` by its count, so
+    none finds another's prompts cached); each run carries the canaries just before and just
+    after it (`canary`, `canary_after`), as `validate.measure_point`'s do."""
     out: Real = {}
+    speeds: list[Speed] = []
+
+    def probe() -> None:
+        if canary is not None:
+            speeds.append(canary.reseeded(len(speeds)).run(url))
+
+    probe()
     k = first
     for rate in rates:
         runs = out.setdefault(rate, [])
@@ -91,6 +106,9 @@ def measure_cached(url: str, spec: WorkloadSpec, rates: tuple[float, ...], repea
             run = asyncio.run(run_once(client, run_spec, "real", {"url": url}, {},
                                        RunOptions()))
             runs.append(cache_figures(run) | {"seed": run_spec.seed})
+            probe()
+            if speeds:
+                runs[-1] |= {"canary": speeds[-2].to_dict(), "canary_after": speeds[-1].to_dict()}
             k += 1
     return out
 
@@ -123,19 +141,26 @@ def with_lag(cfg: SimConfig, run: dict[str, Any], index_lag_s: float | None) -> 
 
 def compare_cached(profile: Profile, cfg: SimConfig, spec: WorkloadSpec,
                    rates: tuple[float, ...], real: Real, block_tokens: int = 128,
-                   index_lag_s: float | None = None) -> list[Point]:
+                   index_lag_s: float | None = None, reference: Speed | None = None
+                   ) -> list[Point]:
     """Per rate, every metric (`CACHE_METRICS` first, then `validate.METRICS`): the measured
     repeats against the mean of each repeat's own simulation (its `seed`; see the module
-    docstring). `index_lag_s`: the router index's lag each simulation runs with; None: each
-    repeat's as the router measured it (`index_lag_s` of its run, else `cfg`'s)."""
+    docstring), and against the mean of its adjusted simulation: at its canaries' drift over
+    `reference` where every repeat has canaries (`validate.repeat_drifts`), else on the
+    profile paced to the measured ITL (`paced`). `index_lag_s`: the router index's lag each
+    simulation runs with; None: each repeat's as the router measured it (`index_lag_s` of its
+    run, else `cfg`'s)."""
     points = []
     for rate in rates:
         runs = real[rate]
         rate_spec = spec.with_rate(rate)
-        sims = simulate_repeats(profile, cfg, rate_spec, runs, block_tokens, index_lag_s)
-        slowed = paced(profile, runs, sims)
-        adjusted = ([] if slowed is None else
-                    simulate_repeats(slowed, cfg, rate_spec, runs, block_tokens, index_lag_s))
+        sims = [simulate_repeat(profile, cfg, rate_spec, run, block_tokens, index_lag_s)
+                for run in runs]
+        drifts = repeat_drifts(runs, reference)
+        slowed = ([scaled(profile, d.prefill, d.decode, d.stretch) for d in drifts] if drifts
+                  else [p] * len(runs) if (p := paced(profile, runs, sims)) else [])
+        adjusted = [simulate_repeat(prof, cfg, rate_spec, run, block_tokens, index_lag_s)
+                    for prof, run in zip(slowed, runs, strict=False)]
         for m in CACHE_METRICS + METRICS:
             vals = tuple(float(r[m]) for r in runs if r.get(m) is not None)
             simmed = [float(s[m]) for s in sims if s.get(m) is not None]
@@ -146,13 +171,11 @@ def compare_cached(profile: Profile, cfg: SimConfig, spec: WorkloadSpec,
     return points
 
 
-def simulate_repeats(profile: Profile, cfg: SimConfig, spec: WorkloadSpec,
-                     runs: list[dict[str, Any]], block_tokens: int, index_lag_s: float | None
-                     ) -> list[dict[str, Any]]:
-    """Each measured repeat's own stream (its seed) simulated on `profile`."""
-    return [summarize(simulate(profile, with_lag(cfg, run, index_lag_s), repeat_workload(
+def simulate_repeat(profile: Profile, cfg: SimConfig, spec: WorkloadSpec, run: dict[str, Any],
+                    block_tokens: int, index_lag_s: float | None) -> dict[str, Any]:
+    """A measured repeat's own stream (its seed) simulated on `profile`."""
+    return summarize(simulate(profile, with_lag(cfg, run, index_lag_s), repeat_workload(
         replace(spec, seed=int(run["seed"])), run, block_tokens)), system="sim")
-        for run in runs]
 
 
 def pace_factor(runs: list[dict[str, Any]], sims: list[dict[str, Any]]) -> float | None:

@@ -9,8 +9,9 @@ every repeat runs between two canaries, and drift is read against `reference`: t
 simulated on the profile the points are simulated on (`drift.modelled_reference`).
 
 `--prefix-caching` (`validate_cache`): the engines keep their prefix caches, every repeat runs a
-fresh seed's stream and is simulated on its own; no canaries (they replay one stream), so no
-profiling or calibration in the same command.
+fresh seed's stream and is simulated on its own, between canaries drawn at fresh seeds too
+(`Canary.reseeded`), read against the canary simulated on the given profile; no profiling or
+calibration in the same command (that profile is the one validated).
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ Real = dict[float, list[dict[str, Any]]]  # rate → the measured repeats' resul
 class Validation:
     """One `sim validate` command on `prof`, `spec` and `cfg` (the command's `--profile`,
     workload and deployment options). `reference` is set exactly when the repeats run with
-    canaries (this command profiled or calibrated, or a stored JSON carries canaries);
+    canaries (this command profiled, calibrated or validates prefix caches, or a stored JSON
+    carries canaries);
     `around` holds the canaries measured around that profiling."""
 
     def __init__(self, args: argparse.Namespace, prof: Profile, spec: WorkloadSpec,
@@ -98,8 +100,10 @@ class Validation:
     def measure(self, url: str) -> Real:
         """Every rate's repeats on `url`, with canaries when there is a reference."""
         self.pin_client()
-        if self.caching:
-            return measure_cached(url, self.spec, self.rates, self.args.repeats)
+        if self.caching:  # canaries at fresh seeds: drift against the stored profile
+            self.refer(self.prof)
+            return measure_cached(url, self.spec, self.rates, self.args.repeats,
+                                  canary=self.canary)
         run = self.canary if self.reference is not None else None
         return {r: measure_point(url, self.spec.with_rate(r), self.args.repeats, run)
                 for r in self.rates}
@@ -134,7 +138,7 @@ class Validation:
         if stored.get("seeds"):  # a prefix-cache validation: each repeat its own stream
             self.caching = True
             attach_seeds(real, stored["seeds"])
-        if self.around is not None:  # the canaries ran: drift against this profile's canary
+        if stored.get("drift"):  # the canaries ran: drift against this profile's canary
             self.refer(self.prof)
         runs_json = path.with_suffix(".runs.json")
         if runs_json.exists():
@@ -177,24 +181,27 @@ class Validation:
         """Simulate every rate, print the comparison, and write `--out` (and, for a measured
         run, the raw repeats beside it for a later `--real-json`)."""
         args, cfg, prof = self.args, self.cfg, self.prof
-        if self.caching:  # no canaries; the handovers would be read off one stream
+        decode = ((prof.split.decode if prof.split else prof.decode) if cfg.mode == "disagg"
+                  else None)
+        # P's busy windows are one P's (read against D's step); a prefix-cache validation's
+        # handovers would be read off one stream
+        print_drifts(real, self.reference, None if self.caching else decode)
+        if self.caching:
             lag = None if args.index_lag_ms is None else args.index_lag_ms / 1000
             points = compare_cached(prof, cfg, self.spec, self.rates, real, self.block_tokens,
-                                    lag)
+                                    lag, self.reference)
             measured = [run.get("index_lag_s") for runs in real.values() for run in runs]
             print("router index lag simulated: " + (
                 f"{args.index_lag_ms:g} ms (--index-lag-ms)" if lag is not None else
                 "each repeat's measured mean, ms: " + ", ".join(
                     "none" if m is None else f"{m * 1000:.1f}" for m in measured)))
-        elif cfg.mode == "disagg":  # P's busy windows are one P's; read against D's step
-            print_drifts(real, self.reference, prof.split.decode if prof.split else prof.decode)
-            print_handovers(prof, cfg, self.spec, real)
         else:
-            print_drifts(real, self.reference)
-        if not self.caching:
+            if cfg.mode == "disagg":
+                print_handovers(prof, cfg, self.spec, real)
             points = compare(prof, cfg, self.spec, self.rates, real, self.reference)
-        print_points(points, "every repeat simulated on the profile paced to the measured "
-                     "ITL p50" if self.caching else "each repeat simulated at its canary's drift")
+        print_points(points, "each repeat simulated at its canary's drift"
+                     if self.reference is not None else
+                     "every repeat simulated on the profile paced to the measured ITL p50")
         if args.out and not args.real_json:
             raw = Path(args.out).with_suffix(".runs.json")
             raw.write_text(json.dumps({f"{r:g}": runs for r, runs in real.items()}, default=str))

@@ -3,6 +3,7 @@ per-repeat streams, points judged by their own targets, and one row against a re
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -10,6 +11,14 @@ import pytest
 
 from splitserve.bench.repeat import MultiturnOptions
 from splitserve.bench.workload import ArrivalSpec, WorkloadSpec, build_stream
+from splitserve.sim.calibration.drift import (
+    Canary,
+    Speed,
+    StretchPlan,
+    canary_requests,
+    modelled_reference,
+    scaled,
+)
 from splitserve.sim.deployment import SimConfig
 from splitserve.sim.model import load_profile
 from splitserve.sim.validate import METRICS, Point, launched
@@ -21,7 +30,7 @@ from splitserve.sim.validate_cache import (
     pace_factor,
     repeat_seed,
     repeat_workload,
-    simulate_repeats,
+    simulate_repeat,
     with_lag,
 )
 from tests.sim.conftest import make_profile
@@ -86,7 +95,8 @@ def test_the_adjusted_simulation_runs_at_the_measured_decode_pace() -> None:
     raw = {p.metric: p for p in compare_cached(make_profile(), one, MULTITURN, (2.0,),
                                                {2.0: runs})}
     assert raw["median_ttft_ms"].sim_adjusted is None  # no measured ITL: nothing to pace to
-    sims = simulate_repeats(make_profile(), one, MULTITURN.with_rate(2.0), runs, 128, None)
+    sims = [simulate_repeat(make_profile(), one, MULTITURN.with_rate(2.0), r, 128, None)
+            for r in runs]
     itl = sum(s["median_itl_ms"] for s in sims) / len(sims)
     slow = [r | {"median_itl_ms": 3.0 * itl} for r in runs]  # measured 3x the simulated gaps
     assert pace_factor(slow, sims) == pytest.approx(3.0)
@@ -97,6 +107,37 @@ def test_the_adjusted_simulation_runs_at_the_measured_decode_pace() -> None:
     ttft = paced["median_ttft_ms"]
     assert ttft.sim == raw["median_ttft_ms"].sim and ttft.sim_adjusted is not None
     assert ttft.sim_adjusted > 2.0 * ttft.sim  # every step is slower, prefill too
+
+
+def test_with_canaries_each_repeat_is_simulated_at_its_own_drift() -> None:
+    """Repeats whose canaries read prefill 2x and decode 1.5x the reference (one) and 1x (the
+    other): each is simulated on the profile scaled by its own drift, and that drift wins over
+    the ITL pace."""
+    one = SimConfig(mode="chunked", n_workers=1)
+    ref = Speed(0.1, 0.01)
+    slow, same = Speed(0.2, 0.015).to_dict(), ref.to_dict()
+    base = {"prefix_hit_rate": 0.5, "median_ttft_ms": 50.0, "median_itl_ms": 100.0}
+    runs = [base | {"seed": 5, "canary": slow, "canary_after": slow},
+            base | {"seed": 6, "canary": same, "canary_after": same}]
+    got = {p.metric: p for p in compare_cached(make_profile(), one, MULTITURN, (2.0,),
+                                               {2.0: runs}, reference=ref)}
+    want = [simulate_repeat(prof, one, MULTITURN.with_rate(2.0), r, 128, None)
+            for prof, r in zip((scaled(make_profile(), 2.0, 1.5), make_profile()), runs,
+                               strict=True)]
+    for m in ("median_ttft_ms", "median_itl_ms", "prefix_hit_rate"):
+        assert got[m].sim_adjusted == pytest.approx((want[0][m] + want[1][m]) / 2), m
+    assert got["median_ttft_ms"].sim_adjusted > got["median_ttft_ms"].sim
+
+
+def test_reseeded_canaries_share_no_prompt_and_keep_their_shape() -> None:
+    canary = Canary(stretch=StretchPlan(), decode=make_profile().decode)
+    again = canary.reseeded(3)
+    assert again.speed.prompt == canary.speed.prompt and again.stretch is not None
+    assert again.stretch.prompt == 1024
+    first, other = canary_requests(canary.speed), canary_requests(again.speed)
+    assert [len(r.prompt_token_ids) for r in first] == [len(r.prompt_token_ids) for r in other]
+    assert not {r.prompt_token_ids[:128] for r in first} & {r.prompt_token_ids[:128] for r in other}
+    assert canary.reseeded(0) == canary
 
 
 @pytest.fixture(scope="module")
@@ -113,13 +154,19 @@ def cache_pd() -> Iterator[str]:
 def test_simulated_hit_rate_is_within_3_points_of_a_real_1p1d(cache_pd: str) -> None:
     """One `sim validate --prefix-caching` row on a small multi-turn stream: the hit rate only
     (deterministic given the closed loop; timings are not asserted)."""
-    real = measure_cached(cache_pd, MULTITURN, (2.0,), 1)
+    real = measure_cached(cache_pd, MULTITURN, (2.0,), 1, canary=Canary())
     [run] = real[2.0]
     assert run["completed"] == 9 and run["reported_cached_tokens"] is not None
-    points = compare_cached(load_profile(DEMO_PROFILE), CACHE_PD, MULTITURN, (2.0,), real)
+    # the canaries around the repeat, the second at its own seed: prefilled whole, not cached
+    before, after = Speed.from_dict(run["canary"]), Speed.from_dict(run["canary_after"])
+    assert after.ttft_s > 0.5 * before.ttft_s, (before, after)
+    profile = load_profile(DEMO_PROFILE)
+    points = compare_cached(profile, CACHE_PD, MULTITURN, (2.0,), real,
+                            reference=modelled_reference(profile, CACHE_PD, Canary()))
     hit = next(p for p in points if p.metric == "prefix_hit_rate")
     assert hit.real_mean > 0.3, hit
     assert abs(hit.error) <= 0.03, hit
+    assert all(p.sim_adjusted is not None for p in points)  # simulated at the canaries' drift
 
 
 def test_each_repeat_is_simulated_at_the_index_lag_its_router_measured() -> None:
@@ -127,3 +174,37 @@ def test_each_repeat_is_simulated_at_the_index_lag_its_router_measured() -> None
     assert with_lag(CACHE_PD, run, None).index_lag_s == 0.02
     assert with_lag(CACHE_PD, run, 0.5).index_lag_s == 0.5  # --index-lag-ms wins
     assert with_lag(CACHE_PD, {"index_lag_s": None}, None) is CACHE_PD  # not measured
+
+
+def test_a_stored_cache_validation_with_canaries_simulates_again_at_their_drift(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--real-json` of a prefix-cache validation whose repeats ran between canaries (and no
+    profiling, so no canary measured around one): the repeats drift against the canary
+    simulated on the given profile, and the adjusted figures are those drifts' simulations."""
+    from splitserve.cli import main
+    from splitserve.sim.model import save_profile
+    from splitserve.sim.validate import drift_json
+    from splitserve.sim.validate_cache import seeds_json
+
+    prof, one = make_profile(), SimConfig(mode="chunked", n_workers=1)
+    ref = modelled_reference(prof, one, Canary())
+    slow = Speed(ref.ttft_s * 1.5, ref.gap_s * 1.2).to_dict()
+    runs = [{"seed": 5 + k, "prefix_hit_rate": 0.5, "median_ttft_ms": 50.0,
+             "canary": slow, "canary_after": slow} for k in range(2)]
+    stored = {"workload": MULTITURN.to_dict(), "repeats": 2, "seeds": seeds_json({2.0: runs}),
+              "points": [p.to_dict() for p in compare_cached(prof, one, MULTITURN, (2.0,),
+                                                             {2.0: runs})],
+              "drift": drift_json(ref, {2.0: runs})}
+    assert stored["drift"]["reference_measured"] is None
+    (tmp_path / "old.json").write_text(json.dumps(stored))
+    save_profile(prof, tmp_path / "p.json")
+    out = tmp_path / "again.json"
+    assert main(["sim", "validate", "--prefix-caching", "--profile", str(tmp_path / "p.json"),
+                 "--mode", "chunked", "--workers", "1", "--cache-block-tokens", "128",
+                 "--real-json", str(tmp_path / "old.json"), "--out", str(out)]) == 0
+    assert "canary's drift" in capsys.readouterr().out
+    res = {p["metric"]: p for p in json.loads(out.read_text())["points"]}
+    want = compare_cached(prof, one, MULTITURN, (2.0,), {2.0: runs}, reference=ref)
+    for p in want:
+        assert res[p.metric]["sim_adjusted"] == pytest.approx(p.sim_adjusted), p.metric
+    assert res["median_ttft_ms"]["sim_adjusted"] > res["median_ttft_ms"]["sim"]

@@ -214,6 +214,15 @@ class Canary:
         if self.stretch is not None and self.decode is None:
             raise ValueError("the stretch canary needs a decode cost to read gaps against")
 
+    def reseeded(self, k: int) -> Canary:
+        """The same canary with every prompt drawn at its plans' seeds + `k`: canaries of
+        different `k` share no prompt block, so engines that keep prefix caches prefill each
+        one whole (the lengths, all the reading depends on, stay)."""
+        stretch = None if self.stretch is None else replace(self.stretch,
+                                                            seed=self.stretch.seed + k)
+        return replace(self, speed=replace(self.speed, seed=self.speed.seed + k),
+                       stretch=stretch)
+
     def run(self, url: str) -> Speed:
         speed = run_canary(url, self.speed)
         if self.stretch is None or self.decode is None:
