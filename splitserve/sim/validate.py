@@ -22,7 +22,9 @@ scaled by its own drift (prefill and decode speed, and D's P-busy stretch, read 
 canaries just before and just after it); that drift-adjusted error is reported next to the raw one
 (the machine's drift between profiling and measuring is not the model's error). The stored JSON
 keeps the canaries (`drift_json`), so `--real-json` simulates a measurement again without
-re-measuring (`stored_real`).
+re-measuring (`stored_real`). `--prefix-caching` runs the canaries around every repeat too, each
+at a fresh seed, with no profiling: the drift is then read against the canary simulated on the
+given profile (`validate_cache`).
 """
 
 from __future__ import annotations
@@ -190,8 +192,8 @@ def stored_real(stored: dict[str, Any]
                 ) -> tuple[WorkloadSpec, dict[float, list[dict[str, Any]]], Speed | None]:
     """A validation JSON's measured stream, its per-repeat metrics (each run with its canaries
     where the JSON has them) and the canaries measured around its profiling (None: no
-    canaries): what `compare` needs to simulate it again, with the reference simulated anew
-    (`drift.modelled_reference`)."""
+    canaries, or no profiling in that command): what `compare` needs to simulate it again,
+    with the reference simulated anew (`drift.modelled_reference`)."""
     spec = WorkloadSpec.from_dict(stored["workload"])
     real: dict[float, list[dict[str, Any]]] = {}
     for p in stored["points"]:

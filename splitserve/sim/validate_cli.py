@@ -38,6 +38,7 @@ from splitserve.sim.validate import (
     print_drifts,
     print_handovers,
     print_points,
+    repeat_drifts,
     stored_real,
 )
 from splitserve.sim.validate_cache import (
@@ -98,9 +99,11 @@ class Validation:
             os.sched_setaffinity(0, self.args.client_cpus)
 
     def measure(self, url: str) -> Real:
-        """Every rate's repeats on `url`, with canaries when there is a reference."""
+        """Every rate's repeats on `url`: with canaries when there is a reference, and always
+        with `--prefix-caching` (each canary at a fresh seed; the reference is then the canary
+        simulated on the given profile)."""
         self.pin_client()
-        if self.caching:  # canaries at fresh seeds: drift against the stored profile
+        if self.caching:
             self.refer(self.prof)
             return measure_cached(url, self.spec, self.rates, self.args.repeats,
                                   canary=self.canary)
@@ -199,9 +202,10 @@ class Validation:
             if cfg.mode == "disagg":
                 print_handovers(prof, cfg, self.spec, real)
             points = compare(prof, cfg, self.spec, self.rates, real, self.reference)
-        print_points(points, "each repeat simulated at its canary's drift"
-                     if self.reference is not None else
-                     "every repeat simulated on the profile paced to the measured ITL p50")
+        paced = self.caching and not all(
+            repeat_drifts(runs, self.reference) for runs in real.values())
+        print_points(points, "every repeat simulated on the profile paced to the measured ITL "
+                     "p50" if paced else "each repeat simulated at its canary's drift")
         if args.out and not args.real_json:
             raw = Path(args.out).with_suffix(".runs.json")
             raw.write_text(json.dumps({f"{r:g}": runs for r, runs in real.items()}, default=str))

@@ -201,6 +201,9 @@ def run_stretch_canary(url: str, decode: DecodeCost, plan: StretchPlan = Stretch
     return stretch_of(_run(url, reqs, concurrency=None), decode)
 
 
+RESEED = 1000  # `Canary.reseeded`'s seed step; more than any two plans' seeds differ
+
+
 @dataclass(frozen=True)
 class Canary:
     """What `sim validate` runs as the canary: the speed canary, and with `stretch` (a
@@ -215,12 +218,14 @@ class Canary:
             raise ValueError("the stretch canary needs a decode cost to read gaps against")
 
     def reseeded(self, k: int) -> Canary:
-        """The same canary with every prompt drawn at its plans' seeds + `k`: canaries of
-        different `k` share no prompt block, so engines that keep prefix caches prefill each
-        one whole (the lengths, all the reading depends on, stay)."""
+        """The same canary with every prompt drawn at its plans' seeds + `RESEED` · `k`:
+        canaries of different `k` share no prompt block (nor does a speed canary with any
+        stretch canary: their plans' seeds differ by less than `RESEED`), so engines that keep
+        prefix caches prefill each one whole. The lengths, all the reading depends on, stay."""
+        step = RESEED * k
         stretch = None if self.stretch is None else replace(self.stretch,
-                                                            seed=self.stretch.seed + k)
-        return replace(self, speed=replace(self.speed, seed=self.speed.seed + k),
+                                                            seed=self.stretch.seed + step)
+        return replace(self, speed=replace(self.speed, seed=self.speed.seed + step),
                        stretch=stretch)
 
     def run(self, url: str) -> Speed:
