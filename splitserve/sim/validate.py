@@ -40,7 +40,14 @@ from splitserve.bench.client import ClientConfig, RequestRecord
 from splitserve.bench.runner import RunOptions, run_once
 from splitserve.bench.workload import WorkloadSpec
 from splitserve.common.procs import stop_group
-from splitserve.sim.calibration.drift import Canary, Drift, Speed, scaled, workload_stretch
+from splitserve.sim.calibration.drift import (
+    Canary,
+    CanaryLog,
+    Drift,
+    Speed,
+    scaled,
+    workload_stretch,
+)
 from splitserve.sim.costmodel import DecodeCost
 from splitserve.sim.deployment import SimConfig
 from splitserve.sim.model import Profile
@@ -129,13 +136,12 @@ def measure_point(url: str, spec: WorkloadSpec, repeats: int, canary: Canary | N
     after the last, so each run's dict carries the canary just before it (`canary`) and the
     one just after it (`canary_after`), as `Speed.to_dict()`s."""
     out = []
-    speeds = [canary.run(url)] if canary is not None else []
+    log = CanaryLog(canary, url) if canary is not None else None
     for i in range(repeats):
         client = ClientConfig(url=url, run_tag=f"validate-{spec.arrival.rate:g}-r{i}")
         run = asyncio.run(run_once(client, spec, "real", {"url": url}, {}, RunOptions()))
-        if canary is not None:
-            speeds.append(canary.run(url))
-            run["canary"], run["canary_after"] = speeds[-2].to_dict(), speeds[-1].to_dict()
+        if log is not None:
+            log.after(run)
         out.append(run)
     return out
 

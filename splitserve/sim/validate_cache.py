@@ -45,7 +45,7 @@ from typing import Any
 from splitserve.bench.client import ClientConfig
 from splitserve.bench.runner import RunOptions, run_once
 from splitserve.bench.workload import WorkloadSpec, build_stream
-from splitserve.sim.calibration.drift import Canary, Speed, scaled
+from splitserve.sim.calibration.drift import Canary, CanaryLog, Speed, scaled
 from splitserve.sim.deployment import SimConfig
 from splitserve.sim.model import Profile
 from splitserve.sim.results import summarize
@@ -89,13 +89,7 @@ def measure_cached(url: str, spec: WorkloadSpec, rates: tuple[float, ...], repea
     none finds another's prompts cached); each run carries the canaries just before and just
     after it (`canary`, `canary_after`), as `validate.measure_point`'s do."""
     out: Real = {}
-    speeds: list[Speed] = []
-
-    def probe() -> None:
-        if canary is not None:
-            speeds.append(canary.reseeded(len(speeds)).run(url))
-
-    probe()
+    log = CanaryLog(canary, url, fresh=True) if canary is not None else None
     k = first
     for rate in rates:
         runs = out.setdefault(rate, [])
@@ -106,9 +100,8 @@ def measure_cached(url: str, spec: WorkloadSpec, rates: tuple[float, ...], repea
             run = asyncio.run(run_once(client, run_spec, "real", {"url": url}, {},
                                        RunOptions()))
             runs.append(cache_figures(run) | {"seed": run_spec.seed})
-            probe()
-            if speeds:
-                runs[-1] |= {"canary": speeds[-2].to_dict(), "canary_after": speeds[-1].to_dict()}
+            if log is not None:
+                log.after(runs[-1])
             k += 1
     return out
 
@@ -156,11 +149,9 @@ def compare_cached(profile: Profile, cfg: SimConfig, spec: WorkloadSpec,
         rate_spec = spec.with_rate(rate)
         sims = [simulate_repeat(profile, cfg, rate_spec, run, block_tokens, index_lag_s)
                 for run in runs]
-        drifts = repeat_drifts(runs, reference)
-        slowed = ([scaled(profile, d.prefill, d.decode, d.stretch) for d in drifts] if drifts
-                  else [p] * len(runs) if (p := paced(profile, runs, sims)) else [])
         adjusted = [simulate_repeat(prof, cfg, rate_spec, run, block_tokens, index_lag_s)
-                    for prof, run in zip(slowed, runs, strict=False)]
+                    for prof, run in zip(adjusted_profiles(profile, runs, sims, reference),
+                                         runs, strict=False)]
         for m in CACHE_METRICS + METRICS:
             vals = tuple(float(r[m]) for r in runs if r.get(m) is not None)
             simmed = [float(s[m]) for s in sims if s.get(m) is not None]
@@ -176,6 +167,17 @@ def simulate_repeat(profile: Profile, cfg: SimConfig, spec: WorkloadSpec, run: d
     """A measured repeat's own stream (its seed) simulated on `profile`."""
     return summarize(simulate(profile, with_lag(cfg, run, index_lag_s), repeat_workload(
         replace(spec, seed=int(run["seed"])), run, block_tokens)), system="sim")
+
+
+def adjusted_profiles(profile: Profile, runs: list[dict[str, Any]], sims: list[dict[str, Any]],
+                      reference: Speed | None) -> list[Profile]:
+    """Each repeat's adjusted profile: `profile` at its canaries' drift where every repeat has
+    canaries, else paced to the measured ITL (`paced`) for all; none without either."""
+    drifts = repeat_drifts(runs, reference)
+    if drifts:
+        return [scaled(profile, d.prefill, d.decode, d.stretch) for d in drifts]
+    slowed = paced(profile, runs, sims)
+    return [] if slowed is None else [slowed] * len(runs)
 
 
 def pace_factor(runs: list[dict[str, Any]], sims: list[dict[str, Any]]) -> float | None:

@@ -235,6 +235,26 @@ class Canary:
         return replace(speed, stretch=run_stretch_canary(url, self.decode, self.stretch))
 
 
+class CanaryLog:
+    """The canaries around a sequence of repeats on `url`: one when made, and one after each
+    repeat (`after`), which gives that repeat the canaries just before and just after it
+    (`canary`, `canary_after`, as `Speed.to_dict()`s). With `fresh`, the k-th canary is
+    `canary.reseeded(k)`, for engines that keep prefix caches."""
+
+    def __init__(self, canary: Canary, url: str, fresh: bool = False) -> None:
+        self.canary, self.url, self.fresh = canary, url, fresh
+        self.speeds: list[Speed] = []
+        self._probe()
+
+    def _probe(self) -> None:
+        k = len(self.speeds)
+        self.speeds.append((self.canary.reseeded(k) if self.fresh else self.canary).run(self.url))
+
+    def after(self, run: dict[str, Any]) -> None:
+        self._probe()
+        run["canary"], run["canary_after"] = self.speeds[-2].to_dict(), self.speeds[-1].to_dict()
+
+
 LONE_SPACING_S = 30.0  # the simulated speed canary's arrivals: each request runs alone
 
 

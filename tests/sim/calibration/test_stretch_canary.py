@@ -236,3 +236,26 @@ def test_real_json_reads_the_per_request_records_beside_it(tmp_path: Path,
     sim, measured = line.split(": sim ")[1].split("; measured ")
     assert measured.split(", ") == [sim] * 3
     assert "–" not in sim  # both kinds of handover occur at 1 req/s
+
+
+@pytest.mark.parametrize("fresh", [False, True])
+def test_a_canary_log_brackets_every_repeat(fresh: bool, monkeypatch: pytest.MonkeyPatch
+                                            ) -> None:
+    """One canary before the first repeat and one after each: a repeat carries the canaries
+    just before and after it; fresh canaries draw new prompts each time, the others repeat."""
+    answer = _simulated_run(_deployment(0.0))
+    firsts: list[tuple[int, ...]] = []
+
+    def run(url: str, reqs: list, concurrency: int | None) -> list[RequestRecord]:
+        firsts.append(reqs[0].prompt_token_ids[:16])
+        return answer(url, reqs, concurrency)
+
+    monkeypatch.setattr(drift, "_run", run)
+    log = drift.CanaryLog(Canary(), "sim://", fresh=fresh)
+    runs: list[dict] = [{}, {}]
+    for r in runs:
+        log.after(r)
+    assert len(log.speeds) == 3
+    assert [r["canary"] for r in runs] == [s.to_dict() for s in log.speeds[:2]]
+    assert [r["canary_after"] for r in runs] == [s.to_dict() for s in log.speeds[1:]]
+    assert len(set(firsts)) == (3 if fresh else 1)
