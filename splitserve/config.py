@@ -23,6 +23,10 @@ TRANSPORTS: tuple[str, ...] = ("tcp", "shm")
 FAILURE_POLICIES: tuple[str, ...] = ("recompute", "fail")
 # The NIXL progress thread's poll timeout: nixl's Python API hard-codes 0 (a busy spin).
 NIXL_PROGRESS_DELAY_US = 10_000
+# How long a worker's step queues busy-poll after a message (vLLM: 1 s, each such second taking
+# a core the worker shares): long enough that back-to-back steps never block between them.
+IDLE_SPIN_S = 0.1
+MIN_IDLE_SPIN_S = 0.01
 VLLM_PINNED_VERSION = "0.32.0"
 TOKEN_ENV = "SPLITSERVE_TOKEN"
 TOKEN_FILE_ENV = "SPLITSERVE_TOKEN_FILE"
@@ -163,6 +167,9 @@ class WorkerConfig:
     speculative_config: str | None = None
     # tensor parallelism: ranks of one engine, each on its share of `cpus` (`rank_cpus`)
     tensor_parallel_size: int = 1
+    # how long the engine's step queues busy-poll after a message before they block
+    # (`worker.spin`); None: vLLM's own 1 s, which takes a shared core for a second a step
+    idle_spin_s: float | None = IDLE_SPIN_S
     extra_args: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
@@ -185,6 +192,10 @@ class WorkerConfig:
         check_tensor_parallel(self.tensor_parallel_size, self.extra_args)
         if self.nixl_progress_delay_us < 0:
             raise ValueError("nixl_progress_delay_us must not be negative")
+        if self.idle_spin_s is not None and not self.idle_spin_s >= MIN_IDLE_SPIN_S:
+            raise ValueError(f"idle_spin_s must be at least {MIN_IDLE_SPIN_S} s (or None: "
+                             "vLLM's own): a queue that blocks between back-to-back steps "
+                             "misses wake-ups and stalls a step for up to 5 s")
         if self.on_transfer_failure not in FAILURE_POLICIES:
             raise ValueError(f"on_transfer_failure must be one of {FAILURE_POLICIES}")
         if self.dtype not in ("float32", "bfloat16", "auto"):

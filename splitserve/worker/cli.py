@@ -23,6 +23,7 @@ from splitserve.common.ports import check_port_free
 from splitserve.common.vocab import Connector, Role, values
 from splitserve.config import (
     FAILURE_POLICIES,
+    IDLE_SPIN_S,
     NIXL_PROGRESS_DELAY_US,
     TRANSPORTS,
     WorkerConfig,
@@ -84,6 +85,10 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
                         "has an RDMA device, else tcp)")
     p.add_argument("--nixl-progress-delay-us", type=int, default=NIXL_PROGRESS_DELAY_US,
                    help="NIXL progress thread's poll timeout (0: nixl's busy spin)")
+    p.add_argument("--idle-spin-ms", type=float, default=IDLE_SPIN_S * 1000,
+                   help="how long the engine's step queues busy-poll after a message before "
+                        "they block (default: %(default)g; at least 10; vLLM's own is 1000, "
+                        "which takes a core the worker shares for a second after every step)")
     p.add_argument("--transport", choices=TRANSPORTS, default="tcp",
                    help="splitserve connector's transport (not used by NIXL)")
     p.add_argument("--on-transfer-failure", choices=FAILURE_POLICIES, default="recompute")
@@ -134,6 +139,7 @@ def config_from_args(args: argparse.Namespace, extra: list[str]) -> WorkerConfig
         model=source.path, port=args.port, role=args.role, host=args.host, cpus=args.cpus,
         kv_port=kv_port, connector=args.connector, mooncake_protocol=args.mooncake_protocol,
         nixl_progress_delay_us=args.nixl_progress_delay_us, transport=args.transport,
+        idle_spin_s=args.idle_spin_ms / 1000,
         on_transfer_failure=args.on_transfer_failure,
         dtype=args.dtype, kv_cache_gib=args.kv_cache_gib, max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens,

@@ -37,6 +37,7 @@ from splitserve.config import (
 from splitserve.worker.diagnose import explain_log, explain_start_failure
 from splitserve.worker.kv_transfer import kv_buffer_device, kv_transfer_config
 from splitserve.worker.kvrelay import KV_EVENTS_DIR_ENV, events_config, private_dir
+from splitserve.worker.spin import SPIN_ENV
 
 PR_SET_PDEATHSIG = 1
 
@@ -252,6 +253,9 @@ def worker_command(cfg: WorkerConfig, token: str | None) -> tuple[list[str], dic
         # finished prompt's blocks for a D that never reads them
         env["VLLM_MOONCAKE_BOOTSTRAP_PORT"] = str(cfg.kv_port)
         env["VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT"] = str(max(1, round(cfg.lease_s)))
+    env.pop(SPIN_ENV, None)
+    if cfg.idle_spin_s is not None:  # worker.spin, a vLLM general plugin, reads it
+        env[SPIN_ENV] = repr(cfg.idle_spin_s)
     cpus = cfg.cpus
     if cpus is None and cfg.tensor_parallel_size > 1:  # vLLM-CPU's `auto` wants a NUMA node a rank
         cpus = tuple(sorted(os.sched_getaffinity(0)))
