@@ -23,10 +23,12 @@ TRANSPORTS: tuple[str, ...] = ("tcp", "shm")
 FAILURE_POLICIES: tuple[str, ...] = ("recompute", "fail")
 # The NIXL progress thread's poll timeout: nixl's Python API hard-codes 0 (a busy spin).
 NIXL_PROGRESS_DELAY_US = 10_000
-# How long a worker's step queues busy-poll after a message (vLLM: 1 s, each such second taking
-# a core the worker shares): long enough that back-to-back steps never block between them.
+# How long a worker's step queues busy-poll after a read before they block (`worker.spin`;
+# vLLM: 1 s, each such second taking a core the worker shares). Measured here without a stall at
+# 0.1 s; at 0 readers missed wake-ups and stalled for vLLM's 5 s recheck; nothing below 0.1 s
+# has been measured, so nothing below it is allowed.
 IDLE_SPIN_S = 0.1
-MIN_IDLE_SPIN_S = 0.01
+MIN_IDLE_SPIN_S = 0.1
 VLLM_PINNED_VERSION = "0.32.0"
 TOKEN_ENV = "SPLITSERVE_TOKEN"
 TOKEN_FILE_ENV = "SPLITSERVE_TOKEN_FILE"
@@ -194,8 +196,8 @@ class WorkerConfig:
             raise ValueError("nixl_progress_delay_us must not be negative")
         if self.idle_spin_s is not None and not self.idle_spin_s >= MIN_IDLE_SPIN_S:
             raise ValueError(f"idle_spin_s must be at least {MIN_IDLE_SPIN_S} s (or None: "
-                             "vLLM's own): a queue that blocks between back-to-back steps "
-                             "misses wake-ups and stalls a step for up to 5 s")
+                             "vLLM's own): at 0 the queues missed wake-ups and stalled steps "
+                             "for up to 5 s, and shorter windows are not measured")
         if self.on_transfer_failure not in FAILURE_POLICIES:
             raise ValueError(f"on_transfer_failure must be one of {FAILURE_POLICIES}")
         if self.dtype not in ("float32", "bfloat16", "auto"):

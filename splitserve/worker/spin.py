@@ -2,19 +2,25 @@
 busy-poll for their next message before they block.
 
 vLLM's multiprocess executor, the only one vLLM-CPU runs, hands every step to the worker
-process, and its output back, through shared-memory queues. After each read a queue's reader
-spins on `sched_yield()` for `busy_loop_s` (1 s in vLLM 0.32.0) before it blocks on a socket
-(`vllm.distributed.device_communicators.shm_broadcast.SpinCondition`). On a core of its own
-that costs nothing. On a core it shares with another worker, the router or the client, it
-takes half that core for a second after every step: a CPU-bound loop pinned beside a worker
-that had just stepped ran 1.9–2.0× as long as beside an idle one, so a P beside a decoding D
-prefills at half speed.
+process, and its output back to the engine process, through shared-memory queues. After each
+read a queue's reader spins on `sched_yield()` for `busy_loop_s` (1 s in vLLM 0.32.0) before it
+blocks on a socket (`vllm.distributed.device_communicators.shm_broadcast.SpinCondition`); the
+window runs from the reader's last read. Both processes are pinned to the worker's cores, so a
+worker that steps takes a share of its cores for a second afterwards: a CPU-bound loop pinned
+to a worker's core 0.2 s after one of its answers ran 1.93× as long as on the quiet core (1.00×
+at 0.1 s; `benchmarks/busy_poll.py`), and a P sharing a core with a decoding D prefilled at
+about half speed.
 
 `SPLITSERVE_WORKER_SPIN_S` (set by `worker.launch.worker_command` from
-`WorkerConfig.idle_spin_s`): every reader's busy-poll window in this process, in seconds. It
-must cover the gap between back-to-back steps: a reader that blocks between them can miss its
-wake-up, which vLLM recovers only after 5 s (measured at 0 s: decode fell to ~0.4 tokens/s).
-Unset: vLLM's own. Idempotent, as vLLM requires of a general plugin (it may load in every
+`WorkerConfig.idle_spin_s`): every reader's window in this process, in seconds, whatever window
+the reader's creator asked for (at least `MIN_IDLE_SPIN_S`: at 0 the readers missed wake-ups,
+which vLLM recovers only at its 5 s recheck, and decode fell to ~0.4 tokens/s; at 0.1 s a
+2P2D replay and the demo ran without a stall). A step longer than the window makes the readers
+block before the next message, as vLLM's own window does for steps over 1 s. Unset: vLLM's own.
+
+Limits: vLLM's spinloop extension (`VLLM_USE_SPINLOOP_EXT=1`, off by default) spins 0.1 s
+before any window; vLLM's Ray executor passes only `VLLM_*` variables to its workers, so there
+the window stays vLLM's. Idempotent, as vLLM requires of a general plugin (it may load in every
 process). If vLLM's queue no longer has that window, the plugin warns and changes nothing.
 """
 
@@ -30,7 +36,8 @@ from splitserve.config import MIN_IDLE_SPIN_S
 
 SPIN_ENV = "SPLITSERVE_WORKER_SPIN_S"
 
-log = logging.getLogger(__name__)
+# under "vllm": vLLM's handler writes it to the worker's log
+log = logging.getLogger("vllm.splitserve.spin")
 
 
 def parse_spin(text: str) -> float:
@@ -68,3 +75,5 @@ def apply() -> None:
 
     cls.splitserve_spin_s = spin_s
     cls.__init__ = init
+    log.info("splitserve: vLLM's step queues busy-poll %g s after a read (vLLM's own: 1 s)",
+             spin_s)
