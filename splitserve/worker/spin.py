@@ -32,7 +32,7 @@ import logging
 import os
 from typing import Any
 
-from splitserve.config import MIN_IDLE_SPIN_S
+from splitserve.config import check_idle_spin
 
 SPIN_ENV = "SPLITSERVE_WORKER_SPIN_S"
 
@@ -41,11 +41,8 @@ log = logging.getLogger("vllm.splitserve.spin")
 
 
 def parse_spin(text: str) -> float:
-    """The busy-poll window `SPIN_ENV` gives, in seconds (at least `MIN_IDLE_SPIN_S`)."""
-    value = float(text)
-    if not value >= MIN_IDLE_SPIN_S:
-        raise ValueError(f"{SPIN_ENV} must be at least {MIN_IDLE_SPIN_S} s, got {text!r}")
-    return value
+    """The busy-poll window `SPIN_ENV` gives, in seconds (`config.check_idle_spin`)."""
+    return check_idle_spin(float(text), SPIN_ENV)
 
 
 def apply() -> None:

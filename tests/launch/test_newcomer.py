@@ -222,25 +222,22 @@ def test_a_latent_attention_model_on_vllm_cpu_runs_the_native_rope(
     latent = str(model_dir(tmp_path, "latent", SMALL | {"kv_lora_rank": 512,
                                                         "qk_rope_head_dim": 64}))
     native = ["--compilation-config", launch.NATIVE_ROPE]
-    assert launch.latent_rope_args(latent, ()) == native
+    # AMX's MLA backend cannot load float32 weights: a float32 latent model asks for CPU_MLA
+    assert launch.latent_args(latent, "float32", ()) == native + launch.CPU_MLA_BACKEND
+    assert launch.latent_args(latent, "bfloat16", ()) == native  # AMX's backend, where there is one
     assert json.loads(launch.NATIVE_ROPE) == {"custom_ops": ["all", "-rotary_embedding"]}
     for own in (("--compilation-config", "{}"), ("-cc.mode=none",), ("-O", "0"), ("-O0",),
-                ("--compilation-config.mode=none",)):
-        assert launch.latent_rope_args(latent, own) == []  # the caller's config, untouched
+                ("--compilation-config.mode=none",)):  # the caller's config, untouched
+        assert launch.latent_args(latent, "float32", own) == launch.CPU_MLA_BACKEND
+    for own in (("--attention-backend", "TORCH_SDPA"), ("--attention-config", "{}"),
+                ("--attention-config.backend=CPU_MLA",)):  # the caller's choice
+        assert launch.latent_args(latent, "float32", own) == native
     dense = str(model_dir(tmp_path, "dense", SMALL))
-    assert launch.latent_rope_args(dense, ()) == []
-    assert launch.latent_rope_args(str(tmp_path / "a-hub-id"), ()) == []
+    assert launch.latent_args(dense, "float32", ()) == []
+    assert launch.latent_args(str(tmp_path / "a-hub-id"), "float32", ()) == []
     cfg = WorkerConfig(model=latent, port=free_port())
     argv, _ = launch.worker_command(cfg, None)
     assert argv[argv.index("--compilation-config") + 1] == launch.NATIVE_ROPE
-    # AMX's MLA backend cannot load float32 weights: a float32 latent model asks for CPU_MLA
     assert argv[argv.index("--attention-backend") + 1] == "CPU_MLA"
-    assert launch.latent_backend_args(latent, "float32", ()) == launch.CPU_MLA_BACKEND
-    assert launch.latent_backend_args(latent, "bfloat16", ()) == []  # AMX's, where there is one
-    for own in (("--attention-backend", "TORCH_SDPA"), ("--attention-config", "{}"),
-                ("--attention-config.backend=CPU_MLA",)):
-        assert launch.latent_backend_args(latent, "float32", own) == []  # the caller's choice
-    assert launch.latent_backend_args(dense, "float32", ()) == []
     monkeypatch.setattr(launch, "kv_buffer_device", lambda: "cuda")  # a GPU build: its own rope
-    assert launch.latent_rope_args(latent, ()) == []
-    assert launch.latent_backend_args(latent, "float32", ()) == []
+    assert launch.latent_args(latent, "float32", ()) == []
