@@ -5,6 +5,9 @@ head_dim 64, float32, 128-token blocks), one transfer is: P's channel pushes eve
 from P's blocks + checksum + transport), D's listener stages and verifies it, D's loader copies
 it into its own blocks. Timed from `begin` to the end of the copy into D's blocks.
 
+`--scattered`: each request's blocks lie anywhere in a four times larger cache, in no order, as
+in a worker whose cache has turned over (default: consecutive blocks from 0).
+
 Ceilings, measured in the same run on the same bytes with the fewest copies the path needs:
 - tcp: a raw loopback socket send of a preallocated buffer into a preallocated buffer, plus one
   memcpy into blocks;
@@ -13,13 +16,14 @@ Ceilings, measured in the same run on the same bytes with the fewest copies the 
 Prints a table and writes JSON (default benchmarks/results/kv_transfer.json). Timings are
 reported, never asserted.
 
-    python benchmarks/kv_transfer.py [--reps 5] [--tokens 128 512 2048 8192]
+    python benchmarks/kv_transfer.py [--reps 5] [--tokens 128 512 2048 8192] [--scattered]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import socket
 import statistics
 import threading
@@ -48,16 +52,25 @@ BLOCK = 128
 FP = Fingerprint("bench", "float32", 8, 2, 64, "0.32.0")
 
 
-def paged_caches(tokens: int) -> list[torch.Tensor]:
-    blocks = -(-tokens // BLOCK) + 1
+SPREAD = 4  # --scattered: a request's blocks among this many times as many
+
+
+def paged_caches(tokens: int, scattered: bool = False) -> list[torch.Tensor]:
+    blocks = -(-tokens // BLOCK) * SPREAD if scattered else -(-tokens // BLOCK) + 1
     return [torch.randn(blocks, SHAPE.num_kv_heads, BLOCK, 2 * SHAPE.head_dim)
             for _ in range(SHAPE.num_layers)]
 
 
+def block_ids(tokens: int, scattered: bool = False, seed: int = 0) -> tuple[int, ...]:
+    """A request's block ids: 0, 1, 2... or (`scattered`) anywhere in `paged_caches`'s."""
+    n = -(-tokens // BLOCK)
+    return tuple(random.Random(seed).sample(range(n * SPREAD), n) if scattered else range(n))
+
+
 def ours(ch: PushChannel, tokens: int, staging: StagingArea, src: list[torch.Tensor],
-         dst: list[torch.Tensor], tid: str) -> float:
+         dst: list[torch.Tensor], tid: str, blocks: tuple[int, ...], dst_blocks: tuple[int, ...]
+         ) -> float:
     """One transfer on a connected channel (as in a running worker), timed to D's blocks."""
-    blocks = tuple(range(-(-tokens // BLOCK)))
     t0 = time.perf_counter()
     ch.begin(tid, tokens, SHAPE.transfer_bytes(tokens), 30.0)
     for layer, cache in enumerate(src):
@@ -71,8 +84,8 @@ def ours(ch: PushChannel, tokens: int, staging: StagingArea, src: list[torch.Ten
     nbytes = tokens * SHAPE.bytes_per_token_layer
     for layer, cache in enumerate(dst):  # the loader's copy into D's blocks
         base = staged.offset + region_offset(SHAPE, 0, tokens, layer)
-        VllmCpuLayout(cache).scatter(blocks, 0, tokens, staging.segment.tensor[base:base + nbytes],
-                                     0)
+        VllmCpuLayout(cache).scatter(dst_blocks, 0, tokens,
+                                     staging.segment.tensor[base:base + nbytes], 0)
     elapsed = time.perf_counter() - t0
     staging.release(staged, "loaded")
     return elapsed
@@ -120,6 +133,8 @@ def parse_args(doc: str, tokens: list[int], reps: int, out: str) -> argparse.Nam
     ap.add_argument("--tokens", type=int, nargs="+", default=tokens)
     ap.add_argument("--reps", type=int, default=reps)
     ap.add_argument("--out", default=out)
+    ap.add_argument("--scattered", action="store_true",
+                    help="blocks anywhere in a 4x larger cache, in no order")
     args = ap.parse_args()
     torch.set_num_threads(1)
     return args
@@ -146,14 +161,16 @@ def main() -> None:
           f"{'ratio':>6}")
     for tokens in args.tokens:
         nbytes = SHAPE.transfer_bytes(tokens)
-        src, dst = paged_caches(tokens), paged_caches(tokens)
+        src, dst = paged_caches(tokens, args.scattered), paged_caches(tokens, args.scattered)
+        blocks = block_ids(tokens, args.scattered, 1), block_ids(tokens, args.scattered, 2)
         flat_dst = torch.empty(nbytes, dtype=torch.uint8)
         for kind in ("tcp", "shm"):
             ch = channels[kind]
-            ours(ch, tokens, staging, src, dst, f"warm-{kind}-{tokens}")  # untimed warm-up
+            ours(ch, tokens, staging, src, dst, f"warm-{kind}-{tokens}", *blocks)  # untimed
             mine, ceil = [], []
             for rep in range(args.reps):  # interleaved: ours, ceiling, ours, ceiling...
-                mine.append(ours(ch, tokens, staging, src, dst, f"{kind}-{tokens}-{rep}"))
+                mine.append(ours(ch, tokens, staging, src, dst, f"{kind}-{tokens}-{rep}",
+                                 *blocks))
                 ceil.append(tcp_ceiling(nbytes, flat_dst) if kind == "tcp"
                             else shm_ceiling(nbytes, flat_dst, segment))
             gb_ours = nbytes / statistics.median(mine) / 1e9
@@ -172,7 +189,8 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"shape": SHAPE.__dict__ | {"dtype": "float32"},
-                               "block_size": BLOCK, "results": rows}, indent=2))
+                               "block_size": BLOCK, "scattered": args.scattered,
+                               "results": rows}, indent=2))
     print(f"wrote {out}")
 
 

@@ -10,12 +10,15 @@ Phases of one transfer (all layers):
 - memcpy: one contiguous copy of the transfer's bytes (the ceiling counts two);
 - whole: the shm transfer as `kv_transfer.py` times it (begin to the end of the scatter).
 `rest` is what the whole transfer spends beyond gather, checksum, verify and scatter: frames,
-the END/ACK round trip and the threads' wake-ups.
+the END/ACK round trip and the threads' wake-ups. `bound` is the best ratio a transfer that
+keeps both checksums could reach: gather and scatter at memcpy speed, nothing else added
+(ceiling / (ceiling + checksum + verify)); `bound_overlap` the same with D's verify wholly
+hidden behind P's work (ceiling / (ceiling + checksum)).
 
 Prints a table and writes JSON (default benchmarks/results/kv_transfer_phases.json). Timings are
 reported, never asserted.
 
-    python benchmarks/kv_transfer_phases.py [--reps 7] [--tokens 2048 8192]
+    python benchmarks/kv_transfer_phases.py [--reps 7] [--tokens 2048 8192] [--scattered]
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from kv_transfer import (  # noqa: E402
     FP,
     SHAPE,
     TOKEN,
+    block_ids,
     open_d,
     ours,
     paged_caches,
@@ -64,9 +68,9 @@ def median_s(fn: Callable[[], None], reps: int) -> float:
 
 
 def phases(tokens: int, reps: int, segment: SharedSegment, ch: ShmPushChannel,
-           staging: StagingArea) -> dict[str, float]:
-    src, dst = paged_caches(tokens), paged_caches(tokens)
-    blocks = tuple(range(-(-tokens // BLOCK)))
+           staging: StagingArea, scattered: bool) -> dict[str, float]:
+    src, dst = paged_caches(tokens, scattered), paged_caches(tokens, scattered)
+    blocks, dst_blocks = block_ids(tokens, scattered, 1), block_ids(tokens, scattered, 2)
     nbytes = SHAPE.transfer_bytes(tokens)
     layer_bytes = SHAPE.layer_bytes(tokens)
     regions = [segment.tensor[region_offset(SHAPE, 0, tokens, layer):][:layer_bytes]
@@ -84,7 +88,7 @@ def phases(tokens: int, reps: int, segment: SharedSegment, ch: ShmPushChannel,
 
     def scatter() -> None:
         for layer, cache in enumerate(dst):
-            VllmCpuLayout(cache).scatter(blocks, 0, tokens, regions[layer], 0)
+            VllmCpuLayout(cache).scatter(dst_blocks, 0, tokens, regions[layer], 0)
 
     def memcpy() -> None:
         segment.tensor[:nbytes].copy_(flat)
@@ -94,7 +98,8 @@ def phases(tokens: int, reps: int, segment: SharedSegment, ch: ShmPushChannel,
     out = {"gather": median_s(gather, reps), "checksum": median_s(checksum, reps),
            "scatter": median_s(scatter, reps), "memcpy": median_s(memcpy, reps) / 2,
            "whole": median_s(lambda: ours(ch, tokens, staging, src, dst,
-                                          f"phases-{tokens}-{next(counter)}"), reps)}
+                                          f"phases-{tokens}-{next(counter)}", blocks,
+                                          dst_blocks), reps)}
     out["verify"] = out["checksum"]  # the same bytes hashed the same way on D
     return out
 
@@ -106,18 +111,22 @@ def main() -> None:
                         SHAPE, 5.0)
     rows = []
     print(f"{'tokens':>7} {'MB':>6} " + " ".join(f"{p + ' ms':>11}" for p in PHASES)
-          + f" {'rest ms':>8} {'ratio':>6}")
+          + f" {'rest ms':>8} {'ratio':>6} {'bound':>6} {'overlap':>8}")
     for tokens in args.tokens:
-        t = phases(tokens, args.reps, segment, ch, staging)
+        t = phases(tokens, args.reps, segment, ch, staging, args.scattered)
         nbytes = SHAPE.transfer_bytes(tokens)
         rest = t["whole"] - t["gather"] - t["checksum"] - t["verify"] - t["scatter"]
         ceiling = 2 * t["memcpy"]
+        bound = ceiling / (ceiling + t["checksum"] + t["verify"])
+        bound_overlap = ceiling / (ceiling + t["checksum"])
         rows.append({"tokens": tokens, "bytes": nbytes, **{f"{p}_s": t[p] for p in PHASES},
                      "rest_s": rest, "ceiling_s": ceiling, "ratio": ceiling / t["whole"],
+                     "bound": bound, "bound_overlap": bound_overlap,
                      "gbps": {p: nbytes / t[p] / 1e9 for p in PHASES}, "reps": args.reps})
         print(f"{tokens:>7} {nbytes / 1e6:>6.1f} "
               + " ".join(f"{t[p] * 1e3:>11.2f}" for p in PHASES)
-              + f" {rest * 1e3:>8.2f} {ceiling / t['whole']:>6.2f}")
+              + f" {rest * 1e3:>8.2f} {ceiling / t['whole']:>6.2f} {bound:>6.2f}"
+              + f" {bound_overlap:>8.2f}")
     ch.close()
     listener.close()
     staging.close()
@@ -127,7 +136,8 @@ def main() -> None:
     out.write_text(json.dumps({"shape": {"num_layers": SHAPE.num_layers,
                                          "num_kv_heads": SHAPE.num_kv_heads,
                                          "head_dim": SHAPE.head_dim, "dtype": "float32"},
-                               "block_size": BLOCK, "results": rows}, indent=2))
+                               "block_size": BLOCK, "scattered": args.scattered,
+                               "results": rows}, indent=2))
     print(f"wrote {out}")
 
 

@@ -50,6 +50,31 @@ def test_roundtrip_between_block_sizes(start: int, end: int) -> None:
         assert torch.equal(vd[dst_ids[bd], :, od], vs[src_ids[bs], :, os_])
 
 
+@pytest.mark.parametrize(("start", "end"), [(0, 64), (3, 61), (16, 48), (5, 20), (0, 16)])
+def test_scattered_blocks_gather_and_scatter_token_by_token(start: int, end: int) -> None:
+    """Whole blocks scattered over the cache, in no order, gathered by one indexed copy (with a
+    partial block at either end) and scattered back by runs, land token by token where the
+    staging format says; blocks outside [start, end) are not written."""
+    torch.manual_seed(3)
+    bs, heads, dim = 8, 2, 4
+    src = torch.randn(20, heads, bs, 2 * dim)
+    src_ids, dst_ids = [17, 2, 9, 4, 13, 0, 11, 6], [5, 14, 1, 19, 8, 3, 16, 10]
+    n = end - start
+    k_rows, v_rows = torch.empty(heads, dim, n), torch.empty(heads, n, dim)
+    (ks, vs), dst = paged_kv(src), torch.zeros(20, heads, bs, 2 * dim)
+    kd, vd = paged_kv(dst)
+    copy_tokens(ks, vs, src_ids, k_rows, v_rows, start, end, start, to_paged=False)
+    copy_tokens(kd, vd, dst_ids, k_rows, v_rows, start, end, start, to_paged=True)
+    for t in range(start, end):
+        b, slot = divmod(t, bs)
+        assert torch.equal(k_rows[:, :, t - start], ks[src_ids[b], :, :, slot])
+        assert torch.equal(v_rows[:, t - start], vs[src_ids[b], :, slot])
+        assert torch.equal(kd[dst_ids[b], :, :, slot], ks[src_ids[b], :, :, slot])
+        assert torch.equal(vd[dst_ids[b], :, slot], vs[src_ids[b], :, slot])
+    written = {dst_ids[t // bs] for t in range(start, end)}
+    assert not any(dst[b].any() for b in range(20) if b not in written)
+
+
 def test_layout_gather_is_the_staging_format_and_scatter_skips_known_tokens() -> None:
     """`gather` writes K [H, D, n] then V [H, n, D] element by element as the staging format
     says; `scatter` with region_start < start writes only [start, end) into the blocks."""

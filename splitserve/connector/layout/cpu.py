@@ -56,11 +56,55 @@ def copy_tokens(k_paged: torch.Tensor, v_paged: torch.Tensor, block_ids: BlockId
                 to_paged: bool) -> None:
     """Copy tokens [start, end) between paged blocks and token-contiguous rows.
 
-    `k_rows [H, D, n]` / `v_rows [H, n, D]` hold tokens [base, base + n). One strided copy each
-    for K and V per run of whole consecutive blocks, and per partial block. Views are made by
-    `as_strided` from the operands' own strides (any strided operand works): this runs per
-    layer on P's forward path and D's load, where slicing and permuting cost more than the copy.
+    `k_rows [H, D, n]` / `v_rows [H, n, D]` hold tokens [base, base + n). Out of the blocks,
+    the whole blocks in [start, end), unless they are consecutive, move in one indexed copy
+    each for K and V, wherever they lie in the cache (`_gather_whole_blocks`), and a partial
+    block at either end alone. Otherwise (into the blocks, or out of consecutive ones), one
+    strided copy each per run of whole consecutive blocks and per partial block (`_copy_runs`:
+    measured faster than an indexed copy there). Views are made by `as_strided` from the
+    operands' own strides (any strided operand works): this runs per layer on P's forward path
+    and D's load, where slicing and permuting cost more than the copy.
     """
+    bs = k_paged.shape[3]
+    first, last = -(-start // bs), end // bs  # the whole blocks: [first, last)
+    if to_paged or last - first < 2 or _consecutive(block_ids[first:last]):
+        _copy_runs(k_paged, v_paged, block_ids, k_rows, v_rows, start, end, base, to_paged)
+        return
+    _gather_whole_blocks(k_paged, v_paged, block_ids[first:last], k_rows, v_rows,
+                         first * bs - base)
+    if start < first * bs:
+        _copy_runs(k_paged, v_paged, block_ids, k_rows, v_rows, start, first * bs, base, False)
+    if last * bs < end:
+        _copy_runs(k_paged, v_paged, block_ids, k_rows, v_rows, last * bs, end, base, False)
+
+
+def _consecutive(block_ids: BlockIds) -> bool:
+    return all(b == a + 1 for a, b in zip(block_ids, block_ids[1:], strict=False))
+
+
+def _gather_whole_blocks(k_paged: torch.Tensor, v_paged: torch.Tensor, block_ids: BlockIds,
+                         k_rows: torch.Tensor, v_rows: torch.Tensor, r: int) -> None:
+    """Whole blocks `block_ids` into the rows from row `r` on (len(block_ids) * bs tokens), in
+    one `index_select` each for K and V: one pass in C++, where a copy per run of consecutive
+    blocks costs a Python call per run (vLLM's blocks for one request are often scattered)."""
+    nblk, (_, h, d, bs) = len(block_ids), k_paged.shape
+    kr0, kr1, kr2 = k_rows.stride()  # [H, D, n]
+    vr0, vr1, vr2 = v_rows.stride()  # [H, n, D]
+    # the rows as the blocks they fill: K [nblk, H, D, bs], V [nblk, H, bs, D]
+    kr = k_rows.as_strided((nblk, h, d, bs), (bs * kr2, kr0, kr1, kr2),
+                           k_rows.storage_offset() + r * kr2)
+    vr = v_rows.as_strided((nblk, h, bs, d), (bs * vr1, vr0, vr1, vr2),
+                           v_rows.storage_offset() + r * vr1)
+    index = torch.tensor(block_ids, dtype=torch.int64)
+    torch.index_select(k_paged, 0, index, out=kr)
+    torch.index_select(v_paged, 0, index, out=vr)
+
+
+def _copy_runs(k_paged: torch.Tensor, v_paged: torch.Tensor, block_ids: BlockIds,
+               k_rows: torch.Tensor, v_rows: torch.Tensor, start: int, end: int, base: int,
+               to_paged: bool) -> None:
+    """`copy_tokens` one strided copy each for K and V per run of whole consecutive blocks
+    (`block_runs`), and per partial block."""
     bs = k_paged.shape[3]
     ks0, ks1, ks2, ks3 = k_paged.stride()  # [nb, H, D, bs]
     vs0, vs1, vs2, vs3 = v_paged.stride()  # [nb, H, bs, D]
