@@ -19,9 +19,9 @@ medians:
 - `p-push`: the P-worker sent the router's prefill leg by hand (`kv_transfer_params` naming
   D's KV endpoint; the staged KV is discarded on D once complete). Against `p-direct` it is
   the push's cost to P's TTFT; `1p1d` against it is the router's.
-A quiet gap follows every request: vLLM's model runner busy-polls for about a second after its
-last step, and the baselines share the P-worker's core, so back-to-back requests would charge
-one system's idle spin to the next.
+A quiet gap follows every request: a worker's step queues busy-poll after its last step (for
+100 ms in splitserve's workers, 1 s as vLLM ships them), and the baselines share the P-worker's
+core, so back-to-back requests would charge one system's idle spin to the next.
 
     python benchmarks/handover.py [--model DIR] [--lengths 256,1024,4096] [--reps 7] [--gap-s 1.2]
 """
@@ -200,7 +200,7 @@ def main() -> int:
     ap.add_argument("--lengths", default="256,512,1024,2048,4096")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--gap-s", type=float, default=1.2,
-                    help="quiet time after every request (vLLM busy-polls ~1 s after a step)")
+                    help="quiet time after every request (workers busy-poll 0.1-1 s after a step)")
     ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--transport", choices=("tcp", "shm"), default="tcp")
     ap.add_argument("--router-cpus", type=parse_cpus, default=None,

@@ -3,8 +3,10 @@ decode step, with no splitserve code in its path.
 
 D's leg is a new request to D's engine: its prompt's KV is loaded, one token is computed, and
 its first output is t2. Colocated, t2 is one more step of a request already running. This
-script starts one plain vLLM worker (no connector, the embedded model by default, on one core)
-and, for each prompt length, measures:
+script starts one plain vLLM worker (no connector, the embedded model by default, on one core,
+its step queues busy-polling for vLLM's own 1 s, so requests `--gap-s` apart find them still
+spinning; `--idle-spin-ms 100`: splitserve's window, whose wake-up then counts in `new`) and,
+for each prompt length, measures:
 - `step`: the gap between a request's streamed tokens at batch 1 (one decode step and its way
   out);
 - `new`: the time to the first token of a request whose prompt is cached but for its last
@@ -19,6 +21,7 @@ fills the prefix cache). Requests are apart by `--gap-s`. Prints a table and wri
 timings are reported, never asserted.
 
     python benchmarks/intake_floor.py [--model DIR] [--lengths 256,2048] [--reps 12] [--cpus 1]
+        [--idle-spin-ms MS]
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import argparse
 import json
 import random
 import statistics
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -92,30 +96,37 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=12)
     ap.add_argument("--gap-s", type=float, default=0.15)
     ap.add_argument("--cpus", type=parse_cpus, default=(1,))
+    ap.add_argument("--idle-spin-ms", type=float, default=None,
+                    help="the worker's busy-poll window (default: vLLM's own, 1 s)")
     ap.add_argument("--out", default="benchmarks/results/intake_floor.json")
     args = ap.parse_args()
     if args.model is None:
         from splitserve.demo_model import embedded_model_dir
 
         args.model = str(embedded_model_dir())
-    cfg = WorkerConfig(model=args.model, port=free_port(), cpus=args.cpus,
+    spin_s = None if args.idle_spin_ms is None else args.idle_spin_ms / 1e3
+    cfg = WorkerConfig(model=args.model, port=free_port(), cpus=args.cpus, idle_spin_s=spin_s,
                        extra_args=("--enable-scale-out",))
     log = f"/tmp/splitserve-intake-floor-{time.time():.0f}.log"
     proc = start_worker(cfg, None, log)
     rows = []
     try:
         wait_healthy(cfg.url, proc, log=log)
-        client = httpx.Client(base_url=cfg.url, timeout=120)
-        model = client.get("/v1/models").json()["data"][0]["id"]
-        vocab = int(json.loads((Path(args.model) / "config.json").read_text())["vocab_size"])
-        rng = random.Random(0)
-        for length in (int(x) for x in args.lengths.split(",")):
-            # a whole number of blocks cached, the last token computed
-            rows.append(measure(client, model, -(-length // BLOCK) * BLOCK + 1, args.reps,
-                                vocab, args.gap_s, rng))
+        with httpx.Client(base_url=cfg.url, timeout=120) as client:
+            model = client.get("/v1/models").json()["data"][0]["id"]
+            vocab = int(json.loads((Path(args.model) / "config.json").read_text())["vocab_size"])
+            rng = random.Random(0)
+            for length in (int(x) for x in args.lengths.split(",")):
+                # a whole number of blocks cached, the last token computed
+                rows.append(measure(client, model, -(-length // BLOCK) * BLOCK + 1, args.reps,
+                                    vocab, args.gap_s, rng))
     finally:
         proc.terminate()
-        proc.wait(30)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
     print(f"{'prompt':>7} {'step ms':>8} {'new ms':>8} {'intake ms':>10} "
           f"{'new gen ms':>11} {'intake gen ms':>14}")
     for r in rows:
@@ -125,7 +136,7 @@ def main() -> None:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"model": args.model, "cpus": list(args.cpus or ()),
-                               "results": rows}, indent=2))
+                               "idle_spin_s": spin_s, "results": rows}, indent=2))
     print(f"wrote {out}")
 
 

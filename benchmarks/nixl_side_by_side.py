@@ -7,7 +7,7 @@ Each arm is the deployment `splitserve bench compare --deploy NAME=disagg:{tcp,s
 starts
 (`splitserve.bench.deploy`), and gets, in this order:
 - TTFT probes: streamed prompts of each `--lengths` (fresh random ids, `--reps` each, a quiet
-  `--gap-s` after each: vLLM's model runner busy-polls for ~1 s after a step), 8 output tokens:
+  `--gap-s` after each: a worker busy-polls for 0.1-1 s after a step), 8 output tokens:
   TTFT and handover (t1 -> t2) at the client; the transfer's exposed tail: splitserve's
   `kv_tail_s` (the router's timings from D's record: end of P's last layer -> D's ACK), NIXL's
   pull time (`vllm:nixl_xfer_time_seconds` on D, read before and after each probe: probes run

@@ -29,6 +29,14 @@ NIXL_PROGRESS_DELAY_US = 10_000
 # has been measured, so nothing below it is allowed.
 IDLE_SPIN_S = 0.1
 MIN_IDLE_SPIN_S = 0.1
+VLLM_PINNED_VERSION = "0.32.0"
+TOKEN_ENV = "SPLITSERVE_TOKEN"
+TOKEN_FILE_ENV = "SPLITSERVE_TOKEN_FILE"
+FAULTS_ENV = "SPLITSERVE_FAULTS"
+
+
+E = TypeVar("E", Role, Connector)
+KV_EVENTS_FLAG = "--kv-events-config"
 
 
 def check_idle_spin(spin_s: float, name: str) -> float:
@@ -39,14 +47,6 @@ def check_idle_spin(spin_s: float, name: str) -> float:
                          "vLLM's step queues missed wake-ups and stalled steps for up to 5 s, "
                          "and shorter windows are not measured")
     return spin_s
-VLLM_PINNED_VERSION = "0.32.0"
-TOKEN_ENV = "SPLITSERVE_TOKEN"
-TOKEN_FILE_ENV = "SPLITSERVE_TOKEN_FILE"
-FAULTS_ENV = "SPLITSERVE_FAULTS"
-
-
-E = TypeVar("E", Role, Connector)
-KV_EVENTS_FLAG = "--kv-events-config"
 
 
 def check_kv_events_passthrough(args: tuple[str, ...] | list[str], kv_events: bool) -> None:

@@ -7,6 +7,7 @@ import pytest
 import torch
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
+from splitserve.connector.layout import cpu as cpu_layout
 from splitserve.connector.layout.cpu import (
     VllmCpuLayout,
     block_runs,
@@ -50,25 +51,39 @@ def test_roundtrip_between_block_sizes(start: int, end: int) -> None:
         assert torch.equal(vd[dst_ids[bd], :, od], vs[src_ids[bs], :, os_])
 
 
-@pytest.mark.parametrize(("start", "end"), [(0, 64), (3, 61), (16, 48), (5, 20), (0, 16)])
-def test_scattered_blocks_gather_and_scatter_token_by_token(start: int, end: int) -> None:
+@pytest.mark.parametrize(("start", "end", "base"),
+                         [(0, 64, 0), (3, 61, 3), (16, 48, 16), (5, 20, 5), (0, 16, 0),
+                          (11, 61, 8), (24, 40, 1)])
+@pytest.mark.parametrize("src_ids", [(17, 2, 9, 4, 13, 0, 11, 6), (4, 5, 6, 13, 0, 1, 2, 3)])
+def test_scattered_blocks_gather_and_scatter_token_by_token(
+        start: int, end: int, base: int, src_ids: tuple[int, ...],
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """Whole blocks scattered over the cache, in no order, gathered by one indexed copy (with a
-    partial block at either end) and scattered back by runs, land token by token where the
-    staging format says; blocks outside [start, end) are not written."""
+    partial block at either end) into rows that begin at token `base`, and scattered back by
+    runs, land token by token where the staging format says; rows before `start` and blocks
+    outside [start, end) are not written."""
     torch.manual_seed(3)
     bs, heads, dim = 8, 2, 4
     src = torch.randn(20, heads, bs, 2 * dim)
-    src_ids, dst_ids = [17, 2, 9, 4, 13, 0, 11, 6], [5, 14, 1, 19, 8, 3, 16, 10]
-    n = end - start
-    k_rows, v_rows = torch.empty(heads, dim, n), torch.empty(heads, n, dim)
+    dst_ids = (5, 14, 1, 19, 8, 3, 16, 10)
+    indexed = []
+    gather_whole = cpu_layout._gather_whole_blocks
+    monkeypatch.setattr(cpu_layout, "_gather_whole_blocks",
+                        lambda *a: indexed.append(a[2]) or gather_whole(*a))
+    n = end - base
+    k_rows, v_rows = torch.full((heads, dim, n), 7.0), torch.full((heads, n, dim), 7.0)
     (ks, vs), dst = paged_kv(src), torch.zeros(20, heads, bs, 2 * dim)
     kd, vd = paged_kv(dst)
-    copy_tokens(ks, vs, src_ids, k_rows, v_rows, start, end, start, to_paged=False)
-    copy_tokens(kd, vd, dst_ids, k_rows, v_rows, start, end, start, to_paged=True)
+    copy_tokens(ks, vs, src_ids, k_rows, v_rows, start, end, base, to_paged=False)
+    copy_tokens(kd, vd, dst_ids, k_rows, v_rows, start, end, base, to_paged=True)
+    whole = src_ids[-(-start // bs):end // bs]
+    assert indexed == ([whole] if len(whole) > 1 and list(whole) != list(
+        range(whole[0], whole[0] + len(whole))) else [])
+    assert (k_rows[:, :, :start - base] == 7).all() and (v_rows[:, :start - base] == 7).all()
     for t in range(start, end):
         b, slot = divmod(t, bs)
-        assert torch.equal(k_rows[:, :, t - start], ks[src_ids[b], :, :, slot])
-        assert torch.equal(v_rows[:, t - start], vs[src_ids[b], :, slot])
+        assert torch.equal(k_rows[:, :, t - base], ks[src_ids[b], :, :, slot])
+        assert torch.equal(v_rows[:, t - base], vs[src_ids[b], :, slot])
         assert torch.equal(kd[dst_ids[b], :, :, slot], ks[src_ids[b], :, :, slot])
         assert torch.equal(vd[dst_ids[b], :, slot], vs[src_ids[b], :, slot])
     written = {dst_ids[t // bs] for t in range(start, end)}

@@ -57,13 +57,14 @@ def copy_tokens(k_paged: torch.Tensor, v_paged: torch.Tensor, block_ids: BlockId
     """Copy tokens [start, end) between paged blocks and token-contiguous rows.
 
     `k_rows [H, D, n]` / `v_rows [H, n, D]` hold tokens [base, base + n). Out of the blocks,
-    the whole blocks in [start, end), unless they are consecutive, move in one indexed copy
-    each for K and V, wherever they lie in the cache (`_gather_whole_blocks`), and a partial
-    block at either end alone. Otherwise (into the blocks, or out of consecutive ones), one
-    strided copy each per run of whole consecutive blocks and per partial block (`_copy_runs`:
-    measured faster than an indexed copy there). Views are made by `as_strided` from the
-    operands' own strides (any strided operand works): this runs per layer on P's forward path
-    and D's load, where slicing and permuting cost more than the copy.
+    the whole blocks in [start, end), if there are two or more and they are not consecutive,
+    move in one indexed copy each for K and V, wherever they lie in the cache
+    (`_gather_whole_blocks`), and a partial block at either end alone. Otherwise (into the
+    blocks, or out of fewer or consecutive ones), one strided copy each per run of whole
+    consecutive blocks and per partial block (`_copy_runs`: measured faster than an indexed
+    copy there). Views are made by `as_strided` from the operands' own strides (any strided
+    operand works): this runs per layer on P's forward path and D's load, where slicing and
+    permuting cost more than the copy.
     """
     bs = k_paged.shape[3]
     first, last = -(-start // bs), end // bs  # the whole blocks: [first, last)
