@@ -163,10 +163,12 @@ def auth_headers() -> dict[str, str]:
 
 
 def metric_sum(worker: Worker, *names: str) -> float:
-    """The sum of every sample of these Prometheus families on the worker's /metrics."""
+    """The sum of every sample named exactly one of `names` (any labels) on the worker's
+    /metrics. Exactly: `vllm:num_requests_waiting` must not take in the samples of
+    `vllm:num_requests_waiting_by_reason`, which count the same requests again."""
     text = httpx.get(f"{worker.url}/metrics", headers=auth_headers(), timeout=5).text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(names))
+               if line.split("{", 1)[0].split(" ", 1)[0] in names)
 
 
 @starts_processes
