@@ -205,7 +205,7 @@ class WorkerConfig:
         if self.nixl_progress_delay_us < 0:
             raise ValueError("nixl_progress_delay_us must not be negative")
         if self.idle_spin_s is not None:  # None: vLLM's own
-            check_idle_spin(self.idle_spin_s, "idle_spin_s")
+            check_idle_spin(self.idle_spin_s, "idle_spin_s (or None: vLLM's own)")
         if self.on_transfer_failure not in FAILURE_POLICIES:
             raise ValueError(f"on_transfer_failure must be one of {FAILURE_POLICIES}")
         if self.dtype not in ("float32", "bfloat16", "auto"):

@@ -104,7 +104,7 @@ def _gather_whole_blocks(k_paged: torch.Tensor, v_paged: torch.Tensor, block_ids
 def _copy_runs(k_paged: torch.Tensor, v_paged: torch.Tensor, block_ids: BlockIds,
                k_rows: torch.Tensor, v_rows: torch.Tensor, start: int, end: int, base: int,
                to_paged: bool) -> None:
-    """`copy_tokens` one strided copy each for K and V per run of whole consecutive blocks
+    """`copy_tokens` by one strided copy each for K and V per run of whole consecutive blocks
     (`block_runs`), and per partial block."""
     bs = k_paged.shape[3]
     ks0, ks1, ks2, ks3 = k_paged.stride()  # [nb, H, D, bs]
