@@ -191,7 +191,7 @@ class KVListener:
                 aborted = open_transfers.pop(msg.transfer_id, None)
                 if aborted is not None and staging is not None:
                     staging.fail(aborted, "aborted_by_prefill", TransferStatus.ABORTED)
-                    staging.writer_done(st)
+                    staging.writer_done(aborted)
             else:
                 raise ProtocolError(f"unexpected op {msg.OP!r} on a push connection")
 

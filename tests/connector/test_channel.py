@@ -340,6 +340,39 @@ def test_a_failing_copy_fails_its_transfer_not_the_caller(
 
 
 @pytest.mark.parametrize("kind", ["tcp", "shm"])
+def test_p_aborting_one_of_two_open_transfers_frees_that_one_only(
+        listener: tuple[KVListener, StagingArea], kind: str) -> None:
+    """Two transfers open on one connection; P aborts the first after beginning the second. D
+    frees the aborted one's region at once, and still takes the second as being written: it
+    completes intact, and once loaded nothing stays staged."""
+    lis, staging = listener
+    torch.manual_seed(3)
+    caches = [torch.randn(4, 2, 64, 64) for _ in range(2)]
+    ch = channel(kind, lis.port)
+    first = ch.begin("first", 120, SHAPE.transfer_bytes(120), ack_timeout_s=5.0)
+    second = ch.begin("second", 120, SHAPE.transfer_bytes(120), ack_timeout_s=5.0)
+    assert first.began.wait(5.0) and second.began.wait(5.0)
+    ch.cancel("first")
+    deadline = time.monotonic() + 5.0
+    while staging.final_status("first") is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert staging.final_status("first") == "aborted"
+    assert staging.state()["staged_bytes"] == SHAPE.transfer_bytes(120)  # the second's alone
+    mid = staging.claim("second")
+    assert mid is not None and not mid.writer_done  # P may still write it
+    for layer, cache in enumerate(caches):
+        ch.push_layer(LayerItem("second", layer, 0, 120, VllmCpuLayout(cache), (2, 0)))
+    ch.end("second")
+    assert settle(ch, "second") == "complete"
+    assert mid.complete
+    assert_staged_equals(staging, mid, caches, (2, 0), ((0, 120),))
+    staging.release(mid, "loaded")
+    assert staging.state()["staged_bytes"] == 0
+    staging.check_integrity()
+    ch.close()
+
+
+@pytest.mark.parametrize("kind", ["tcp", "shm"])
 def test_a_transfer_p_aborts_after_d_opened_it_ends_aborted_for_the_router(
         listener: tuple[KVListener, StagingArea], kind: str) -> None:
     """P gives up on a transfer D has opened (here: its engine cancels it mid-push): D's record
