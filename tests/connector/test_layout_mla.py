@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from splitserve.connector.layout import cpu_mla
 from splitserve.connector.layout.cpu_mla import VllmCpuMlaLayout
 from splitserve.connector.layout.paged import EngineKV, UnsupportedKVCache, kv_shape
 from splitserve.connector.layout.select import select_layouts
@@ -41,6 +42,36 @@ def test_roundtrip_between_block_tables(unit_heads_axis: bool, start: int, end: 
             assert not got.any()  # before `start`: D's own prefix, untouched
         else:
             assert torch.equal(got, src_rows[src_ids[t // 16] * 16 + t % 16]), t
+
+
+@pytest.mark.parametrize(("start", "end", "base"),
+                         [(0, 64, 0), (3, 61, 3), (16, 48, 16), (5, 20, 5), (11, 61, 8),
+                          (24, 40, 1)])
+@pytest.mark.parametrize("src_ids", [(17, 2, 9, 4, 13, 0, 11, 6), (4, 5, 6, 13, 0, 1, 2, 3)])
+def test_scattered_blocks_gather_row_by_row(start: int, end: int, base: int,
+                                            src_ids: tuple[int, ...],
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whole latent blocks scattered over the cache, in no order, gathered by one indexed copy
+    (with a partial block at either end) into rows that begin at token `base`, land row by row
+    where the staging format says, and rows before `start` are not written; the indexed copy
+    runs exactly when two or more whole blocks are not consecutive."""
+    torch.manual_seed(4)
+    bs, width = 8, 6
+    src = torch.randn(20, bs, width)
+    indexed = []
+    gather_whole = cpu_mla._gather_whole_blocks
+    monkeypatch.setattr(cpu_mla, "_gather_whole_blocks",
+                        lambda *a: indexed.append(a[2]) or gather_whole(*a))
+    layout = VllmCpuMlaLayout(src)
+    region = torch.full(((end - base) * width,), 7.0)
+    layout.gather(src_ids, start, end, region.view(torch.uint8)[(start - base) * width * 4:])
+    rows = region.view(end - base, width)
+    whole = src_ids[-(-start // bs):end // bs]
+    assert indexed == ([whole] if len(whole) > 1 and list(whole) != list(
+        range(whole[0], whole[0] + len(whole))) else [])
+    assert (rows[:start - base] == 7).all()
+    for t in range(start, end):
+        assert torch.equal(rows[t - base], src[src_ids[t // bs], t % bs]), t
 
 
 def test_the_factory_reads_a_latent_on_cpu_and_refuses_it_elsewhere() -> None:

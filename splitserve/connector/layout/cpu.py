@@ -68,7 +68,7 @@ def copy_tokens(k_paged: torch.Tensor, v_paged: torch.Tensor, block_ids: BlockId
     """
     bs = k_paged.shape[3]
     first, last = -(-start // bs), end // bs  # the whole blocks: [first, last)
-    if to_paged or last - first < 2 or _consecutive(block_ids[first:last]):
+    if to_paged or last - first < 2 or consecutive(block_ids[first:last]):
         _copy_runs(k_paged, v_paged, block_ids, k_rows, v_rows, start, end, base, to_paged)
         return
     _gather_whole_blocks(k_paged, v_paged, block_ids[first:last], k_rows, v_rows,
@@ -79,7 +79,8 @@ def copy_tokens(k_paged: torch.Tensor, v_paged: torch.Tensor, block_ids: BlockId
         _copy_runs(k_paged, v_paged, block_ids, k_rows, v_rows, last * bs, end, base, False)
 
 
-def _consecutive(block_ids: BlockIds) -> bool:
+def consecutive(block_ids: BlockIds) -> bool:
+    """Each id is the one before plus one."""
     return all(b == a + 1 for a, b in zip(block_ids, block_ids[1:], strict=False))
 
 
