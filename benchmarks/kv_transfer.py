@@ -8,6 +8,12 @@ it into its own blocks. Timed from `begin` to the end of the copy into D's block
 `--scattered`: each request's blocks lie anywhere in a four times larger cache, in no order, as
 in a worker whose cache has turned over (default: consecutive blocks from 0).
 
+`--two-process`: D (listener, staging, the copy into its blocks) runs in a child process, as in a
+deployment, so P's and D's threads do not share one interpreter lock. D copies into its blocks as
+soon as the transfer is complete (without waiting for P to read the ACK), and the time runs from
+P's `begin` to the end of that copy, both read on the host's monotonic clock. Default: both sides
+in this process, timed to D's copy after P has read the ACK.
+
 Ceilings, measured in the same run on the same bytes with the fewest copies the path needs:
 - tcp: a raw loopback socket send of a preallocated buffer into a preallocated buffer, plus one
   memcpy into blocks;
@@ -17,17 +23,21 @@ Prints a table and writes JSON (default benchmarks/results/kv_transfer.json). Ti
 reported, never asserted.
 
     python benchmarks/kv_transfer.py [--reps 5] [--tokens 128 512 2048 8192] [--scattered]
+        [--two-process]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import random
 import socket
 import statistics
 import threading
 import time
+from functools import partial
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 import torch
@@ -91,6 +101,50 @@ def ours(ch: PushChannel, tokens: int, staging: StagingArea, src: list[torch.Ten
     return elapsed
 
 
+def d_process(conn: Connection, scattered: bool) -> None:
+    """D in its own process: sends its listener's port, then for each `(transfer_id, tokens)`
+    it is sent, waits for the transfer to complete, copies it into its blocks and answers the
+    monotonic time the copy ended; `None` ends it."""
+    torch.set_num_threads(1)
+    staging, listener, segment = open_d()
+    conn.send(listener.port)
+    caches: dict[int, list[torch.Tensor]] = {}
+    while (job := conn.recv()) is not None:
+        tid, tokens = job
+        if tokens not in caches:
+            caches[tokens] = paged_caches(tokens, scattered)
+        dst = caches[tokens]
+        dst_blocks = block_ids(tokens, scattered, 2)
+        while (staged := staging.claim(tid)) is None or not staged.complete:
+            time.sleep(0.0002)
+        nbytes = tokens * SHAPE.bytes_per_token_layer
+        for layer, cache in enumerate(dst):
+            base = staged.offset + region_offset(SHAPE, 0, tokens, layer)
+            VllmCpuLayout(cache).scatter(dst_blocks, 0, tokens,
+                                         staging.segment.tensor[base:base + nbytes], 0)
+        conn.send(time.perf_counter())
+        staging.release(staged, "loaded")
+    listener.close()
+    staging.close()
+    segment.close()
+
+
+def ours_apart(ch: PushChannel, tokens: int, src: list[torch.Tensor], tid: str,
+               blocks: tuple[int, ...], d: Connection) -> float:
+    """One transfer to D in its own process (`d_process`), timed to the end of D's copy."""
+    d.send((tid, tokens))
+    t0 = time.perf_counter()
+    ch.begin(tid, tokens, SHAPE.transfer_bytes(tokens), 30.0)
+    for layer, cache in enumerate(src):
+        ch.push_layer(LayerItem(tid, layer, 0, tokens, VllmCpuLayout(cache), blocks))
+    ch.end(tid)
+    elapsed = d.recv() - t0
+    while not (st := ch.poll(tid)).settled:
+        time.sleep(0.0002)
+    assert st.status == TransferStatus.COMPLETE, st.status
+    return elapsed
+
+
 def tcp_ceiling(nbytes: int, blocks_dst: torch.Tensor) -> float:
     server = socket.create_server(("127.0.0.1", 0))
     port = server.getsockname()[1]
@@ -135,6 +189,8 @@ def parse_args(doc: str, tokens: list[int], reps: int, out: str) -> argparse.Nam
     ap.add_argument("--out", default=out)
     ap.add_argument("--scattered", action="store_true",
                     help="blocks anywhere in a 4x larger cache, in no order")
+    ap.add_argument("--two-process", action="store_true",
+                    help="D in a child process, as in a deployment (default: one process)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     return args
@@ -151,8 +207,15 @@ def main() -> None:
     args = parse_args(__doc__, [128, 512, 2048, 4096, 8192], 5,
                       "benchmarks/results/kv_transfer.json")
     staging, listener, segment = open_d()
+    port, d_conn, child = listener.port, None, None
+    if args.two_process:
+        d_conn, child_conn = multiprocessing.Pipe()
+        child = multiprocessing.get_context("spawn").Process(
+            target=d_process, args=(child_conn, args.scattered), daemon=True)
+        child.start()
+        port = d_conn.recv()
     channels: dict[str, PushChannel] = {
-        kind: cls("127.0.0.1", listener.port, TOKEN, FP, ConnectorStats(), Faults(False), SHAPE,
+        kind: cls("127.0.0.1", port, TOKEN, FP, ConnectorStats(), Faults(False), SHAPE,
                   5.0)
         for kind, cls in (("tcp", TcpPushChannel), ("shm", ShmPushChannel))
     }
@@ -166,11 +229,14 @@ def main() -> None:
         flat_dst = torch.empty(nbytes, dtype=torch.uint8)
         for kind in ("tcp", "shm"):
             ch = channels[kind]
-            ours(ch, tokens, staging, src, dst, f"warm-{kind}-{tokens}", *blocks)  # untimed
+            one = (partial(ours_apart, ch, tokens, src, blocks=blocks[0], d=d_conn)
+                   if d_conn is not None  # D's blocks and their ids are in its process
+                   else partial(ours, ch, tokens, staging, src, dst, blocks=blocks[0],
+                                dst_blocks=blocks[1]))
+            one(tid=f"warm-{kind}-{tokens}")  # untimed
             mine, ceil = [], []
             for rep in range(args.reps):  # interleaved: ours, ceiling, ours, ceiling...
-                mine.append(ours(ch, tokens, staging, src, dst, f"{kind}-{tokens}-{rep}",
-                                 *blocks))
+                mine.append(one(tid=f"{kind}-{tokens}-{rep}"))
                 ceil.append(tcp_ceiling(nbytes, flat_dst) if kind == "tcp"
                             else shm_ceiling(nbytes, flat_dst, segment))
             gb_ours = nbytes / statistics.median(mine) / 1e9
@@ -183,6 +249,9 @@ def main() -> None:
                   f"{gb_ours / gb_ceil:>6.2f}")
     for ch in channels.values():
         ch.close()
+    if d_conn is not None and child is not None:
+        d_conn.send(None)
+        child.join(10)
     listener.close()
     staging.close()
     segment.close()
@@ -190,7 +259,7 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"shape": SHAPE.__dict__ | {"dtype": "float32"},
                                "block_size": BLOCK, "scattered": args.scattered,
-                               "results": rows}, indent=2))
+                               "two_process": args.two_process, "results": rows}, indent=2))
     print(f"wrote {out}")
 
 
