@@ -75,6 +75,7 @@ class Passthrough:
             w = self.pick(retry.tried)
             t.decode_url = w.url
             w.acquire()
+            r: aiohttp.ClientResponse | None = None
             try:
                 r = await self.session.post(self.url(w, path), data=raw, headers={
                     "X-Request-Id": rid, "Content-Type": "application/json"})
@@ -86,4 +87,9 @@ class Passthrough:
             except (*TRANSPORT_ERRORS, LegFailed) as exc:
                 w.release()
                 retry.failed(w, exc)
+            except BaseException:  # the client left (CancelledError): give `w` back, and go
+                if r is not None:
+                    r.close()
+                w.release()
+                raise
         raise exhausted(retry.last, w.pool.value, "request")

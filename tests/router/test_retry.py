@@ -5,6 +5,7 @@ own limit (defaulting, on the command line, to `--prefill-retries`)."""
 from __future__ import annotations
 
 import argparse
+import asyncio
 
 import pytest
 from aiohttp import web
@@ -91,3 +92,38 @@ async def test_the_whole_path_retries_up_to_whole_retries() -> None:
             finally:
                 await session.close()
             assert calls == expected
+
+
+async def test_a_client_leaving_a_whole_request_gives_the_worker_back() -> None:
+    """The client leaves (its task is cancelled, as `cancellable` does) while the worker is
+    still computing a non-streaming answer, or while the router reads a retryable answer's
+    body: the worker's in-flight count returns to zero and it counts as drained."""
+    async def handler(name: str, req: web.Request) -> web.StreamResponse:
+        if name == "slow-body":  # headers of a retryable status at once, its body later
+            resp = web.StreamResponse(status=503)
+            await resp.prepare(req)
+            await asyncio.sleep(5)
+            return resp
+        await asyncio.sleep(5)  # no headers until the whole answer is computed
+        return web.json_response({"ok": name})
+
+    for name in ("slow-answer", "slow-body"):
+        async with workers(handler, (name,)) as urls:
+            cfg = RouterConfig(colocated=(urls[name],), retry_backoff_s=0.0)
+            session = new_session(cfg, None)
+            try:
+                reg = Registry(cfg)
+                (w,) = reg.all()
+                w.health.healthy = True
+                whole = Passthrough(cfg, reg, Picker("load", "load"), RouterMetrics(), session)
+                task = asyncio.create_task(whole.complete("/v1/completions", b"{}", "rid",
+                                                          Timings()))
+                while not w.accounting.inflight:
+                    await asyncio.sleep(0.01)
+                await asyncio.sleep(0.2)  # the worker has the request
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+                assert w.accounting.inflight == 0 and w.accounting.drained.is_set(), name
+            finally:
+                await session.close()
