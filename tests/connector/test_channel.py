@@ -340,6 +340,32 @@ def test_a_failing_copy_fails_its_transfer_not_the_caller(
 
 
 @pytest.mark.parametrize("kind", ["tcp", "shm"])
+def test_a_transfer_past_its_ack_deadline_frees_ds_region_at_once(
+        listener: tuple[KVListener, StagingArea], kind: str) -> None:
+    """P's sender is behind (0.2 s a layer) when the transfer's ACK deadline passes: P fails it
+    (`ack_timeout`) and its END never goes, so P ABORTs it and D frees its region then, not
+    when its 30 s lease ends."""
+    lis, staging = listener
+    caches = [torch.randn(4, 2, 64, 64) for _ in range(2)]
+    ch = channel(kind, lis.port, Faults(enabled=True))
+    tid = "late-fault-delay"
+    ch.begin(tid, 200, SHAPE.transfer_bytes(200), ack_timeout_s=0.3)
+    for s, e in ((0, 100), (100, 200)):
+        for layer, cache in enumerate(caches):
+            ch.push_layer(LayerItem(tid, layer, s, e, VllmCpuLayout(cache), (0, 1, 2, 3)))
+    ch.end(tid)
+    assert settle(ch, tid) == "failed"
+    assert ch.poll(tid).record.cause == "ack_timeout"
+    deadline = time.monotonic() + 5.0
+    while staging.final_status(tid) is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert staging.final_status(tid) == "aborted"
+    assert staging.state()["staged_bytes"] == 0
+    staging.check_integrity()
+    ch.close()
+
+
+@pytest.mark.parametrize("kind", ["tcp", "shm"])
 def test_p_aborting_one_of_two_open_transfers_frees_that_one_only(
         listener: tuple[KVListener, StagingArea], kind: str) -> None:
     """Two transfers open on one connection; P aborts the first after beginning the second. D

@@ -154,7 +154,8 @@ class PushChannel(ABC):
             self._queue.put(AbortItem(transfer_id))
 
     def poll(self, transfer_id: str) -> SendState | None:
-        """The transfer's state; a pending one past its ACK deadline is failed here."""
+        """The transfer's state; a pending one past its ACK deadline is failed here, and
+        ABORTed after what is queued before it."""
         with self._lock:
             st = self._states.get(transfer_id)
             if st is not None and not st.settled and time.monotonic() > st.deadline:
@@ -165,6 +166,7 @@ class PushChannel(ABC):
                 timed_out = False
         if timed_out and st is not None:
             self._stats.close(st.record, TransferStatus.FAILED, "ack_timeout")
+            self._queue.put(AbortItem(transfer_id))  # its END will not go: D frees it now
         return st
 
     def forget(self, transfer_id: str) -> None:
