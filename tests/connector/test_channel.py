@@ -399,6 +399,31 @@ def test_p_aborting_one_of_two_open_transfers_frees_that_one_only(
 
 
 @pytest.mark.parametrize("kind", ["tcp", "shm"])
+def test_a_copy_failing_on_the_sender_thread_fails_its_transfer_alone(
+        listener: tuple[KVListener, StagingArea], kind: str) -> None:
+    """A layer the sender thread copies itself (here: a fault-delayed one) raises in its gather
+    (block ids that do not cover the chunk): that transfer fails and D frees its region, and
+    the channel goes on: the next transfer on it arrives intact."""
+    lis, staging = listener
+    caches = [torch.randn(4, 2, 64, 64) for _ in range(2)]
+    ch = channel(kind, lis.port, Faults(enabled=True))
+    ch.begin("bad-fault-delay", 100, SHAPE.transfer_bytes(100), ack_timeout_s=5.0)
+    ch.push_layer(LayerItem("bad-fault-delay", 0, 0, 100, VllmCpuLayout(caches[0]), (0, 99)))
+    ch.end("bad-fault-delay")
+    assert settle(ch, "bad-fault-delay") == "failed"
+    assert ch.poll("bad-fault-delay").record.cause == "internal_error"
+    push(ch, "after", caches, (0, 1), [(0, 100)])
+    assert settle(ch, "after") == "complete"
+    st = staging.claim("after")
+    assert st is not None and st.complete
+    assert_staged_equals(staging, st, caches, (0, 1), ((0, 100),))
+    staging.release(st, "loaded")
+    assert staging.final_status("bad-fault-delay") == "aborted"
+    assert staging.state()["staged_bytes"] == 0
+    ch.close()
+
+
+@pytest.mark.parametrize("kind", ["tcp", "shm"])
 def test_a_transfer_p_aborts_after_d_opened_it_ends_aborted_for_the_router(
         listener: tuple[KVListener, StagingArea], kind: str) -> None:
     """P gives up on a transfer D has opened (here: its engine cancels it mid-push): D's record

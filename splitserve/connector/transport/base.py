@@ -303,6 +303,11 @@ class PushChannel(ABC):
                 cause = ("tls_failed" if isinstance(exc, ssl.SSLError) else
                          "peer_refused" if isinstance(exc, PeerRefused) else "peer_unreachable")
                 self._connection_lost(cause, self._sock, exc)
+            except Exception:  # a copy that raised before its frame went: this transfer fails
+                log.exception("KV push of transfer %s failed on the sender thread",
+                              item.transfer_id)
+                self._fail(st, "internal_error")
+                self._queue.put(AbortItem(item.transfer_id))  # D frees its region now
             finally:
                 with self._lock:
                     self._busy_with = None
