@@ -274,8 +274,9 @@ class Flow:
 
     async def _prefill_leg(self, p: Worker, body: dict[str, Any], request_id: str
                            ) -> dict[str, Any]:
-        """P's answer (HTTP 200); LegFailed on a status worth a retry, UpstreamError on any
-        other. Read to the end inside the block: the connection goes back to the pool."""
+        """P's answer (HTTP 200, a completion with a choice); LegFailed on a status worth a
+        retry or an answer out of shape, UpstreamError on any other status. Read to the end
+        inside the block: the connection goes back to the pool."""
         async with self.session.post(
                 f"{p.url}/v1/completions", data=encode(body),
                 headers={**JSON_HEADERS, "X-Request-Id": request_id}) as r:
@@ -284,7 +285,15 @@ class Flow:
             raise LegFailed(f"http_{r.status}", raw[:200].decode(errors="replace"), r.status)
         if r.status != 200:
             raise UpstreamError(r.status, upstream_body(r.status, raw))
-        out: dict[str, Any] = json.loads(raw)
+        try:
+            out = json.loads(raw)
+        except ValueError:
+            out = None
+        choices = out.get("choices") if isinstance(out, dict) else None
+        if (not isinstance(out, dict) or not isinstance(choices, list) or not choices
+                or not isinstance(choices[0], dict)
+                or not isinstance(out.get("kv_transfer_params") or {}, dict)):
+            raise LegFailed("bad_answer", raw[:200].decode(errors="replace"))
         return out
 
     # --- D ----------------------------------------------------------------------------------
@@ -312,7 +321,8 @@ class Flow:
 
         Invariant: whenever this generator stops early (cancelled, closed, or a leg failed),
         the open leg's connection is closed, not returned to the pool, and closing it aborts the
-        request in vLLM; the leg's hold on its worker is released exactly once."""
+        request in vLLM; the leg's hold on its worker is released exactly once; and the
+        transfer made at prefill is released (idempotent), since no later leg loads it."""
         assert pre.decode is not None and pre.reserved
         d, tr = pre.decode, pre.transfer
         pre.reserved = False  # the first attempt's leg is the reservation taken at prefill
@@ -358,11 +368,15 @@ class Flow:
                                         t.d_usage)
                 return
             except (*TRANSPORT_ERRORS, LegFailed) as exc:
+                abandon(tr, None)  # a later leg recomputes: none will load the staged KV
                 retry.failed(d, exc)
                 if attempt == retry.limit:
                     raise UpstreamError(502, {"error": {
                         "message": f"decode failed on every attempt: {exc}",
                         "type": "UpstreamError", "param": None, "code": 502}}) from exc
+            except BaseException:  # D refused the leg, or the client left
+                abandon(tr, None)
+                raise
             finally:
                 if r is not None:
                     if complete:

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
+from splitserve.common.vocab import Pool
 from splitserve.router.failures import UpstreamError
 from splitserve.router.params import plan_legs
 from splitserve.router.policy import Overloaded
@@ -178,6 +179,81 @@ async def test_request_ending_at_t1_needs_no_decode_and_moves_no_kv() -> None:
     assert pre.transfer is not None and second.transfer is not None
     assert sorted(discarded) == sorted([pre.transfer.transfer_id, second.transfer.transfer_id])
     assert auth == {"Bearer tok"}  # every request to a worker carries the deployment token
+
+
+@pytest.mark.parametrize("first_d", ["busy", "refuses", "cut"])
+async def test_a_failed_first_decode_leg_releases_its_transfer(first_d: str) -> None:
+    """D's first leg fails: vLLM's queue is full (503, resumed on the other D), D refuses it
+    (400, the client's answer), or its stream is cut (resumed). The next leg recomputes, or
+    none comes, so the router tells that D at once that no leg will load the staged KV."""
+    discarded: list[tuple[str, str]] = []
+
+    async def handler(name: str, req: web.Request) -> web.StreamResponse:
+        if req.method == "DELETE":
+            discarded.append((name, req.path.rsplit("/", 1)[1]))
+            return web.json_response({"discarded": True})
+        if name == "p1":
+            return web.json_response(PREFILL_OK)
+        body = await req.json()
+        if "kv_transfer_params" in body and first_d == "busy":
+            return web.json_response({"error": {"message": "queue full"}}, status=503)
+        if "kv_transfer_params" in body and first_d == "refuses":
+            return web.json_response({"error": {"message": "no"}}, status=400)
+        if "kv_transfer_params" in body:
+            return await sse_reply(req, [chunk("b", 11)], cut=True)
+        return await sse_reply(req, [chunk("c", 12), chunk("d", 13, "length")])
+
+    async with workers(handler, ("p1", "d1", "d2")) as urls, make_flow(
+            urls, token="tok") as (flow, _):
+        for w in flow.registry.workers.values():
+            identify(w, {"kv_host": "127.0.0.1", "kv_port": 5, "engine_id": "e",
+                         "transport": "tcp"})
+        legs = plan_legs({"model": "m", "prompt": "x", "max_tokens": 4, "stream": True},
+                         "completion", "x")
+        pre = await flow.prefill(legs, "rid", t := Timings())
+        assert pre.transfer is not None and pre.decode is not None
+        first, tid = pre.decode.url, pre.transfer.transfer_id
+        stream = flow.decode(legs, "rid", pre, started(legs, pre), t)
+        if first_d == "refuses":
+            with pytest.raises(UpstreamError):
+                _ = [c async for c in stream]
+        else:
+            _ = [c async for c in stream]
+        for _ in range(100):  # the DELETE runs in the background
+            if discarded:
+                break
+            await asyncio.sleep(0.01)
+        assert all(w.inflight == 0 for w in flow.registry.workers.values())
+    assert [(urls[n], i) for n, i in discarded] == [(first, tid)]
+
+
+@pytest.mark.parametrize("bad", [b"not json", b"[]", b'{"choices": []}', b'{"choices": [1]}',
+                                 b'{"choices": [{"text": "a"}], "kv_transfer_params": "x"}'])
+async def test_an_answer_out_of_shape_from_p_is_retried_and_frees_everything(bad: bytes
+                                                                           ) -> None:
+    """P answers 200 with a body that is not a completion: the attempt fails like a worker
+    error (retried on the other P), and nothing stays reserved; with no other P the client
+    gets one explicit 502."""
+    async def handler(name: str, req: web.Request) -> web.StreamResponse:
+        if req.method == "DELETE":
+            return web.json_response({"discarded": True})
+        if name == "p1":
+            return web.Response(body=bad, content_type="application/json")
+        return web.json_response(PREFILL_OK)
+
+    legs = plan_legs({"model": "m", "prompt": "x", "max_tokens": 4}, "completion", "x")
+    async with workers(handler, ("p1", "p2", "d1")) as urls, make_flow(urls) as (flow, _):
+        flow.registry.workers[Pool.PREFILL, urls["p2"]].acquire()  # p1 is picked first
+        pre = await flow.prefill(legs, "rid", t := Timings())
+        assert pre.t1_ids == [10] and t.prefill_url == urls["p2"] and t.retries == 1
+        flow.release(pre)
+        flow.registry.workers[Pool.PREFILL, urls["p2"]].release()
+        assert all(w.inflight == 0 for w in flow.registry.workers.values())
+    async with workers(handler, ("p1", "d1")) as urls, make_flow(urls) as (flow, _):
+        with pytest.raises(UpstreamError) as err:
+            await flow.prefill(legs, "rid", Timings())
+        assert err.value.status == 502 and "bad_answer" in err.value.body["error"]["message"]
+        assert all(w.inflight == 0 for w in flow.registry.workers.values())
 
 
 async def test_every_prefill_failure_ends_in_one_explicit_error() -> None:
