@@ -22,6 +22,7 @@ Keys are `kvindex.keys` block keys of `block_size`-token blocks.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Self
 
@@ -115,8 +116,9 @@ class KvChange:
     def from_json(cls, raw: Any) -> Self:
         raw = _obj(raw, "change")
         ts = raw.get("ts")
-        if not isinstance(ts, int | float) or isinstance(ts, bool):
-            raise WireError(f"change.ts must be a number, got {ts!r}")
+        if (not isinstance(ts, int | float) or isinstance(ts, bool)
+                or abs(ts) > 1e12 or not math.isfinite(ts)):
+            raise WireError(f"change.ts must be a time in epoch seconds, got {ts!r:.40}")
         cleared = raw.get("cleared", False)
         if not isinstance(cleared, bool):
             raise WireError("change.cleared must be a boolean")

@@ -227,16 +227,19 @@ class CacheView:
                     continue
                 backoff, inexact = self.follow.backoff_min_s, self.follow.inexact_min_s
                 await self._tail(f)  # returns when a new snapshot is needed
-            except (*TRANSPORT_ERRORS, ValueError) as exc:  # WireError, JSON: ValueErrors
+            except Exception as exc:  # transport, WireError and JSON (ValueErrors), any other:
+                # the view is lost, never left frozen; the follower backs off and rebuilds it
                 was = f.state
                 if was == ViewState.SYNCED:
                     self._resync(f, "lost")
                 f.state = ViewState.LOST
                 f.last_error = f"{type(exc).__name__}: {exc}"
                 self.index.forget(f.url)
-                log.log(logging.WARNING if was == ViewState.SYNCED else logging.DEBUG,
+                expected = isinstance(exc, (*TRANSPORT_ERRORS, ValueError))
+                log.log(logging.WARNING if was == ViewState.SYNCED or not expected
+                        else logging.DEBUG,
                         "worker %s: cache report lost (%s); routed by load until rebuilt",
-                        f.url, f.last_error)
+                        f.url, f.last_error, exc_info=not expected)
                 await self._pause(f, backoff * random.uniform(0.8, 1.2))
                 backoff = min(backoff * 2, self.follow.backoff_max_s)
 

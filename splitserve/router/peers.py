@@ -148,10 +148,14 @@ class Peers:
                     raise WireError(f"{LOAD_ROUTE} answered {r.status}")
                 load = RouterLoad.from_json(await r.json(content_type=None))
         except (*TRANSPORT_ERRORS, ValueError) as exc:  # WireError and bad JSON are ValueErrors
+            if url not in self.urls:  # removed by `set` while this read was in flight
+                return
             if url not in self.errors:
                 log.warning("peer router %s: %s: its share no longer counts", url, exc)
             self.errors[url] = f"{type(exc).__name__}: {exc}"
             self.reads.pop(url, None)
+            return
+        if url not in self.urls:
             return
         if url in self.errors:
             log.info("peer router %s answers again", url)

@@ -10,6 +10,7 @@ import tracemalloc
 
 import pytest
 
+from splitserve.common.wire import WireError
 from splitserve.kvindex.index import KvIndex, OutOfSync
 from splitserve.kvindex.keys import matched_tokens, prefix_keys
 from splitserve.kvindex.messages import KvChange, KvEvents, KvSnapshot
@@ -141,3 +142,15 @@ def test_memory_per_block() -> None:
         tracemalloc.stop()
     assert one / n < 100, one / n
     assert (two - one) / n < 2, (two - one) / n
+
+
+@pytest.mark.parametrize("bad", [{"ts": 10**400}, {"ts": float("inf")}, {"ts": float("nan")},
+                                 {"ts": 2e12}, {"ts": "1"}, {"ts": True}, {"seq": -1},
+                                 {"cleared": 1}, {"stored": [2**64]}, {"removed": [True]}])
+def test_a_change_out_of_shape_is_a_wire_error(bad: dict[str, object]) -> None:
+    """Whatever a worker's change holds, reading it raises WireError (a ValueError the
+    router's follower handles as a lost view) or gives a valid change; never another error."""
+    good = {"seq": 1, "ts": 1.7e9, "stored": [1, 2], "removed": [3], "cleared": False}
+    assert KvChange.from_json(good) == KvChange(1, 1.7e9, (1, 2), (3,), False)
+    with pytest.raises(WireError):
+        KvChange.from_json(good | bad)

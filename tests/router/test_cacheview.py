@@ -185,6 +185,27 @@ async def test_a_lost_stream_routes_by_load_until_rebuilt() -> None:
         assert pick() == p0 and s.sample("splitserve_router_worker_kv_synced", **gauge) == 1
 
 
+async def test_a_report_that_breaks_the_reader_loses_the_view_and_the_follower_lives_on(
+) -> None:
+    """An events answer the reader cannot parse at all (JSON nested past Python's recursion
+    limit: a RecursionError, no ValueError) loses the worker's view like a cut stream, never
+    leaving it frozen: routed by load, then rebuilt by the same follower; closing is clean."""
+    async with followed(("p0", "d0")) as s:
+        p = s.urls["p0"]
+        s.caches["p0"].store(PROMPT)
+        await until(lambda: s.view.predict(PROMPT, [p]) == {p: 28})
+        follower = s.view.followers[p]
+        task = follower.task
+        s.caches["p0"].garbage = b"[" * 200_000
+        s.caches["p0"].store(PROMPT[:4] + [1, 2, 3, 4])  # wakes the long poll
+        await until(lambda: follower.state == ViewState.LOST)
+        assert "RecursionError" in (follower.last_error or "")
+        assert s.view.predict(PROMPT, [p]) is None
+        await until(lambda: s.view.synced(p))
+        assert follower.task is task and not task.done()
+        assert s.view.predict(PROMPT, [p]) == {p: 28}
+
+
 async def test_a_worker_that_does_not_report_is_routed_by_load() -> None:
     async with followed(("p0", "d0")) as s:
         p, d = s.urls["p0"], s.urls["d0"]

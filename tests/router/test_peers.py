@@ -8,10 +8,19 @@ import time
 
 import aiohttp
 import pytest
+from aiohttp import web
 
 from splitserve.common.wire import WireError
 from splitserve.router.config import RouterConfig
-from splitserve.router.peers import STALE_INTERVALS, LegLoad, PeerRead, Peers, RouterLoad, shares
+from splitserve.router.peers import (
+    LOAD_ROUTE,
+    STALE_INTERVALS,
+    LegLoad,
+    PeerRead,
+    Peers,
+    RouterLoad,
+    shares,
+)
 from splitserve.router.registry import Registry
 from splitserve.router.worker import PeerShare
 from splitserve.worker.launch import free_port
@@ -77,6 +86,40 @@ def test_a_peer_share_counts_while_fresh_and_is_dropped_when_stale_or_unreachabl
             assert peers.urls == ("http://r3:1",) and not peers.reads
             with pytest.raises(ValueError, match="http"):
                 peers.set(["r4:1"])
+
+    asyncio.run(run())
+
+
+def test_a_peer_removed_while_its_read_is_in_flight_does_not_count_again() -> None:
+    """The peer list changes (`PUT /admin/peers`) while a read of a peer now gone is still
+    on its way: its answer, or its failure, is dropped; the share stays out."""
+    async def run() -> None:
+        release = asyncio.Event()
+
+        async def load(_req: web.Request) -> web.Response:
+            await release.wait()
+            return web.json_response(RouterLoad((LegLoad(D, "decode", 7, 0),)).to_json())
+
+        app = web.Application()
+        app.router.add_get(LOAD_ROUTE, load)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        reg = registry()
+        try:
+            async with aiohttp.ClientSession() as session:
+                peer = f"http://127.0.0.1:{port}"
+                peers = Peers(reg, session, [peer], interval_s=2.0, timeout_s=5.0)
+                reading = asyncio.create_task(peers.read_all())
+                await asyncio.sleep(0.2)
+                peers.set([])
+                release.set()
+                await reading
+                assert not peers.reads and not peers.errors
+                assert reg.find(D)[0].peers == PeerShare()
+        finally:
+            await runner.cleanup()
 
     asyncio.run(run())
 

@@ -150,7 +150,8 @@ class ScriptedCache:
     """One scripted worker's cache report: the two routes of `kvindex.messages` over a key set
     the test changes (`store`, `remove`, `clear`, `restart`), with the faults a router must
     survive: `gone` (the next events read answers 410), `skip` (the next change's seq jumps,
-    a gap), `reporting=False` (404 on both routes), `down` (the connection is cut). With
+    a gap), `reporting=False` (404 on both routes), `down` (the connection is cut), `garbage`
+    (the next events read answers these bytes as JSON's content). With
     `check_epoch` (the workers' contract), a reader of another epoch, or ahead of the worker,
     gets 410; without it, the answer's own epoch tells the reader. `exact=False`: the report
     cannot vouch for the engine's cache (`exact: false` snapshots, 410 on events).
@@ -168,6 +169,7 @@ class ScriptedCache:
         self.reporting = True
         self.exact = True  # False: the report cannot vouch (empty snapshot, 410 on events)
         self.down = False
+        self.garbage: bytes | None = None
         self.asked: list[str] = []
         self._changed: asyncio.Event | None = None
 
@@ -221,6 +223,9 @@ class ScriptedCache:
         if self.gone:
             self.gone = False
             return web.Response(status=410)
+        if self.garbage is not None:
+            body, self.garbage = self.garbage, None
+            return web.Response(body=body, content_type="application/json")
         epoch = request.query.get("epoch")
 
         def other_life() -> bool:
