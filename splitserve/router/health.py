@@ -122,8 +122,14 @@ class HealthLoop:
             try:
                 status, raw = await self.get(worker, "/v1/models")
                 if status == 200:
-                    return dict(json.loads(raw)["data"][0])
+                    model = json.loads(raw)["data"][0]
+                    if isinstance(model, dict) and isinstance(model.get("id"), str):
+                        return dict(model)
+                    errors.append(f"{worker.url}: a model without an id")
+                    continue
                 errors.append(f"{worker.url}: {status}")
             except TRANSPORT_ERRORS as exc:
                 errors.append(f"{worker.url}: {exc}")
+            except (ValueError, LookupError, TypeError) as exc:  # not JSON, no "data" list
+                errors.append(f"{worker.url}: /v1/models out of shape ({exc!r:.80})")
         raise RuntimeError(f"no worker answered /v1/models: {'; '.join(errors)}")

@@ -71,20 +71,15 @@ async def open_state(cfg: RouterConfig, token: str | None, api_key: str | None,
     cache = CacheView(registry, session, metrics)
     metrics.watch_cache(registry.all, cache.describe,
                         lambda: (len(cache.index), len(cache.index) * INDEX_BYTES_PER_BLOCK))
-    deadline = time.monotonic() + startup_timeout_s
-    while True:
-        try:
-            model = await checks.model()
-            break
-        except RuntimeError:
-            if time.monotonic() > deadline:
-                await cache.close()
-                await session.close()
-                raise
-            await asyncio.sleep(0.5)
-    await checks.check_all()
-    model_dir = cfg.model_dir or model.get("root")
-    tokenizer = await asyncio.to_thread(load_tokenizer, model_dir)
+    try:
+        model = await _served_model(checks, startup_timeout_s)
+        await checks.check_all()
+        model_dir = cfg.model_dir or model.get("root")
+        tokenizer = await asyncio.to_thread(load_tokenizer, model_dir)
+    except BaseException:  # timed out, no tokenizer, cancelled: nothing started stays open
+        await cache.close()
+        await session.close()
+        raise
     max_model_len = model.get("max_model_len")
     picker = Picker(cfg.prefill_policy, cfg.decode_policy, cfg.max_inflight_per_worker,
                     weights=cfg.cache_weights)
@@ -99,6 +94,19 @@ async def open_state(cfg: RouterConfig, token: str | None, api_key: str | None,
     st.health = asyncio.create_task(checks.run())
     log.info("router on %s:%d serving %s", cfg.host, cfg.port, model["id"])
     return st
+
+
+async def _served_model(checks: HealthLoop, timeout_s: float) -> dict[str, Any]:
+    """The first worker's answer to /v1/models, asked every 0.5 s until one answers
+    (RuntimeError after `timeout_s`)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return await checks.model()
+        except RuntimeError:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.5)
 
 
 async def close_state(st: RouterState) -> None:

@@ -18,6 +18,7 @@ from splitserve.router.health import HealthLoop
 from splitserve.router.http import new_session
 from splitserve.router.legs import leg_protocols
 from splitserve.router.registry import EventKind, Registry, WorkerEvent
+from splitserve.router.state import open_state
 from splitserve.router.worker import Worker
 from tests.support.scripted import identify, workers
 
@@ -281,3 +282,27 @@ async def test_a_nixl_decode_worker_is_not_asked_for_splitserve_staging() -> Non
             assert d.healthy and d.info is not None and d.info.connector == Connector.NIXL
             assert asked.count("/splitserve/info") == 1 and "/splitserve/state" not in asked
             assert d.staged_bytes == 0.0
+
+
+async def test_the_model_is_the_first_well_formed_answer_and_a_failed_start_closes_all(
+        tmp_path: Any) -> None:
+    """A worker whose /v1/models is out of shape is passed over for the next one; when
+    starting fails after that (here: no tokenizer at the model's path), the router's cache
+    followers and HTTP session are closed, and no task of it is left running."""
+    async def handler(name: str, req: web.Request) -> web.StreamResponse:
+        if req.path == "/v1/models":
+            if name == "p1":
+                return web.Response(body=b'{"data": [7]}', content_type="application/json")
+            return web.json_response({"data": [{"id": "m", "root": str(tmp_path / "none")}]})
+        return web.Response(status=404)
+
+    async with workers(handler, ("p1", "d1")) as urls:
+        cfg = RouterConfig(prefill=(urls["p1"],), decode=(urls["d1"],))
+        async with checked(cfg) as (_, loop, _):
+            assert (await loop.model())["id"] == "m"
+        before = asyncio.all_tasks()
+        with pytest.raises(Exception) as failed:
+            await open_state(cfg, "tok", None, startup_timeout_s=5.0)
+        assert not isinstance(failed.value, RuntimeError | AssertionError)  # the tokenizer's
+        await asyncio.sleep(0.05)
+        assert {t for t in asyncio.all_tasks() - before if not t.done()} == set()
