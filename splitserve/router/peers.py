@@ -30,7 +30,6 @@ from typing import Any, Self
 import aiohttp
 
 from splitserve.common.wire import WireError
-from splitserve.router.http import TRANSPORT_ERRORS
 from splitserve.router.registry import Registry
 from splitserve.router.worker import PeerShare, Worker
 
@@ -147,7 +146,7 @@ class Peers:
                 if r.status != 200:
                     raise WireError(f"{LOAD_ROUTE} answered {r.status}")
                 load = RouterLoad.from_json(await r.json(content_type=None))
-        except (*TRANSPORT_ERRORS, ValueError) as exc:  # WireError and bad JSON are ValueErrors
+        except Exception as exc:  # transport, WireError and bad JSON (ValueErrors), any other
             if url not in self.urls:  # removed by `set` while this read was in flight
                 return
             if url not in self.errors:

@@ -92,12 +92,16 @@ def test_a_peer_share_counts_while_fresh_and_is_dropped_when_stale_or_unreachabl
 
 def test_a_peer_removed_while_its_read_is_in_flight_does_not_count_again() -> None:
     """The peer list changes (`PUT /admin/peers`) while a read of a peer now gone is still
-    on its way: its answer, or its failure, is dropped; the share stays out."""
+    on its way: its answer, or its failure, is dropped; the share stays out. An answer the
+    reader cannot parse at all is that peer's error, not the end of the reading."""
     async def run() -> None:
         release = asyncio.Event()
+        broken: list[bool] = []
 
         async def load(_req: web.Request) -> web.Response:
             await release.wait()
+            if broken:
+                return web.Response(body=b"[" * 200_000, content_type="application/json")
             return web.json_response(RouterLoad((LegLoad(D, "decode", 7, 0),)).to_json())
 
         app = web.Application()
@@ -118,6 +122,10 @@ def test_a_peer_removed_while_its_read_is_in_flight_does_not_count_again() -> No
                 await reading
                 assert not peers.reads and not peers.errors
                 assert reg.find(D)[0].peers == PeerShare()
+                peers.set([peer])
+                broken.append(True)
+                await peers.read_all()
+                assert "RecursionError" in peers.errors[peer] and not peers.reads
         finally:
             await runner.cleanup()
 
