@@ -14,6 +14,7 @@ from aiohttp import web
 
 from splitserve.common.vocab import Pool
 from splitserve.router.failures import UpstreamError
+from splitserve.router.flow import Flow
 from splitserve.router.params import plan_legs
 from splitserve.router.policy import Overloaded
 from splitserve.router.timings import Timings
@@ -27,6 +28,13 @@ from tests.support.scripted import (
     started,
     workers,
 )
+
+
+def speak_splitserve_tcp(flow: Flow) -> None:
+    """Every worker says it runs splitserve's connector over tcp (KV endpoint 127.0.0.1:5)."""
+    for w in flow.registry.workers.values():
+        identify(w, {"kv_host": "127.0.0.1", "kv_port": 5, "engine_id": "e",
+                     "transport": "tcp"})
 
 
 async def test_prefill_retries_elsewhere_and_decode_resumes_without_loss() -> None:
@@ -149,9 +157,7 @@ async def test_request_ending_at_t1_needs_no_decode_and_moves_no_kv() -> None:
 
     async with workers(handler, ("p1", "p2", "d1", "d2")) as urls, make_flow(
             urls, token="tok") as (flow, _):
-        for w in flow.registry.workers.values():
-            identify(w, {"kv_host": "127.0.0.1", "kv_port": 5, "engine_id": "e",
-                         "transport": "tcp"})
+        speak_splitserve_tcp(flow)
         one = plan_legs({"model": "m", "prompt": "x", "max_tokens": 1}, "completion", "x")
         pre = await flow.prefill(one, "rid", Timings())
         assert pre.decode is None and pre.finish_reason == "length" and not pre.reserved
@@ -205,9 +211,7 @@ async def test_a_failed_first_decode_leg_releases_its_transfer(first_d: str) -> 
 
     async with workers(handler, ("p1", "d1", "d2")) as urls, make_flow(
             urls, token="tok") as (flow, _):
-        for w in flow.registry.workers.values():
-            identify(w, {"kv_host": "127.0.0.1", "kv_port": 5, "engine_id": "e",
-                         "transport": "tcp"})
+        speak_splitserve_tcp(flow)
         legs = plan_legs({"model": "m", "prompt": "x", "max_tokens": 4, "stream": True},
                          "completion", "x")
         pre = await flow.prefill(legs, "rid", t := Timings())
@@ -280,9 +284,7 @@ async def test_transfer_record_is_fetched_while_d_streams() -> None:
         return await sse_reply(req, [chunk("b", 11), chunk("c", 12, "length")])
 
     async with workers(handler, ("p1", "d1")) as urls, make_flow(urls, token="tok") as (flow, _):
-        for w in flow.registry.workers.values():
-            identify(w, {"kv_host": "127.0.0.1", "kv_port": 5, "engine_id": "e",
-                         "transport": "tcp"})
+        speak_splitserve_tcp(flow)
         legs = plan_legs({"model": "m", "prompt": "x", "max_tokens": 3, "stream": True},
                          "completion", "x")
         pre = await flow.prefill(legs, "rid", t := Timings())
