@@ -39,6 +39,7 @@ from typing import Any
 import aiohttp
 
 from splitserve.common.vocab import Pool
+from splitserve.router.answer import PrefillAnswer
 from splitserve.router.cacheview import CacheView
 from splitserve.router.config import RouterConfig
 from splitserve.router.early import EarlyDecode
@@ -247,36 +248,33 @@ class Flow:
                     d.release()
             self.registry.succeeded(p)
             self.metrics.cached_predicted.labels(Pool.PREFILL.value, p.url).inc(p_reused)
-            self._engine_cached(Pool.PREFILL, p.url, p_reused, out.get("usage"))
+            self._engine_cached(Pool.PREFILL, p.url, p_reused, out.usage)
             t.t1_back = time.monotonic()
-            choice = out["choices"][0]
-            prompt_ids = list(choice.get("prompt_token_ids") or [])
             # P always stops at "length" (max_tokens 1); the request itself ends at t1 only on a
             # stop token, a budget of one token, or a full context.
-            reason = choice.get("finish_reason")
+            reason = out.finish_reason
             done = reason == "stop" or (reason == "length" and (
                 legs.max_tokens == 1 or (self.max_model_len is not None
-                                         and len(prompt_ids) + 1 >= self.max_model_len)))
+                                         and len(out.prompt_ids) + 1 >= self.max_model_len)))
             if tr is not None:
-                tr.via.received(tr, out)
+                tr.via.received(tr, out.body)
             if done:
                 d.release()
                 abandon(tr, early)  # KV was sent for a decode leg that will never come
             return Prefilled(
-                prompt_ids=prompt_ids,
-                t1_text=choice.get("text") or "", t1_ids=list(choice.get("token_ids") or []),
+                prompt_ids=out.prompt_ids, t1_text=out.text, t1_ids=out.token_ids,
                 finish_reason=reason if done else None,
-                stop_reason=choice.get("stop_reason") if done else None,
-                fingerprint=out.get("system_fingerprint"), decode=None if done else d,
+                stop_reason=out.stop_reason if done else None,
+                fingerprint=out.fingerprint, decode=None if done else d,
                 transfer=None if done else tr, reserved=not done,
                 early=None if done else early)
         raise exhausted(retry.last, "prefill", "prefill")
 
     async def _prefill_leg(self, p: Worker, body: dict[str, Any], request_id: str
-                           ) -> dict[str, Any]:
-        """P's answer (HTTP 200, a completion with a choice); LegFailed on a status worth a
-        retry or an answer out of shape, UpstreamError on any other status. Read to the end
-        inside the block: the connection goes back to the pool."""
+                           ) -> PrefillAnswer:
+        """P's answer (HTTP 200); LegFailed on a status worth a retry or an answer out of
+        shape, UpstreamError on any other status. Read to the end inside the block: the
+        connection goes back to the pool."""
         async with self.session.post(
                 f"{p.url}/v1/completions", data=encode(body),
                 headers={**JSON_HEADERS, "X-Request-Id": request_id}) as r:
@@ -285,16 +283,7 @@ class Flow:
             raise LegFailed(f"http_{r.status}", raw[:200].decode(errors="replace"), r.status)
         if r.status != 200:
             raise UpstreamError(r.status, upstream_body(r.status, raw))
-        try:
-            out = json.loads(raw)
-        except ValueError:
-            out = None
-        choices = out.get("choices") if isinstance(out, dict) else None
-        if (not isinstance(out, dict) or not isinstance(choices, list) or not choices
-                or not isinstance(choices[0], dict)
-                or not isinstance(out.get("kv_transfer_params") or {}, dict)):
-            raise LegFailed("bad_answer", raw[:200].decode(errors="replace"))
-        return out
+        return PrefillAnswer.parse(raw)
 
     # --- D ----------------------------------------------------------------------------------
     def _resume_on(self, tried: set[str]) -> Worker:

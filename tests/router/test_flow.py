@@ -231,8 +231,13 @@ async def test_a_failed_first_decode_leg_releases_its_transfer(first_d: str) -> 
     assert [(urls[n], i) for n, i in discarded] == [(first, tid)]
 
 
-@pytest.mark.parametrize("bad", [b"not json", b"[]", b'{"choices": []}', b'{"choices": [1]}',
-                                 b'{"choices": [{"text": "a"}], "kv_transfer_params": "x"}'])
+@pytest.mark.parametrize("bad", [
+    b"not json", b"[" * 200_000, b"[]", b'{"choices": []}', b'{"choices": [1]}',
+    b'{"choices": [{"text": "a"}], "kv_transfer_params": "x"}',
+    b'{"choices": [{"text": "a", "prompt_token_ids": 5}]}',
+    b'{"choices": [{"text": "a", "token_ids": [7, "x"]}]}',
+    b'{"choices": [{"text": "a", "token_ids": [7]}], "usage": [1]}',
+    b'{"choices": [{"text": 3, "token_ids": [7]}]}'])
 async def test_an_answer_out_of_shape_from_p_is_retried_and_frees_everything(bad: bytes
                                                                            ) -> None:
     """P answers 200 with a body that is not a completion: the attempt fails like a worker
