@@ -30,6 +30,7 @@ from typing import Any, Self
 import aiohttp
 
 from splitserve.common.wire import WireError
+from splitserve.router.http import TRANSPORT_ERRORS
 from splitserve.router.registry import Registry
 from splitserve.router.worker import PeerShare, Worker
 
@@ -150,7 +151,8 @@ class Peers:
             if url not in self.urls:  # removed by `set` while this read was in flight
                 return
             if url not in self.errors:
-                log.warning("peer router %s: %s: its share no longer counts", url, exc)
+                log.warning("peer router %s: %s: its share no longer counts", url, exc,
+                            exc_info=not isinstance(exc, (*TRANSPORT_ERRORS, ValueError)))
             self.errors[url] = f"{type(exc).__name__}: {exc}"
             self.reads.pop(url, None)
             return

@@ -98,12 +98,16 @@ async def test_a_client_leaving_a_whole_request_gives_the_worker_back() -> None:
     """The client leaves (its task is cancelled, as `cancellable` does) while the worker is
     still computing a non-streaming answer, or while the router reads a retryable answer's
     body: the worker's in-flight count returns to zero and it counts as drained."""
+    answering = asyncio.Event()  # the worker has the request (and, slow-body, sent headers)
+
     async def handler(name: str, req: web.Request) -> web.StreamResponse:
         if name == "slow-body":  # headers of a retryable status at once, its body later
             resp = web.StreamResponse(status=503)
             await resp.prepare(req)
+            answering.set()
             await asyncio.sleep(5)
             return resp
+        answering.set()
         await asyncio.sleep(5)  # no headers until the whole answer is computed
         return web.json_response({"ok": name})
 
@@ -116,11 +120,12 @@ async def test_a_client_leaving_a_whole_request_gives_the_worker_back() -> None:
                 (w,) = reg.all()
                 w.health.healthy = True
                 whole = Passthrough(cfg, reg, Picker("load", "load"), RouterMetrics(), session)
+                answering.clear()
                 task = asyncio.create_task(whole.complete("/v1/completions", b"{}", "rid",
                                                           Timings()))
-                while not w.accounting.inflight:
-                    await asyncio.sleep(0.01)
-                await asyncio.sleep(0.2)  # the worker has the request
+                await asyncio.wait_for(answering.wait(), 5.0)
+                await asyncio.sleep(0.05)  # the router reads the 503's headers (slow-body)
+                assert w.accounting.inflight == 1
                 task.cancel()
                 with pytest.raises(asyncio.CancelledError):
                     await task
