@@ -19,8 +19,8 @@ Ceilings, measured in the same run on the same bytes with the fewest copies the 
   memcpy into blocks;
 - shm: one memcpy into a shared-memory segment plus one memcpy into blocks.
 
-Prints a table and writes JSON (default benchmarks/results/kv_transfer.json). Timings are
-reported, never asserted.
+Prints a table and writes JSON (default benchmarks/results/kv_transfer.json, with
+`--two-process` kv_transfer_two_process.json). Timings are reported, never asserted.
 
     python benchmarks/kv_transfer.py [--reps 5] [--tokens 128 512 2048 8192] [--scattered]
         [--two-process]
@@ -62,6 +62,7 @@ BLOCK = 128
 FP = Fingerprint("bench", "float32", 8, 2, 64, "0.32.0")
 
 
+DEFAULT_OUT = "benchmarks/results/kv_transfer.json"  # --two-process: kv_transfer_two_process.json
 SPREAD = 4  # --scattered: a request's blocks among this many times as many
 
 
@@ -104,7 +105,8 @@ def ours(ch: PushChannel, tokens: int, staging: StagingArea, src: list[torch.Ten
 def d_process(conn: Connection, scattered: bool) -> None:
     """D in its own process: sends its listener's port, then for each `(transfer_id, tokens)`
     it is sent, waits for the transfer to complete, copies it into its blocks and answers the
-    monotonic time the copy ended; `None` ends it."""
+    monotonic time the copy ended (None: the transfer failed or did not complete in 30 s);
+    `None` ends it."""
     torch.set_num_threads(1)
     staging, listener, segment = open_d()
     conn.send(listener.port)
@@ -115,8 +117,13 @@ def d_process(conn: Connection, scattered: bool) -> None:
             caches[tokens] = paged_caches(tokens, scattered)
         dst = caches[tokens]
         dst_blocks = block_ids(tokens, scattered, 2)
-        while (staged := staging.claim(tid)) is None or not staged.complete:
+        deadline = time.monotonic() + 30.0
+        while ((staged := staging.claim(tid)) is None or not staged.complete) and (
+                staged is None or staged.failed is None) and time.monotonic() < deadline:
             time.sleep(0.0002)
+        if staged is None or not staged.complete:
+            conn.send(None)
+            continue
         nbytes = tokens * SHAPE.bytes_per_token_layer
         for layer, cache in enumerate(dst):
             base = staged.offset + region_offset(SHAPE, 0, tokens, layer)
@@ -138,7 +145,12 @@ def ours_apart(ch: PushChannel, tokens: int, src: list[torch.Tensor], tid: str,
     for layer, cache in enumerate(src):
         ch.push_layer(LayerItem(tid, layer, 0, tokens, VllmCpuLayout(cache), blocks))
     ch.end(tid)
-    elapsed = d.recv() - t0
+    if not d.poll(60.0):
+        raise RuntimeError("D's process did not answer in 60 s")
+    end = d.recv()
+    if end is None:
+        raise RuntimeError(f"transfer {tid} failed or did not complete on D")
+    elapsed = end - t0
     while not (st := ch.poll(tid)).settled:
         time.sleep(0.0002)
     assert st.status == TransferStatus.COMPLETE, st.status
@@ -204,8 +216,7 @@ def open_d() -> tuple[StagingArea, KVListener, SharedSegment]:
 
 
 def main() -> None:
-    args = parse_args(__doc__, [128, 512, 2048, 4096, 8192], 5,
-                      "benchmarks/results/kv_transfer.json")
+    args = parse_args(__doc__, [128, 512, 2048, 4096, 8192], 5, DEFAULT_OUT)
     staging, listener, segment = open_d()
     port, d_conn, child = listener.port, None, None
     if args.two_process:
@@ -213,6 +224,7 @@ def main() -> None:
         child = multiprocessing.get_context("spawn").Process(
             target=d_process, args=(child_conn, args.scattered), daemon=True)
         child.start()
+        child_conn.close()  # D's end lives in D: its exit is EOF here
         port = d_conn.recv()
     channels: dict[str, PushChannel] = {
         kind: cls("127.0.0.1", port, TOKEN, FP, ConnectorStats(), Faults(False), SHAPE,
@@ -255,7 +267,8 @@ def main() -> None:
     listener.close()
     staging.close()
     segment.close()
-    out = Path(args.out)
+    out = Path(args.out if not args.two_process or args.out != DEFAULT_OUT
+               else DEFAULT_OUT.replace(".json", "_two_process.json"))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"shape": SHAPE.__dict__ | {"dtype": "float32"},
                                "block_size": BLOCK, "scattered": args.scattered,
