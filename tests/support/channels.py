@@ -1,5 +1,6 @@
-"""Helpers for the in-process channel tests: a small KV shape, pushing a transfer, waiting for
-it to settle, and checking that the staged bytes are the pushed KV; and `FakeChannel`, an
+"""Helpers for the in-process channel tests: a small KV shape, a channel to D's listener
+(`channel`; the listener is tests/connector/conftest.py's fixture), pushing a transfer, waiting
+for it to settle, and checking that the staged bytes are the pushed KV; and `FakeChannel`, an
 in-memory `TransferChannel` for unit tests of P's send bookkeeping: it records what the
 bookkeeping asked for, gathers each pushed layer into bytes as a real channel would (the
 staging format, through the item's layout), and settles transfers when the test says so."""
@@ -12,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from splitserve.connector.faults import Faults
 from splitserve.connector.layout.cpu import VllmCpuLayout
 from splitserve.connector.layout.staging_format import KVShape, region_offset
 from splitserve.connector.protocol import Fingerprint
@@ -19,9 +21,19 @@ from splitserve.connector.staging import StagedTransfer, StagingArea
 from splitserve.connector.stats import ConnectorStats
 from splitserve.connector.transport.base import PushChannel
 from splitserve.connector.transport.items import LayerItem, SendState
+from splitserve.connector.transport.shm import ShmPushChannel
+from splitserve.connector.transport.tcp import TcpPushChannel
 
 SHAPE = KVShape(num_layers=2, num_kv_heads=2, head_dim=32, dtype=torch.float32)
 FP = Fingerprint("cafe", "float32", 2, 2, 32, "0.32.0")
+TOKEN = "channel-test-token-0123456789"
+CHANNELS: dict[str, type[PushChannel]] = {"tcp": TcpPushChannel, "shm": ShmPushChannel}
+NO_FAULTS = Faults(False)
+
+
+def channel(kind: str, port: int, faults: Faults = NO_FAULTS) -> PushChannel:
+    """A `kind` channel to D's listener on `port`, on this module's shape and token."""
+    return CHANNELS[kind]("127.0.0.1", port, TOKEN, FP, ConnectorStats(), faults, SHAPE, 2.0)
 
 
 def push(ch: PushChannel, tid: str, caches: list[torch.Tensor], blocks: tuple[int, ...],

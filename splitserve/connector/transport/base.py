@@ -303,7 +303,7 @@ class PushChannel(ABC):
                 cause = ("tls_failed" if isinstance(exc, ssl.SSLError) else
                          "peer_refused" if isinstance(exc, PeerRefused) else "peer_unreachable")
                 self._connection_lost(cause, self._sock, exc)
-            except Exception:  # a copy that raised before its frame went: this transfer fails
+            except Exception:  # anything else (a copy that raised): this transfer alone fails
                 log.exception("KV push of transfer %s failed on the sender thread",
                               item.transfer_id)
                 self._fail(st, "internal_error")
