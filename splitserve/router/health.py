@@ -130,6 +130,6 @@ class HealthLoop:
                 errors.append(f"{worker.url}: {status}")
             except TRANSPORT_ERRORS as exc:
                 errors.append(f"{worker.url}: {exc}")
-            except (ValueError, LookupError, TypeError, RecursionError) as exc:  # not a list
+            except (ValueError, LookupError, TypeError, RecursionError) as exc:  # no model list
                 errors.append(f"{worker.url}: /v1/models out of shape ({exc!r:.80})")
         raise RuntimeError(f"no worker answered /v1/models: {'; '.join(errors)}")
