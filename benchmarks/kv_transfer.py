@@ -49,7 +49,7 @@ from splitserve.connector.layout.staging_format import KVShape, region_offset
 from splitserve.connector.listener import KVListener
 from splitserve.connector.protocol import Fingerprint
 from splitserve.connector.segment import SharedSegment
-from splitserve.connector.staging import StagingArea
+from splitserve.connector.staging import StagedTransfer, StagingArea
 from splitserve.connector.stats import ConnectorStats
 from splitserve.connector.transport.base import PushChannel
 from splitserve.connector.transport.items import LayerItem
@@ -78,25 +78,42 @@ def block_ids(tokens: int, scattered: bool = False, seed: int = 0) -> tuple[int,
     return tuple(random.Random(seed).sample(range(n * SPREAD), n) if scattered else range(n))
 
 
+def push(ch: PushChannel, tid: str, tokens: int, src: list[torch.Tensor],
+         blocks: tuple[int, ...]) -> None:
+    """P's side: BEGIN, every layer of tokens [0, tokens) out of `blocks`, END."""
+    ch.begin(tid, tokens, SHAPE.transfer_bytes(tokens), 30.0)
+    for layer, cache in enumerate(src):
+        ch.push_layer(LayerItem(tid, layer, 0, tokens, VllmCpuLayout(cache), blocks))
+    ch.end(tid)
+
+
+def acked(ch: PushChannel, tid: str) -> None:
+    """Wait for D's ACK of `tid`; it must say complete."""
+    while not (st := ch.poll(tid)).settled:
+        time.sleep(0.0002)
+    assert st.status == TransferStatus.COMPLETE, st.status
+
+
+def load(staging: StagingArea, staged: StagedTransfer, tokens: int, dst: list[torch.Tensor],
+         dst_blocks: tuple[int, ...]) -> None:
+    """D's loader: every layer from the staging segment into D's blocks."""
+    nbytes = tokens * SHAPE.bytes_per_token_layer
+    for layer, cache in enumerate(dst):
+        base = staged.offset + region_offset(SHAPE, 0, tokens, layer)
+        VllmCpuLayout(cache).scatter(dst_blocks, 0, tokens,
+                                     staging.segment.tensor[base:base + nbytes], 0)
+
+
 def ours(ch: PushChannel, tokens: int, staging: StagingArea, src: list[torch.Tensor],
          dst: list[torch.Tensor], tid: str, blocks: tuple[int, ...], dst_blocks: tuple[int, ...]
          ) -> float:
     """One transfer on a connected channel (as in a running worker), timed to D's blocks."""
     t0 = time.perf_counter()
-    ch.begin(tid, tokens, SHAPE.transfer_bytes(tokens), 30.0)
-    for layer, cache in enumerate(src):
-        ch.push_layer(LayerItem(tid, layer, 0, tokens, VllmCpuLayout(cache), blocks))
-    ch.end(tid)
-    while not (st := ch.poll(tid)).settled:
-        time.sleep(0.0002)
-    assert st.status == TransferStatus.COMPLETE, st.status
+    push(ch, tid, tokens, src, blocks)
+    acked(ch, tid)
     staged = staging.claim(tid)
     assert staged is not None and staged.complete
-    nbytes = tokens * SHAPE.bytes_per_token_layer
-    for layer, cache in enumerate(dst):  # the loader's copy into D's blocks
-        base = staged.offset + region_offset(SHAPE, 0, tokens, layer)
-        VllmCpuLayout(cache).scatter(dst_blocks, 0, tokens,
-                                     staging.segment.tensor[base:base + nbytes], 0)
+    load(staging, staged, tokens, dst, dst_blocks)
     elapsed = time.perf_counter() - t0
     staging.release(staged, "loaded")
     return elapsed
@@ -117,18 +134,16 @@ def d_process(conn: Connection, scattered: bool) -> None:
             caches[tokens] = paged_caches(tokens, scattered)
         dst = caches[tokens]
         dst_blocks = block_ids(tokens, scattered, 2)
-        deadline = time.monotonic() + 30.0
-        while ((staged := staging.claim(tid)) is None or not staged.complete) and (
-                staged is None or staged.failed is None) and time.monotonic() < deadline:
+        deadline, staged = time.monotonic() + 30.0, None
+        while time.monotonic() < deadline:
+            staged = staging.claim(tid)
+            if staged is not None and (staged.complete or staged.failed):
+                break
             time.sleep(0.0002)
         if staged is None or not staged.complete:
             conn.send(None)
             continue
-        nbytes = tokens * SHAPE.bytes_per_token_layer
-        for layer, cache in enumerate(dst):
-            base = staged.offset + region_offset(SHAPE, 0, tokens, layer)
-            VllmCpuLayout(cache).scatter(dst_blocks, 0, tokens,
-                                         staging.segment.tensor[base:base + nbytes], 0)
+        load(staging, staged, tokens, dst, dst_blocks)
         conn.send(time.perf_counter())
         staging.release(staged, "loaded")
     listener.close()
@@ -141,20 +156,14 @@ def ours_apart(ch: PushChannel, tokens: int, src: list[torch.Tensor], tid: str,
     """One transfer to D in its own process (`d_process`), timed to the end of D's copy."""
     d.send((tid, tokens))
     t0 = time.perf_counter()
-    ch.begin(tid, tokens, SHAPE.transfer_bytes(tokens), 30.0)
-    for layer, cache in enumerate(src):
-        ch.push_layer(LayerItem(tid, layer, 0, tokens, VllmCpuLayout(cache), blocks))
-    ch.end(tid)
+    push(ch, tid, tokens, src, blocks)
     if not d.poll(60.0):
         raise RuntimeError("D's process did not answer in 60 s")
     end = d.recv()
     if end is None:
         raise RuntimeError(f"transfer {tid} failed or did not complete on D")
-    elapsed = end - t0
-    while not (st := ch.poll(tid)).settled:
-        time.sleep(0.0002)
-    assert st.status == TransferStatus.COMPLETE, st.status
-    return elapsed
+    acked(ch, tid)
+    return end - t0
 
 
 def tcp_ceiling(nbytes: int, blocks_dst: torch.Tensor) -> float:
