@@ -35,6 +35,10 @@ from splitserve.router.worker import Worker
 
 log = logging.getLogger("splitserve.router")
 
+# what an advisory answer out of shape raises (WireError is a ValueError; RecursionError:
+# JSON nested past the parser's depth)
+ADVISORY_ERRORS = (*TRANSPORT_ERRORS, ValueError, RecursionError)
+
 
 class HealthLoop:
     """Checks the registry's workers over the app's one session to them."""
@@ -65,14 +69,20 @@ class HealthLoop:
             worker.health.checked_at = time.monotonic()
             self.registry.failed(worker, error)
             return
-        try:  # load and identity are advisory: a bad answer never fails the check
-            await self._read(worker)
-        except (*TRANSPORT_ERRORS, ValueError) as exc:  # WireError is a ValueError
+        # load and identity are advisory: a bad answer never fails the check, and one that
+        # cannot be read does not keep the other from being read
+        try:
+            self.registry.reported(worker, await self._load(worker))
+        except ADVISORY_ERRORS as exc:
             log.info("worker %s: cannot read load: %s", worker.url, exc)
+        try:
+            await self._identify(worker)
+        except ADVISORY_ERRORS as exc:
+            log.info("worker %s: cannot read its identity or connector: %s", worker.url, exc)
         self.registry.checked(worker, time.monotonic())
 
-    async def _read(self, worker: Worker) -> None:
-        self.registry.reported(worker, await self._load(worker))
+    async def _identify(self, worker: Worker) -> None:
+        """Its `/splitserve/info` when the restart rule asks, then what its leg protocol polls."""
         if worker.pool == Pool.COLOCATED or not self.token:
             return
         if worker.identity.stale:
