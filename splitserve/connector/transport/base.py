@@ -92,7 +92,8 @@ class PushChannel(ABC):
         self._lock = threading.Lock()
         self._busy_with: str | None = None  # transfer id the sender is touching right now
         self._idle = threading.Condition(self._lock)
-        self._sock: Conn | None = None
+        self._sock: Conn | None = None  # set by the sender thread; ended by either thread
+        self._sending_on: Conn | None = None  # the sender thread's connection for its item
         self._closed = False
         self._sender = threading.Thread(target=self._send_loop, daemon=True,
                                         name=f"splitserve-push-{host}:{port}")
@@ -120,8 +121,7 @@ class PushChannel(ABC):
                     return
             except Exception:
                 log.exception("KV copy of transfer %s failed", item.transfer_id)
-                self._fail(st, "internal_error")
-                self._queue.put(AbortItem(item.transfer_id))  # D frees its region now
+                self._give_up(st, "internal_error")
                 return
         self._queue.put(item)
 
@@ -155,18 +155,10 @@ class PushChannel(ABC):
 
     def poll(self, transfer_id: str) -> SendState | None:
         """The transfer's state; a pending one past its ACK deadline is failed here, and
-        ABORTed after what is queued before it."""
-        with self._lock:
-            st = self._states.get(transfer_id)
-            if st is not None and not st.settled and time.monotonic() > st.deadline:
-                st.status = TransferStatus.FAILED
-                st.began.set()
-                timed_out = True
-            else:
-                timed_out = False
-        if timed_out and st is not None:
-            self._stats.close(st.record, TransferStatus.FAILED, "ack_timeout")
-            self._queue.put(AbortItem(transfer_id))  # its END will not go: D frees it now
+        ABORTed after what is queued before it (its END will not go)."""
+        st = self._states.get(transfer_id)
+        if st is not None and not st.settled and time.monotonic() > st.deadline:
+            self._give_up(st, "ack_timeout")
         return st
 
     def forget(self, transfer_id: str) -> None:
@@ -212,7 +204,9 @@ class PushChannel(ABC):
         connection that cannot be made (refused, reset, timed out) is tried `CONNECT_TRIES`
         times in all before it raises, while a transfer still waits to be sent; a refusal of
         the handshake or TLS is not retried."""
-        if self._sock is None:
+        sock = self._sock
+        if sock is None:
+            self._sending_on = None  # a connect that fails ends no connection
             for attempt in range(1, CONNECT_TRIES + 1):
                 try:
                     sock = self._open_connection()
@@ -230,7 +224,8 @@ class PushChannel(ABC):
             self._sock = sock
             threading.Thread(target=self._reply_loop, args=(sock,), daemon=True,
                              name=f"splitserve-acks-{self.host}:{self.port}").start()
-        return self._sock
+        self._sending_on = sock
+        return sock
 
     def _open_connection(self) -> Conn:
         sock, info = connect(self.host, self.port, self._token, "push", self._fingerprint,
@@ -242,13 +237,21 @@ class PushChannel(ABC):
             raise
         return sock
 
-    def _fail(self, st: SendState, cause: str) -> None:
+    def _fail(self, st: SendState, cause: str) -> bool:
+        """Fail `st` as `cause`; False if it was settled already (nothing changes)."""
         with self._lock:
             if st.settled:
-                return
+                return False
             st.status = TransferStatus.FAILED
         st.began.set()
         self._stats.close(st.record, TransferStatus.FAILED, cause)
+        return True
+
+    def _give_up(self, st: SendState, cause: str) -> None:
+        """Fail `st` as `cause` and queue its ABORT behind what is queued before it, so D
+        frees its region now rather than when its lease runs out."""
+        if self._fail(st, cause):
+            self._queue.put(AbortItem(st.transfer_id))
 
     def _connection_lost(self, cause: str, sock: Conn | None,
                          error: BaseException | None = None) -> None:
@@ -297,17 +300,17 @@ class PushChannel(ABC):
                     item.release()
                 continue
             assert st is not None
+            self._sending_on = self._sock
             try:
                 self._handle(item, st)
             except (OSError, ProtocolError) as exc:  # TLS: untrusted cert, wrong host, not TLS
                 cause = ("tls_failed" if isinstance(exc, ssl.SSLError) else
                          "peer_refused" if isinstance(exc, PeerRefused) else "peer_unreachable")
-                self._connection_lost(cause, self._sock, exc)
+                self._connection_lost(cause, self._sending_on, exc)
             except Exception:  # anything else (a copy that raised): this transfer alone fails
                 log.exception("KV push of transfer %s failed on the sender thread",
                               item.transfer_id)
-                self._fail(st, "internal_error")
-                self._queue.put(AbortItem(item.transfer_id))  # D frees its region now
+                self._give_up(st, "internal_error")
             finally:
                 with self._lock:
                     self._busy_with = None
@@ -324,12 +327,13 @@ class PushChannel(ABC):
             st.unsent.clear()
             if st.offset < 0:
                 return
-        if self._sock is None:
+        sock = self._sock  # the reply thread may end it meanwhile
+        if sock is None:
             return
         try:
-            send(self._sock, Abort(transfer_id))
+            send(sock, Abort(transfer_id))
         except OSError:
-            self._connection_lost("peer_unreachable", self._sock)
+            self._connection_lost("peer_unreachable", sock)
 
     def _handle(self, item: QueueItem, st: SendState) -> None:
         match item:
@@ -382,8 +386,7 @@ class PushChannel(ABC):
             finally:
                 copied.release()
         else:
-            self._fail(st, "internal_error")
-            self._queue.put(AbortItem(st.transfer_id))
+            self._give_up(st, "internal_error")
         st.record.sender_layers_s += time.perf_counter() - t0
 
     def _send_end(self, st: SendState) -> None:
