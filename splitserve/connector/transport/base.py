@@ -221,6 +221,7 @@ class PushChannel(ABC):
                     log.warning("connecting to D at %s:%d failed (%r), try %d of %d", self.host,
                                 self.port, exc, attempt, CONNECT_TRIES)
                     time.sleep(CONNECT_RETRY_S * attempt)
+            assert sock is not None  # each try connects, raises, or is followed by another
             self._sock = sock
             threading.Thread(target=self._reply_loop, args=(sock,), daemon=True,
                              name=f"splitserve-acks-{self.host}:{self.port}").start()
