@@ -129,17 +129,25 @@ class Flow:
 
     # --- P ----------------------------------------------------------------------------------
     def route_request(self, legs: Legs) -> RouteRequest:
-        """What the policies see of this request: P's prompt ids when the router sends ids
-        (`prompt.completion_prompt`, chat), else a length guessed from the string (characters
-        / 4 + 1) and no ids."""
-        if isinstance(legs.prompt, list):
+        """What the policies see of this request: P's prompt ids when the router knows them as
+        its cache index keys them (`Legs.indexed_ids`), else a length and no ids: the ids'
+        count (capped by a `truncate_prompt_tokens` above 0), or a string's characters / 4 + 1.
+        """
+        ids = legs.indexed_ids
+        if ids is not None:
             cached = None
             if self.cache is not None:
                 urls = [w.url for pool in (Pool.PREFILL, Pool.DECODE)
                         for w in self.registry.routable(pool)]
-                cached = self.cache.predict(legs.prompt, urls)
-            return RouteRequest.of_ids(legs.prompt, self.kv_bytes_per_token, cached)
-        guess = len(legs.prompt) // 4 + 1
+                cached = self.cache.predict(ids, urls)
+            return RouteRequest.of_ids(ids, self.kv_bytes_per_token, cached)
+        if isinstance(legs.prompt, list):
+            guess = len(legs.prompt)
+            keep = legs.tokenwise.get("truncate_prompt_tokens")
+            if isinstance(keep, int) and not isinstance(keep, bool) and keep > 0:
+                guess = min(guess, keep)
+        else:
+            guess = len(legs.prompt) // 4 + 1
         return RouteRequest(guess, None, guess * self.kv_bytes_per_token)
 
     def _note_unsynced(self, pool: Pool, candidates: list[Worker], request: RouteRequest

@@ -33,6 +33,11 @@ TOKENWISE_FIELDS: frozenset[str] = frozenset({
     "include_stop_str_in_output", "priority", "user", "truncate_prompt_tokens",
     "add_special_tokens", "cache_salt", "return_token_ids", "vllm_xargs",
 })
+# Request fields that change how vLLM tokenizes a string prompt beyond `add_special_tokens`:
+# with either, vLLM truncates inside the tokenizer call (its special tokens survive), which
+# slicing ids would not reproduce, so the engine tokenizes such a prompt itself. An id prompt
+# it truncates as well, so P computes on ids the router does not have.
+ENGINE_TOKENIZES = ("truncate_prompt_tokens", "truncation_side")
 # Fields the router itself consumes or rewrites.
 ROUTER_FIELDS: frozenset[str] = frozenset({
     "model", "prompt", "messages", "stream", "stream_options", "max_tokens",
@@ -138,6 +143,12 @@ def validate(body: Any, kind: Kind, served_model: str) -> dict[str, Any]:
         raise RequestError("stream_options must be an object", "stream_options")
     if "kv_transfer_params" in body:
         raise RequestError("kv_transfer_params is set by the router", "kv_transfer_params")
+    xargs = body.get("vllm_xargs")
+    if isinstance(xargs, dict) and "kv_cache_report_mode" in xargs:
+        # the workers' KV events are the router's index of their caches: a client's report
+        # mode would re-announce cache hits as stores there
+        raise RequestError("vllm_xargs.kv_cache_report_mode is set by the deployment",
+                           "vllm_xargs")
     for field in FLOAT_FIELDS:
         value = body.get(field)
         if isinstance(value, int | float) and not isinstance(value, bool) and not (
@@ -190,6 +201,16 @@ class Legs:
     continuous_usage: bool
     return_token_ids: bool
     tokenwise: dict[str, Any]  # fields copied unchanged into both legs
+
+    @property
+    def indexed_ids(self) -> list[int] | None:
+        """P's prompt ids as the router's cache index keys them, or None: a string prompt;
+        ids the engine truncates (`ENGINE_TOKENIZES`); or a `cache_salt`, which vLLM hashes
+        into the prompt's blocks, where the index keys the ids alone."""
+        if not isinstance(self.prompt, list) or any(
+                self.tokenwise.get(k) is not None for k in (*ENGINE_TOKENIZES, "cache_salt")):
+            return None
+        return self.prompt
 
 
 def plan_legs(body: dict[str, Any], kind: Kind, prompt: str | list[int]) -> Legs:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from splitserve.common.modelconfig import kv_shape, read_config
-from splitserve.router.params import RequestError
+from splitserve.router.params import ENGINE_TOKENIZES, RequestError
 
 
 def kv_bytes_per_token(model_dir: str | None) -> int:
@@ -41,12 +41,6 @@ def render_chat(tokenizer: Any, body: dict[str, Any]) -> list[int]:
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):
         ids = ids["input_ids"]
     return [int(i) for i in ids]
-
-
-# Request fields that change how vLLM tokenizes a string prompt beyond `add_special_tokens`:
-# with either, vLLM truncates inside the tokenizer call (its special tokens survive), which
-# slicing ids would not reproduce, so the engine tokenizes such a prompt itself.
-ENGINE_TOKENIZES = ("truncate_prompt_tokens", "truncation_side")
 
 
 def prompt_chars_limit(tokenizer: Any, max_model_len: int | None) -> int | None:

@@ -13,6 +13,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import pytest
 from aiohttp import web
 
 from splitserve.common.vocab import Connector, Pool
@@ -244,6 +245,26 @@ async def test_prefill_on_d_when_d_lacks_at_most_n_tokens() -> None:
         r.caches["d1"].down = True
         await until(lambda: not r.view.synced(d1))
         assert not r.with_threshold(6).plan(legs_of(PROMPT)).local
+
+
+@pytest.mark.parametrize("field", [{"truncate_prompt_tokens": 20},
+                                   {"truncation_side": "left"}, {"cache_salt": "tenant-a"}])
+async def test_ids_the_index_cannot_key_are_never_predicted_nor_run_on_d(
+        field: dict[str, Any]) -> None:
+    """Ids the engine truncates are not the ids P computes on, and a salt puts the prompt in
+    blocks keyed apart from the index's: such a request is routed by its length and load
+    alone, never run whole on D, whatever D holds of its unsalted, untruncated ids."""
+    async with routed() as r:
+        d1 = r.urls["d1"]
+        r.caches["d1"].store(PROMPT[:28])
+        await until(lambda: r.view.predict(PROMPT, [d1]) == {d1: 28})
+        body = {"model": "m", "prompt": PROMPT, "max_tokens": 5} | field
+        plan = r.with_threshold(128).plan(plan_legs(body, "completion", PROMPT))
+        assert not plan.local and plan.d_cached == 0
+        assert plan.request.token_ids is None and plan.request.cached is None
+        keep = field.get("truncate_prompt_tokens", len(PROMPT))
+        assert plan.request.prompt_len == keep  # what P computes on: the last `keep` ids
+        assert r.with_threshold(128).plan(legs_of(PROMPT)).local  # the same ids, plain
 
 
 async def test_p_leg_goes_to_the_p_that_holds_the_prefix_and_tells_the_legs_ds() -> None:

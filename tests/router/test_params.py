@@ -66,6 +66,8 @@ def test_chat_parameters() -> None:
     ({"prompt": "x", "min_tokens": -1}, "min_tokens", 400),
     ({"prompt": "x", "kv_transfer_params": {}}, "kv_transfer_params", 400),
     ({"prompt": "x", "stream_options": 3}, "stream_options", 400),
+    # the workers' KV events are the router's cache index: a client does not set how they report
+    ({"prompt": "x", "vllm_xargs": {"kv_cache_report_mode": "full"}}, "vllm_xargs", 400),
     # numbers beyond float32 (or NaN) would overflow into an engine error: found by the fuzzer
     ({"prompt": "x", "repetition_penalty": 1e300}, "repetition_penalty", 400),
     ({"prompt": "x", "temperature": float("nan")}, "temperature", 400),
