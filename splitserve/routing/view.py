@@ -65,8 +65,9 @@ class RouteRequest:
 
     `token_ids`: the prompt exactly as P will receive it (the router tokenizes string prompts as
     the engine does and sends these ids on; chat is rendered to ids); None when they are not
-    known (no tokenizer, or a request whose tokenization the engine must do itself, e.g. with
-    `truncate_prompt_tokens`, or the simulator, whose requests have lengths only).
+    known as the cache index keys them (no tokenizer; ids the engine truncates, or salts with a
+    `cache_salt`: the router's `Legs.indexed_ids`; the simulator, whose requests have lengths
+    only).
     `prompt_len`: its length in tokens (`len(token_ids)` when they are known, else an estimate).
     `kv_bytes`: the KV the prompt takes on D (0: unknown; the staging fit is then skipped).
     `cached`: by `WorkerView.worker_id`, the prompt tokens each worker's prefix cache is known
