@@ -80,6 +80,37 @@ def test_1p1d_on_two_ray_nodes_matches_transformers(ray_deployment: Any, llama_c
     assert off_loopback_connections(ours | {os.getpid()}) == []
 
 
+def test_a_start_that_cannot_finish_fails_and_leaves_the_running_deployment_serving(
+        ray_deployment: Any, ray_cluster: Any, llama_ckpt: Path) -> None:
+    """A second deployment of the running one's name fails at once, naming it; one whose
+    replicas no node can place fails at `startup_timeout_s`, naming its pool. Either ends
+    having deleted only what it deployed: the running deployment serves on, token-exact."""
+    from ray import serve
+
+    from splitserve.launch.raybackend.deployment import RayDeployment
+
+    dep = ray_deployment
+    lines: list[str] = []
+    same_name = RayDeployment(dep.cfg, say=lines.append)
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="named 'splitserve' already runs"):
+        same_name.start()
+    assert time.monotonic() - t0 < 10 and lines == []
+    mapping = ray_mapping(llama_ckpt, ray_cluster.cluster.address)
+    mapping["ray"] = mapping["ray"] | {"name": "unplaceable",
+                                       "prefill_resources": {"no_such_node": 1},
+                                       "decode_resources": {"no_such_node": 1}}
+    unplaceable = RayDeployment(from_mapping(mapping | {"startup_timeout_s": 6}),
+                                say=lines.append)
+    with pytest.raises(TimeoutError, match="unplaceable-prefill: .*unplaceable-decode: "):
+        unplaceable.start()
+    assert not {"unplaceable-prefill", "unplaceable-decode"} & set(serve.status().applications)
+    assert {w["kind"] for w in dep.workers()} == {"prefill", "decode"}
+    prompt = prompt_of(20, 5)
+    assert complete(dep.url, prompt, MAX_TOKENS, stream=False) == hf_greedy(
+        llama_ckpt, prompt, MAX_TOKENS)
+
+
 @pytest.mark.parametrize("connector", ["nixl", "mooncake"])
 def test_1p1d_over_vllms_connector_across_ray_nodes_matches_transformers(
         ray_deployment: Any, ray_cluster: Any, llama_ckpt: Path, connector: str) -> None:

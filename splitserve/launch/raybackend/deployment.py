@@ -12,6 +12,10 @@ Invariants:
   in a deployment's init arguments, `runtime_env`, or argv.
 - A hub id's revision is resolved once, by the driver, to the commit it names now; replicas
   and the router load that commit's snapshot on their node (`pin_revision`).
+- The directory's name is the deployment's claim on its names (`ray.name`): a start that
+  finds it taken fails at once and touches nothing of the deployment that holds it.
+- `start()` ends within `startup_timeout_s` of its pools' deployment: a replica no node can
+  place (resources, cores, `max_replicas_per_node`) is a TimeoutError naming its pool.
 - `stop()` drains front to back: the router first, then each pool's replicas (each drains
   itself), then the directory; whatever it started, it ends. Each step runs even when an
   earlier one failed; a failure (other than a part that is gone already) is told through `say`
@@ -167,6 +171,7 @@ class RayDeployment(LauncherBackend):
     def _deploy(self, t0: float) -> None:
         import ray
         from ray import serve
+        from ray.exceptions import ActorAlreadyExistsError
         from ray.serve.api import RunTarget
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -178,9 +183,15 @@ class RayDeployment(LauncherBackend):
         pinned = {"scheduling_strategy": NodeAffinitySchedulingStrategy(here, soft=False)}
         # named actors live in the deployment's namespace, where replicas look them up, also
         # when the driver was already connected to Ray in another one
-        self.directory = ray.remote(WorkerDirectory).options(
-            name=self.names["directory"], namespace=cfg.ray.namespace, num_cpus=0,
-            **pinned).remote()
+        try:
+            self.directory = ray.remote(WorkerDirectory).options(
+                name=self.names["directory"], namespace=cfg.ray.namespace, num_cpus=0,
+                **pinned).remote()
+        except ActorAlreadyExistsError as exc:
+            raise RuntimeError(
+                f"a splitserve deployment named {cfg.ray.name!r} already runs on this Ray "
+                f"cluster (namespace {cfg.ray.namespace!r}): stop it, or give this one another "
+                "ray.name") from exc
         ray.get(self.directory.set_secrets.remote(self.token, self.api_key))
         serve.start(proxy_location="Disabled")
         self.say(f"splitserve: Ray {ray.get_runtime_context().gcs_address}; deploying "
@@ -188,7 +199,8 @@ class RayDeployment(LauncherBackend):
         targets = [RunTarget(pool_app(cfg, kind, n, self.names["directory"]),
                              name=f"{cfg.ray.name}-{kind}", route_prefix=None)
                    for kind, n in pool_sizes(cfg).items()]
-        serve.run_many(targets)
+        serve.run_many(targets, wait_for_applications_running=False)
+        self._wait_running(time.monotonic() + cfg.startup_timeout_s)
         self.startup_s["workers"] = time.monotonic() - t0
         router_opts: dict[str, Any] = {"namespace": cfg.ray.namespace, "num_cpus": 0}
         if cfg.ray.router_resources:
@@ -275,9 +287,10 @@ class RayDeployment(LauncherBackend):
                 directory = self.directory
                 attempt("the directory", lambda: ray.get(directory.router_stopped.remote(),
                                                          timeout=10))
-        for app in self.apps:  # every pool drains at once
-            attempt(f"pool {app}", functools.partial(serve.delete, app, _blocking=False))
-        attempt("the pools", self._wait_deleted)
+        if self.directory is not None:  # its pools are this deployment's (see the invariants)
+            for app in self.apps:  # every pool drains at once
+                attempt(f"pool {app}", functools.partial(serve.delete, app, _blocking=False))
+            attempt("the pools", self._wait_deleted)
         if self.directory is not None:
             directory = self.directory
             attempt("the directory actor", lambda: ray.kill(directory))
@@ -288,6 +301,32 @@ class RayDeployment(LauncherBackend):
             self.started_cluster = False
         if problems:
             raise RuntimeError("the Ray deployment did not stop cleanly: " + "; ".join(problems))
+
+    def _wait_running(self, deadline: float) -> None:
+        """Until every pool's application runs: RuntimeError when one failed to deploy,
+        TimeoutError past `deadline` (monotonic) with what Serve says of each pending pool."""
+        from ray import serve
+        from ray.serve.schema import ApplicationStatus
+
+        while True:
+            apps = serve.status().applications
+            pending: dict[str, str] = {}
+            for name in self.apps:
+                app = apps.get(name)
+                if app is not None and app.status == ApplicationStatus.DEPLOY_FAILED:
+                    raise RuntimeError(f"pool {name} failed to deploy: {app.message}")
+                if app is None or app.status != ApplicationStatus.RUNNING:
+                    said = [] if app is None else [app.message, *(
+                        d.message for d in app.deployments.values())]
+                    pending[name] = " ".join(m for m in said if m) or "not deployed yet"
+            if not pending:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"the pools did not start within startup_timeout_s "
+                    f"({self.cfg.startup_timeout_s:.0f} s): "
+                    + "; ".join(f"{name}: {why}" for name, why in pending.items()))
+            time.sleep(0.5)
 
     def _wait_deleted(self) -> None:
         """Until no pool's application is left (each replica drains, then stops)."""
