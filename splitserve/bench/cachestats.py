@@ -14,8 +14,8 @@ Per worker (`read_prompt_sources` at the run's start and stop, `source_deltas`):
 over the run, with the worker's `hit_rate` = cache_hit / all three. `role_totals` sums them per
 role (the name's part before its first `:`, as `cli.discover_workers` names workers) and over
 all workers (`prompt_tokens_computed`, `..._cache_hit`, `..._loaded`, `worker_hit_rate`). Behind
-P/D both P's and D's prompt tokens count (D's prompt is P's plus the first token), and the
-counters include the warm-up requests.
+P/D both P's and D's prompt tokens count (D's prompt is P's plus the first token). The run
+reads them after its warm-up requests are answered.
 
 From the router (`read_router_counters` on the endpoint's `/metrics` at the run's start and
 stop, `router_deltas`; an endpoint without splitserve's router families gives nulls):

@@ -136,6 +136,9 @@ def _absorb_chunk(rec: RequestRecord, data: dict[str, Any], now: float) -> None:
         rec.error_cause = rec.error_cause or "stream_error"
         rec.error = json.dumps(data["error"])[:500]
     choices = data.get("choices", [])
+    if any(c.get("finish_reason") == "abort" for c in choices):  # vLLM's: ended unfinished
+        rec.error_cause = rec.error_cause or "aborted"
+        rec.error = rec.error or "the server aborted the request (finish_reason \"abort\")"
     if rec.output_token_ids is not None:
         for c in choices:
             if isinstance(c.get("token_ids"), list):
@@ -179,6 +182,7 @@ async def send_one(client: httpx.AsyncClient, cfg: ClientConfig, model: str, req
             if resp.status_code != 200:
                 text = (await resp.aread()).decode(errors="replace")
                 rec.error_cause, rec.error = f"http_{resp.status_code}", text[:500]
+                rec.end_s = time.perf_counter() - t0
                 return
             async for line in resp.aiter_lines():
                 now = time.perf_counter() - t0
@@ -224,11 +228,11 @@ async def warm_up(client: httpx.AsyncClient, cfg: ClientConfig, warmup: list[Req
     return model
 
 
-async def run_stream(cfg: ClientConfig, requests: list[Request], warmup: list[Request],
+async def run_stream(cfg: ClientConfig, requests: list[Request],
                      max_concurrency: int | None = None,
                      on_done: Callable[[RequestRecord], None] | None = None,
                      ) -> tuple[list[RequestRecord], float]:
-    """Send `warmup` (excluded, awaited first), then `requests` at their arrival offsets.
+    """Send `requests` at their arrival offsets (a warm-up is the caller's: `warm_up`).
 
     Returns the records of the measured requests (in stream order) and the run's duration in
     seconds: from the first scheduled send to the last response's end (the tail drain included).
@@ -236,7 +240,7 @@ async def run_stream(cfg: ClientConfig, requests: list[Request], warmup: list[Re
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     timeout = httpx.Timeout(cfg.timeout_s, connect=30.0, read=cfg.read_timeout_s)
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
-        model = await warm_up(client, cfg, warmup)
+        model = await resolve_model(client, cfg)
         sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
         keep = cfg.save_token_ids
         records = [new_record(r, keep, keep) for r in requests]

@@ -31,7 +31,13 @@ from collections.abc import Callable, Sequence
 import httpx
 import numpy as np
 
-from splitserve.bench.client import ClientConfig, RequestRecord, new_record, send_one, warm_up
+from splitserve.bench.client import (
+    ClientConfig,
+    RequestRecord,
+    new_record,
+    resolve_model,
+    send_one,
+)
 from splitserve.bench.repeat import IdealReuse, MultiturnOptions, ideal_reuse_tokens
 from splitserve.bench.workload import _TOKEN_HIGH, _TOKEN_LOW, Request, WorkloadSpec
 
@@ -94,7 +100,6 @@ def _skipped(req: Request, at: float) -> RequestRecord:
 
 
 async def run_sessions(cfg: ClientConfig, spec: WorkloadSpec, plan: list[Request],
-                       warmup: list[Request],
                        on_done: Callable[[RequestRecord], None] | None = None,
                        transport: httpx.AsyncBaseTransport | None = None,
                        ) -> tuple[list[RequestRecord], float, IdealReuse]:
@@ -118,7 +123,7 @@ async def run_sessions(cfg: ClientConfig, spec: WorkloadSpec, plan: list[Request
     cap = spec.arrival.max_concurrency
     sem = asyncio.Semaphore(cap) if cap else None
     async with httpx.AsyncClient(timeout=timeout, limits=limits, transport=transport) as client:
-        model = await warm_up(client, cfg, warmup)
+        model = await resolve_model(client, cfg)
         t0 = time.perf_counter()
 
         async def turns(reqs: list[Request]) -> None:
@@ -138,6 +143,9 @@ async def run_sessions(cfg: ClientConfig, spec: WorkloadSpec, plan: list[Request
                               session=planned.session, turn=planned.turn)
                 rec = new_record(req, keep_output=True, keep_prompt=cfg.save_token_ids)
                 await send_one(client, cfg, model, req, rec, t0)
+                if rec.ok and len(rec.output_token_ids or []) != rec.output_tokens:
+                    rec.error_cause = "no_token_ids"  # the next turn would lack the answer
+                    rec.error = "the answer came without its token ids (vLLM's return_token_ids)"
                 records[req.index] = rec
                 if rec.ok:
                     answer = list(rec.output_token_ids or [])

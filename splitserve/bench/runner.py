@@ -44,9 +44,9 @@ from splitserve.bench.client import (
     BusySampler,
     ClientConfig,
     RequestRecord,
-    resolve_model,
     run_stream,
     spec_rates,
+    warm_up,
 )
 from splitserve.bench.metrics import SLO, compute_metrics, distserve_goodput, spread
 from splitserve.bench.repeat import IdealReuse, ideal_reuse_blocks
@@ -88,8 +88,9 @@ async def run_once(client: ClientConfig, spec: WorkloadSpec, system: str,
                    opts: RunOptions, progress: ProgressFactory | None = None) -> dict[str, Any]:
     """Send `spec`'s stream to `client.url` once and return its result dict."""
     requests, warmup = build_stream(spec), build_warmup(spec)
-    async with httpx.AsyncClient(timeout=30.0) as http:
-        model = await resolve_model(http, client)
+    timeout = httpx.Timeout(client.timeout_s, connect=30.0, read=client.read_timeout_s)
+    async with httpx.AsyncClient(timeout=timeout) as http:
+        model = await warm_up(http, client, warmup)  # before the counters: not in the result
     client = replace(client, model=model)
     on_done = progress(system, len(requests)) if progress else None
     sources_before = await read_prompt_sources(worker_metrics, opts.worker_token)
@@ -101,10 +102,9 @@ async def run_once(client: ClientConfig, spec: WorkloadSpec, system: str,
         if spec.source == "multiturn":
             from splitserve.bench.multiturn import run_sessions
 
-            records, duration, ideal = await run_sessions(client, spec, requests, warmup,
-                                                          on_done)
+            records, duration, ideal = await run_sessions(client, spec, requests, on_done)
         else:
-            records, duration = await run_stream(client, requests, warmup,
+            records, duration = await run_stream(client, requests,
                                                  spec.arrival.max_concurrency, on_done)
             ideal = stream_ideal_reuse(spec, requests)
     finally:

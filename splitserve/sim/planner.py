@@ -168,9 +168,10 @@ def plan(profile: Profile, spec: WorkloadSpec, req: PlanRequest,
          progress: Callable[[], None] | None = None) -> Plan:
     """Simulate every candidate of `candidate_configs(req)` (`progress` is called after each)
     and pick the best by goodput, then attainment."""
-    if spec.source in ("interference", "trace"):
+    if spec.source in ("interference", "trace", "mooncake", "multiturn"):
         raise ValueError(f"planning sweeps the request rate, which a {spec.source!r} workload "
-                         "does not have; use a synthetic or sharegpt workload")
+                         "does not have; use a synthetic or sharegpt workload, or plan GPUs "
+                         "on it (--gpus)")
     cands = []
     workload = arrays_from_spec(spec.with_rate(req.rate))
     for label, cfg in candidate_configs(req):

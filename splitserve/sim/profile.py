@@ -77,7 +77,7 @@ def _prompt(rng: np.random.Generator, n: int) -> tuple[int, ...]:
 def _run(url: str, requests: list[Request], concurrency: int | None) -> list[RequestRecord]:
     # A splitserve worker requires the deployment token (from the environment) on every path.
     cfg = ClientConfig(url, api_key=load_token(required=False), run_tag="profile")
-    recs, _ = asyncio.run(run_stream(cfg, requests, [], concurrency))
+    recs, _ = asyncio.run(run_stream(cfg, requests, concurrency))
     bad = [r for r in recs if not r.ok]
     if bad:
         raise RuntimeError(f"profiling request failed: {bad[0].error_cause}: {bad[0].error}")

@@ -125,3 +125,19 @@ def test_arms_that_draft_take_the_runs_speculative_config() -> None:
         parse_arm("spec=disagg:spec", (0, 1))
     with pytest.raises(ValueError, match="'eagle'"):
         parse_arm("spec=disagg:spec", (0, 1), '{"method": "eagle", "model": "m"}')
+
+
+def test_a_rate_sweep_of_a_workload_no_rate_sends_is_refused_before_anything_runs(
+        tmp_path: Path) -> None:
+    """A trace keeps its own timestamps and a closed loop sends when answers come: each
+    "rate" would replay the same stream under another label."""
+    trace = tmp_path / "t.csv"
+    trace.write_text("arrival_s,input_len,output_len\n0.0,20,3\n")
+    from splitserve.bench.cli import run_single
+
+    for argv in (("--workload", "trace", "--dataset-path", str(trace)),
+                 ("--arrival", "closed", "--max-concurrency", "4")):
+        args = parse(*argv, "--slo-ttft-ms", "500", "--sweep-rates", "1,2")
+        with pytest.raises(SystemExit, match="--sweep-rates: .* own clock, not at a rate"):
+            run_single(args)
+    assert spec_from_args(parse("--sweep-rates", "1,2")).with_rate(2.0).arrival.rate == 2.0

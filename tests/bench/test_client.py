@@ -113,6 +113,11 @@ async def test_send_one_failures_are_explicit() -> None:
     assert truncated.error_cause == "truncated" and truncated.chunk_tokens == [1]
     busy = await _send(b'{"error": "overloaded"}', status=503)
     assert busy.error_cause == "http_503" and "overloaded" in (busy.error or "")
+    assert busy.end_s >= busy.send_s > 0  # a refused request spans [send, its answer's end]
+    # a stream that vLLM ends unfinished is no success, whatever follows it
+    aborted = await _send(_sse(_chunk([1]), 'data: {"choices": [{"text": "", "finish_reason": '
+                                            '"abort"}]}', "data: [DONE]"))
+    assert aborted.error_cause == "aborted" and aborted.chunk_tokens == [1]
     empty = await _send(_sse("data: [DONE]"))
     assert empty.error_cause == "empty"
 

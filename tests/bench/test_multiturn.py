@@ -62,10 +62,12 @@ def test_the_plan_is_deterministic_open_loop() -> None:
         assert mine[2].prompt_token_ids[:26] == mine[1].prompt_token_ids
 
 
-def server(fail: tuple[int, int] | None = None) -> tuple[httpx.MockTransport, list[list[int]]]:
+def server(fail: tuple[int, int] | None = None, token_ids: bool = True
+           ) -> tuple[httpx.MockTransport, list[list[int]]]:
     """A scripted vLLM: streams `scripted_answer` token by token with the usage (cached tokens:
     the longest prefix of an earlier prompt + answer); a prompt of `fail` = (its first token
-    after the system prompt, its length) is answered 503."""
+    after the system prompt, its length) is answered 503. `token_ids=False`: a server that
+    ignores `return_token_ids` (text only)."""
     seen: list[list[int]] = []
 
     def handler(request: httpx.Request) -> httpx.Response:
@@ -80,7 +82,8 @@ def server(fail: tuple[int, int] | None = None) -> tuple[httpx.MockTransport, li
                             if a != b), min(len(p), len(prompt))) for p in seen), default=0)
         answer = scripted_answer(prompt, n)
         seen.append(prompt + answer)
-        events = [{"choices": [{"text": "x", "token_ids": [t]}]} for t in answer]
+        events = [{"choices": [{"text": "x"} | ({"token_ids": [t]} if token_ids else {})]}
+                  for t in answer]
         events.append({"choices": [], "usage": {"prompt_tokens": len(prompt),
                                                 "completion_tokens": n,
                                                 "prompt_tokens_details": {"cached_tokens":
@@ -95,7 +98,7 @@ async def test_sessions_resend_the_answers_the_server_generated() -> None:
     transport, seen = server()
     cfg = ClientConfig("http://server", save_token_ids=True)
     plan = build_stream(SPEC)
-    records, duration, ideal = await run_sessions(cfg, SPEC, plan, [], transport=transport)
+    records, duration, ideal = await run_sessions(cfg, SPEC, plan, transport=transport)
     assert duration > 0 and len(seen) == 9 and all(r.ok for r in records)
     for s in range(3):
         mine = sorted((r for r in records if r.session == s), key=lambda r: r.turn or 0)
@@ -121,7 +124,7 @@ async def test_a_failed_turn_ends_its_session() -> None:
     victim = next(r for r in plan if r.session == 1 and r.turn == 1)
     transport, _ = server(fail=(victim.prompt_token_ids[12], victim.input_len))
     done: list[RequestRecord] = []
-    records, _, _ = await run_sessions(ClientConfig("http://server"), SPEC, plan, [],
+    records, _, _ = await run_sessions(ClientConfig("http://server"), SPEC, plan,
                                        done.append, transport=transport)
     assert sorted(r.index for r in done) == list(range(9))  # the progress bar ends
     by = {(r.session, r.turn): r for r in records}
@@ -129,8 +132,18 @@ async def test_a_failed_turn_ends_its_session() -> None:
     assert by[1, 0].ok and all(by[s, k].ok for s in (0, 2) for k in range(3))
     assert by[0, 0].prompt_token_ids is None  # prompts are kept only when asked for
     with pytest.raises(ValueError, match="token ids"):
-        await run_sessions(ClientConfig("http://server", vllm_extras=False), SPEC, plan, [],
+        await run_sessions(ClientConfig("http://server", vllm_extras=False), SPEC, plan,
                            transport=transport)
+
+
+async def test_an_answer_without_its_token_ids_fails_and_ends_its_session() -> None:
+    """The next turn must carry the answer: one that came as text only is a failed turn, not a
+    follow-up sent without it."""
+    transport, seen = server(token_ids=False)
+    records, _, _ = await run_sessions(ClientConfig("http://server"), SPEC, build_stream(SPEC),
+                                       transport=transport)
+    assert len(seen) == 3  # each session's first turn; none went on
+    assert sorted(r.error_cause or "" for r in records) == ["no_token_ids"] * 3 + ["session"] * 6
 
 
 def test_cache_figures_the_servers_report() -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from splitserve.bench.metrics import SLO
 from splitserve.bench.workload import ArrivalSpec, LengthDist, WorkloadSpec
 from splitserve.sim.costmodel import DecodeCost, PrefillCost, TransferLink
@@ -29,6 +31,15 @@ def test_planner_picks_the_balanced_ratio(tmp_path: Path) -> None:
     assert p.to_dict()["best"] == "3P:1D"
     png = plot_plan(p, tmp_path / "plan.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("source", ["interference", "trace", "mooncake", "multiturn"])
+def test_planning_refuses_a_workload_whose_request_rate_it_cannot_set(source: str) -> None:
+    """A trace's or Mooncake's timestamps, multiturn's session starts, interference's fixed
+    long-prompt period: none is a request rate the planner could sweep."""
+    spec = WorkloadSpec(source=source, path="unused.csv")
+    with pytest.raises(ValueError, match="sweeps the request rate"):
+        plan(make_profile(), spec, PlanRequest(rate=1.0, slo=SLO(2000, 10), workers=2))
 
 
 def test_planner_says_dont_split_when_decode_is_free_of_interference() -> None:
