@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from splitserve.common import speculative
+from splitserve.common.cpus import check_cpus_usable
 from splitserve.common.vocab import Connector, values
 from splitserve.config import (
     TRANSPORTS,
@@ -132,6 +133,9 @@ class DeploymentConfig:
             raise ValueError("cpus must not be empty")
         if self.router_cpus is not None and not self.router_cpus:
             raise ValueError("router_cpus must not be empty")
+        if self.backend == "local":  # the cores of this machine (the Ray backend ignores both)
+            check_cpus_usable(self.cpus, "cpus")
+            check_cpus_usable(self.router_cpus, "router_cpus")
         if self.prefill_policy not in PREFILL_POLICIES:
             raise ValueError(f"prefill_policy must be one of {PREFILL_POLICIES}")
         if self.decode_policy not in DECODE_POLICIES:

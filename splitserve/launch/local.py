@@ -6,7 +6,12 @@ Invariants:
   only in their environment.
 - Every child runs in its own process group and gets SIGKILL if this process dies
   (PR_SET_PDEATHSIG); `stop()` sends SIGTERM to every group, then SIGKILL after
-  `stop_timeout_s`, so no process outlives the deployment.
+  `stop_timeout_s`, so no process outlives the deployment. A group leader not reaped even
+  after its SIGKILL makes `stop()` raise `RuntimeError` naming it, once the rest is stopped.
+- A worker's private directory (`worker_command`'s) is removed once its process is stopped,
+  or at once when its process never started.
+- `start()` waits for the workers side by side; the first that fails ends the wait at once
+  (whichever worker it is), and every part started is stopped.
 - Each worker gets its own cores when there are enough; otherwise cores are spread evenly and
   `LocalDeployment.core_note` says so.
 - With several routers (`routers: N`), router i listens on `port + i` and names the others its
@@ -22,7 +27,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,7 +38,13 @@ from splitserve.hub import resolve_model
 from splitserve.launch.backend import LauncherBackend
 from splitserve.launch.config import DeploymentConfig
 from splitserve.worker.diagnose import explain_log
-from splitserve.worker.launch import child_preexec, free_port, wait_healthy, worker_command
+from splitserve.worker.launch import (
+    child_preexec,
+    free_port,
+    remove_worker_dir,
+    wait_healthy,
+    worker_command,
+)
 
 ROUTER_RESTARTS = 5  # a router of several that exits more often than this ends the deployment
 
@@ -257,7 +268,11 @@ class LocalDeployment(LauncherBackend):
             for name, wcfg in planned:
                 argv, env = worker_command(wcfg, self.token)
                 env[TOKEN_ENV] = self.token
-                child = self._spawn(name, wcfg.url, argv, env, wcfg.cpus)
+                try:
+                    child = self._spawn(name, wcfg.url, argv, env, wcfg.cpus)
+                except BaseException:  # never started: stop() will not know of it
+                    remove_worker_dir(env)
+                    raise
                 self.workers.append(wcfg)
                 self.say(f"splitserve: {name} {wcfg.url} cpus {','.join(map(str, wcfg.cpus or ()))}"
                          + (f" kv {kv_kind(wcfg)}"
@@ -265,17 +280,15 @@ class LocalDeployment(LauncherBackend):
                          + f" (log {child.log})")
             self.say(f"splitserve: loading {len(self.children)} worker(s); each says when it "
                      "is ready")
-            pool = ThreadPoolExecutor(len(self.children))
-            try:  # the first failure is reported at once (stop() ends the others' waits)
-                list(pool.map(lambda c: self._wait_ready(c, self.token),
-                              list(self.children)))
-            finally:
-                pool.shutdown(wait=False, cancel_futures=True)
+            self._wait_workers(list(self.children))
             routers = self._start_routers(planned)
             for r in routers:
                 self._wait_ready(r, None)
-        except BaseException:
-            self.stop()
+        except BaseException as exc:
+            try:
+                self.stop()
+            except RuntimeError as stop_failed:
+                exc.add_note(str(stop_failed))
             raise
         shape = "+".join(f"{n}{k}" for n, k in ((cfg.prefill, "P"), (cfg.decode, "D"),
                                                  (cfg.colocated, " colocated")) if n)
@@ -284,6 +297,20 @@ class LocalDeployment(LauncherBackend):
                  + (f"; also {', '.join(u + '/v1' for u in self.urls[1:])}"
                     if len(self.urls) > 1 else ""))
         return self.url
+
+    def _wait_workers(self, workers: list[Child]) -> None:
+        """Wait for `workers` side by side until all are ready; the first to fail raises at
+        once, whatever its place (`_wait_ready`'s error, naming it). The others' waits go on
+        in their threads until their processes are stopped (the caller's `stop()`)."""
+        pool = ThreadPoolExecutor(len(workers))
+        try:
+            futures = [pool.submit(self._wait_ready, c, self.token) for c in workers]
+            done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+            for future in futures:  # the first failure among those done (all, when none)
+                if future in done:
+                    future.result()
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
 
     def _wait_ready(self, child: Child, token: str | None) -> None:
         """Wait until `child` is healthy and say so; a failure names it and, when the cause
@@ -337,11 +364,21 @@ class LocalDeployment(LauncherBackend):
     def stop(self) -> None:
         """Graceful drain, front to back: SIGTERM the router and wait while it finishes its
         in-flight requests (it takes no new ones), then SIGTERM the workers, which drain what
-        is left; SIGKILL whatever outlives the timeout."""
+        is left; SIGKILL whatever outlives the timeout. Every part is stopped (and forgotten)
+        before a leader not reaped after its SIGKILL is reported: `RuntimeError` naming it."""
         deadline = time.monotonic() + self.cfg.stop_timeout_s
         front = [c for c in self.children if c.is_router]
+        stuck: list[str] = []
         for stage in (front, [c for c in self.children if c not in front]):
             # sweep: a group may hold engine processes even after its leader exited
-            stop_groups([c.proc for c in stage], deadline - time.monotonic(), sweep=True,
-                        reap_s=5.0)
+            codes = stop_groups([c.proc for c in stage], deadline - time.monotonic(),
+                                sweep=True, reap_s=5.0)
+            stuck += [f"{c.name} (pid {c.proc.pid}, log {c.log})"
+                      for c, code in zip(stage, codes, strict=True) if code is None]
+            for c in stage:
+                if not c.is_router:
+                    remove_worker_dir(c.env)
         self.children.clear()
+        if stuck:
+            raise RuntimeError("the deployment did not stop cleanly: not reaped even after "
+                               f"SIGKILL: {', '.join(stuck)}")

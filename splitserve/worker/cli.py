@@ -2,13 +2,16 @@
 
 vLLM runs as this process's child, in a session of its own: each SIGINT and SIGTERM is passed
 on to it, its output passes through unchanged, it is killed if this process dies, and its exit
-status is ours. When it fails to start for a reason one of our flags fixes (a KV cache too small
-for the model's length), a last line says which (`splitserve.worker.diagnose`).
+status is ours. Once it exits, whatever is left of its process group (vLLM's engine process) is
+SIGKILLed, and the private directory `worker_command` made for it is removed. When it fails to
+start for a reason one of our flags fixes (a KV cache too small for the model's length), a last
+line says which (`splitserve.worker.diagnose`).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import subprocess
@@ -18,7 +21,7 @@ from collections import deque
 from types import FrameType
 from typing import IO
 
-from splitserve.common.cpus import parse_cpus
+from splitserve.common.cpus import check_cpus_usable, parse_cpus
 from splitserve.common.ports import check_port_free
 from splitserve.common.vocab import Connector, Role, values
 from splitserve.config import (
@@ -40,10 +43,14 @@ from splitserve.worker.launch import (
     child_preexec,
     free_port,
     gpu_connector_warning,
+    remove_worker_dir,
     worker_command,
 )
 
 TAIL_LINES = 400  # of vLLM's output, kept to explain a failed start
+# how long the output is still read once the group is gone (a process that left the group may
+# hold the pipe open; the pump is a daemon, and the exit ends it)
+PUMP_DRAIN_S = 5.0
 
 
 def add_tls_arguments(p: argparse.ArgumentParser) -> None:
@@ -159,6 +166,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"splitserve worker: {exc}", file=sys.stderr)
         return 2
     try:
+        check_cpus_usable(args.cpus)
         check_port_free(args.host, args.port)
         if args.kv_port:
             check_port_free(args.host, args.kv_port, "--kv-port")
@@ -190,7 +198,10 @@ def run(args: argparse.Namespace) -> int:
           + (" (TLS)" if cfg.kv_tls_cert else "")
           + (f", tp {cfg.tensor_parallel_size}" if cfg.tensor_parallel_size > 1 else "")
           + (f", cpus {','.join(map(str, cfg.cpus))}" if cfg.cpus else ""), flush=True)
-    return supervise(argv, env, cfg.cpus)
+    try:
+        return supervise(argv, env, cfg.cpus)
+    finally:  # the plugin removes it only after an engine that came up
+        remove_worker_dir(env)
 
 
 def _pump(src: IO[bytes], tail: deque[bytes]) -> None:
@@ -209,7 +220,10 @@ def _pump(src: IO[bytes], tail: deque[bytes]) -> None:
 
 
 def supervise(argv: list[str], env: dict[str, str], cpus: tuple[int, ...] | None) -> int:
-    """Run vLLM to its end; return its exit status (128 + signal when a signal ended it)."""
+    """Run vLLM to its end; return its exit status (128 + signal when a signal ended it).
+    `argv` leads a process group of its own; once it has exited, the rest of that group is
+    SIGKILLed before its last output is read, so nothing of it outlives this call (an engine
+    process would otherwise hold the output pipe, and this call, open)."""
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             preexec_fn=child_preexec(cpus), start_new_session=True)
 
@@ -224,7 +238,10 @@ def supervise(argv: list[str], env: dict[str, str], cpus: tuple[int, ...] | None
     pump = threading.Thread(target=_pump, args=(proc.stdout, tail), daemon=True)
     pump.start()
     code = proc.wait()
-    pump.join()
+    # the group outlives its reaped leader while a member lives, so its id is not reused yet
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    pump.join(PUMP_DRAIN_S)
     if code != 0:
         why = explain_start_failure(b"".join(tail).decode(errors="replace"))
         if why:

@@ -2,7 +2,8 @@
 
 `worker_command(cfg)` gives the argv and environment; `start_worker` runs it as a child process;
 `wait_healthy` waits for `/health`. The launcher and the tests use these; `splitserve worker`
-runs the same command as its child.
+runs the same command as its child. Whoever runs a `worker_command` owns the private directory
+it may make (`remove_worker_dir`, once the worker's process group is gone).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import subprocess
 import sys
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import httpx
@@ -36,7 +37,12 @@ from splitserve.config import (
 )
 from splitserve.worker.diagnose import explain_log, explain_start_failure
 from splitserve.worker.kv_transfer import kv_buffer_device, kv_transfer_config
-from splitserve.worker.kvrelay import KV_EVENTS_DIR_ENV, events_config, private_dir
+from splitserve.worker.kvrelay import (
+    KV_EVENTS_DIR_ENV,
+    events_config,
+    private_dir,
+    remove_private_dir,
+)
 from splitserve.worker.spin import SPIN_ENV
 
 PR_SET_PDEATHSIG = 1
@@ -229,7 +235,7 @@ def worker_command(cfg: WorkerConfig, token: str | None) -> tuple[list[str], dic
     """argv and environment for one worker process. The token travels only in the environment.
     A worker that reports its cache (`cfg.kv_events`, with a token) gets a private directory
     for its engine's event sockets, made here (`kvrelay.private_dir`): call this where the
-    worker runs, right before starting it."""
+    worker runs, right before starting it, and `remove_worker_dir(env)` once it is gone."""
     if cfg.role is not None and not token:
         raise RuntimeError("a worker with a connector needs the deployment token")
     argv = [
@@ -302,6 +308,16 @@ def worker_command(cfg: WorkerConfig, token: str | None) -> tuple[list[str], dic
     if events_dir is not None:  # the plugin relays the events published there
         env[KV_EVENTS_DIR_ENV] = events_dir
     return argv, env
+
+
+def remove_worker_dir(env: Mapping[str, str]) -> None:
+    """Remove the private directory `worker_command` made for the worker it gave `env` (none
+    made: nothing to do). Its owner calls this once the worker's process group is gone,
+    however it ended: the worker's plugin removes it only on a normal exit of an engine that
+    came up."""
+    directory = env.get(KV_EVENTS_DIR_ENV)
+    if directory:
+        remove_private_dir(directory)
 
 
 def _is_unicast_ip(host: str) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -178,3 +179,28 @@ def test_serve_takes_the_operators_token_else_makes_one(tmp_path: Path,
     secret.write_text("operator-chosen-token\n")
     monkeypatch.setenv("SPLITSERVE_TOKEN_FILE", str(secret))
     assert LocalDeployment(cfg, say=lambda line: None).token == "operator-chosen-token"
+
+
+def test_cores_this_process_may_not_use_are_refused_on_construction() -> None:
+    usable = sorted(os.sched_getaffinity(0))
+    beyond = (usable[-1] + 1, usable[-1] + 2, usable[-1] + 4)
+    with pytest.raises(ValueError, match=rf"^cpus: core\(s\) {beyond[0]}-{beyond[1]},"
+                                         rf"{beyond[2]} not available to this process"):
+        DeploymentConfig(colocated=1, cpus=(usable[0], *beyond))
+    with pytest.raises(ValueError, match=rf"^router_cpus: core\(s\) {beyond[0]} not available"):
+        from_mapping({"colocated": 1, "router_cpus": [beyond[0]]})
+    assert DeploymentConfig(colocated=1, cpus=tuple(usable), router_cpus=(usable[0],)).cpus
+    # the Ray backend's cores are its nodes', not this process's
+    assert DeploymentConfig(colocated=1, backend="ray", cpus=beyond).cpus == beyond
+
+
+def test_serve_refuses_cores_it_may_not_use_before_starting_anything(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from splitserve.cli import main
+
+    beyond = max(os.sched_getaffinity(0)) + 1
+    assert main(["serve", "--colocated", "1", "--router-cpus", str(beyond)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"splitserve serve: router_cpus: core(s) {beyond} not available to "
+                          "this process (it may use "), err
+    assert len(err.splitlines()) == 1, err

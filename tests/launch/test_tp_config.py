@@ -4,6 +4,7 @@ flags and YAML keys, and the refusals."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -72,7 +73,10 @@ def test_the_core_plan_gives_each_rank_a_share() -> None:
     assert plan_cores([0, 1, 2], 2).workers == ((1,), (2,))  # single-rank plans as before
 
 
-def test_serve_flags_and_yaml_reach_each_pools_workers(tmp_path: Path) -> None:
+def test_serve_flags_and_yaml_reach_each_pools_workers(tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    # a machine of 5 cores: a config refuses cores this process may not use
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(5)))
     f = tmp_path / "d.yaml"
     f.write_text("prefill: 1\ndecode: 1\ncolocated: 1\nconnector: nixl\ncpus: [0, 1, 2, 3, 4]\n"
                  "prefill_tp: 2\n")

@@ -5,7 +5,9 @@ guard, and tells the directory where it is.
 Invariants:
 - The worker and everything it starts live in one process group led by `guard`, which dies
   with this replica (PR_SET_PDEATHSIG) and takes the group with it; `stop()` SIGTERMs the
-  group, SIGKILLs it after the worker's drain, and is the only way this replica ends a worker.
+  group, SIGKILLs it after the worker's drain, and is the only way this replica ends a worker;
+  it then removes the worker's private directory (`remove_worker_dir`), as does a start whose
+  process never ran.
 - The worker binds its HTTP and KV ports on this node's IP; its cores are claimed from the
   directory per machine and set both as its affinity and as vLLM's OpenMP binding (Ray's own
   `OMP_NUM_THREADS=1` for actors is overridden by `worker_command`).
@@ -37,7 +39,7 @@ from splitserve.config import bearer_headers
 from splitserve.launch.config import DeploymentConfig
 from splitserve.launch.local import pool_worker_config
 from splitserve.launch.raybackend.guard import GRACE_ENV
-from splitserve.worker.launch import wait_healthy, worker_command
+from splitserve.worker.launch import remove_worker_dir, wait_healthy, worker_command
 from splitserve.worker.load import LOAD_PATH
 
 HEALTH_FAILURES = 3
@@ -98,6 +100,7 @@ class WorkerReplica:
         self.wcfg = pool_worker_config(cfg, Pool(self.kind).worker_role, model_dir,
                                        served_name, node_ip, cores)
         argv, env = worker_command(self.wcfg, token)
+        self.worker_env = env
         env[GRACE_ENV] = str(self.wcfg.shutdown_timeout_s + 5)
         self.log = log_path(cfg, self.name)
         cpus = self.wcfg.cpus
@@ -106,10 +109,15 @@ class WorkerReplica:
             if cpus:
                 os.sched_setaffinity(0, cpus)
 
-        with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "splitserve.launch.raybackend.guard", *argv], env=env,
-                stdout=out, stderr=subprocess.STDOUT, preexec_fn=setup, start_new_session=True)
+        try:
+            with open(self.log, "ab") as out:
+                self.proc = subprocess.Popen(
+                    [sys.executable, "-m", "splitserve.launch.raybackend.guard", *argv],
+                    env=env, stdout=out, stderr=subprocess.STDOUT, preexec_fn=setup,
+                    start_new_session=True)
+        except BaseException:  # never ran: stop() will not be called for it
+            remove_worker_dir(env)
+            raise
         try:
             wait_healthy(self.wcfg.url, self.proc, cfg.startup_timeout_s, token)
         except BaseException:
@@ -180,3 +188,4 @@ class WorkerReplica:
         after `grace_s`."""
         # the guard alone: a group-wide SIGTERM would reach its sentinel, which SIGKILLs the group
         stop_group(self.proc, grace_s, term="leader", sweep=True, reap_s=5.0)
+        remove_worker_dir(self.worker_env)
