@@ -166,7 +166,9 @@ class Flow:
         d = self.picker.decode(decode, request)
         plan = Plan(request, d, request.cached_on(d.url))
         n = self.cfg.local_prefill_max_tokens
-        if self.cache is not None and plan.d_cached:
+        # a request of one token moves no KV: its prefill is P's, sparing D's decodes (as the
+        # simulator routes it)
+        if self.cache is not None and plan.d_cached and legs.max_tokens != 1:
             reused = self.cache.reusable(d.url, plan.d_cached, request.prompt_len)
             if prefill_on_d(reused, request.prompt_len, n):
                 plan.local, plan.local_reused = True, reused

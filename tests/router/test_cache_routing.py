@@ -227,6 +227,7 @@ async def test_prefill_on_d_when_d_lacks_at_most_n_tokens() -> None:
         assert plan.decode.url == d1 and plan.local and plan.local_reused == 24
         assert plan.d_cached == 24
         assert not r.with_threshold(5).plan(legs_of(PROMPT)).local  # 6 tokens left > 5
+        assert not r.with_threshold(6).plan(legs_of(PROMPT, max_tokens=1)).local  # no KV moves
         off = r.with_threshold(0).plan(legs_of(PROMPT))
         assert off.decode.url == d1 and not off.local  # still chosen for its cache
         # nothing cached: never local, however short the prompt
