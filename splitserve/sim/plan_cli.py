@@ -22,6 +22,7 @@ def run_plan(args: argparse.Namespace) -> int:
     from splitserve.sim.planner import (
         PlanRequest,
         candidate_configs,
+        check_plannable,
         plan,
         plot_plan,
         print_plan,
@@ -44,6 +45,10 @@ def run_plan(args: argparse.Namespace) -> int:
         raise SystemExit("splitserve plan needs --workers N (a measured profile's workers) or "
                          "--gpus N (TP per pool, analytic or measured profiles)")
     prof, spec = cli_profile(args), spec_from_args(args)
+    try:
+        check_plannable(spec)
+    except ValueError as exc:
+        raise SystemExit(f"splitserve plan: {exc}") from None
     connector = "splitserve" if args.connector == "compare" else args.connector
     req = PlanRequest(rate=spec.arrival.rate, slo=SLO(args.slo_ttft_ms, args.slo_tpot_ms),
                       workers=args.workers, target=args.target,

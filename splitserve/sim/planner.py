@@ -164,14 +164,20 @@ def search_goodput(attain_at: Callable[[float], float], rate: float, at_rate: fl
     return distserve_goodput([(lo, points[lo]), (hi, points[hi])], target)
 
 
-def plan(profile: Profile, spec: WorkloadSpec, req: PlanRequest,
-         progress: Callable[[], None] | None = None) -> Plan:
-    """Simulate every candidate of `candidate_configs(req)` (`progress` is called after each)
-    and pick the best by goodput, then attainment."""
+def check_plannable(spec: WorkloadSpec) -> None:
+    """ValueError for a workload without a request rate to sweep: a trace's or Mooncake's
+    timestamps, multiturn's session starts, interference's fixed long-prompt period."""
     if spec.source in ("interference", "trace", "mooncake", "multiturn"):
         raise ValueError(f"planning sweeps the request rate, which a {spec.source!r} workload "
                          "does not have; use a synthetic or sharegpt workload, or plan GPUs "
                          "on it (--gpus)")
+
+
+def plan(profile: Profile, spec: WorkloadSpec, req: PlanRequest,
+         progress: Callable[[], None] | None = None) -> Plan:
+    """Simulate every candidate of `candidate_configs(req)` (`progress` is called after each)
+    and pick the best by goodput, then attainment (`check_plannable` first)."""
+    check_plannable(spec)
     cands = []
     workload = arrays_from_spec(spec.with_rate(req.rate))
     for label, cfg in candidate_configs(req):

@@ -77,3 +77,20 @@ def test_sim_rate_sweep_reports_distserve_goodput(tmp_path: Path) -> None:
     assert att[0] >= 0.9 > att[-1]  # one worker meets the SLO at 1 req/s, not at 64
     g = res["sweep"]["distserve_goodput"]
     assert g["bound"] == "interpolated" and g["bracket"][0] < g["value"] < g["bracket"][1]
+
+
+def test_sim_and_plan_refuse_rates_a_workload_does_not_have(tmp_path: Path) -> None:
+    """A trace is sent on its own timestamps: a sweep of its rate, or a plan over it, would
+    label one replayed stream with rates it never had."""
+    prof = tmp_path / "p.json"
+    save_profile(make_profile(), prof)
+    trace = tmp_path / "t.csv"
+    trace.write_text("arrival_s,input_len,output_len\n0.0,20,3\n0.5,30,4\n")
+    on_trace = ["--profile", str(prof), "--workload", "trace", "--dataset-path", str(trace),
+                "--slo-ttft-ms", "1000", "--slo-tpot-ms", "50"]
+    with pytest.raises(SystemExit, match="--sweep-rates: a trace workload is sent on its own "
+                                         "clock"):
+        main(["sim", *on_trace, "--mode", "chunked", "--workers", "1", "--sweep-rates", "1,4",
+              "--out", str(tmp_path / "r.json")])
+    with pytest.raises(SystemExit, match="splitserve plan: planning sweeps the request rate"):
+        main(["plan", *on_trace, "--workers", "2", "--out-dir", str(tmp_path / "plan")])
