@@ -211,11 +211,8 @@ def _bench_all(args: argparse.Namespace, endpoints: dict[str, str],
                descriptions: dict[str, str], arms: list[Arm]) -> dict[str, dict[str, Any]]:
     """Endpoints given by URL, then deployments started here (one at a time, same stream)."""
     results: dict[str, dict[str, Any]] = {}
-    try:  # before anything is sent or started
-        for rate in args.sweep_rates:
-            spec_from_args(args).with_rate(rate)
-    except ValueError as exc:
-        raise SystemExit(f"splitserve bench: --sweep-rates: {exc}") from None
+    if args.sweep_rates and (why := spec_from_args(args).unpaced):  # before anything runs
+        raise SystemExit(f"splitserve bench: --sweep-rates: {why}")
     with progress_bars() as progress:
         for name, url in endpoints.items():
             dep = _deployment(url, descriptions.get(name), None)

@@ -210,15 +210,21 @@ class WorkloadSpec:
             multiturn=MultiturnOptions(**d.get("multiturn", {})),
         )
 
+    @property
+    def unpaced(self) -> str | None:
+        """Why no request rate sets when this workload's requests are sent (a trace's or
+        Mooncake's own timestamps, closed-loop arrivals), for a rate sweep to refuse it; None
+        when a rate does."""
+        if self.source in ("trace", "mooncake") or self.arrival.kind == "closed":
+            what = "closed-loop" if self.arrival.kind == "closed" else f"a {self.source}"
+            return (f"{what} workload is sent on its own clock, not at a rate: a rate sweep "
+                    "needs an open-loop arrival (--request-rate)")
+        return None
+
     def with_rate(self, rate: float) -> WorkloadSpec:
         """The same workload at another request rate (for a rate sweep). For `interference`
         the rate is that of the short requests; the long-prompt period is unchanged; for
-        `multiturn`, that of session starts. ValueError for a workload no rate sends: a
-        trace's or Mooncake's own timestamps, closed-loop arrivals."""
-        if self.source in ("trace", "mooncake") or self.arrival.kind == "closed":
-            what = "closed-loop" if self.arrival.kind == "closed" else f"a {self.source}"
-            raise ValueError(f"{what} workload is sent on its own clock, not at a rate: a rate "
-                             "sweep or plan needs an open-loop arrival (--request-rate)")
+        `multiturn`, that of session starts; for an `unpaced` one, nothing changes."""
         if self.source == "interference":
             return replace(self, interference=replace(self.interference, short_rate=rate))
         return replace(self, arrival=replace(self.arrival, rate=rate))

@@ -232,12 +232,8 @@ def run_sim(args: argparse.Namespace) -> int:
     rates = sorted(args.sweep_rates) or [None]
     if rates[0] is not None and slo.empty:
         raise SystemExit("a rate sweep needs an SLO (--slo-ttft-ms and/or --slo-tpot-ms)")
-    try:
-        for rate in rates:
-            if rate is not None:
-                spec.with_rate(rate)
-    except ValueError as exc:
-        raise SystemExit(f"splitserve sim: --sweep-rates: {exc}") from None
+    if rates[0] is not None and (why := spec.unpaced):
+        raise SystemExit(f"splitserve sim: --sweep-rates: {why}")
     points = []
     sweep = progress_bars() if len(rates) > 1 else nullcontext(None)
     with sweep as bars:  # a bar over the sweep's rates, as `bench` shows its runs

@@ -166,9 +166,12 @@ def search_goodput(attain_at: Callable[[float], float], rate: float, at_rate: fl
 
 def check_plannable(spec: WorkloadSpec) -> None:
     """ValueError for a workload without a request rate to sweep: a trace's or Mooncake's
-    timestamps, multiturn's session starts, interference's fixed long-prompt period."""
-    if spec.source in ("interference", "trace", "mooncake", "multiturn"):
-        raise ValueError(f"planning sweeps the request rate, which a {spec.source!r} workload "
+    timestamps, multiturn's session starts, interference's fixed long-prompt period, a closed
+    loop."""
+    if spec.source in ("interference", "trace", "mooncake", "multiturn") or (
+            spec.arrival.kind == "closed"):
+        what = "closed-loop" if spec.arrival.kind == "closed" else repr(spec.source)
+        raise ValueError(f"planning sweeps the request rate, which a {what} workload "
                          "does not have; use a synthetic or sharegpt workload, or plan GPUs "
                          "on it (--gpus)")
 

@@ -33,11 +33,14 @@ def test_planner_picks_the_balanced_ratio(tmp_path: Path) -> None:
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.parametrize("source", ["interference", "trace", "mooncake", "multiturn"])
-def test_planning_refuses_a_workload_whose_request_rate_it_cannot_set(source: str) -> None:
+@pytest.mark.parametrize("spec", [
+    *(WorkloadSpec(source=source, path="unused.csv")
+      for source in ("interference", "trace", "mooncake", "multiturn")),
+    WorkloadSpec(arrival=ArrivalSpec("closed", max_concurrency=4))])
+def test_planning_refuses_a_workload_whose_request_rate_it_cannot_set(
+        spec: WorkloadSpec) -> None:
     """A trace's or Mooncake's timestamps, multiturn's session starts, interference's fixed
-    long-prompt period: none is a request rate the planner could sweep."""
-    spec = WorkloadSpec(source=source, path="unused.csv")
+    long-prompt period, a closed loop: none is a request rate the planner could sweep."""
     with pytest.raises(ValueError, match="sweeps the request rate"):
         plan(make_profile(), spec, PlanRequest(rate=1.0, slo=SLO(2000, 10), workers=2))
 
