@@ -82,8 +82,9 @@ def test_1p1d_on_two_ray_nodes_matches_transformers(ray_deployment: Any, llama_c
 
 def test_a_start_that_cannot_finish_fails_and_leaves_the_running_deployment_serving(
         ray_deployment: Any, ray_cluster: Any, llama_ckpt: Path) -> None:
-    """A second deployment of the running one's name fails at once, naming it; one whose
-    replicas no node can place fails at `startup_timeout_s`, naming its pool. Either ends
+    """A second deployment of the running one's name fails at once, naming it (in its
+    namespace or another); one whose replicas no node can place fails at `startup_timeout_s`,
+    naming its pool. Either ends
     having deleted only what it deployed: the running deployment serves on, token-exact."""
     from ray import serve
 
@@ -95,8 +96,12 @@ def test_a_start_that_cannot_finish_fails_and_leaves_the_running_deployment_serv
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match="named 'splitserve' already runs"):
         same_name.start()
-    assert time.monotonic() - t0 < 10 and lines == []
     mapping = ray_mapping(llama_ckpt, ray_cluster.cluster.address)
+    # Serve's application names are the cluster's: another namespace does not free them
+    other_namespace = mapping | {"ray": mapping["ray"] | {"namespace": "elsewhere"}}
+    with pytest.raises(RuntimeError, match="already runs splitserve-decode, splitserve-prefill"):
+        RayDeployment(from_mapping(other_namespace), say=lines.append).start()
+    assert time.monotonic() - t0 < 20 and lines == []
     mapping["ray"] = mapping["ray"] | {"name": "unplaceable",
                                        "prefill_resources": {"no_such_node": 1},
                                        "decode_resources": {"no_such_node": 1}}

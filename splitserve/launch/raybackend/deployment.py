@@ -12,10 +12,12 @@ Invariants:
   in a deployment's init arguments, `runtime_env`, or argv.
 - A hub id's revision is resolved once, by the driver, to the commit it names now; replicas
   and the router load that commit's snapshot on their node (`pin_revision`).
-- The directory's name is the deployment's claim on its names (`ray.name`): a start that
-  finds it taken fails at once and touches nothing of the deployment that holds it.
-- `start()` ends within `startup_timeout_s` of its pools' deployment: a replica no node can
-  place (resources, cores, `max_replicas_per_node`) is a TimeoutError naming its pool.
+- `ray.name` names the deployment's actors and pools: a start that finds its directory's name
+  taken (in its namespace) or its pools' names (on the cluster) fails at once and touches
+  nothing of the deployment that holds them.
+- A pool whose first replicas are not all placed on nodes within `startup_timeout_s` of its
+  deployment (resources, cores, `max_replicas_per_node`) fails the start with a TimeoutError
+  naming it; a placed replica's load is bounded by the replica itself.
 - `stop()` drains front to back: the router first, then each pool's replicas (each drains
   itself), then the directory; whatever it started, it ends. Each step runs even when an
   earlier one failed; a failure (other than a part that is gone already) is told through `say`
@@ -57,6 +59,11 @@ def local_cluster_resources(cfg: DeploymentConfig) -> dict[str, float]:
     for name, amount in cfg.ray.router_resources:
         out[name] = out.get(name, 0.0) + amount
     return out
+
+
+def app_of(replica: str) -> str:
+    """The Serve application of a replica's full id ("SERVE_REPLICA::<app>#<deployment>#<id>")."""
+    return replica.rpartition("::")[2].split("#", 1)[0]
 
 
 def pin_revision(cfg: DeploymentConfig) -> DeploymentConfig:
@@ -117,6 +124,7 @@ class RayDeployment(LauncherBackend):
                              for i in range(cfg.routers)]
         self.apps = [f"{cfg.ray.name}-{kind}" for kind in pool_sizes(cfg)]
         self.started_cluster = False
+        self.deployed_pools = False  # this deployment's pools were sent to Serve: stop() deletes
         self.directory: Any = None
         self.routers: list[Any] = []
         self._urls = tuple(f"http://{cfg.host}:{port}" for port in cfg.router_ports)
@@ -194,13 +202,19 @@ class RayDeployment(LauncherBackend):
                 "ray.name") from exc
         ray.get(self.directory.set_secrets.remote(self.token, self.api_key))
         serve.start(proxy_location="Disabled")
+        taken = sorted(set(self.apps) & set(serve.status().applications))
+        if taken:  # Serve's application names are the cluster's, whatever the namespace
+            raise RuntimeError(
+                f"Ray Serve on this cluster already runs {', '.join(taken)}: another splitserve "
+                f"deployment named {cfg.ray.name!r}; stop it, or give this one another ray.name")
         self.say(f"splitserve: Ray {ray.get_runtime_context().gcs_address}; deploying "
                  + ", ".join(f"{n} {k}" for k, n in pool_sizes(cfg).items()))
         targets = [RunTarget(pool_app(cfg, kind, n, self.names["directory"]),
                              name=f"{cfg.ray.name}-{kind}", route_prefix=None)
                    for kind, n in pool_sizes(cfg).items()]
+        self.deployed_pools = True
         serve.run_many(targets, wait_for_applications_running=False)
-        self._wait_running(time.monotonic() + cfg.startup_timeout_s)
+        self._wait_running(time.monotonic() + cfg.startup_timeout_s)  # placement's deadline
         self.startup_s["workers"] = time.monotonic() - t0
         router_opts: dict[str, Any] = {"namespace": cfg.ray.namespace, "num_cpus": 0}
         if cfg.ray.router_resources:
@@ -287,10 +301,11 @@ class RayDeployment(LauncherBackend):
                 directory = self.directory
                 attempt("the directory", lambda: ray.get(directory.router_stopped.remote(),
                                                          timeout=10))
-        if self.directory is not None:  # its pools are this deployment's (see the invariants)
+        if self.deployed_pools:  # never another deployment's pools (see the invariants)
             for app in self.apps:  # every pool drains at once
                 attempt(f"pool {app}", functools.partial(serve.delete, app, _blocking=False))
             attempt("the pools", self._wait_deleted)
+            self.deployed_pools = False
         if self.directory is not None:
             directory = self.directory
             attempt("the directory actor", lambda: ray.kill(directory))
@@ -303,11 +318,14 @@ class RayDeployment(LauncherBackend):
             raise RuntimeError("the Ray deployment did not stop cleanly: " + "; ".join(problems))
 
     def _wait_running(self, deadline: float) -> None:
-        """Until every pool's application runs: RuntimeError when one failed to deploy,
-        TimeoutError past `deadline` (monotonic) with what Serve says of each pending pool."""
+        """Until every pool's application runs: RuntimeError when one failed to deploy;
+        TimeoutError past `deadline` (monotonic) while a pool has fewer replicas placed on
+        nodes than it starts with, with what Serve says of each pending pool."""
+        import ray
         from ray import serve
         from ray.serve.schema import ApplicationStatus
 
+        sizes = {f"{self.cfg.ray.name}-{kind}": n for kind, n in pool_sizes(self.cfg).items()}
         while True:
             apps = serve.status().applications
             pending: dict[str, str] = {}
@@ -322,10 +340,14 @@ class RayDeployment(LauncherBackend):
             if not pending:
                 return
             if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"the pools did not start within startup_timeout_s "
-                    f"({self.cfg.startup_timeout_s:.0f} s): "
-                    + "; ".join(f"{name}: {why}" for name, why in pending.items()))
+                placed = [app_of(r) for r in ray.get(self.directory.placed.remote())]
+                unplaced = {name: why for name, why in pending.items()
+                            if placed.count(name) < sizes[name]}
+                if unplaced:
+                    raise TimeoutError(
+                        f"pools not placed on nodes within startup_timeout_s "
+                        f"({self.cfg.startup_timeout_s:.0f} s): "
+                        + "; ".join(f"{name}: {why}" for name, why in unplaced.items()))
             time.sleep(0.5)
 
     def _wait_deleted(self) -> None:
