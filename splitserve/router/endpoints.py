@@ -28,7 +28,14 @@ from splitserve.router.failures import UpstreamError
 from splitserve.router.flow import Prefilled
 from splitserve.router.formats import DONE, Joiner, error_body, request_id, sse, sse_comment
 from splitserve.router.http import TRANSPORT_ERRORS
-from splitserve.router.params import Kind, Legs, RequestError, plan_legs, unsplittable_reason
+from splitserve.router.params import (
+    Kind,
+    Legs,
+    RequestError,
+    max_tokens_of,
+    plan_legs,
+    unsplittable_reason,
+)
 from splitserve.router.params import validate as validate_body
 from splitserve.router.policy import NoWorker, Overloaded
 from splitserve.router.prompt import completion_prompt, render_chat
@@ -127,10 +134,12 @@ async def serve_request(st: RouterState, request: Request, kind: Kind) -> Respon
 
 
 def choose_mode(st: RouterState, body: dict[str, Any], kind: Kind) -> str:
-    """`split` when a P and a D are in rotation and the request's parameters mean the same on
-    two workers; else `whole` (or a 400 under `--unsplittable refuse`)."""
+    """`split` when a P and a D are in rotation (a P alone for a request of one token, which
+    never reaches D) and the request's parameters mean the same on two workers; else `whole`
+    (or a 400 under `--unsplittable refuse`)."""
     reg = st.registry
-    split_ready = bool(reg.routable(Pool.PREFILL) and reg.routable(Pool.DECODE))
+    split_ready = bool(reg.routable(Pool.PREFILL) and (
+        reg.routable(Pool.DECODE) or max_tokens_of(body) == 1))
     if not split_ready:
         if not (reg.routable(Pool.COLOCATED) or reg.routable(Pool.DECODE)):
             raise NoWorker("prefill/decode or colocated")

@@ -75,12 +75,13 @@ def encode(body: dict[str, Any]) -> bytes:
 @dataclass
 class Plan:
     """Where a request that may be split goes: the request as the policies see it, the D
-    chosen for it, D's cached prefix of the prompt (as the index predicts: a multiple of D's
-    block size; 0: none or not known), and whether it runs whole on that D (`local`: prefill
-    on D) and then how many prompt tokens D reuses."""
+    chosen for it (None for a request of one token: it ends at t1 on P and moves no KV), D's
+    cached prefix of the prompt (as the index predicts: a multiple of D's block size; 0: none
+    or not known), and whether it runs whole on that D (`local`: prefill on D) and then how
+    many prompt tokens D reuses."""
 
     request: RouteRequest
-    decode: Worker
+    decode: Worker | None
     d_cached: int = 0
     local: bool = False
     local_reused: int = 0
@@ -159,16 +160,17 @@ class Flow:
 
     def plan(self, legs: Legs) -> Plan:
         """The request as the policies see it and its D (see `Plan`); NoWorker or Overloaded
-        when no D can take it."""
+        when no D can take it. A request of one token needs no D: it is P's alone, sparing D's
+        decodes, as the simulator routes it."""
         request = self.route_request(legs)
+        if legs.max_tokens == 1:
+            return Plan(request, None)
         decode = self.registry.routable(Pool.DECODE)
         self._note_unsynced(Pool.DECODE, decode, request)
         d = self.picker.decode(decode, request)
         plan = Plan(request, d, request.cached_on(d.url))
         n = self.cfg.local_prefill_max_tokens
-        # a request of one token moves no KV: its prefill is P's, sparing D's decodes (as the
-        # simulator routes it)
-        if self.cache is not None and plan.d_cached and legs.max_tokens != 1:
+        if self.cache is not None and plan.d_cached:
             reused = self.cache.reusable(d.url, plan.d_cached, request.prompt_len)
             if prefill_on_d(reused, request.prompt_len, n):
                 plan.local, plan.local_reused = True, reused
@@ -176,6 +178,7 @@ class Flow:
 
     def count_local(self, plan: Plan) -> None:
         """A request run whole on its D (prefill on D), in the metrics."""
+        assert plan.local and plan.decode is not None
         url = plan.decode.url
         self.metrics.local_prefills.labels(url).inc()
         self.metrics.local_prefill_tokens.labels(url).inc(
@@ -186,7 +189,7 @@ class Flow:
         """Prefill on D: the request as a decode leg on `plan.decode` from its prompt alone (no
         P leg, no t1, no transfer), so that a broken stream resumes on another D exactly as a
         split one does. Takes the leg's reservation on D, as `prefill` does."""
-        assert plan.local and plan.request.token_ids is not None
+        assert plan.local and plan.decode is not None and plan.request.token_ids is not None
         plan.decode.acquire()
         return Prefilled(prompt_ids=list(plan.request.token_ids), t1_text="", t1_ids=[],
                          finish_reason=None, stop_reason=None, fingerprint=None,
@@ -220,27 +223,30 @@ class Flow:
             pool = [w for w in routable if w.url not in retry.tried] or routable
             self._note_unsynced(Pool.PREFILL, pool, request)
             p = self.picker.prefill(pool, request)
-            d = plan.decode if attempt == 0 and plan.decode.routable else self.picker.decode(
-                self.registry.routable(Pool.DECODE), request)
+            # A request known to end at t1 (one token) never involves D: no pick, no KV.
+            d = None if legs.max_tokens == 1 else (
+                plan.decode if attempt == 0 and plan.decode is not None and plan.decode.routable
+                else self.picker.decode(self.registry.routable(Pool.DECODE), request))
             # Named after the request (logs join up; test faults are chosen per request id),
             # fresh per attempt.
             tid = f"{rid}-{uuid.uuid4().hex[:16]}"
-            # A request that is known to end at t1 moves no KV: D is never involved.
-            proto = self.protocols.for_pair(p, d) if legs.max_tokens != 1 else None
-            d_cached = request.cached_on(d.url)
-            tr = proto.open(p, d, tid, d_cached=d_cached) if proto is not None else None
+            d_cached = request.cached_on(d.url) if d is not None else 0
+            tr = None
+            if d is not None and (proto := self.protocols.for_pair(p, d)) is not None:
+                tr = proto.open(p, d, tid, d_cached=d_cached)
             body = prefill_body(legs, self.model, None if tr is None else tr.prefill_params)
             early = (EarlyDecode.send(self.session, tr, legs, self.model,
                                       f"{rid}-p{attempt}d", encode)
                      if tr is not None and tr.via.concurrent else None)
-            t.prefill_url, t.decode_url = p.url, d.url
+            t.prefill_url, t.decode_url = p.url, d.url if d is not None else None
             t.transfer_id, t.transfer = (tid, tr) if tr else (None, None)
             p_reused = self._p_reused(p, request)
             prompt_len = request.prompt_len - p_reused  # what P still computes
             t.cached = {"p_cached": p_reused, "d_cached": d_cached}
             t.p_sent, t.p_sent_wall = time.monotonic(), time.time()
             p.acquire(prompt_len)
-            d.acquire()  # reserved now, so a burst spreads over D before any decode leg starts
+            if d is not None:  # reserved now, so a burst spreads over D before any leg starts
+                d.acquire()
             reserved = False
             try:
                 out = await self._prefill_leg(p, body, f"{rid}-p{attempt}")
@@ -254,7 +260,7 @@ class Flow:
                 raise
             finally:
                 p.release(prompt_len)
-                if not reserved:
+                if not reserved and d is not None:
                     d.release()
             self.registry.succeeded(p)
             self.metrics.cached_predicted.labels(Pool.PREFILL.value, p.url).inc(p_reused)
@@ -263,13 +269,14 @@ class Flow:
             # P always stops at "length" (max_tokens 1); the request itself ends at t1 only on a
             # stop token, a budget of one token, or a full context.
             reason = out.finish_reason
-            done = reason == "stop" or (reason == "length" and (
-                legs.max_tokens == 1 or (self.max_model_len is not None
-                                         and len(out.prompt_ids) + 1 >= self.max_model_len)))
+            done = d is None or reason == "stop" or (
+                reason == "length" and self.max_model_len is not None
+                and len(out.prompt_ids) + 1 >= self.max_model_len)
             if tr is not None:
                 tr.via.received(tr, out.body)
             if done:
-                d.release()
+                if d is not None:
+                    d.release()
                 abandon(tr, early)  # KV was sent for a decode leg that will never come
             return Prefilled(
                 prompt_ids=out.prompt_ids, t1_text=out.text, t1_ids=out.token_ids,

@@ -7,16 +7,21 @@ failure paths down exactly."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
 import pytest
 from aiohttp import web
 
 from splitserve.common.vocab import Pool
+from splitserve.router.config import RouterConfig
+from splitserve.router.endpoints import choose_mode
 from splitserve.router.failures import UpstreamError
 from splitserve.router.flow import Flow
 from splitserve.router.params import plan_legs
-from splitserve.router.policy import Overloaded
+from splitserve.router.policy import NoWorker, Overloaded
+from splitserve.router.registry import Registry
+from splitserve.router.state import RouterState
 from splitserve.router.timings import Timings
 from tests.support.scripted import (
     PREFILL_OK,
@@ -163,6 +168,18 @@ async def test_request_ending_at_t1_needs_no_decode_and_moves_no_kv() -> None:
         assert pre.decode is None and pre.finish_reason == "length" and not pre.reserved
         assert all(w.inflight == 0 for w in flow.registry.workers.values())
         assert "kv_transfer_params" not in bodies[-1]
+        for w in flow.registry.routable(Pool.DECODE):  # no D in rotation: it needs none
+            w.draining = True
+        t = Timings()
+        plan = flow.plan(one)
+        assert plan.decode is None and not plan.local
+        pre = await flow.prefill(one, "rid", t, plan)
+        assert pre.decode is None and pre.t1_ids == [10] and t.decode_url is None
+        with pytest.raises(NoWorker):  # a request of more tokens does need a D
+            flow.plan(plan_legs({"model": "m", "prompt": "x", "max_tokens": 2}, "completion",
+                                "x"))
+        for w in flow.registry.workers.values():
+            w.draining = False
         more = plan_legs({"model": "m", "prompt": "x", "max_tokens": 4}, "completion", "x")
         pre = await flow.prefill(more, "rid", Timings())
         kv = bodies[-1]["kv_transfer_params"]
@@ -325,3 +342,20 @@ async def test_backpressure_is_429_and_only_connection_failures_trip_the_breaker
             by_url[urls["p2"]].draining = True
             with pytest.raises(Overloaded):
                 await flow.prefill(legs, "rid", Timings())
+
+
+def test_a_request_of_one_token_needs_a_p_and_no_d() -> None:
+    """With every D out of rotation, a request of one token is still split (P's alone); one
+    of more tokens has no worker."""
+    cfg = RouterConfig(prefill=("http://127.0.0.1:1",), decode=("http://127.0.0.1:2",))
+    reg = Registry(cfg)
+    for w in reg.all():
+        w.health.healthy = True
+    for w in reg.routable(Pool.DECODE):
+        w.draining = True
+    st = cast(RouterState, SimpleNamespace(registry=reg, cfg=cfg))
+    chat = {"messages": [{"role": "user", "content": "x"}]}
+    assert choose_mode(st, {"prompt": "x", "max_tokens": 1}, "completion") == "split"
+    assert choose_mode(st, {**chat, "max_completion_tokens": 1}, "chat") == "split"
+    with pytest.raises(NoWorker):
+        choose_mode(st, {"prompt": "x", "max_tokens": 2}, "completion")
