@@ -21,7 +21,8 @@ import asyncio
 import json
 import math
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -186,6 +187,8 @@ async def send_one(client: httpx.AsyncClient, cfg: ClientConfig, model: str, req
                 return
             async for line in resp.aiter_lines():
                 now = time.perf_counter() - t0
+                if done:  # read to the body's end, so the connection goes back to the pool
+                    continue
                 if line.startswith(":"):
                     _absorb_comment(rec, line)
                     continue
@@ -193,16 +196,16 @@ async def send_one(client: httpx.AsyncClient, cfg: ClientConfig, model: str, req
                     continue
                 payload = line[5:].strip()
                 if payload == "[DONE]":
-                    done = True
-                    break
+                    done, rec.end_s = True, now
+                    continue
                 _absorb_chunk(rec, json.loads(payload), now)
-    except httpx.TimeoutException as exc:
-        rec.error_cause, rec.error = "timeout", repr(exc)
-    except httpx.ConnectError as exc:
-        rec.error_cause, rec.error = "connect", repr(exc)
     except (httpx.HTTPError, json.JSONDecodeError) as exc:
-        rec.error_cause, rec.error = "stream", repr(exc)
-    rec.end_s = time.perf_counter() - t0
+        if not done:  # past [DONE] the answer is whole: only its connection is lost
+            rec.error_cause = ("timeout" if isinstance(exc, httpx.TimeoutException) else
+                               "connect" if isinstance(exc, httpx.ConnectError) else "stream")
+            rec.error = repr(exc)
+    if not done:
+        rec.end_s = time.perf_counter() - t0
     if rec.error_cause is None and not rec.chunk_times:
         rec.error_cause, rec.error = "empty", "stream ended without any token"
     elif rec.error_cause is None and not done:
@@ -220,6 +223,22 @@ def new_record(req: Request, keep_output: bool = False, keep_prompt: bool = Fals
                          output_token_ids=[] if keep_output else None)
 
 
+@asynccontextmanager
+async def http_client(cfg: ClientConfig, given: httpx.AsyncClient | None = None,
+                      transport: httpx.AsyncBaseTransport | None = None
+                      ) -> AsyncIterator[httpx.AsyncClient]:
+    """`given` when there is one (the caller's, left open), else a run's own client: no cap on
+    connections, `cfg`'s timeouts, closed on exit. One client for the warm-up and the run
+    means the run's first requests go over the warm-up's connections."""
+    if given is not None:
+        yield given
+        return
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    timeout = httpx.Timeout(cfg.timeout_s, connect=30.0, read=cfg.read_timeout_s)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits, transport=transport) as client:
+        yield client
+
+
 async def warm_up(client: httpx.AsyncClient, cfg: ClientConfig, warmup: list[Request]) -> str:
     """Resolve the model name and send the `warmup` requests (awaited, not recorded)."""
     model = await resolve_model(client, cfg)
@@ -231,15 +250,15 @@ async def warm_up(client: httpx.AsyncClient, cfg: ClientConfig, warmup: list[Req
 async def run_stream(cfg: ClientConfig, requests: list[Request],
                      max_concurrency: int | None = None,
                      on_done: Callable[[RequestRecord], None] | None = None,
+                     http: httpx.AsyncClient | None = None,
                      ) -> tuple[list[RequestRecord], float]:
-    """Send `requests` at their arrival offsets (a warm-up is the caller's: `warm_up`).
+    """Send `requests` at their arrival offsets (a warm-up is the caller's: `warm_up`), over
+    `http` when given (see `http_client`).
 
     Returns the records of the measured requests (in stream order) and the run's duration in
     seconds: from the first scheduled send to the last response's end (the tail drain included).
     """
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    timeout = httpx.Timeout(cfg.timeout_s, connect=30.0, read=cfg.read_timeout_s)
-    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+    async with http_client(cfg, http) as client:
         model = await resolve_model(client, cfg)
         sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
         keep = cfg.save_token_ids

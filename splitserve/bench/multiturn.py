@@ -34,6 +34,7 @@ import numpy as np
 from splitserve.bench.client import (
     ClientConfig,
     RequestRecord,
+    http_client,
     new_record,
     resolve_model,
     send_one,
@@ -102,13 +103,15 @@ def _skipped(req: Request, at: float) -> RequestRecord:
 async def run_sessions(cfg: ClientConfig, spec: WorkloadSpec, plan: list[Request],
                        on_done: Callable[[RequestRecord], None] | None = None,
                        transport: httpx.AsyncBaseTransport | None = None,
+                       http: httpx.AsyncClient | None = None,
                        ) -> tuple[list[RequestRecord], float, IdealReuse]:
     """Run `plan`'s sessions closed-loop (see the module docstring).
 
     Returns the records in plan order (each turn's record keeps the answer's token ids; its
     prompt's too when `cfg.save_token_ids`), the run's duration in seconds (first session start
     to the last response's end), and the ideal reuse of the prompts sent, in send order.
-    `transport`: httpx's (tests script a server with it)."""
+    Over `http` when given (see `client.http_client`); `transport`: httpx's for a client of
+    its own (tests script a server with it)."""
     if not cfg.vllm_extras:
         raise ValueError("the multiturn workload needs the answers' token ids: vLLM's "
                          "return_token_ids (do not pass --no-vllm-extras)")
@@ -118,11 +121,9 @@ async def run_sessions(cfg: ClientConfig, spec: WorkloadSpec, plan: list[Request
         by_session.setdefault(int(r.session or 0), []).append(r)
     records: dict[int, RequestRecord] = {}
     sent: list[tuple[float, tuple[int, ...], list[int]]] = []
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    timeout = httpx.Timeout(cfg.timeout_s, connect=30.0, read=cfg.read_timeout_s)
     cap = spec.arrival.max_concurrency
     sem = asyncio.Semaphore(cap) if cap else None
-    async with httpx.AsyncClient(timeout=timeout, limits=limits, transport=transport) as client:
+    async with http_client(cfg, http, transport) as client:
         model = await resolve_model(client, cfg)
         t0 = time.perf_counter()
 

@@ -44,6 +44,7 @@ from splitserve.bench.client import (
     BusySampler,
     ClientConfig,
     RequestRecord,
+    http_client,
     run_stream,
     spec_rates,
     warm_up,
@@ -88,10 +89,19 @@ async def run_once(client: ClientConfig, spec: WorkloadSpec, system: str,
                    opts: RunOptions, progress: ProgressFactory | None = None) -> dict[str, Any]:
     """Send `spec`'s stream to `client.url` once and return its result dict."""
     requests, warmup = build_stream(spec), build_warmup(spec)
-    timeout = httpx.Timeout(client.timeout_s, connect=30.0, read=client.read_timeout_s)
-    async with httpx.AsyncClient(timeout=timeout) as http:
+    async with http_client(client) as http:  # the run goes over the warm-up's connections
         model = await warm_up(http, client, warmup)  # before the counters: not in the result
-    client = replace(client, model=model)
+        client = replace(client, model=model)
+        return await _measure(client, spec, requests, system, deployment, worker_metrics, opts,
+                              progress, http)
+
+
+async def _measure(client: ClientConfig, spec: WorkloadSpec, requests: list[Request],
+                   system: str, deployment: dict[str, Any], worker_metrics: dict[str, str],
+                   opts: RunOptions, progress: ProgressFactory | None, http: httpx.AsyncClient
+                   ) -> dict[str, Any]:
+    """`run_once` after its warm-up: the counters before, the run over `http`, the counters
+    after, and the result."""
     on_done = progress(system, len(requests)) if progress else None
     sources_before = await read_prompt_sources(worker_metrics, opts.worker_token)
     router_before = await read_router_counters(client.url, client.api_key)
@@ -102,10 +112,11 @@ async def run_once(client: ClientConfig, spec: WorkloadSpec, system: str,
         if spec.source == "multiturn":
             from splitserve.bench.multiturn import run_sessions
 
-            records, duration, ideal = await run_sessions(client, spec, requests, on_done)
+            records, duration, ideal = await run_sessions(client, spec, requests, on_done,
+                                                          http=http)
         else:
             records, duration = await run_stream(client, requests,
-                                                 spec.arrival.max_concurrency, on_done)
+                                                 spec.arrival.max_concurrency, on_done, http)
             ideal = stream_ideal_reuse(spec, requests)
     finally:
         busy = await sampler.stop()
@@ -128,7 +139,7 @@ async def run_once(client: ClientConfig, spec: WorkloadSpec, system: str,
         total = {k: sum(w[k] for w in drafting.values())
                  for k in ("drafts", "draft_tokens", "accepted_tokens")}
         result |= {f"spec_{k}": v for k, v in (total | spec_rates(total)).items()}
-    result["run_sheet"] = run_sheet(spec, requests, model, deployment)
+    result["run_sheet"] = run_sheet(spec, requests, client.model, deployment)
     result["requests"] = [r.to_dict() for r in records]
     return result
 

@@ -1,5 +1,6 @@
 """`run_once`'s accounting against a scripted OpenAI endpoint that counts like splitserve's
-router: the counters of a run cover its measured requests, never its warm-up."""
+router: the counters of a run cover its measured requests, never its warm-up, and the run goes
+over the warm-up's connections."""
 
 from __future__ import annotations
 
@@ -14,10 +15,13 @@ from splitserve.bench.workload import ArrivalSpec, LengthDist, WorkloadSpec
 
 async def test_the_warm_up_is_sent_before_the_counters_are_read() -> None:
     served: list[int] = []  # max_tokens of each completion, in arrival order
+    peers: list[int] = []  # the client's port of each completion's connection
 
     async def completions(req: web.Request) -> web.StreamResponse:
         body = await req.json()
         served.append(body["max_tokens"])
+        assert req.transport is not None
+        peers.append(req.transport.get_extra_info("peername")[1])
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(req)
         for t in range(body["max_tokens"]):
@@ -52,5 +56,6 @@ async def test_the_warm_up_is_sent_before_the_counters_are_read() -> None:
     finally:
         await runner.cleanup()
     assert served == [8, 8, 4, 4, 4]  # the two warm-up requests first (8 tokens each)
+    assert peers[2] in peers[:2]  # the first measured request opened no connection
     assert result["completed"] == 3
     assert (result["kv_transfers"], result["kv_bytes_moved"]) == (3, 300)
