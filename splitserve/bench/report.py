@@ -50,8 +50,12 @@ TABLE_ROWS: tuple[tuple[str, str], ...] = (
     ("spec_acceptance_rate", "draft acceptance rate"),
     ("spec_accepted_per_draft", "accepted tokens per draft"),
     ("slo_attainment", "SLO attainment"), ("request_goodput", "goodput req/s"),
-    ("distserve_goodput", "DistServe goodput req/s"),
 )
+
+
+def rate_unit(result: dict[str, Any]) -> str:
+    """The unit of a swept result's rates and DistServe goodput (`WorkloadSpec.rate_unit`)."""
+    return str((result.get("sweep") or {}).get("rate_unit", "req/s"))
 
 
 def fmt(v: Any) -> str:
@@ -65,6 +69,10 @@ def fmt(v: Any) -> str:
 def table_rows(results: Mapping[str, dict[str, Any]]) -> list[list[str]]:
     rows = [[label] + [fmt(r.get(key)) for r in results.values()]
             for key, label in TABLE_ROWS if any(r.get(key) is not None for r in results.values())]
+    if any(r.get("distserve_goodput") is not None for r in results.values()):
+        rows.append(["DistServe goodput"] + [
+            "–" if r.get("distserve_goodput") is None
+            else f"{fmt(r['distserve_goodput'])} {rate_unit(r)}" for r in results.values()])
     if any(r.get("itl_interference_long_prompts") for r in results.values()):
         rows.append(["ITL gaps during / outside long prefill"] + [
             f"{r.get('itl_interference_during_count', '–')} / "
@@ -220,7 +228,7 @@ def plot_attainment(results: Mapping[str, dict[str, Any]], path: Path) -> Path:
         if g is not None:
             ax.axvline(g, ls=":", alpha=0.6)
     ax.axhline(0.9, color="grey", ls="--", lw=1, label="90 %")
-    ax.set_xlabel("request rate (req/s)")
+    ax.set_xlabel(f"rate ({' or '.join(sorted({rate_unit(r) for r in results.values()}))})")
     ax.set_ylabel("SLO attainment")
     ax.set_ylim(0, 1.05)
     ax.legend(fontsize=8)

@@ -192,7 +192,7 @@ async def run_sweep(client: ClientConfig, spec: WorkloadSpec, system: str,
     if opts.total_cores and goodput["value"] is not None:
         goodput["per_core"] = goodput["value"] / opts.total_cores
     last["system"] = system
-    last["sweep"] = {"points": points, "distserve_goodput": goodput}
+    last["sweep"] = {"points": points, "distserve_goodput": goodput, "rate_unit": spec.rate_unit}
     last["distserve_goodput"] = goodput["value"]
     return last
 

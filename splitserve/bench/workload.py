@@ -221,6 +221,12 @@ class WorkloadSpec:
                     "needs an open-loop arrival (--request-rate)")
         return None
 
+    @property
+    def rate_unit(self) -> str:
+        """What `with_rate`'s rate counts: session starts for `multiturn` (each session sends
+        its turns as its answers come), requests for the others."""
+        return "sessions/s" if self.source == "multiturn" else "req/s"
+
     def with_rate(self, rate: float) -> WorkloadSpec:
         """The same workload at another request rate (for a rate sweep). For `interference`
         the rate is that of the short requests; the long-prompt period is unchanged; for

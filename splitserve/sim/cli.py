@@ -250,7 +250,8 @@ def run_sim(args: argparse.Namespace) -> int:
                 advance(None)  # type: ignore[arg-type]
     if rates[0] is not None:
         goodput = distserve_goodput([(p["rate"], p["slo_attainment"]) for p in points])
-        res["sweep"] = {"points": points, "distserve_goodput": goodput}
+        res["sweep"] = {"points": points, "distserve_goodput": goodput,
+                        "rate_unit": spec.rate_unit}
         res["distserve_goodput"] = goodput["value"]
     if len(out.arrivals) <= MAX_RECORDS:  # per-request records for the bench report's plots
         res["requests"] = [r.to_dict() for r in request_records(out)]

@@ -90,6 +90,7 @@ def test_compare_and_sweep(plain_worker: Worker, tmp_path: Path) -> None:
     a, b = (json.loads((out / f"{n}.json").read_text()) for n in ("a", "b"))
     assert a["run_sheet"]["stream"]["digest"] == b["run_sheet"]["stream"]["digest"]
     assert [p["rate"] for p in a["sweep"]["points"]] == [10.0, 40.0]
+    assert a["sweep"]["rate_unit"] == "req/s"
     assert a["sweep"]["distserve_goodput"]["bound"] == "lower"
     assert a["distserve_goodput"] == 40.0
     assert_png(out / "attainment_vs_rate.png")

@@ -185,6 +185,17 @@ def test_cache_figures_the_servers_report() -> None:
     assert rows["prompt tokens computed / cache-hit / loaded (per worker)"] == "100 / 64 / 16"
 
 
+def test_a_multiturn_rate_counts_session_starts_where_it_is_reported() -> None:
+    from splitserve.bench.report import table_rows
+
+    assert SPEC.rate_unit == "sessions/s" and WorkloadSpec().rate_unit == "req/s"
+    swept = {"mt": {"distserve_goodput": 0.5, "sweep": {"rate_unit": "sessions/s"}},
+             "syn": {"distserve_goodput": 4.0, "sweep": {"rate_unit": "req/s"}},
+             "one": {}}
+    rows = {row[0]: row[1:] for row in table_rows(swept)}
+    assert rows["DistServe goodput"] == ["0.500 sessions/s", "4.000 req/s", "–"]
+
+
 def test_requests_carry_their_session() -> None:
     r = Request(0, 0.0, (1, 2), 3, session=4, turn=1)
     from splitserve.bench.client import new_record

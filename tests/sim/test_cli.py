@@ -76,6 +76,7 @@ def test_sim_rate_sweep_reports_distserve_goodput(tmp_path: Path) -> None:
     att = [p["slo_attainment"] for p in pts]
     assert att[0] >= 0.9 > att[-1]  # one worker meets the SLO at 1 req/s, not at 64
     g = res["sweep"]["distserve_goodput"]
+    assert res["sweep"]["rate_unit"] == "req/s"
     assert g["bound"] == "interpolated" and g["bracket"][0] < g["value"] < g["bracket"][1]
 
 
