@@ -223,8 +223,12 @@ class RayDeployment(LauncherBackend):
             router_opts.update(pinned)
         self.routers = [ray.remote(RouterHost).options(name=name, **router_opts).remote(
             cfg, self.names["directory"], i) for i, name in enumerate(self.router_names)]
-        self._urls = tuple(ray.get([r.start.remote(cfg.startup_timeout_s)
-                                    for r in self.routers]))
+        starts = [r.start.remote(cfg.startup_timeout_s) for r in self.routers]
+        waiting = list(starts)
+        while waiting:  # the first router to fail ends the start, whatever its place
+            done, waiting = ray.wait(waiting, num_returns=1)
+            ray.get(done)
+        self._urls = tuple(ray.get(starts))
         self.startup_s["ready"] = time.monotonic() - t0
 
     def workers(self) -> list[dict[str, Any]]:

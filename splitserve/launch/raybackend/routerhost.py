@@ -6,7 +6,8 @@ Invariants:
 - Every second the host reads the directory's live workers and the router's `/workers`:
   a worker Ray placed and the router lacks is added (`POST /admin/workers`); one that is
   draining or gone from Ray is removed (`POST /admin/workers/remove`, which takes it out of
-  rotation at once and waits for its open legs), then reported `released` to the directory.
+  rotation at once and waits for its open legs), then, once the router let it go, reported
+  `released` to the directory.
   The router never holds a static URL list beyond the workers it started with.
 - The router's per-worker view (open legs, queued prompt tokens) goes to the directory on each
   round: it is P's autoscaling signal, and the directory's proof that a router is alive.
@@ -158,15 +159,21 @@ class RouterHost:
                 log.warning("router refused its peers %s: %s", peers, r.text)
 
     def _remove(self, routed: dict[str, Any], entry: dict[str, Any] | None, key: str) -> None:
+        """Remove a worker from the router; `released` only once the router let it go (200,
+        or 404: it had no such worker). A 504 (legs still open after the drain timeout) or a
+        router that did not answer leaves it held: a later round tries again, and the replica's
+        own drain deadline bounds its stop."""
         try:
             r = self.client.post(f"{self.url}/admin/workers/remove",
                                  json={"url": routed["url"], "role": routed["role"]},
                                  timeout=self.cfg.ray.drain_timeout_s + 5)
             if r.status_code not in (200, 404):
                 log.warning("router kept worker %s: %s", routed["url"], r.text)
-        finally:
-            if entry is not None:
+            elif entry is not None:
                 self.directory.released.remote(entry["replica"], self.url)
+        except httpx.HTTPError as exc:
+            log.warning("router did not answer the removal of %s: %r", routed["url"], exc)
+        finally:
             self.removing.discard(key)
 
     def stop(self) -> None:
