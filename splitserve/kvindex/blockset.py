@@ -192,7 +192,7 @@ class BlockSet:
             if ev.group not in (None, 0):
                 self.lose(f"KV cache group {ev.group}: a model with several groups is not "
                           "reported")
-                return None
+                continue  # a later clear in this batch still starts an exact epoch
             try:
                 if isinstance(ev, Stored):
                     self._stored(ev, mark)
@@ -201,7 +201,6 @@ class BlockSet:
                         self._removed(h, mark)
             except _Inconsistent as exc:
                 self.lose(str(exc))
-                return None
         if not self.exact:
             return None
         stored = tuple(k for k, was in prior.items() if not was and k in self._held)

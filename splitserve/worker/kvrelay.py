@@ -246,6 +246,20 @@ class Relay:
     # -- the thread ------------------------------------------------------------------------
 
     def _run(self) -> None:
+        """Follow the engine until stopped. A failure gives the view up (it stays given up
+        until the engine clears its cache) and the relay follows again on fresh sockets a
+        second later, so that a later clear is seen."""
+        while not self._stop.is_set():
+            try:
+                self._follow()
+            except Exception as exc:  # the view cannot follow the engine on these sockets
+                if self._stop.is_set():
+                    return
+                log.exception("KV event relay failed; following again in 1 s")
+                self._lose(self.expected, f"the relay failed: {exc}")
+                self._stop.wait(1.0)
+
+    def _follow(self) -> None:
         assert self._ctx is not None and self.pub is not None
         sub = self._ctx.socket(zmq.SUB)
         try:
@@ -264,10 +278,6 @@ class Relay:
                 elif time.monotonic() - quiet_since >= self.probe_s:
                     self._catch_up()
                     quiet_since = time.monotonic()
-        except Exception as exc:  # the view cannot follow the engine any more
-            if not self._stop.is_set():
-                log.exception("KV event relay failed")
-                self._lose(self.expected, f"the relay failed: {exc}")
         finally:
             sub.close(linger=0)
 
@@ -321,7 +331,11 @@ class Relay:
             return
         with self.lock:
             before = (self.blocks.epoch, self.blocks.seq)
-            self.blocks.apply(events)
+            try:
+                self.blocks.apply(events)
+            except Exception as exc:  # a batch out of shape: the view can no longer vouch
+                log.warning("engine batch %d not applied: %r", seq, exc)
+                self.blocks.lose(f"engine batch {seq} not applied: {exc!r}")
             changed = (self.blocks.epoch, self.blocks.seq) != before
             self.expected = seq + 1
             self.batches += 1

@@ -21,6 +21,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -70,13 +71,16 @@ _HANDED_OUT: deque[int] = deque(maxlen=512)
 
 
 def free_port(host: str = "127.0.0.1", count: int = 1) -> int:
-    """A port that is free now (the first of `count` consecutive free ones), chosen below the
-    kernel's ephemeral range: the OS hands ports in that range to outgoing connections, which
-    could take ours before the worker binds it."""
-    low = _ephemeral_low()
+    """A port that is free now (the first of `count` consecutive free ones), chosen outside the
+    kernel's ephemeral range (below it, else above it when it starts near 1024): the OS hands
+    ports in that range to outgoing connections, which could take ours before the worker binds
+    it."""
+    low, high = _ephemeral_range()
+    spans = [(lo, hi) for lo, hi in ((max(1024, low - 12000), low - count + 1),
+                                     (high + 1, 65536 - count + 1)) if hi > lo]
     rng = random.SystemRandom()
-    for _ in range(200):
-        port = rng.randrange(max(1024, low - 12000), low - count + 1)
+    for _ in range(200 if spans else 0):
+        port = rng.randrange(*spans[0])
         ports = range(port, port + count)
         if any(p in _HANDED_OUT for p in ports):  # given to an earlier caller not bound yet
             continue
@@ -223,12 +227,15 @@ def _latent(model_dir: str) -> bool:
         return False
 
 
-def _ephemeral_low() -> int:
+def _ephemeral_range() -> tuple[int, int]:
+    """The kernel's ephemeral port range (first, last); Linux's default where it cannot be
+    read."""
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            return int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
+            low, high = f.read().split()[:2]
+            return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
 
 
 def worker_command(cfg: WorkerConfig, token: str | None) -> tuple[list[str], dict[str, str]]:
@@ -339,18 +346,43 @@ def child_preexec(cpus: tuple[int, ...] | None) -> Callable[[], None]:
     return setup
 
 
+class WorkerProcess(subprocess.Popen[bytes]):
+    """A worker's leader process (`start_worker`). Its private directory (`worker_command`) is
+    removed once the leader is reaped, by whichever of `wait` and `poll` sees it exit: every
+    owner, however it stops or kills the group, leaves nothing behind."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], **popen: Any) -> None:
+        self.worker_env = env
+        super().__init__(argv, env=env, **popen)
+
+    def poll(self) -> int | None:
+        code = super().poll()
+        if code is not None:
+            remove_worker_dir(self.worker_env)
+        return code
+
+    def wait(self, timeout: float | None = None) -> int:
+        code = super().wait(timeout)
+        remove_worker_dir(self.worker_env)
+        return code
+
+
 def start_worker(cfg: WorkerConfig, token: str | None, log_path: str | None = None,
-                 extra_env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-    """Start `cfg`'s worker (`worker_command`), its environment plus `extra_env`."""
+                 extra_env: dict[str, str] | None = None) -> WorkerProcess:
+    """Start `cfg`'s worker (`worker_command`), its environment plus `extra_env`; a start that
+    fails leaves no private directory."""
     argv, env = worker_command(cfg, token)
     env.update(extra_env or {})
-    out = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115
     cpus = cfg.cpus
     preexec = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
-    return subprocess.Popen(
-        argv, env=env, stdout=out, stderr=subprocess.STDOUT, preexec_fn=preexec,
-        start_new_session=True,
-    )
+    try:
+        with open(log_path or os.devnull, "ab") as out:  # the child holds its own copy
+            proc = WorkerProcess(argv, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                 preexec_fn=preexec, start_new_session=True)
+    except BaseException:
+        remove_worker_dir(env)
+        raise
+    return proc
 
 
 def wait_healthy(url: str, proc: subprocess.Popen[bytes] | None = None,

@@ -211,21 +211,24 @@ def _attach_kv_routes(app: FastAPI, report: KvReport) -> None:
 
 
 class TokenGuard:
-    """ASGI middleware: every HTTP request must carry the deployment token (constant-time check);
-    anything else gets 401 with an OpenAI-style body before it reaches vLLM."""
+    """ASGI middleware: every HTTP request and WebSocket must carry the deployment token
+    (constant-time check). An HTTP request without it gets 401 with an OpenAI-style body, a
+    WebSocket is closed with 1008 (policy violation), before either reaches vLLM."""
 
     def __init__(self, app: ASGIApp, token: str) -> None:
         self.app = app
         self.expected = hashlib.sha256(f"Bearer {token}".encode()).digest()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http":
+        if scope["type"] in ("http", "websocket"):
             given = Headers(scope=scope).get("authorization", "")
             if not hmac.compare_digest(hashlib.sha256(given.encode()).digest(), self.expected):
-                denied = JSONResponse({"error": {
-                    "message": "this worker requires the deployment token",
-                    "type": "authentication_error", "param": None, "code": 401}}, 401)
-                await denied(scope, receive, send)
+                if scope["type"] == "websocket":
+                    await send({"type": "websocket.close", "code": 1008,
+                                "reason": "this worker requires the deployment token"})
+                    return
+                await _error("this worker requires the deployment token",
+                             "authentication_error", 401)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -277,8 +280,9 @@ def _attach_connector_routes(app: FastAPI, listeners: RankListeners, kv: KvRepor
         """Free staged KV no decode request will claim (or refuse its push if not begun),
         on every rank: `{"discarded": true}` if any rank held some."""
         def respond(answers: list[dict[str, Any]]) -> JSONResponse:
-            if "error" in answers[0]:
-                return JSONResponse(answers[0])
+            if "error" in answers[0]:  # e.g. a P: no staged KV to discard
+                return _error(f"cannot discard {transfer_id}: {answers[0]['error']}",
+                              "invalid_request_error", 409)
             return JSONResponse({"discarded": any(a.get("discarded") for a in answers)})
 
         return await ask_connector(Query("discard", transfer_id), respond)
@@ -340,7 +344,8 @@ def _with_kv(info: WorkerInfo, kv: KvReport | None) -> WorkerInfo:
 
 def _error(message: str, kind: str, code: int) -> JSONResponse:
     """An OpenAI-style error body with its HTTP status."""
-    return JSONResponse({"error": {"message": message, "type": kind, "code": code}}, code)
+    return JSONResponse({"error": {"message": message, "type": kind, "param": None,
+                                   "code": code}}, code)
 
 
 def _attach_metrics(app: FastAPI, *collectors: Any) -> None:

@@ -165,7 +165,7 @@ def test_staging_full_is_refused_before_any_kv_moves(llama_ckpt: Path,
 
 
 def test_internal_routes_require_the_token(llama_pair: tuple[Worker, Worker]) -> None:
-    _, d = llama_pair
+    p, d = llama_pair
     # every HTTP path of a worker holding a token, vLLM's own included
     for path in ("/splitserve/info", "/splitserve/state", "/splitserve/transfers/x",
                  "/splitserve/load", "/metrics", "/health", "/v1/models", "/version"):
@@ -182,3 +182,6 @@ def test_internal_routes_require_the_token(llama_pair: tuple[Worker, Worker]) ->
     load = httpx.get(f"{d.url}/splitserve/load", headers=auth_headers(), timeout=5).json()
     assert set(load) == {"kv_usage", "running", "waiting"}
     assert WorkerLoad.from_json(load) == parse_gauges(metrics)
+    # P stages nothing: discarding there is refused, with an OpenAI-style error
+    r = httpx.delete(f"{p.url}/splitserve/transfers/x", headers=auth_headers(), timeout=5)
+    assert r.status_code == 409 and r.json()["error"]["type"] == "invalid_request_error"

@@ -152,6 +152,10 @@ def test_a_contradiction_gives_the_view_up_until_the_engine_clears(bad: EngineEv
     snap = s.snapshot()
     assert snap.exact and snap.epoch not in (epoch,) and snap.seq == 1
     assert set(snap.keys) == set(prefix_keys(A, BS))
+    # the contradiction and the engine's clear in one batch: exact again from the clear on
+    s.apply([bad, stored(B), Cleared(), stored(A)])
+    snap = s.snapshot()
+    assert snap.exact and set(snap.keys) == set(prefix_keys(A, BS))
 
 
 def test_lose_says_why_and_starts_a_new_epoch() -> None:

@@ -261,3 +261,15 @@ async def test_a_relay_that_does_not_report_says_why() -> None:
     with pytest.raises(Gone):
         await relay.events(0, wait_s=1)
     relay.stop()
+
+
+async def test_a_batch_the_view_cannot_apply_gives_it_up_and_the_relay_follows_on(
+        engine: FakeEngine, start_relay: Callable[..., Relay]) -> None:
+    relay = start_relay(probe_s=60)
+    await subscribed(engine, relay)
+    engine.publish(stored(A, token_ids=["x"] * len(A)))  # decodes, but keys no block
+    await until(lambda: not relay.snapshot().exact)
+    assert "not applied" in str(relay.snapshot().reason)
+    engine.publish({"type": "AllBlocksCleared"}, stored(B))
+    await until(lambda: relay.snapshot().exact)
+    assert set(relay.snapshot().keys) == set(prefix_keys(B, BS))
