@@ -35,6 +35,7 @@ from splitserve.sim.cli_args import (
     cache_block_tokens,
     cli_profile,
     model_path,
+    refusing_bad_input,
     transport_for,
 )
 from splitserve.sim.deployment import MODES, POLICIES, SimConfig
@@ -165,6 +166,7 @@ def _measured(args: argparse.Namespace) -> Profile:
                                                                       total=total))
 
 
+@refusing_bad_input("profile")
 def run_profile(args: argparse.Namespace) -> int:
     if args.mooncake_probe:
         from splitserve.worker.kv_transfer import check_mooncake_installed
@@ -218,6 +220,7 @@ def _decode_profile(args: argparse.Namespace) -> Profile | None:
         profile=args.decode_profile, accept_profile_mismatch=args.accept_profile_mismatch))
 
 
+@refusing_bad_input("sim")
 def run_sim(args: argparse.Namespace) -> int:
     from splitserve.sim.records import MAX_RECORDS, request_records
     from splitserve.sim.results import summarize

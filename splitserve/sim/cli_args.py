@@ -4,10 +4,35 @@
 from __future__ import annotations
 
 import argparse
+import functools
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from splitserve.sim.deployment import CONNECTORS
 from splitserve.sim.model import Profile, load_profile
+
+Command = Callable[[argparse.Namespace], int]
+
+
+def refusing_bad_input(name: str) -> Callable[[Command], Command]:
+    """A command (`name`: `sim`, `plan`, ...) whose bad input (a ValueError: an invalid
+    option or workload; an OSError: a file it cannot read) ends in one line on stderr,
+    `splitserve NAME: message`, and exit status 2, as argparse's own errors do, not in a
+    traceback."""
+
+    def wrap(run: Command) -> Command:
+        @functools.wraps(run)
+        def refusing(args: argparse.Namespace) -> int:
+            try:
+                return run(args)
+            except (ValueError, OSError) as exc:
+                print(f"splitserve {name}: {exc}", file=sys.stderr)
+                return 2
+
+        return refusing
+
+    return wrap
 
 
 def installed_engine() -> str | None:

@@ -98,9 +98,13 @@ class Comparison:
 def compare(profile: Profile, spec: WorkloadSpec, req: PlanRequest,
             links: dict[str, str]) -> Comparison:
     """Plan `req` once per connector in `links` (connector → the profile's transport it uses),
-    without split costs."""
+    without split costs. ValueError for fewer than two connectors, or a worker budget with no
+    P:D (`req.workers` < 2) to compare them on."""
     if len(links) < 2:
         raise ValueError("comparing connectors needs two of them")
+    if req.workers < 2:
+        raise ValueError("comparing connectors needs a worker budget >= 2 (a P and a D), "
+                         f"got {req.workers}")
     out = []
     for connector, transport in links.items():
         link = profile.link(transport)

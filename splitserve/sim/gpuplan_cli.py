@@ -24,6 +24,21 @@ from splitserve.sim.gpuplan import GpuPlan, GpuPlanner, GpuPlanRequest, Rung, Sh
 from splitserve.sim.model import Profile
 
 TPS = (1, 2, 4, 8)
+# the plan's options that `--gpus` does not take: (dest, its default, the flag)
+NOT_WITH_GPUS = (
+    ("connector", "splitserve", "--connector"), ("transport", None, "--transport"),
+    ("no_overlap", False, "--no-overlap"), ("pull_request_ms", 0.0, "--pull-request-ms"),
+    ("token_budget", None, "--token-budget"))
+
+
+def check_gpu_options(args: argparse.Namespace) -> None:
+    """ValueError when `args` gives an option `--gpus` does not take (`NOT_WITH_GPUS`, at other
+    than its default): its candidates run splitserve's connector, overlapped, over the
+    profiles' rdma link (else tcp) at each profile's token budget."""
+    given = [flag for dest, default, flag in NOT_WITH_GPUS if getattr(args, dest) != default]
+    if given:
+        raise ValueError(f"--gpus plans splitserve's connector over the profiles' rdma (else "
+                         f"tcp) link at their own token budgets; it takes no {', '.join(given)}")
 
 
 def plan_profiles(args: argparse.Namespace) -> dict[int, Profile]:
@@ -186,11 +201,16 @@ def plan_json(plan: GpuPlan, rungs: list[Rung], verdict: str | None, model_flag:
 
 def run_gpu_plan(args: argparse.Namespace, progress: Callable[[str, int], Callable[[], None]]
                  ) -> dict[str, Any]:
-    """The whole command: plan, ladder, print, write; returns the JSON it wrote."""
+    """The whole command: plan, ladder, print, write; returns the JSON it wrote. ValueError
+    for an option `--gpus` does not take (`check_gpu_options`) or a workload the simulator
+    does not replay (`check_open_loop`), before any profile is made."""
     from splitserve.bench.cli import spec_from_args
+    from splitserve.sim.workload import check_open_loop
 
-    plan, rungs, verdict = plan_and_ladder(plan_profiles(args), spec_from_args(args), args,
-                                           progress)
+    check_gpu_options(args)
+    spec = spec_from_args(args)
+    check_open_loop(spec)
+    plan, rungs, verdict = plan_and_ladder(plan_profiles(args), spec, args, progress)
     model_flag = f"--model {args.model_config}" if args.model_config else "--model MODEL"
     print_gpu_plan(plan, rungs, verdict, model_flag)
     out = Path(args.out_dir)

@@ -13,9 +13,16 @@ from pathlib import Path
 
 from splitserve.bench.cli import add_workload_arguments, spec_from_args
 from splitserve.bench.metrics import SLO
-from splitserve.sim.cli_args import add_connector_args, add_profile_arg, cli_profile, transport_for
+from splitserve.sim.cli_args import (
+    add_connector_args,
+    add_profile_arg,
+    cli_profile,
+    refusing_bad_input,
+    transport_for,
+)
 
 
+@refusing_bad_input("plan")
 def run_plan(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
@@ -45,10 +52,7 @@ def run_plan(args: argparse.Namespace) -> int:
         raise SystemExit("splitserve plan needs --workers N (a measured profile's workers) or "
                          "--gpus N (TP per pool, analytic or measured profiles)")
     prof, spec = cli_profile(args), spec_from_args(args)
-    try:
-        check_plannable(spec)
-    except ValueError as exc:
-        raise SystemExit(f"splitserve plan: {exc}") from None
+    check_plannable(spec)
     connector = "splitserve" if args.connector == "compare" else args.connector
     req = PlanRequest(rate=spec.arrival.rate, slo=SLO(args.slo_ttft_ms, args.slo_tpot_ms),
                       workers=args.workers, target=args.target,
@@ -56,7 +60,6 @@ def run_plan(args: argparse.Namespace) -> int:
                       overlap=not args.no_overlap, pull_request_s=args.pull_request_ms / 1000,
                       chunk_budget=args.token_budget)
     out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     if args.connector == "compare":
         from splitserve.sim.connectors import compare, print_comparison
 
@@ -70,6 +73,7 @@ def run_plan(args: argparse.Namespace) -> int:
                   "measured through splitserve's connector only)")
         c = compare(prof, spec, req, links)
         print_comparison(c)
+        out.mkdir(parents=True, exist_ok=True)
         (out / "compare.json").write_text(json.dumps(c.to_dict(), indent=2))
         pngs = [plot_plan(cp.plan, out / f"plan-{cp.connector}.png") for cp in c.plans]
         print(f"wrote {out / 'compare.json'} and {', '.join(map(str, pngs))}")
@@ -82,6 +86,7 @@ def run_plan(args: argparse.Namespace) -> int:
         task = bar.add_task("plan: candidates simulated", total=len(candidate_configs(req)))
         p = plan(prof, spec, req, progress=lambda: bar.advance(task))
     print_plan(p)
+    out.mkdir(parents=True, exist_ok=True)
     (out / "plan.json").write_text(json.dumps(p.to_dict(), indent=2))
     png = plot_plan(p, out / "plan.png")
     print(f"wrote {out / 'plan.json'} and {png}")

@@ -27,7 +27,7 @@ from splitserve.sim.deployment import SimConfig
 from splitserve.sim.model import Profile
 from splitserve.sim.results import attainment, summarize
 from splitserve.sim.run import simulate
-from splitserve.sim.workload import SimWorkload, arrays_from_spec
+from splitserve.sim.workload import SimWorkload, arrays_from_spec, check_open_loop
 
 
 @dataclass(frozen=True)
@@ -167,13 +167,14 @@ def search_goodput(attain_at: Callable[[float], float], rate: float, at_rate: fl
 def check_plannable(spec: WorkloadSpec) -> None:
     """ValueError for a workload without a request rate to sweep: a trace's or Mooncake's
     timestamps, multiturn's session starts, interference's fixed long-prompt period, a closed
-    loop."""
+    loop; and for one the simulator does not replay (`check_open_loop`: a concurrency cap)."""
     if spec.source in ("interference", "trace", "mooncake", "multiturn") or (
             spec.arrival.kind == "closed"):
         what = "closed-loop" if spec.arrival.kind == "closed" else repr(spec.source)
         raise ValueError(f"planning sweeps the request rate, which a {what} workload "
                          "does not have; use a synthetic or sharegpt workload, or plan GPUs "
                          "on it (--gpus)")
+    check_open_loop(spec)
 
 
 def plan(profile: Profile, spec: WorkloadSpec, req: PlanRequest,

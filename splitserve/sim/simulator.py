@@ -122,7 +122,7 @@ class Simulation(WorkerStepping):
         self.t1, self.t2, self.finish = [nan] * n, [nan] * n, [nan] * n
         self.prefill_start, self.kv_transfer = [nan] * n, [nan] * n
         self.failed = [False] * n
-        self.decode_of, self.prefill_of = [0] * n, [0] * n
+        self.decode_of, self.prefill_of = [-1] * n, [0] * n
         self.heap: list[Event] = []
         self.seq = 0
         self.segs: list[Segment] = []
@@ -175,7 +175,8 @@ class Simulation(WorkerStepping):
         """P-worker wi finished request r's prompt at t: emit t1, then (splitserve) push the
         KV, the leg joining D at max(t1 + hop and the overlay's handover, the KV's arrival),
         or (NIXL) send the leg to D's scheduler, whose next step pulls it (`_post_read`), or
-        (Mooncake: D's leg is there already) send the whole blocks, joining D on arrival."""
+        (Mooncake: D's leg is there already) send the whole blocks, joining D on their arrival
+        but not before t1 (the router relays the stream in order: D's tokens follow t1)."""
         hop, links, out = self.cfg.router_hop_s, self.links, self.output_lens[r]
         assert links is not None, "a hand-off happens only in a disaggregated run"
         leg = None  # the request as the overlay's per-request hooks see it
@@ -203,7 +204,7 @@ class Simulation(WorkerStepping):
         self.kv_bytes[r] = nbytes = self.kvbpt * (self.prompt_lens[r] - self.d_reused[r])
         if self.replay:  # mooncake: D's leg has waited since P's; P sends its blocks now
             arrive, free = links.pull(wi, nbytes, t)
-            ready = arrive
+            ready = t1
         else:
             arrive, free = links.push(wi, nbytes, self.prefill_start[r], t)
         heapq.heappush(w.kv_release, (free, self.prompt_lens[r], r))

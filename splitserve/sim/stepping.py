@@ -57,6 +57,8 @@ class WorkerStepping(ABC):
     t1: list[float]
     t2: list[float]
     finish: list[float]
+    D: list[Worker]  # the D-workers (D-worker d is `W[npw + d]`)
+    decode_of: list[int]  # the D-worker (by number) the router gave it (-1: none)
     decode_worker: list[int]  # the worker it decoded on (-1: none)
     join_step: list[int]  # that worker's step count when it joined the batch
     segs: list[Segment]  # every decode step run, as segments
@@ -70,9 +72,13 @@ class WorkerStepping(ABC):
         """P-worker wi's step ending at t finished request r's prompt: the hand-off."""
 
     def _admit(self, wi: int, w: Worker) -> None:
-        """D-worker `w` admits its waiting legs FIFO within KV capacity and `max_seqs`."""
+        """D-worker `w` admits its waiting legs FIFO within KV capacity and `max_seqs`; a
+        prompt `w` is prefilling itself over several steps (`head_done`) holds one of the
+        `max_seqs` places, as it joins the batch when its prefill ends."""
         prompt_lens, output_lens = self.prompt_lens, self.output_lens
         cap, max_seqs = self.lim[wi].kv_capacity, self.lim[wi].max_seqs
+        if w.head_done:
+            max_seqs -= 1
         while w.waiting and w.batch < max_seqs:
             r = w.waiting[0]
             need = prompt_lens[r] + output_lens[r]
@@ -108,8 +114,12 @@ class WorkerStepping(ABC):
         overlay's work or a pulled leg's replay makes it differ), else nothing."""
         w.chunks.clear()
         if w.queue:
-            w.take_chunks(t, self.lim[wi], self.prompt_lens, self.output_lens, self.failed,
-                          self.prefill_start, self.charged)
+            dropped = w.take_chunks(t, self.lim[wi], self.prompt_lens, self.output_lens,
+                                    self.failed, self.prefill_start, self.charged)
+            if w.role == PREFILL:  # a prompt that never fits P leaves its D's leg unsent
+                for r in dropped:
+                    if (d := self.decode_of[r]) >= 0:
+                        self.D[d].load -= 1
         if w.role == PREFILL and self.overlay.active:
             self.overlay.prefilling(wi, bool(w.chunks), t)
         if w.chunks:

@@ -93,14 +93,17 @@ class Worker:
         self.replaying: list[int] = []  # the requests whose t1 replay the step in progress is
 
     def take_chunks(self, t: float, lim: Limits, prompt_lens: list[int], output_lens: list[int],
-                    failed: list[bool], prefill_start: list[float], charged: list[int]) -> None:
+                    failed: list[bool], prefill_start: list[float], charged: list[int]
+                    ) -> list[int]:
         """Fill `chunks` with the next step's prompt chunks at t, FIFO from `queue`, within the
         token budget its decodes leave, `max_seqs` and KV capacity (KV whose transfers ended
         by t is released first). A prompt starts after its prefix-cache hit (its first chunk
         begins there). A prompt that can never fit is marked in `failed` (a P takes back its
-        `charged` load); a prompt started gets its `prefill_start`; unchunked (`lim.chunked`
-        False), a prompt that does not fit the budget left waits for a step of its own."""
+        `charged` load) and returned, for the caller to undo its load elsewhere (its D's); a
+        prompt started gets its `prefill_start`; unchunked (`lim.chunked` False), a prompt that
+        does not fit the budget left waits for a step of its own."""
         chunks, rel, queue, caches = self.chunks, self.kv_release, self.queue, self.caches
+        dropped: list[int] = []
         while rel and rel[0][0] <= t:
             _, tokens, done_r = heapq.heappop(rel)
             self.kv_used -= tokens
@@ -119,6 +122,7 @@ class Worker:
                     queue.popleft()
                     failed[r] = True
                     self.load -= charged[r] if self.role == PREFILL else 1
+                    dropped.append(r)
                     continue
                 if self.kv_used + need > cap:
                     break
@@ -141,6 +145,7 @@ class Worker:
                 self.head_done = 0
             else:
                 self.head_done = done + q
+        return dropped
 
     def start_chunk_step(self, t: float) -> float:
         """Start the step that prefills `chunks` (and runs the decodes) at t: its duration (a

@@ -165,16 +165,21 @@ def _mooncake_arrays(spec: WorkloadSpec) -> SimWorkload:
                        tuple(blocks), b2)
 
 
+def check_open_loop(spec: WorkloadSpec) -> None:
+    """ValueError unless `spec` sends its requests open-loop: the simulator replays open-loop
+    arrivals only, so a closed loop or a concurrency cap is refused rather than silently
+    simulated as something else."""
+    if spec.arrival.kind == "closed" or spec.arrival.max_concurrency is not None:
+        raise ValueError("the simulator replays open-loop arrivals; closed-loop workloads and "
+                         "max_concurrency are not simulated")
+
+
 def arrays_from_spec(spec: WorkloadSpec, block_tokens: int = 128) -> SimWorkload:
     """The measured stream of `spec` as arrays (warm-up requests are not part of it), with its
     prefix identity (see the module docstring): keys of `block_tokens`-token blocks, except for
     `mooncake` (the trace's scaled block size; `block_tokens` is ignored) and `synthetic` (none).
-
-    The simulator replays open-loop arrivals only: a closed loop or a concurrency cap is refused
-    rather than silently simulated as something else."""
-    if spec.arrival.kind == "closed" or spec.arrival.max_concurrency is not None:
-        raise ValueError("the simulator replays open-loop arrivals; closed-loop workloads and "
-                         "max_concurrency are not simulated")
+    ValueError for what `check_open_loop` refuses."""
+    check_open_loop(spec)
     if block_tokens < 1:
         raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
     if spec.source == "mooncake":

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from splitserve.cli import main
 from splitserve.sim.model import load_profile, save_profile
-from tests.sim.conftest import make_profile
+from tests.sim.conftest import LINK, make_profile
 
 WORKLOAD = ["--num-prompts", "300", "--input-dist", "uniform", "--input-len", "200",
             "--input-min", "50", "--input-max", "400", "--output-len", "30",
@@ -31,13 +32,14 @@ def test_sim_writes_the_benchmark_schema(tmp_path: Path) -> None:
     assert res["sim"]["workload"]["num_requests"] == 300
 
 
-def test_sim_refuses_a_profile_from_another_vllm(tmp_path: Path) -> None:
+def test_sim_refuses_a_profile_from_another_vllm(tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
     d = make_profile().to_dict() | {"kind": "measured"}
     d["engine"]["version"] = "0.9.1"
     prof = tmp_path / "old.json"
     prof.write_text(json.dumps(d))
-    with pytest.raises(ValueError, match="0.9.1"):
-        main(["sim", "--profile", str(prof), *WORKLOAD])
+    assert main(["sim", "--profile", str(prof), *WORKLOAD]) == 2
+    assert "0.9.1" in capsys.readouterr().err
     assert main(["sim", "--profile", str(prof), "--accept-profile-mismatch", *WORKLOAD]) == 0
 
 
@@ -80,7 +82,8 @@ def test_sim_rate_sweep_reports_distserve_goodput(tmp_path: Path) -> None:
     assert g["bound"] == "interpolated" and g["bracket"][0] < g["value"] < g["bracket"][1]
 
 
-def test_sim_and_plan_refuse_rates_a_workload_does_not_have(tmp_path: Path) -> None:
+def test_sim_and_plan_refuse_rates_a_workload_does_not_have(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A trace is sent on its own timestamps: a sweep of its rate, or a plan over it, would
     label one replayed stream with rates it never had."""
     prof = tmp_path / "p.json"
@@ -93,5 +96,46 @@ def test_sim_and_plan_refuse_rates_a_workload_does_not_have(tmp_path: Path) -> N
                                          "clock"):
         main(["sim", *on_trace, "--mode", "chunked", "--workers", "1", "--sweep-rates", "1,4",
               "--out", str(tmp_path / "r.json")])
-    with pytest.raises(SystemExit, match="splitserve plan: planning sweeps the request rate"):
-        main(["plan", *on_trace, "--workers", "2", "--out-dir", str(tmp_path / "plan")])
+    assert main(["plan", *on_trace, "--workers", "2", "--out-dir", str(tmp_path / "plan")]) == 2
+    assert capsys.readouterr().err.startswith("splitserve plan: planning sweeps the request rate")
+    assert not (tmp_path / "plan").exists()
+
+
+SLOS = ["--slo-ttft-ms", "1000", "--slo-tpot-ms", "50"]
+GPUS = ["plan", "--gpus", "2", *SLOS]
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["sim", "--prefill", "0"], "splitserve sim: disaggregated serving needs n_prefill >= 1"),
+    (["sim", "--transport", "foo"], "splitserve sim: profile has no transfer numbers for 'foo'"),
+    (["sim", "--token-budget", "0"], "splitserve sim: token_budget must be >= 1"),
+    (["sim", "--router-hop-ms", "-1"], "splitserve sim: router_hop_s, pull_request_s"),
+    (["sim", "--num-prompts", "0"], "splitserve sim: num_requests must be >= 1"),
+    (["sim", "--decode-profile", "/nonexistent.json"], "splitserve sim: [Errno 2]"),
+    (["plan", "--workers", "0", *SLOS], "splitserve plan: the worker budget must be >= 1"),
+    (["plan", "--workers", "2", "--target", "0", *SLOS], "splitserve plan: target attainment"),
+    (["plan", "--workers", "2", "--max-concurrency", "4", *SLOS],
+     "splitserve plan: the simulator replays open-loop arrivals"),
+    (["plan", "--workers", "1", "--connector", "compare", *SLOS],
+     "splitserve plan: comparing connectors needs a worker budget >= 2"),
+    (["plan", "--gpus", "0", *SLOS], "splitserve plan: gpus and shortlist must be >= 1"),
+    ([*GPUS, "--max-concurrency", "4"], "splitserve plan: the simulator replays open-loop"),
+    ([*GPUS, "--connector", "nixl"], "splitserve plan: --gpus plans splitserve's connector"),
+    ([*GPUS, "--transport", "tcp", "--no-overlap"], "it takes no --transport, --no-overlap"),
+    ([*GPUS, "--pull-request-ms", "3"], "it takes no --pull-request-ms"),
+    ([*GPUS, "--token-budget", "64"], "it takes no --token-budget"),
+    (["profile", "--refit", "/nonexistent.json"], "splitserve profile: [Errno 2]"),
+])
+def test_bad_input_is_refused_in_one_line(argv: list[str], message: str, tmp_path: Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """Every command refuses an invalid option, workload or file with one line on stderr and
+    exit status 2, and writes nothing."""
+    prof = tmp_path / "p.json"
+    save_profile(replace(make_profile(), transfer={"tcp": LINK, "nixl": LINK}), prof)
+    where = {"sim": ["--profile", str(prof), "--out", str(tmp_path / "out.json")],
+             "plan": ["--profile", str(prof), "--out-dir", str(tmp_path / "plan")],
+             "profile": ["--out", str(tmp_path / "out.json")]}
+    assert main([*argv, *where[argv[0]]]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.json"]

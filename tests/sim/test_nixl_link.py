@@ -265,3 +265,16 @@ def test_mooncake_sends_the_whole_blocks_when_ps_prefill_ends() -> None:
     assert handover["nixl"] - handover["mooncake"] == pytest.approx(PULL_REQ)
     assert handover["splitserve"] < handover["mooncake"]
     assert not moon.failed.any() and np.isfinite(moon.finish).all()
+
+
+def test_a_mooncake_leg_joins_d_no_earlier_than_t1() -> None:
+    """A router hop longer than the transfer: the blocks are at D before the client has t1,
+    but D's tokens follow t1 through the router, so its replay step starts at t1."""
+    hop = 0.2
+    prof = replace(make_profile(), transfer={"tcp": LINK})
+    wl = SimWorkload(np.array([0.0]), np.array([L]), np.array([OUT]))
+    o = simulate(prof, SimConfig("disagg", connector="mooncake", router_hop_s=hop), wl)
+    assert L * 8192 / LINK.bandwidth_Bps + LINK.latency_s < hop
+    t1, t2 = float(o.first_token[0]), float(o.second_token[0])
+    assert t1 == pytest.approx(PREFILL_S + hop)
+    assert t2 - t1 == pytest.approx(decode_step(L) + decode_step(L + 1))
