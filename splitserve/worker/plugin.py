@@ -68,6 +68,7 @@ from splitserve.worker.kvrelay import (
     remove_private_dir,
 )
 from splitserve.worker.load import LOAD_PATH, read_load
+from splitserve.worker.metrics_page import metrics_app
 from splitserve.worker.mooncake_settings import MooncakeSettings
 from splitserve.worker.nixl_tuning import NixlTuning
 from splitserve.worker.rank_listeners import (
@@ -353,7 +354,6 @@ def _attach_metrics(app: FastAPI, *collectors: Any) -> None:
     existing /metrics mount."""
     if not collectors:
         return
-    from prometheus_client import make_asgi_app
     from vllm.v1.metrics.prometheus import get_prometheus_registry
 
     registry = get_prometheus_registry()
@@ -361,6 +361,6 @@ def _attach_metrics(app: FastAPI, *collectors: Any) -> None:
         registry.register(collector)
     for route in app.routes:
         if isinstance(route, Mount) and route.path == "/metrics":
-            route.app = make_asgi_app(registry=registry)
+            route.app = metrics_app(registry)  # collectors run off the event loop
             if hasattr(route, "_base_app"):
                 route._base_app = route.app
