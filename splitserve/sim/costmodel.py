@@ -171,6 +171,16 @@ def transfer_arrival(link: TransferLink, nbytes: float, layers: int, prefill_sta
     take equal time); the last layer's share still has to cross after the prefill ends. The link
     is a FIFO server: a transfer starts no earlier than `link_free`.
     """
+    _, arrive, free = transfer_window(link, nbytes, layers, prefill_start, prefill_end,
+                                      overlap, link_free)
+    return arrive, free
+
+
+def transfer_window(link: TransferLink, nbytes: float, layers: int, prefill_start: float,
+                    prefill_end: float, overlap: bool, link_free: float = 0.0
+                    ) -> tuple[float, float, float]:
+    """`transfer_arrival` with the push's start first: (when the first bytes start moving on
+    the link, when the KV is all at D, when the link is free again)."""
     send = nbytes / link.bandwidth_Bps
     if not overlap:
         start = max(prefill_end, link_free)
@@ -179,7 +189,7 @@ def transfer_arrival(link: TransferLink, nbytes: float, layers: int, prefill_sta
         first_ready = prefill_start + (prefill_end - prefill_start) / layers
         start = max(first_ready, link_free)
         end = max(start + send, prefill_end + send / layers)
-    return end + link.latency_s, end
+    return start, end + link.latency_s, end
 
 
 def pull_arrival(link: TransferLink, nbytes: float, ready: float, link_free: float = 0.0

@@ -58,7 +58,9 @@ class SimConfig:
     overlap: bool = True  # splitserve: layer-wise KV push during the prefill
     pull_request_s: float = 0.0  # nixl: D's leg from its arrival at D to its scheduler
     shared_link: bool = False  # one link for the whole cluster instead of one per P-worker
-    router_hop_s: float = 0.0  # router overhead added to each leg
+    # the client → router → worker hop: every request's first token pays it once (split: on
+    # t1, and D's leg joins a hop after t1; computed whole: it reaches its worker a hop late)
+    router_hop_s: float = 0.0
     split_costs: bool = True  # disagg: apply the profile's measured `split` costs, if any
     prefix_caching: bool = True  # the engines' prefix caches (with a workload's `blocks`)
     cache_aware: bool = True  # the router's index of them: cached prefixes, prefill on D, deltas
@@ -119,7 +121,11 @@ class SimOutcome:
     seg_step0: np.ndarray  # the worker's step count before the segment
     decode_worker: np.ndarray  # per request: the worker that decoded it (-1: none)
     join_step: np.ndarray  # per request: that worker's step count when it joined
+    # per request split across a KV link (else NaN): the transfer's span (push: its first
+    # bytes moving on the link → all at D; NIXL: the READ posted → in; Mooncake: P's send →
+    # in), as the benchmark's BEGIN → END, and its exposed tail (P's prefill end → all at D)
     kv_transfer_s: np.ndarray
+    kv_tail_s: np.ndarray
     events: int
     # per request, with prefix caching (else None): the prompt tokens its computing engine
     # reused (P's for a split request, D's for one prefilled on D), whether it ran whole on

@@ -2,7 +2,7 @@
 or one shared by the whole cluster.
 
 - splitserve's connector (`push`): when P's last prefill step ends, the KV is already crossing
-  the link layer by layer (`costmodel.transfer_arrival`); the leg joins D at
+  the link layer by layer (`costmodel.transfer_window`); the leg joins D at
   max(t1 + hop, arrival).
 - NIXL (`pull`, `SimConfig.connector == "nixl"`): D's step that posts the READ of P's whole
   blocks starts it (`costmodel.pull_arrival`); the leg joins D when they are in.
@@ -14,7 +14,7 @@ this module owns only the links' state.
 
 from __future__ import annotations
 
-from splitserve.sim.costmodel import TransferLink, pull_arrival, transfer_arrival
+from splitserve.sim.costmodel import TransferLink, pull_arrival, transfer_window
 
 
 class KvLinks:
@@ -36,14 +36,15 @@ class KvLinks:
             self.free[p] = free
 
     def push(self, p: int, nbytes: float, prefill_start: float, prefill_end: float
-             ) -> tuple[float, float]:
+             ) -> tuple[float, float, float]:
         """P-worker p pushes `nbytes` of KV for a prompt prefilled from `prefill_start` to
-        `prefill_end`: (when it is all at D, when the link is free again)."""
+        `prefill_end`: (when its first bytes start moving on the link, when it is all at D,
+        when the link is free again)."""
         free = self.shared_free if self.shared else self.free[p]
-        arrive, free = transfer_arrival(self.link, nbytes, self.layers, prefill_start,
-                                        prefill_end, self.overlap, free)
+        start, arrive, free = transfer_window(self.link, nbytes, self.layers, prefill_start,
+                                              prefill_end, self.overlap, free)
         self._take(p, free)
-        return arrive, free
+        return start, arrive, free
 
     def pull(self, p: int, nbytes: float, post: float) -> tuple[float, float]:
         """D reads `nbytes` of P-worker p's KV from `post` on: (when it is all at D, when the

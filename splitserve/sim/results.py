@@ -154,17 +154,28 @@ def summarize(o: SimOutcome, system: str = "sim", slo: SLO | None = None,
     }
     res |= _stats("ttft", ttft) | _stats("tpot", tpot) | _stats("itl", iv, iw)
     res |= _stats("e2el", e2el) | _stats("handover", (o.second_token - o.first_token)[multi])
-    xfer = o.kv_transfer_s[np.isfinite(o.kv_transfer_s)]
-    if len(xfer):
-        res |= {"mean_kv_transfer_ms": float(xfer.mean() * 1000),
-                "median_kv_transfer_ms": float(np.median(xfer) * 1000),
-                "p99_kv_transfer_ms": float(np.percentile(xfer, 99) * 1000)}
+    res |= kv_stats(o)
     res |= cache_stats(o, ok)
     if per_request:
         res |= {"input_lens": o.prompt_lens.tolist(), "output_lens": o.output_lens.tolist(),
                 "ttfts": (o.first_token - o.arrivals).tolist(),
                 "start_times": o.arrivals.tolist()}
     return res
+
+
+def kv_stats(o: SimOutcome) -> dict[str, float]:
+    """The benchmark's KV keys (`bench.metrics.compute_metrics`: mean, median and p99 of the
+    server's timings behind splitserve's router) over the requests that crossed a link:
+    `*_kv_transfer_ms`, the transfer's span (BEGIN → END), and `*_kv_tail_ms`, its exposed tail
+    after P's prefill. Left out without a transfer, as the benchmark leaves them out."""
+    out: dict[str, float] = {}
+    for name, values in (("kv_transfer", o.kv_transfer_s), ("kv_tail", o.kv_tail_s)):
+        v = values[np.isfinite(values)]
+        if len(v):
+            out |= {f"mean_{name}_ms": float(v.mean() * 1000),
+                    f"median_{name}_ms": float(np.median(v) * 1000),
+                    f"p99_{name}_ms": float(np.percentile(v, 99) * 1000)}
+    return out
 
 
 def attainment(o: SimOutcome, ttft_slo_s: float, tpot_slo_s: float) -> float:

@@ -53,9 +53,10 @@ from splitserve.sim.workload import SimWorkload
 # (time, seq: the push order, breaking ties; kind; subject; version). _EV_STEP: the worker
 # whose step (or segment) ends, at its `version` then (a superseded step is skipped); _EV_JOIN:
 # the request whose decode leg reaches its D; _EV_OVERLAY: the overlay's key
-# (`RunControl.push_overlay_event`); _EV_LEG: the request whose pulled leg reaches D.
+# (`RunControl.push_overlay_event`); _EV_LEG: the request whose pulled leg reaches D;
+# _EV_REACH: the request that reaches the worker computing it whole (`_arrive`).
 Event = tuple[float, int, int, int, int]
-_EV_STEP, _EV_JOIN, _EV_OVERLAY, _EV_LEG = 0, 1, 2, 3
+_EV_STEP, _EV_JOIN, _EV_OVERLAY, _EV_LEG, _EV_REACH = 0, 1, 2, 3, 4
 
 
 class Simulation(WorkerStepping):
@@ -120,7 +121,10 @@ class Simulation(WorkerStepping):
         self.kv_bytes = [0] * n  # per request: the KV bytes that crossed to D
         nan = float("nan")
         self.t1, self.t2, self.finish = [nan] * n, [nan] * n, [nan] * n
-        self.prefill_start, self.kv_transfer = [nan] * n, [nan] * n
+        self.prefill_start, self.prefill_end = [nan] * n, [nan] * n  # P's prefill of it
+        # per request: the transfer's span (first bytes moving, or the READ posted, until the
+        # KV is all at D) and its exposed tail (P's prefill end until then)
+        self.kv_transfer, self.kv_tail = [nan] * n, [nan] * n
         self.failed = [False] * n
         self.decode_of, self.prefill_of = [-1] * n, [0] * n
         self.heap: list[Event] = []
@@ -176,7 +180,9 @@ class Simulation(WorkerStepping):
         KV, the leg joining D at max(t1 + hop and the overlay's handover, the KV's arrival),
         or (NIXL) send the leg to D's scheduler, whose next step pulls it (`_post_read`), or
         (Mooncake: D's leg is there already) send the whole blocks, joining D on their arrival
-        but not before t1 (the router relays the stream in order: D's tokens follow t1)."""
+        but not before t1 (the router relays the stream in order: D's tokens follow t1).
+        Records the transfer's span (push: from its first bytes moving on the link; Mooncake:
+        from P's send at t) and its tail (from t) when its arrival is known (NIXL: the READ's)."""
         hop, links, out = self.cfg.router_hop_s, self.links, self.output_lens[r]
         assert links is not None, "a hand-off happens only in a disaggregated run"
         leg = None  # the request as the overlay's per-request hooks see it
@@ -197,24 +203,27 @@ class Simulation(WorkerStepping):
         if leg is not None:
             self.overlay.t1_emitted(leg, t1)
             ready = self.overlay.join_ready(ready, leg)
+        self.prefill_end[r] = t
         if self.pull:  # the READ waits for D's leg: `_post_read`
-            self.prefill_of[r], self.kv_transfer[r] = wi, t
+            self.prefill_of[r] = wi
             self._push(ready + self.cfg.pull_request_s, _EV_LEG, r, 0)
             return
         self.kv_bytes[r] = nbytes = self.kvbpt * (self.prompt_lens[r] - self.d_reused[r])
         if self.replay:  # mooncake: D's leg has waited since P's; P sends its blocks now
             arrive, free = links.pull(wi, nbytes, t)
+            start = t
             ready = t1
         else:
-            arrive, free = links.push(wi, nbytes, self.prefill_start[r], t)
+            start, arrive, free = links.push(wi, nbytes, self.prefill_start[r], t)
         heapq.heappush(w.kv_release, (free, self.prompt_lens[r], r))
-        self.kv_transfer[r] = arrive - t
+        self.kv_transfer[r], self.kv_tail[r] = arrive - start, arrive - t
         self._push(max(arrive, ready), _EV_JOIN, r, 0)
 
     def _post_read(self, r: int, t: float) -> None:
         """Request r's pulled leg reached its D's scheduler at t: D's next step (now, if D is
         idle) posts the READ of P's blocks; P holds them until it ends (a P blocked on KV is
-        woken then); the leg joins D when they are in."""
+        woken then); the leg joins D when they are in. The transfer's span runs from the
+        READ's post, its tail from P's prefill end."""
         d, pi, links = self.D[self.decode_of[r]], self.prefill_of[r], self.links
         assert links is not None, "a hand-off happens only in a disaggregated run"
         w = self.P[pi]
@@ -225,7 +234,7 @@ class Simulation(WorkerStepping):
         if not w.busy and w.queue:
             w.kind = KV_WAIT
             self._schedule(pi, w, max(t, w.kv_release[0][0]))
-        self.kv_transfer[r] = arrive - self.kv_transfer[r]
+        self.kv_transfer[r], self.kv_tail[r] = arrive - post, arrive - self.prefill_end[r]
         self._push(arrive, _EV_JOIN, r, 0)
 
     def run(self) -> SimOutcome:
@@ -261,6 +270,8 @@ class Simulation(WorkerStepping):
                     self.overlay.overlay_event(subject, t)
                 elif kind == _EV_LEG:
                     self._post_read(subject, t)
+                elif kind == _EV_REACH:
+                    self._reach(subject, t)
                 else:  # decode leg reaches D
                     di = self.decode_of[subject]
                     w = D[di]
@@ -275,27 +286,47 @@ class Simulation(WorkerStepping):
         return self._outcome(events)
 
     def _arrive(self, r: int, t: float, route: Route) -> None:
-        """Request r arrived at t and `route` is the router's choice: queue it there."""
+        """Request r arrived at t and `route` is the router's choice: queue it there. A request
+        one worker computes whole (colocated, or prefilled on its D) reaches it one router hop
+        later (`_reach`), so its first token, like a split request's (`_prefilled`), comes one
+        hop after it would on a zero-latency path; a split request queues on its P at once and
+        pays the hop on t1."""
+        hop = self.cfg.router_hop_s
         if route.d >= 0:
             self.decode_of[r] = route.d
             d = self.D[route.d]
             d.load += 1
             if route.local:
                 self.local[r] = True
-                d.queue.append(r)
-                self._poke(self.npw + route.d, d, t)
+                if hop:
+                    self._push(t + hop, _EV_REACH, r, 0)
+                else:
+                    self._reach(r, t)
                 return
             self.d_reused[r] = route.d_reused
             if self.overlay.active:
                 self.overlay.arrived(route.d, t)
         w = self.P[route.p]
-        w.queue.append(r)
         if self.D:
+            w.queue.append(r)
             self.charged[r] = route.p_charged
             w.load += route.p_charged
+            self._poke(route.p, w, t)
+            return
+        w.load += 1
+        self.prefill_of[r] = route.p
+        if hop:
+            self._push(t + hop, _EV_REACH, r, 0)
         else:
-            w.load += 1
-        self._poke(route.p, w, t)
+            self._reach(r, t)
+
+    def _reach(self, r: int, t: float) -> None:
+        """Request r, computed whole by one worker (its D if `local`, else its colocated
+        worker), reaches that worker at t: queue it there."""
+        wi = self.npw + self.decode_of[r] if self.local[r] else self.prefill_of[r]
+        w = self.W[wi]
+        w.queue.append(r)
+        self._poke(wi, w, t)
 
     def _outcome(self, events: int) -> SimOutcome:
         f = np.asarray
@@ -304,7 +335,8 @@ class Simulation(WorkerStepping):
             output_lens=self.wl.output_lens, first_token=f(self.t1), second_token=f(self.t2),
             finish=f(self.finish), failed=f(self.failed, dtype=bool),
             **segment_arrays(self.segs), decode_worker=f(self.decode_worker),
-            join_step=f(self.join_step), kv_transfer_s=f(self.kv_transfer), events=events,
+            join_step=f(self.join_step), kv_transfer_s=f(self.kv_transfer),
+            kv_tail_s=f(self.kv_tail), events=events,
             gap_jitter_s=self.jitter, prefill_busy_s=sum(w.prefill_s for w in self.W),
             prefill_gpu_s=sum(w.prefill_s * g for w, g in zip(self.W, self.gpus, strict=True)),
             **self._cache_arrays(),

@@ -8,6 +8,7 @@ import pytest
 from splitserve.sim.costmodel import PrefillCost, TransferLink, transfer_arrival
 from splitserve.sim.deployment import SimConfig
 from splitserve.sim.model import Profile
+from splitserve.sim.results import summarize
 from splitserve.sim.run import simulate
 from splitserve.sim.workload import SimWorkload
 from tests.sim.conftest import make_profile
@@ -55,7 +56,7 @@ def test_lone_request_disagg_ttft_tpot_and_transfer(profile: Profile) -> None:
     prefill = profile.prefill.whole(L)
     xfer = 2 * 8 * 2 * 64 * 4 * L / 1e8 + 0.002  # bytes / bandwidth + latency
     assert o.first_token[0] - 1.0 == pytest.approx(prefill)
-    assert o.kv_transfer_s[0] == pytest.approx(xfer)
+    assert o.kv_transfer_s[0] == o.kv_tail_s[0] == pytest.approx(xfer)  # all after P
     assert o.second_token[0] - o.first_token[0] == pytest.approx(
         xfer + profile.decode.time(1, L + 1))
     tpot = (o.finish[0] - o.first_token[0]) / (N - 1)
@@ -89,8 +90,11 @@ def test_shared_link_serialises_transfers() -> None:
     own = simulate(prof, SimConfig("disagg", n_prefill=2, n_decode=2, overlap=False), wl)
     shared = simulate(prof, SimConfig("disagg", n_prefill=2, n_decode=2, overlap=False,
                                       shared_link=True), wl)
+    assert own.kv_tail_s == pytest.approx([send, send])
+    assert sorted(shared.kv_tail_s) == pytest.approx([send, 2 * send])
+    # each transfer, once on the link, moves for `send`: the wait for the link is tail only
     assert own.kv_transfer_s == pytest.approx([send, send])
-    assert sorted(shared.kv_transfer_s) == pytest.approx([send, 2 * send])
+    assert shared.kv_transfer_s == pytest.approx([send, send])
 
 
 def test_join_cuts_a_decode_segment_at_the_next_step() -> None:
@@ -135,3 +139,50 @@ def test_kv_capacity_holds_requests_back() -> None:
     o = simulate(prof, SimConfig("colocated", n_workers=1), wl)
     assert list(o.failed) == [False, False, True]  # 800 tokens can never fit
     assert o.first_token[1] >= o.finish[0]  # the second waits for the first's KV
+
+
+def test_overlapped_push_spans_the_prefill_and_exposes_its_tail(profile: Profile) -> None:
+    """A layer-wise push's transfer (the benchmark's BEGIN → END) starts once P's first layer
+    is computed, so it spans most of the prefill; its exposed tail starts at P's prefill end.
+    Both reach the result under the benchmark's keys."""
+    o = _lone(profile, SimConfig("disagg", overlap=True))
+    prefill, layers = profile.prefill.whole(L), 8
+    send, latency = 2 * 8 * 2 * 64 * 4 * L / 1e8, 0.002
+    assert send < prefill  # the link keeps up: only the last layer's share is exposed
+    tail = send / layers + latency
+    span = prefill - prefill / layers + tail
+    assert o.kv_tail_s[0] == pytest.approx(tail)
+    assert o.kv_transfer_s[0] == pytest.approx(span)
+    res = summarize(o)
+    for stat in ("mean", "median", "p99"):
+        assert res[f"{stat}_kv_tail_ms"] == pytest.approx(1000 * tail)
+        assert res[f"{stat}_kv_transfer_ms"] == pytest.approx(1000 * span)
+    colocated = summarize(_lone(profile, SimConfig("colocated", n_workers=1)))
+    assert not any(k.endswith(("_kv_tail_ms", "_kv_transfer_ms")) for k in colocated)
+
+
+@pytest.mark.parametrize("mode", ["colocated", "chunked"])
+def test_router_hop_delays_a_colocated_request_by_one_hop(profile: Profile, mode: str) -> None:
+    """Every request goes through the router: a colocated worker's request reaches it one hop
+    later, so all its tokens (TTFT and the end) come one hop later and its gaps are the same."""
+    hop = 0.1
+    base = _lone(profile, SimConfig(mode, n_workers=1))  # type: ignore[arg-type]
+    hopped = _lone(profile, SimConfig(mode, n_workers=1, router_hop_s=hop))  # type: ignore[arg-type]
+    assert hopped.first_token[0] == pytest.approx(base.first_token[0] + hop)
+    assert hopped.second_token[0] == pytest.approx(base.second_token[0] + hop)
+    assert hopped.finish[0] == pytest.approx(base.finish[0] + hop)
+
+
+def test_router_hop_delays_a_request_prefilled_on_d_as_one_split_on_p() -> None:
+    """A request prefilled on its D pays the router hop on its first token, as one prefilled on
+    P does: the hop adds one hop to both TTFTs."""
+    blocks = ((1, 2, 3, 4), (1, 2, 3, 4, 5))  # the second: all but its last 16 tokens on D
+    wl = SimWorkload(np.array([0.0, 5.0]), np.array([64, 80]), np.array([4, 4]), blocks, 16)
+    prof = make_profile()
+    ttft = {}
+    for hop in (0.0, 0.1):
+        cfg = SimConfig("disagg", p_policy="cache", d_policy="cache", router_hop_s=hop)
+        o = simulate(prof, cfg, wl)
+        assert o.local is not None and o.local.tolist() == [False, True]
+        ttft[hop] = o.first_token - o.arrivals
+    assert ttft[0.1] == pytest.approx(ttft[0.0] + 0.1)

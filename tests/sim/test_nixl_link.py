@@ -37,7 +37,10 @@ def decode_step(context: int) -> float:
     return 0.005 + 2e-6 * context + 1e-3  # batch 1
 
 
-def one_request(connector: str) -> tuple[float, float, float, np.ndarray, np.ndarray]:
+def one_request(connector: str
+                ) -> tuple[float, float, float, float, np.ndarray, np.ndarray]:
+    """(t1, t2, the KV's exposed tail, its transfer span, the client's token times, the
+    pooled ITL samples) of a lone request over `connector`."""
     prof = replace(make_profile(), transfer={"tcp": LINK, "nixl": LINK})
     wl = SimWorkload(np.zeros(1), np.array([L]), np.array([OUT]))
     cfg = SimConfig("disagg", connector=connector,  # type: ignore[arg-type]
@@ -45,21 +48,24 @@ def one_request(connector: str) -> tuple[float, float, float, np.ndarray, np.nda
                     pull_request_s=PULL_REQ)
     o = simulate(prof, cfg, wl)
     values, weights = itl_samples(o)
-    return (float(o.first_token[0]), float(o.second_token[0]), float(o.kv_transfer_s[0]),
-            token_times(o)[0], np.repeat(values, weights))
+    return (float(o.first_token[0]), float(o.second_token[0]), float(o.kv_tail_s[0]),
+            float(o.kv_transfer_s[0]), token_times(o)[0], np.repeat(values, weights))
 
 
 def test_nixl_pulls_after_the_prefill_and_replays_t1_while_splitserve_overlaps() -> None:
     send = L * 8192 / LINK.bandwidth_Bps  # 8 layers × 2 kv heads × 64 × 4 B × 2 per token
-    t1, t2, kv, times, itl = one_request("splitserve")
+    t1, t2, kv, span, times, itl = one_request("splitserve")
     assert t1 == pytest.approx(PREFILL_S + HOP)
-    # the push overlapped the prefill: only the last layer's share (+ latency) after it
+    # the push overlapped the prefill: only the last layer's share (+ latency) after it; the
+    # transfer itself began once P's first layer was computed
     assert kv == pytest.approx(send / 8 + LINK.latency_s)
+    assert span == pytest.approx(PREFILL_S * 7 / 8 + send / 8 + LINK.latency_s)
     assert t2 - t1 == pytest.approx(HOP + decode_step(L + 1))  # the leg, then D's one step
-    n1, n2, nkv, ntimes, nitl = one_request("nixl")
+    n1, n2, nkv, nspan, ntimes, nitl = one_request("nixl")
     assert n1 == pytest.approx(t1)  # P's side is the same
     # the pull waits for D's leg (router hop + D's request round trip), then all of it crosses
     assert nkv == pytest.approx(HOP + HOP + PULL_REQ + send + LINK.latency_s)
+    assert nspan == pytest.approx(send + LINK.latency_s)  # from the READ's post
     # D's first step replays t1 (context: the prompt), its second emits t2
     assert n2 - n1 == pytest.approx(HOP + PULL_REQ + send + LINK.latency_s
                                     + decode_step(L) + decode_step(L + 1))
@@ -227,7 +233,8 @@ def test_a_busy_d_posts_the_read_at_its_next_step() -> None:
     post = float(d_steps[d_steps >= leg_in][0])
     assert post > leg_in
     send = L * 8192 / LINK.bandwidth_Bps
-    assert float(o.kv_transfer_s[1]) == pytest.approx(post + send + LINK.latency_s - p_end)
+    assert float(o.kv_tail_s[1]) == pytest.approx(post + send + LINK.latency_s - p_end)
+    assert float(o.kv_transfer_s[1]) == pytest.approx(send + LINK.latency_s)
     # the leg joins D at the step boundary after the KV is in; the step after it replays t1,
     # the one after that emits t2
     joined = float(d_steps[d_steps >= post + send + LINK.latency_s][0])
@@ -261,6 +268,7 @@ def test_mooncake_sends_the_whole_blocks_when_ps_prefill_ends() -> None:
     moon = got["mooncake"]
     assert float(moon.first_token[0]) == pytest.approx(PREFILL_S)
     assert float(moon.kv_transfer_s[0]) == pytest.approx(send + LINK.latency_s)
+    assert float(moon.kv_tail_s[0]) == pytest.approx(send + LINK.latency_s)
     handover = {c: float(o.second_token[0] - o.first_token[0]) for c, o in got.items()}
     assert handover["nixl"] - handover["mooncake"] == pytest.approx(PULL_REQ)
     assert handover["splitserve"] < handover["mooncake"]
