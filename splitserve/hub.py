@@ -10,7 +10,9 @@ engines load.
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
+import importlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,10 +78,19 @@ def download_ignore_patterns(repo_files: list[str]) -> list[str]:
     return list(ALWAYS_IGNORED)
 
 
+def _transport_errors() -> tuple[type[BaseException], ...]:
+    """What the hub client raises when the hub does not answer: OSError, and the transport
+    errors of the HTTP library huggingface_hub uses (httpx before 2.0, httpx2 since)."""
+    errors: list[type[BaseException]] = [OSError]
+    for name in ("httpx", "httpx2"):
+        with contextlib.suppress(ImportError):
+            errors.append(importlib.import_module(name).TransportError)
+    return tuple(errors)
+
+
 def _repo_files(model: str, revision: str | None) -> list[str] | None:
     """The repository's file names, or None when the hub cannot be reached (the hub's own
     answers, e.g. no such repository, are raised)."""
-    import httpx
     from huggingface_hub import HfApi
     from huggingface_hub.errors import HfHubHTTPError
 
@@ -87,7 +98,7 @@ def _repo_files(model: str, revision: str | None) -> list[str] | None:
         return list(HfApi().list_repo_files(model, revision=revision))
     except HfHubHTTPError:
         raise
-    except (OSError, httpx.TransportError):  # offline, or no answer: the cache may still serve
+    except _transport_errors():  # offline, or no answer: the cache may still serve
         return None
 
 

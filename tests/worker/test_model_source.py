@@ -19,6 +19,7 @@ from splitserve.hub import check_model_name, download_ignore_patterns
 from splitserve.launch.config import DeploymentConfig
 from splitserve.secretflags import check_passthrough, secret_flag_of
 from splitserve.worker.launch import worker_command
+from tests.support.scripted import closed_port
 from tests.support.workers import hub_cache
 
 SECRET = "s3cr3t-value"
@@ -38,11 +39,15 @@ print(json.dumps(out))
 """
 
 
-def resolve_offline(hf_home: Path, *cases: tuple[str, str | None]) -> list[dict]:
+def resolve_offline(hf_home: Path, *cases: tuple[str, str | None],
+                    unreachable: bool = False) -> list[dict]:
     """`resolve_model` on each (model, revision) in a process whose environment is a user's:
-    HF_HOME names the cache, HF_HUB_OFFLINE=1 forbids the network."""
+    HF_HOME names the cache, HF_HUB_OFFLINE=1 forbids the network (`unreachable`: it is
+    allowed, but the hub's address answers nothing)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE"))}
-    env |= {"HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1"}
+    env |= {"HF_HOME": str(hf_home)} | (
+        {"HF_ENDPOINT": f"http://127.0.0.1:{closed_port()}"} if unreachable
+        else {"HF_HUB_OFFLINE": "1"})
     out = subprocess.run([sys.executable, "-c", RESOLVE, json.dumps(cases)], env=env,
                          capture_output=True, text=True, timeout=120, check=True)
     return json.loads(out.stdout)
@@ -61,6 +66,11 @@ def test_a_hub_id_resolves_to_its_cached_snapshot_offline(llama_ckpt: Path, tmp_
         assert "HF_HUB_OFFLINE" in missing["error"]
     assert "v2" in other_rev["error"]
     assert local == {"path": str(llama_ckpt), "name": None}  # a directory is served as itself
+    # a hub that does not answer: the cache serves, as offline
+    by_main, missing = resolve_offline(tmp_path / "hf", ("org/name", None), ("org/other", None),
+                                       unreachable=True)
+    assert by_main == {"path": str(snapshot), "name": "org/name"}
+    assert "the hub cannot be reached" in missing["error"]
 
 
 def test_model_names_are_checked_without_resolving(tmp_path: Path) -> None:
