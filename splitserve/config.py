@@ -289,12 +289,17 @@ def split_evenly(cores: tuple[int, ...], parts: int) -> tuple[tuple[int, ...], .
 
 
 def load_token(required: bool = True) -> str | None:
-    """The deployment token from `SPLITSERVE_TOKEN` or the file named by `SPLITSERVE_TOKEN_FILE`."""
+    """The deployment token from `SPLITSERVE_TOKEN` or the file named by `SPLITSERVE_TOKEN_FILE`.
+    ValueError, in one line, when that file cannot be read or a `required` token is missing."""
     token = os.environ.get(TOKEN_ENV)
     if not token and os.environ.get(TOKEN_FILE_ENV):
-        token = Path(os.environ[TOKEN_FILE_ENV]).read_text().strip()
+        try:
+            token = Path(os.environ[TOKEN_FILE_ENV]).read_text().strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"{TOKEN_FILE_ENV}: cannot read the deployment token: {exc}"
+                             ) from None
     if not token and required:
-        raise RuntimeError(
+        raise ValueError(
             f"no deployment token: set {TOKEN_ENV} or {TOKEN_FILE_ENV} "
             "(`splitserve serve` generates one per deployment)"
         )

@@ -113,10 +113,10 @@ def run(args: argparse.Namespace) -> int:
         if warning:  # a warning, not a refusal: the run that would first verify it
             print(f"splitserve serve: warning: {warning}", file=sys.stderr, flush=True)
         check_can_start(cfg)
+        deployment = make_backend(cfg)
     except (ValueError, OSError) as exc:
         print(f"splitserve serve: {exc}", file=sys.stderr)
         return 2
-    deployment = make_backend(cfg)
     stop = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:

@@ -131,10 +131,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         cfg = config_from_args(args)
         check_port_free(cfg.host, cfg.port)
+        token = load_token(required=False)
     except ValueError as exc:
         print(f"splitserve router: {exc}", file=sys.stderr)
         return 2
-    token = load_token(required=False)
     if cfg.prefill and not token:
         print("splitserve router: no deployment token (SPLITSERVE_TOKEN or SPLITSERVE_TOKEN_FILE):"
               " workers' KV endpoints cannot be read, so D will recompute every prompt",

@@ -185,10 +185,10 @@ def run(args: argparse.Namespace) -> int:
         if cfg.role is not None and cfg.connector == Connector.SPLITSERVE:
             server_context(cfg.connector_config())
             client_context(cfg.connector_config())
+        token = load_token(required=cfg.role is not None)
     except (ValueError, OSError) as exc:
         print(f"splitserve worker: {exc}", file=sys.stderr)
         return 2
-    token = load_token(required=cfg.role is not None)
     argv, env = worker_command(cfg, token)
     kv = {Connector.NIXL: f"nixl side channel {cfg.host}:{cfg.kv_port}",
           Connector.MOONCAKE: f"mooncake bootstrap {cfg.host}:{cfg.kv_port}"}.get(

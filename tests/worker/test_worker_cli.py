@@ -16,7 +16,7 @@ from splitserve.common.vocab import Connector, Role
 from splitserve.config import TOKEN_ENV, TOKEN_FILE_ENV, WorkerConfig, load_token
 from splitserve.worker.kv_transfer import kv_buffer_device
 from splitserve.worker.kvrelay import KV_EVENTS_DIR_ENV, events_config
-from splitserve.worker.launch import check_vllm_version, worker_command
+from splitserve.worker.launch import check_vllm_version, free_port, worker_command
 from tests.support.workers import TOKEN, Worker
 
 
@@ -113,8 +113,26 @@ def test_token_from_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setenv(TOKEN_FILE_ENV, str(tmp_path / "token"))
     assert load_token() == "from-a-file"
     monkeypatch.delenv(TOKEN_FILE_ENV)
-    with pytest.raises(RuntimeError, match="no deployment token"):
+    with pytest.raises(ValueError, match="no deployment token"):
         load_token()
+    monkeypatch.setenv(TOKEN_FILE_ENV, str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="cannot read the deployment token"):
+        load_token(required=False)
+
+
+def test_a_token_that_cannot_be_had_is_refused_in_one_line(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    monkeypatch.setenv(TOKEN_FILE_ENV, "/nonexistent/token")
+    port = str(free_port())
+    for argv in (["serve", "--prefill", "1", "--decode", "1", "--port", port],
+                 ["router", "--colocated", "http://127.0.0.1:1", "--port", port]):
+        assert main(argv) == 2
+        assert capsys.readouterr().err.startswith(
+            f"splitserve {argv[0]}: {TOKEN_FILE_ENV}: cannot read the deployment token")
+    monkeypatch.delenv(TOKEN_FILE_ENV)
+    assert main(["worker", "--role", "prefill", "--embedded", "--port", port]) == 2
+    assert capsys.readouterr().err.startswith("splitserve worker: no deployment token")
 
 
 def test_pinned_vllm_release(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
