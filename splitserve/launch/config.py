@@ -3,7 +3,7 @@
 YAML keys are the field names below; `router:` holds the router's policy fields. Example:
 
     model: embedded          # or a model directory, or a Hugging Face model id (org/name)
-    revision: main           # optional: branch, tag or commit of a hub id
+    # revision: main         # with a hub id (org/name): its branch, tag or commit
     prefill: 1
     decode: 1
     transport: tcp
@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from splitserve.common import speculative
-from splitserve.common.cpus import check_cpus_usable
+from splitserve.common.cpus import check_cpus_usable, parse_cpus
 from splitserve.common.vocab import Connector, values
 from splitserve.config import (
     TRANSPORTS,
@@ -226,16 +226,49 @@ def from_mapping(data: dict[str, Any], overrides: dict[str, Any] | None = None
     unknown = set(flat) - known
     if unknown:
         raise ValueError(f"unknown deployment keys: {sorted(unknown)}")
+    for key in ("cpus", "router_cpus"):  # "0-3,6" as the flag takes it, a core, or a list
+        value = flat.get(key)
+        if isinstance(value, str):
+            try:
+                flat[key] = parse_cpus(value)
+            except ValueError:
+                raise ValueError(f"{key}: not a core list like 0-3,6: {value!r}") from None
+        elif isinstance(value, int) and not isinstance(value, bool):
+            flat[key] = (value,)
     for key in ("cpus", "router_cpus", "worker_args"):
         if key in flat and flat[key] is not None:
+            if not isinstance(flat[key], list | tuple):
+                raise ValueError(f"{key}: expected a list, got {flat[key]!r}")
             flat[key] = tuple(flat[key])
-    return DeploymentConfig(**flat)
+    _check_scalar_types(flat)
+    try:
+        return DeploymentConfig(**flat)
+    except TypeError as exc:  # a value of a type its check does not expect
+        raise ValueError(f"a deployment value of the wrong type: {exc}") from None
+
+
+def _check_scalar_types(flat: dict[str, Any]) -> None:
+    """ValueError for a value whose field has a bool, int, float or str default and which is not
+    of that type (an int stands for a float; None stays for fields that allow it)."""
+    for f in fields(DeploymentConfig):
+        value, default = flat.get(f.name), f.default
+        if value is None or not isinstance(default, bool | int | float | str):
+            continue
+        want, kind = ((bool, "true or false") if isinstance(default, bool)
+                      else (int, "an integer") if isinstance(default, int)
+                      else ((int, float), "a number") if isinstance(default, float)
+                      else (str, "a string"))
+        if not isinstance(value, want) or (isinstance(value, bool) and want is not bool):
+            raise ValueError(f"{f.name}: expected {kind}, got {value!r}")
 
 
 def load_yaml(path: str | Path, overrides: dict[str, Any] | None = None) -> DeploymentConfig:
     import yaml
 
-    data = yaml.safe_load(Path(path).read_text()) or {}
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{path}: not valid YAML: {exc}") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: a deployment file is a mapping of keys to values")
     return from_mapping(data, overrides)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -61,12 +62,43 @@ def test_yaml_with_flags_overriding(tmp_path: Path) -> None:
     ({"colocated": -1}, "negative"),
     ({"colocated": 1, "router_cpus": []}, "router_cpus"),
     ({"colocated": 1, "routers": 0}, "routers must be at least 1"),
-    ({"colocated": 1, "routers": "2"}, "routers must be at least 1"),
+    ({"colocated": 1, "routers": "2"}, "routers: expected an integer, got '2'"),
+    ({"prefill": "1", "decode": 1}, "prefill: expected an integer"),
+    ({"colocated": 1, "port": "8000"}, "port: expected an integer"),
+    ({"colocated": 1, "kv_events": "no"}, "kv_events: expected true or false"),
+    ({"colocated": 1, "cpus": "0-x"}, "cpus: not a core list"),
+    ({"colocated": 1, "worker_args": "--x"}, "worker_args: expected a list"),
     ({"colocated": 1, "routers": 3, "port": 65534}, "run past 65535"),
 ])
 def test_invalid_deployments_are_refused(data: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         from_mapping(data)
+
+
+def test_yaml_as_people_write_it(tmp_path: Path) -> None:
+    """Core lists as the flag takes them, and the module's own example (its TLS files made)."""
+    f = tmp_path / "d.yaml"
+    f.write_text("colocated: 2\ncpus: 0-1\nrouter_cpus: 1\n")
+    cfg = load_yaml(f)
+    assert (cfg.cpus, cfg.router_cpus) == ((0, 1), (1,))
+    f.write_text("prefill: [1\n")
+    with pytest.raises(ValueError, match="not valid YAML"):
+        load_yaml(f)
+    import splitserve.launch.config as module
+
+    doc = module.__doc__ or ""
+    example = textwrap.dedent(doc[doc.index("Example:") + len("Example:"):])
+    (tmp_path / "certs").mkdir()
+    for name in ("kv.pem", "kv.key", "ca.pem"):
+        (tmp_path / "certs" / name).write_text("")
+    f.write_text(example)
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        cfg = load_yaml(f)
+    finally:
+        os.chdir(cwd)
+    assert (cfg.prefill, cfg.decode, cfg.routers, cfg.backend) == (1, 1, 2, "ray")
 
 
 def test_defaults_are_the_embedded_model() -> None:
