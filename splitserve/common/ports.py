@@ -3,6 +3,7 @@ errors of `splitserve worker`, `router` and `serve`."""
 
 from __future__ import annotations
 
+import errno
 import socket
 
 
@@ -21,7 +22,15 @@ def bindable(host: str, port: int, reuse: bool = False) -> bool:
 
 def check_port_free(host: str, port: int, flag: str = "--port") -> None:
     """Raise ValueError, naming the port and the flag that moves it, when `port` on `host` is
-    taken (port 0, "any free one", never is)."""
-    if port and not bindable(host, port, reuse=True):
-        raise ValueError(f"port {port} on {host} is already in use: stop what listens there, "
-                         f"or choose another port with {flag}")
+    taken (port 0, "any free one", never is); naming the host when it is no address of this
+    machine or cannot be bound for another reason."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise ValueError(f"port {port} on {host} is already in use: stop what listens "
+                                 f"there, or choose another port with {flag}") from None
+            raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror or exc} (is "
+                             f"{host} an address of this machine?)") from None

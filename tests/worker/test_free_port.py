@@ -1,4 +1,5 @@
-"""`free_port` stays out of the kernel's ephemeral range, wherever that range lies."""
+"""`free_port` stays out of the kernel's ephemeral range, wherever that range lies;
+`check_port_free` tells a port in use from a host that cannot be listened on."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import socket
 
 import pytest
 
+from splitserve.common.ports import check_port_free
 from splitserve.worker import launch
 
 
@@ -30,3 +32,16 @@ def test_no_room_outside_falls_back_to_the_kernels_choice(
     assert 0 < launch.free_port() < 65536
     with pytest.raises(RuntimeError, match="consecutive"):
         launch.free_port(count=2)
+
+
+def test_a_port_in_use_and_a_host_not_here_are_told_apart() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(ValueError, match=f"port {port} on 127.0.0.1 is already in use"):
+            check_port_free("127.0.0.1", port)
+    check_port_free("127.0.0.1", 0)
+    for host in ("999.1.1.1", "192.0.2.1"):  # no address at all; an address of no one here
+        with pytest.raises(ValueError, match=f"cannot listen on {host}:8123"):
+            check_port_free(host, 8123)
