@@ -27,6 +27,7 @@ from splitserve.common.vocab import Connector, Role, values
 from splitserve.config import (
     FAILURE_POLICIES,
     IDLE_SPIN_S,
+    MIN_IDLE_SPIN_S,
     NIXL_PROGRESS_DELAY_US,
     TRANSPORTS,
     WorkerConfig,
@@ -139,6 +140,10 @@ def config_from_args(args: argparse.Namespace, extra: list[str]) -> WorkerConfig
     from splitserve.hub import ModelSource, resolve_model
 
     check_passthrough(extra)
+    if not args.idle_spin_ms >= MIN_IDLE_SPIN_S * 1000:  # the flag's own unit, not the field's
+        raise ValueError(f"--idle-spin-ms must be at least {MIN_IDLE_SPIN_S * 1000:g}, got "
+                         f"{args.idle_spin_ms:g}: shorter busy-poll windows let vLLM's step "
+                         "queue miss wake-ups")
     source = (ModelSource(str(embedded_model_dir()), "splitserve-demo") if args.embedded
               else resolve_model(args.model, args.revision))
     kv_port = args.kv_port or (free_port(args.host, args.tp) if args.role else 0)

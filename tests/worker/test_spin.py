@@ -106,5 +106,6 @@ def test_the_worker_command_line_sets_the_window(tmp_path: Path) -> None:
     assert worker_cli.config_from_args(p.parse_args(base), []).idle_spin_s == IDLE_SPIN_S
     cfg = worker_cli.config_from_args(p.parse_args([*base, "--idle-spin-ms", "250"]), [])
     assert cfg.idle_spin_s == 0.25
-    with pytest.raises(ValueError, match="at least"):
-        worker_cli.config_from_args(p.parse_args([*base, "--idle-spin-ms", "0"]), [])
+    for short in ("0", "50"):
+        with pytest.raises(ValueError, match=f"--idle-spin-ms must be at least 100, got {short}"):
+            worker_cli.config_from_args(p.parse_args([*base, "--idle-spin-ms", short]), [])
