@@ -55,10 +55,15 @@ def _rates(text: str) -> tuple[float, ...]:
     return tuple(float(x) for x in text.split(",") if x.strip())
 
 
-def add_workload_arguments(p: argparse.ArgumentParser) -> None:
+def add_workload_arguments(p: argparse.ArgumentParser,
+                           model_help: str = "model name (default: the endpoint's first)"
+                           ) -> None:
+    """The workload and measurement flags every command that runs or plans a workload shares;
+    `model_help`: what `--model` means to that command."""
     g = p.add_argument_group("workload")
     g.add_argument("--workload", choices=SOURCES, default="synthetic")
-    g.add_argument("--spec-json", help="a WorkloadSpec as JSON (overrides the options below)")
+    g.add_argument("--spec-json", help="a file holding a WorkloadSpec as JSON (overrides the "
+                   "options below)")
     g.add_argument("--dataset-path", help="ShareGPT JSON (--workload sharegpt), trace CSV "
                    "(trace) or Mooncake-format JSONL (mooncake)")
     g.add_argument("--num-prompts", type=int, default=100)
@@ -106,7 +111,7 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
                    help="sessions per second (default: --request-rate)")
 
     r = p.add_argument_group("measurement")
-    r.add_argument("--model", default=None, help="model name (default: the endpoint's first)")
+    r.add_argument("--model", default=None, help=model_help)
     r.add_argument("--api-key", default=os.environ.get("SPLITSERVE_API_KEY")
                    or os.environ.get("OPENAI_API_KEY"),
                    help="Bearer key for the endpoint (default: $SPLITSERVE_API_KEY or "

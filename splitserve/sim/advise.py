@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from splitserve.bench.cli import add_workload_arguments, spec_from_args
+from splitserve.sim.cli_args import refusing_bad_input
 from splitserve.sim.gpuplan import GpuPlan, Shape
 from splitserve.sim.model import Profile
 
@@ -67,15 +68,14 @@ def measured_profile(model_dir: str, core: int, quick_grid: bool = True) -> Prof
 
 
 def advise_profiles(args: argparse.Namespace, model_dir: str) -> dict[int, Profile]:
-    """One profile a TP degree (see the module docstring, step 1)."""
+    """One profile a TP degree (see the module docstring, step 1); ValueError as
+    `gpuplan_cli.plan_profiles`."""
     from splitserve.sim.gpuplan_cli import plan_profiles
 
     if args.hardware != "cpu":
         return plan_profiles(argparse.Namespace(
             tp=args.tp, profile=None, model_config=model_dir, hardware=args.hardware,
             dtype_bytes=args.dtype_bytes))
-    if args.tp and args.tp != "1":
-        raise SystemExit("--hardware cpu plans TP-1 workers (one core each)")
     if args.profile:
         from splitserve.sim.cli_args import cli_profile
 
@@ -158,18 +158,30 @@ def print_verification(v: dict[str, Any], label: str) -> None:
     console.print(t)
 
 
+@refusing_bad_input("advise")
 def run_advise(args: argparse.Namespace) -> int:
-    from splitserve.sim.gpuplan_cli import plan_and_ladder, plan_json, plot_gpu_plan, print_gpu_plan
+    """The whole command (see the module docstring). The SLOs, `--gpus` and `--tp` on
+    `cpu` are checked before any profile is made."""
+    from splitserve.sim.gpuplan_cli import (
+        plan_and_ladder,
+        plan_json,
+        plot_gpu_plan,
+        print_gpu_plan,
+        serve_dtype,
+    )
 
     if args.slo_ttft_ms is None or args.slo_tpot_ms is None:
-        raise SystemExit("splitserve advise needs --slo-ttft-ms and --slo-tpot-ms")
+        raise ValueError("--slo-ttft-ms and --slo-tpot-ms are required")
     if args.gpus < 1:
-        raise SystemExit("--gpus must be >= 1")
+        raise ValueError("--gpus must be >= 1")
+    if args.hardware == "cpu" and args.tp and args.tp != "1":
+        raise ValueError("--hardware cpu plans TP-1 workers (one core each)")
     model_dir, model_flag = model_source(args)
     profiles = advise_profiles(args, model_dir)
     with _bars() as progress:
         plan, rungs, advice = plan_and_ladder(profiles, spec_from_args(args), args, progress)
-    print_gpu_plan(plan, rungs, advice, model_flag)
+    dtype = serve_dtype(profiles)
+    print_gpu_plan(plan, rungs, advice, model_flag, dtype)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     checked: dict[str, Any] = {"verified": False, "why": "--no-verify"}
@@ -178,7 +190,7 @@ def run_advise(args: argparse.Namespace) -> int:
     elif not args.no_verify:
         checked = verify(args, plan, out)
     print_verification(checked, plan.best.shape.label)
-    doc = plan_json(plan, rungs, advice, model_flag) | {
+    doc = plan_json(plan, rungs, advice, model_flag, dtype) | {
         "hardware": args.hardware, "profiles": {tp: p.kind for tp, p in profiles.items()},
         "verification": checked}
     (out / "advise.json").write_text(json.dumps(doc, indent=2))
@@ -214,7 +226,9 @@ def register_advise(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     ad.add_argument("--gpus", type=int, required=True,
                     help="the budget: GPUs, or cores on --hardware cpu")
     ad.add_argument("--tp", help="TP degrees to search (GPU presets; default 1,2,4,8)")
-    ad.add_argument("--dtype-bytes", type=int, default=2)
+    ad.add_argument("--dtype-bytes", type=int, default=2,
+                    help="GPU presets: bytes a weight and KV value (default 2; the deploy "
+                    "command serves --dtype bfloat16 for 2, float32 for 4)")
     ad.add_argument("--policies", help="routing policies to search (default: cache,load on "
                     "workloads with repeated prefixes, else cache)")
     ad.add_argument("--target", type=float, default=0.9, help="SLO attainment target")
@@ -226,6 +240,10 @@ def register_advise(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                     help="prefix-cache block for token-id prompts (default: 128 on cpu, 16 on "
                     "GPUs)")
     ad.add_argument("--out-dir", default="advise")
-    add_profile_arg(ad)
-    add_workload_arguments(ad)
+    add_profile_arg(ad, "--hardware cpu: plan with this profile JSON (splitserve profile) "
+                    "instead of profiling a worker of the model here")
+    add_workload_arguments(ad, model_help=(
+        "the model to plan for: a directory, its config.json or a Hugging Face model id (GPU "
+        "presets: sizes the analytic profiles; cpu: profiled and verified here; default: "
+        "the embedded model)"))
     ad.set_defaults(func=run_advise)

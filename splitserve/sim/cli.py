@@ -114,7 +114,7 @@ def _with_links(args: argparse.Namespace) -> Profile:
                            desc if args.nixl_probe else None,
                            desc if args.mooncake_probe else None)
     if not links and not args.nixl_json:
-        raise SystemExit("--add-links: nothing to measure (--nixl-probe, --mooncake-probe, "
+        raise ValueError("--add-links: nothing to measure (--nixl-probe, --mooncake-probe, "
                          "--nixl-json, --transfer-json, or the tcp probe)")
     if args.nixl_json:  # vLLM's own pulls replace the probe's transport numbers
         links["nixl"], beyond = nixl_link_from_side_by_side(
@@ -130,7 +130,7 @@ def _analytic(args: argparse.Namespace) -> Profile:
     from splitserve.sim.analytic import PRESETS, ModelConfig, analytic_profile
 
     if not args.model_config:
-        raise SystemExit("splitserve profile --analytic needs --model-config")
+        raise ValueError("--analytic needs --model-config")
     hw = PRESETS[args.hardware]
     overrides: dict[str, Any] = {k: v for k, v in (
         ("flops", args.flops), ("mem_bw", args.mem_bw), ("link_bw", args.link_bw),
@@ -138,10 +138,7 @@ def _analytic(args: argparse.Namespace) -> Profile:
     model = ModelConfig.from_hf(model_path(args.model_config) or "", args.dtype_bytes)
     if not Path(args.model_config).exists():  # a hub id: named by it, not its snapshot
         model = replace(model, name=args.model_config)
-    try:
-        return analytic_profile(model, replace(hw, **overrides), args.token_budget, tp=args.tp)
-    except ValueError as exc:
-        raise SystemExit(f"splitserve profile: {exc}") from None
+    return analytic_profile(model, replace(hw, **overrides), args.token_budget, tp=args.tp)
 
 
 def _measured(args: argparse.Namespace) -> Profile:
@@ -149,7 +146,7 @@ def _measured(args: argparse.Namespace) -> Profile:
     from splitserve.sim.profile import ProfilePlan, profile_worker
 
     if not args.url:
-        raise SystemExit("splitserve profile: give --url of a running worker, or --analytic")
+        raise ValueError("give --url of a running worker, or --analytic")
     plan = ProfilePlan(token_budget=args.token_budget or VLLM_CPU_TOKEN_BUDGET)
     if args.quick:
         plan = replace(plan, prefill_lens=(16, 256, 1024, 2048), prefill_repeats=2,
@@ -171,10 +168,7 @@ def run_profile(args: argparse.Namespace) -> int:
     if args.mooncake_probe:
         from splitserve.worker.kv_transfer import check_mooncake_installed
 
-        try:
-            check_mooncake_installed("splitserve profile --mooncake-probe")
-        except ValueError as exc:
-            raise SystemExit(str(exc)) from None
+        check_mooncake_installed("splitserve profile --mooncake-probe")
     if args.add_links:
         prof = _with_links(args)
     elif args.refit:  # a split profile's split costs, else a plain profile's fits
@@ -187,7 +181,7 @@ def run_profile(args: argparse.Namespace) -> int:
         from splitserve.sim.calibration.calibrate import SplitPlan, calibrate_split
 
         if not (args.url and args.base):
-            raise SystemExit("splitserve profile --split needs --url (a router) and --base")
+            raise ValueError("--split needs --url (a router) and --base")
         prof = calibrate_split(args.url, load_profile(args.base), SplitPlan())
     elif args.analytic:
         prof = _analytic(args)
@@ -215,7 +209,7 @@ def _decode_profile(args: argparse.Namespace) -> Profile | None:
     if not args.decode_profile:
         return None
     if args.mode != "disagg":
-        raise SystemExit("--decode-profile is for --mode disagg (the D pool's workers)")
+        raise ValueError("--decode-profile is for --mode disagg (the D pool's workers)")
     return cli_profile(argparse.Namespace(
         profile=args.decode_profile, accept_profile_mismatch=args.accept_profile_mismatch))
 
@@ -234,9 +228,9 @@ def run_sim(args: argparse.Namespace) -> int:
     slo = SLO(args.slo_ttft_ms, args.slo_tpot_ms)
     rates = sorted(args.sweep_rates) or [None]
     if rates[0] is not None and slo.empty:
-        raise SystemExit("a rate sweep needs an SLO (--slo-ttft-ms and/or --slo-tpot-ms)")
+        raise ValueError("a rate sweep needs an SLO (--slo-ttft-ms and/or --slo-tpot-ms)")
     if rates[0] is not None and (why := spec.unpaced):
-        raise SystemExit(f"splitserve sim: --sweep-rates: {why}")
+        raise ValueError(f"--sweep-rates: {why}")
     points = []
     sweep = progress_bars() if len(rates) > 1 else nullcontext(None)
     with sweep as bars:  # a bar over the sweep's rates, as `bench` shows its runs
@@ -268,6 +262,7 @@ def run_sim(args: argparse.Namespace) -> int:
     return 0
 
 
+@refusing_bad_input("sim validate")
 def run_validate(args: argparse.Namespace) -> int:
     from splitserve.sim.validate_cli import Validation
 

@@ -43,21 +43,20 @@ def installed_engine() -> str | None:
 
 def model_path(name: str | None) -> str | None:
     """A model directory or config file as given; a Hugging Face model id resolved to its
-    snapshot directory (splitserve.hub, as the workers resolve it)."""
+    snapshot directory (splitserve.hub, as the workers resolve it). ValueError for an id the
+    hub does not resolve."""
     if name is None or Path(name).exists():
         return name
     from splitserve.hub import resolve_model
 
-    try:
-        return resolve_model(name).path
-    except ValueError as exc:
-        raise SystemExit(f"splitserve: {exc}") from None
+    return resolve_model(name).path
 
 
 def cli_profile(args: argparse.Namespace) -> Profile:
-    """`--profile`, checked against the installed vLLM (see `add_profile_arg`)."""
+    """`--profile`, checked against the installed vLLM (see `add_profile_arg`). ValueError
+    when it is not given; OSError when it cannot be read."""
     if not args.profile:
-        raise SystemExit("--profile is required (make one with `splitserve profile`)")
+        raise ValueError("--profile is required (make one with `splitserve profile`)")
     prof = load_profile(args.profile, engine_version=installed_engine(),
                         accept_mismatch=args.accept_profile_mismatch)
     if prof.mismatch:
@@ -68,8 +67,11 @@ def cli_profile(args: argparse.Namespace) -> Profile:
     return prof
 
 
-def add_profile_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--profile", help="profile JSON (splitserve profile); required")
+def add_profile_arg(p: argparse.ArgumentParser,
+                    role: str = "profile JSON (splitserve profile); required") -> None:
+    """`--profile` (its help: `role`, what the profile is to this command) and
+    `--accept-profile-mismatch`."""
+    p.add_argument("--profile", help=role)
     p.add_argument("--accept-profile-mismatch", action="store_true",
                    help="use a profile measured on another vLLM version (flagged)")
 
@@ -108,9 +110,10 @@ def transport_for(args: argparse.Namespace, prof: Profile, connector: str) -> st
 
 
 def cache_block_tokens(args: argparse.Namespace, prof: Profile) -> int:
-    """`--cache-block-tokens`, else the block of the engine the profile stands for."""
+    """`--cache-block-tokens`, else the block of the engine the profile stands for.
+    ValueError when it is below 1."""
     if args.cache_block_tokens is not None:
         if args.cache_block_tokens < 1:
-            raise SystemExit("--cache-block-tokens must be >= 1")
+            raise ValueError("--cache-block-tokens must be >= 1")
         return int(args.cache_block_tokens)
     return 16 if prof.kind == "analytic" else 128

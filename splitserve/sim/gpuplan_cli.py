@@ -24,6 +24,7 @@ from splitserve.sim.gpuplan import GpuPlan, GpuPlanner, GpuPlanRequest, Rung, Sh
 from splitserve.sim.model import Profile
 
 TPS = (1, 2, 4, 8)
+SERVE_DTYPES = {2: "bfloat16", 4: "float32"}  # bytes a value → splitserve serve --dtype
 # the plan's options that `--gpus` does not take: (dest, its default, the flag)
 NOT_WITH_GPUS = (
     ("connector", "splitserve", "--connector"), ("transport", None, "--transport"),
@@ -42,18 +43,20 @@ def check_gpu_options(args: argparse.Namespace) -> None:
 
 
 def plan_profiles(args: argparse.Namespace) -> dict[int, Profile]:
-    """One profile a TP degree the model fits (`--tp`), analytic or `--profile`'s (TP 1)."""
+    """One profile a TP degree the model fits (`--tp`), analytic or `--profile`'s (TP 1).
+    ValueError for `--tp` with a measured profile, neither `--model-config` nor `--profile`,
+    or a model no TP degree of `--tp` fits."""
     from splitserve.sim.analytic import PRESETS, ModelConfig, analytic_profile
     from splitserve.sim.cli_args import cli_profile, model_path
 
     tps = tuple(int(x) for x in args.tp.split(",")) if args.tp else TPS
     if args.profile:
         if tps != (1,) and args.tp:
-            raise SystemExit("a measured --profile is one TP-1 worker; --tp needs an analytic "
+            raise ValueError("a measured --profile is one TP-1 worker; --tp needs an analytic "
                              "profile (--model-config and --hardware)")
         return {1: cli_profile(args)}
     if not args.model_config:
-        raise SystemExit("splitserve plan --gpus needs --model-config (and --hardware) or "
+        raise ValueError("--gpus needs --model-config (and --hardware) or "
                          "--profile")
     model = ModelConfig.from_hf(model_path(args.model_config) or "", args.dtype_bytes)
     out: dict[int, Profile] = {}
@@ -63,14 +66,28 @@ def plan_profiles(args: argparse.Namespace) -> dict[int, Profile]:
         except ValueError as exc:
             print(f"note: tp={tp} left out: {exc}")
     if not out:
-        raise SystemExit(f"{model.name} fits no TP degree of {tps} on {args.hardware}")
+        raise ValueError(f"{model.name} fits no TP degree of {tps} on {args.hardware}")
     return out
 
 
-def deploy_commands(shape: Shape, model_flag: str) -> list[str]:
+def serve_dtype(profiles: dict[int, Profile]) -> str | None:
+    """The `splitserve serve --dtype` the plan sized its workers at: `bfloat16` or `float32`
+    when every profile is analytic at 2 or 4 bytes a value (`--dtype-bytes`); None for a
+    measured profile (its worker's dtype is not recorded) or another width (serve has no such
+    dtype)."""
+    if any(p.kind != "analytic" for p in profiles.values()):
+        return None
+    widths = {p.model.dtype_bytes for p in profiles.values()}
+    return SERVE_DTYPES.get(widths.pop()) if len(widths) == 1 else None
+
+
+def deploy_commands(shape: Shape, model_flag: str, dtype: str | None = None) -> list[str]:
     """The command that starts `shape` with splitserve's launcher (`model_flag`: `--model NAME`
-    or `--embedded`), each pool at its TP degree, on the plan's KV connector."""
+    or `--embedded`; `dtype`: its `--dtype`, none when None), each pool at its TP degree, on
+    the plan's KV connector."""
     c = shape.config
+    if dtype is not None:
+        model_flag = f"{model_flag} --dtype {dtype}"
     tp = lambda pool, t: f" --{pool}-tp {t}" if t > 1 else ""  # noqa: E731
     if c.mode != "disagg":
         return [f"splitserve serve {model_flag} --colocated {c.n_workers}"
@@ -81,8 +98,8 @@ def deploy_commands(shape: Shape, model_flag: str) -> list[str]:
             f"{policies}{tp('prefill', shape.tp_p)}{tp('decode', shape.tp_d)}{connector}"]
 
 
-def print_gpu_plan(plan: GpuPlan, rungs: list[Rung], verdict: str | None, model_flag: str
-                   ) -> None:
+def print_gpu_plan(plan: GpuPlan, rungs: list[Rung], verdict: str | None, model_flag: str,
+                   dtype: str | None = None) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -125,7 +142,7 @@ def print_gpu_plan(plan: GpuPlan, rungs: list[Rung], verdict: str | None, model_
     if verdict:
         console.print(f"[bold]advice:[/bold] {verdict}")
     console.print("[bold]deploy:[/bold]\n  " + "\n  ".join(deploy_commands(plan.best.shape,
-                                                                         model_flag)))
+                                                                         model_flag, dtype)))
 
 
 def plot_gpu_plan(plan: GpuPlan, rungs: list[Rung], path: Path) -> Path:
@@ -161,7 +178,8 @@ def plan_and_ladder(profiles: dict[int, Profile], spec: WorkloadSpec, args: argp
                     progress: Callable[[str, int], Callable[[], None]]
                     ) -> tuple[GpuPlan, list[Rung], str | None]:
     """Plan `args.gpus` over `profiles` on `spec`'s stream (`--policies`, `--target`, SLOs,
-    `--cache-block-tokens`), then the ladder unless `--no-ladder`: (plan, rungs, verdict)."""
+    `--cache-block-tokens`), then the ladder unless `--no-ladder`: (plan, rungs, verdict).
+    ValueError for a `--policies` entry the simulator does not know."""
     from splitserve.sim.cli_args import cache_block_tokens
     from splitserve.sim.gpuplan import budgets, ladder, ladder_verdict, shapes
     from splitserve.sim.workload import arrays_from_spec
@@ -172,7 +190,7 @@ def plan_and_ladder(profiles: dict[int, Profile], spec: WorkloadSpec, args: argp
         ("cache", "load") if wl.blocks is not None else ("cache",))
     unknown = [x for x in policies if x not in POLICIES]
     if unknown:
-        raise SystemExit(f"unknown --policies {unknown}; known: {', '.join(POLICIES)}")
+        raise ValueError(f"unknown --policies {unknown}; known: {', '.join(POLICIES)}")
     links = next(iter(profiles.values())).transfer
     transport = next((t for t in ("rdma", "tcp") if t in links), min(links, default="tcp"))
     req = GpuPlanRequest(args.gpus, rate, SLO(args.slo_ttft_ms, args.slo_tpot_ms),
@@ -189,11 +207,11 @@ def plan_and_ladder(profiles: dict[int, Profile], spec: WorkloadSpec, args: argp
     return plan, rungs, ladder_verdict(rungs) if rungs else None
 
 
-def plan_json(plan: GpuPlan, rungs: list[Rung], verdict: str | None, model_flag: str
-              ) -> dict[str, Any]:
+def plan_json(plan: GpuPlan, rungs: list[Rung], verdict: str | None, model_flag: str,
+              dtype: str | None = None) -> dict[str, Any]:
     """The plan, the ladder, the advice and the deploy commands, as written to JSON."""
     return plan.to_dict() | {
-        "advice": verdict, "deploy": deploy_commands(plan.best.shape, model_flag),
+        "advice": verdict, "deploy": deploy_commands(plan.best.shape, model_flag, dtype),
         "ladder": [{"gpus": r.gpus, "winner": r.winner,
                     "colocated": r.colocated.to_dict() if r.colocated else None,
                     "disagg": r.disagg.to_dict() if r.disagg else None} for r in rungs]}
@@ -210,11 +228,13 @@ def run_gpu_plan(args: argparse.Namespace, progress: Callable[[str, int], Callab
     check_gpu_options(args)
     spec = spec_from_args(args)
     check_open_loop(spec)
-    plan, rungs, verdict = plan_and_ladder(plan_profiles(args), spec, args, progress)
+    profiles = plan_profiles(args)
+    plan, rungs, verdict = plan_and_ladder(profiles, spec, args, progress)
     model_flag = f"--model {args.model_config}" if args.model_config else "--model MODEL"
-    print_gpu_plan(plan, rungs, verdict, model_flag)
+    dtype = serve_dtype(profiles)
+    print_gpu_plan(plan, rungs, verdict, model_flag, dtype)
     out = Path(args.out_dir)
-    doc = plan_json(plan, rungs, verdict, model_flag)
+    doc = plan_json(plan, rungs, verdict, model_flag, dtype)
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpuplan.json").write_text(json.dumps(doc, indent=2))
     png = plot_gpu_plan(plan, rungs, out / "gpuplan.png")

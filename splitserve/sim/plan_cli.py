@@ -36,7 +36,7 @@ def run_plan(args: argparse.Namespace) -> int:
     )
 
     if args.slo_ttft_ms is None or args.slo_tpot_ms is None:
-        raise SystemExit("splitserve plan needs --slo-ttft-ms and --slo-tpot-ms")
+        raise ValueError("--slo-ttft-ms and --slo-tpot-ms are required")
     if args.gpus is not None:
         from splitserve.sim.gpuplan_cli import run_gpu_plan
 
@@ -49,8 +49,8 @@ def run_plan(args: argparse.Namespace) -> int:
             run_gpu_plan(args, progress)
         return 0
     if args.workers is None:
-        raise SystemExit("splitserve plan needs --workers N (a measured profile's workers) or "
-                         "--gpus N (TP per pool, analytic or measured profiles)")
+        raise ValueError("give --workers N (a measured profile's workers) or --gpus N (TP "
+                         "per pool, analytic or measured profiles)")
     prof, spec = cli_profile(args), spec_from_args(args)
     check_plannable(spec)
     connector = "splitserve" if args.connector == "compare" else args.connector
@@ -66,7 +66,7 @@ def run_plan(args: argparse.Namespace) -> int:
         links = {c: transport_for(args, prof, c) for c in ("splitserve", "nixl")}
         missing = [t for t in links.values() if t not in prof.transfer]
         if missing:
-            raise SystemExit(f"the profile has no {missing} link (has {sorted(prof.transfer)}); "
+            raise ValueError(f"the profile has no {missing} link (has {sorted(prof.transfer)}); "
                              "measure one: splitserve profile --add-links PROFILE --nixl-probe")
         if prof.split is not None:
             print("note: comparing connectors without the profile's split costs (they are "
@@ -95,7 +95,8 @@ def run_plan(args: argparse.Namespace) -> int:
 
 def register_plan(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     pl = sub.add_parser("plan", help="colocated or disaggregated, the best P:D, the connector")
-    add_profile_arg(pl)
+    add_profile_arg(pl, "profile JSON (splitserve profile); required with --workers; with "
+                    "--gpus, in place of --model-config (a measured one plans TP 1)")
     add_workload_arguments(pl)
     pl.add_argument("--workers", type=int, help="worker budget (P:D over one profile)")
     g = pl.add_argument_group("GPU planning (--gpus): TP per pool, counts, routing policy")
@@ -105,7 +106,9 @@ def register_plan(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
                    "model id (analytic profiles, one a TP degree)")
     g.add_argument("--hardware", default="h100-sxm",
                    choices=("a100-80g", "h100-sxm", "h200", "l40s"))
-    g.add_argument("--dtype-bytes", type=int, default=2)
+    g.add_argument("--dtype-bytes", type=int, default=2,
+                   help="bytes a weight and KV value in the analytic profiles (default 2; the "
+                   "deploy command serves --dtype bfloat16 for 2, float32 for 4)")
     g.add_argument("--tp", help="TP degrees to search, e.g. 2,4,8 (default 1,2,4,8: those "
                    "the model fits)")
     g.add_argument("--policies", help="routing policies to search, e.g. cache,load (default: "

@@ -56,7 +56,9 @@ class Validation:
     workload and deployment options). `reference` is set exactly when the repeats run with
     canaries (this command profiled, calibrated or validates prefix caches, or a stored JSON
     carries canaries);
-    `around` holds the canaries measured around that profiling."""
+    `around` holds the canaries measured around that profiling. ValueError for options that
+    do not go together (`--prefix-caching` with `--reprofile` or `--calibrate`; another
+    connector without `--url` or `--real-json`)."""
 
     def __init__(self, args: argparse.Namespace, prof: Profile, spec: WorkloadSpec,
                  cfg: SimConfig, block_tokens: int = 128) -> None:
@@ -64,10 +66,10 @@ class Validation:
         self.caching = bool(getattr(args, "prefix_caching", False))
         self.block_tokens = block_tokens  # the engines' cache block (prefix identity)
         if self.caching and (args.reprofile or args.calibrate):
-            raise SystemExit("--prefix-caching measures with the caches on; profile or "
+            raise ValueError("--prefix-caching measures with the caches on; profile or "
                              "calibrate in a command without it, and pass that --profile")
         if cfg.connector != "splitserve" and not (args.url or args.real_json):
-            raise SystemExit("sim validate launches deployments on splitserve's connector; "
+            raise ValueError("it launches deployments on splitserve's connector only; "
                              f"for {cfg.connector}, give --url of a running one")
         if args.repeats < 3:
             print("note: fewer than 3 repeats per point; the spread is poorly known")
@@ -151,10 +153,10 @@ class Validation:
 
     def on_deployment(self) -> Real:
         """Launch splitserve's deployment of `cfg` and measure it (`--calibrate`: its split
-        costs first)."""
+        costs first). ValueError with `--reprofile`, which profiles one plain worker."""
         args, cfg, prof = self.args, self.cfg, self.prof
         if args.reprofile:
-            raise SystemExit("--reprofile works with one plain worker (--mode chunked "
+            raise ValueError("--reprofile works with one plain worker (--mode chunked "
                              "--workers 1); profile a worker of the deployment instead")
         with launched(cfg, args.cpus, cfg.token_budget or prof.token_budget,
                       router_cpus=args.router_cpus, prefix_caching=self.caching) as url:

@@ -92,10 +92,10 @@ def test_sim_and_plan_refuse_rates_a_workload_does_not_have(
     trace.write_text("arrival_s,input_len,output_len\n0.0,20,3\n0.5,30,4\n")
     on_trace = ["--profile", str(prof), "--workload", "trace", "--dataset-path", str(trace),
                 "--slo-ttft-ms", "1000", "--slo-tpot-ms", "50"]
-    with pytest.raises(SystemExit, match="--sweep-rates: a trace workload is sent on its own "
-                                         "clock"):
-        main(["sim", *on_trace, "--mode", "chunked", "--workers", "1", "--sweep-rates", "1,4",
-              "--out", str(tmp_path / "r.json")])
+    assert main(["sim", *on_trace, "--mode", "chunked", "--workers", "1", "--sweep-rates",
+                 "1,4", "--out", str(tmp_path / "r.json")]) == 2
+    assert capsys.readouterr().err.startswith(
+        "splitserve sim: --sweep-rates: a trace workload is sent on its own clock")
     assert main(["plan", *on_trace, "--workers", "2", "--out-dir", str(tmp_path / "plan")]) == 2
     assert capsys.readouterr().err.startswith("splitserve plan: planning sweeps the request rate")
     assert not (tmp_path / "plan").exists()
@@ -125,6 +125,22 @@ GPUS = ["plan", "--gpus", "2", *SLOS]
     ([*GPUS, "--pull-request-ms", "3"], "it takes no --pull-request-ms"),
     ([*GPUS, "--token-budget", "64"], "it takes no --token-budget"),
     (["profile", "--refit", "/nonexistent.json"], "splitserve profile: [Errno 2]"),
+    (["profile", "--analytic"], "splitserve profile: --analytic needs --model-config"),
+    (["profile"], "splitserve profile: give --url of a running worker, or --analytic"),
+    (["sim", "--sweep-rates", "1,2"], "splitserve sim: a rate sweep needs an SLO"),
+    (["sim", "--cache-block-tokens", "0"], "splitserve sim: --cache-block-tokens must be >= 1"),
+    (["sim", "--mode", "chunked", "--decode-profile", "/nonexistent.json"],
+     "splitserve sim: --decode-profile is for --mode disagg"),
+    (["plan", "--workers", "4", "--request-rate", "1"],
+     "splitserve plan: --slo-ttft-ms and --slo-tpot-ms are required"),
+    (["plan", *SLOS], "splitserve plan: give --workers N"),
+    ([*GPUS, "--tp", "2"], "splitserve plan: a measured --profile is one TP-1 worker"),
+    ([*GPUS, "--policies", "cache,best"], "splitserve plan: unknown --policies ['best']"),
+    (["advise", "--gpus", "2", "--num-prompts", "5"],
+     "splitserve advise: --slo-ttft-ms and --slo-tpot-ms are required"),
+    (["advise", "--gpus", "0", *SLOS], "splitserve advise: --gpus must be >= 1"),
+    (["advise", "--gpus", "2", "--tp", "2", *SLOS],
+     "splitserve advise: --hardware cpu plans TP-1 workers"),
 ])
 def test_bad_input_is_refused_in_one_line(argv: list[str], message: str, tmp_path: Path,
                                           capsys: pytest.CaptureFixture[str]) -> None:
@@ -134,8 +150,25 @@ def test_bad_input_is_refused_in_one_line(argv: list[str], message: str, tmp_pat
     save_profile(replace(make_profile(), transfer={"tcp": LINK, "nixl": LINK}), prof)
     where = {"sim": ["--profile", str(prof), "--out", str(tmp_path / "out.json")],
              "plan": ["--profile", str(prof), "--out-dir", str(tmp_path / "plan")],
-             "profile": ["--out", str(tmp_path / "out.json")]}
+             "profile": ["--out", str(tmp_path / "out.json")],
+             "advise": ["--out-dir", str(tmp_path / "advise")]}
     assert main([*argv, *where[argv[0]]]) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == ["p.json"]
+
+
+@pytest.mark.parametrize("argv", [
+    ["sim", "--mode", "disagg", "--prefill", "1", "--decode", "1", "--num-prompts", "5"],
+    ["plan", "--workers", "2", *SLOS],
+])
+def test_a_missing_profile_is_refused_in_one_line(argv: list[str], tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """`sim` and `plan --workers` without `--profile`: one line, exit status 2, nothing
+    written."""
+    assert main([*argv, "--out-dir" if argv[0] == "plan" else "--out",
+                 str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"splitserve {argv[0]}: --profile is required (make one with "
+                   "`splitserve profile`)\n")
+    assert not list(tmp_path.iterdir())

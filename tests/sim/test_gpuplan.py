@@ -4,6 +4,7 @@ the commands it prints, on an analytic model small enough to plan in seconds."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +25,8 @@ from splitserve.sim.gpuplan import (
     ladder_verdict,
     shapes,
 )
-from splitserve.sim.gpuplan_cli import deploy_commands
+from splitserve.sim.gpuplan_cli import deploy_commands, serve_dtype
+from splitserve.sim.model import Profile
 from splitserve.sim.workload import SimWorkload
 
 # a Llama-3.1-8B-shaped model (public numbers)
@@ -122,6 +124,32 @@ def test_deploy_commands_start_each_pool_with_its_tp() -> None:
         "splitserve serve --embedded --colocated 4"]
 
 
+def test_deploy_commands_serve_the_dtype_the_plan_sized() -> None:
+    """The analytic profiles' bytes a value name serve's `--dtype` (serve's own default is
+    float32, twice bf16's memory); a measured profile, or a width serve has no dtype for,
+    names none."""
+    tp2 = Shape(SimConfig("disagg", n_prefill=1, n_decode=1), 2, 2)
+    assert deploy_commands(tp2, "--model org/m", "bfloat16") == [
+        "splitserve serve --model org/m --dtype bfloat16 --prefill 1 --decode 1 "
+        "--prefill-policy power_of_two --decode-policy power_of_two --prefill-tp 2 "
+        "--decode-tp 2"]
+    assert deploy_commands(Shape(SimConfig("chunked", n_workers=2), 1), "--embedded",
+                           "float32") == ["splitserve serve --embedded --dtype float32 "
+                                          "--colocated 2"]
+    from splitserve.cli import build_parser
+    from splitserve.launch.cli import config_from_args
+    argv = deploy_commands(tp2, "--model org/m", "bfloat16")[0].split()[1:]
+    assert config_from_args(build_parser().parse_args(argv)).dtype == "bfloat16"
+
+    def analytic(dtype_bytes: int, tp: int = 1) -> Profile:
+        return analytic_profile(replace(L8, dtype_bytes=dtype_bytes), PRESETS["h100-sxm"], tp=tp)
+
+    assert serve_dtype({1: analytic(2), 2: analytic(2, 2)}) == "bfloat16"
+    assert serve_dtype({1: analytic(4)}) == "float32"
+    assert serve_dtype({1: analytic(1)}) is None
+    assert serve_dtype({1: replace(analytic(2), kind="measured")}) is None
+
+
 def test_plan_gpus_end_to_end(tmp_path: Path) -> None:
     cfg = tmp_path / "config.json"
     cfg.write_text(CONFIG)
@@ -131,12 +159,12 @@ def test_plan_gpus_end_to_end(tmp_path: Path) -> None:
                  "--request-rate", "2", "--input-len", "2000", "--output-len", "50",
                  "--out-dir", str(out)]) == 0
     doc = json.loads((out / "gpuplan.json").read_text())
-    assert doc["gpus"] == 2 and doc["deploy"] and doc["advice"]
+    assert doc["gpus"] == 2 and doc["advice"]
+    assert doc["deploy"][0].startswith(f"splitserve serve --model {cfg} --dtype bfloat16 ")
     assert [r["gpus"] for r in doc["ladder"]] == [1, 2]
     assert (out / "gpuplan.png").stat().st_size > 0
-    with pytest.raises(SystemExit, match="--workers N"):
-        main(["plan", "--slo-ttft-ms", "500", "--slo-tpot-ms", "50"])
-    with pytest.raises(SystemExit, match="unknown --policies"):
-        main(["plan", "--gpus", "2", "--model-config", str(cfg), "--slo-ttft-ms", "500",
-              "--slo-tpot-ms", "50", "--policies", "cache,best", "--num-prompts", "10",
-              "--out-dir", str(out)])
+    assert main(["plan", "--gpus", "2", "--model-config", str(cfg), "--dtype-bytes", "4",
+                 "--tp", "1", "--no-ladder", "--slo-ttft-ms", "500", "--slo-tpot-ms", "50",
+                 "--num-prompts", "20", "--request-rate", "2", "--out-dir", str(out)]) == 0
+    doc = json.loads((out / "gpuplan.json").read_text())
+    assert doc["deploy"][0].startswith(f"splitserve serve --model {cfg} --dtype float32 ")
