@@ -24,6 +24,8 @@ YAML keys are the field names below; `router:` holds the router's policy fields.
 
 from __future__ import annotations
 
+import types
+import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -247,19 +249,28 @@ def from_mapping(data: dict[str, Any], overrides: dict[str, Any] | None = None
         raise ValueError(f"a deployment value of the wrong type: {exc}") from None
 
 
+SCALARS: dict[type, str] = {bool: "true or false", int: "an integer", float: "a number",
+                            str: "a string"}
+TAKES_A_MAPPING = ("speculative", "ray")  # a YAML mapping stands for these (see the fields)
+
+
 def _check_scalar_types(flat: dict[str, Any]) -> None:
-    """ValueError for a value whose field has a bool, int, float or str default and which is not
-    of that type (an int stands for a float; None stays for fields that allow it)."""
-    for f in fields(DeploymentConfig):
-        value, default = flat.get(f.name), f.default
-        if value is None or not isinstance(default, bool | int | float | str):
+    """ValueError naming the key for a value that is not of its field's scalar type (bool, int,
+    float or str, whether or not the field allows None; an int stands for a float)."""
+    hints = typing.get_type_hints(DeploymentConfig)
+    for name, value in flat.items():
+        if value is None or name in TAKES_A_MAPPING:
             continue
-        want, kind = ((bool, "true or false") if isinstance(default, bool)
-                      else (int, "an integer") if isinstance(default, int)
-                      else ((int, float), "a number") if isinstance(default, float)
-                      else (str, "a string"))
-        if not isinstance(value, want) or (isinstance(value, bool) and want is not bool):
-            raise ValueError(f"{f.name}: expected {kind}, got {value!r}")
+        hint = hints[name]
+        members = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+        scalars = [t for t in members if t in SCALARS]
+        if not scalars:
+            continue
+        want = scalars[0]
+        ok = (isinstance(value, bool) == (want is bool)
+              and isinstance(value, (int, float) if want is float else want))
+        if not ok:
+            raise ValueError(f"{name}: expected {SCALARS[want]}, got {value!r}")
 
 
 def load_yaml(path: str | Path, overrides: dict[str, Any] | None = None) -> DeploymentConfig:

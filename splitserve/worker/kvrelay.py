@@ -28,6 +28,7 @@ Exactness (the `BlockSet` is exact while every engine batch is applied, in order
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import shutil
@@ -89,10 +90,12 @@ def events_config(directory: str) -> dict[str, Any]:
 
 
 def remove_private_dir(directory: str) -> None:
-    """Remove a directory `private_dir` made (and nothing else)."""
+    """Remove a directory `private_dir` made (and nothing else); one already gone is fine, so
+    that several owners may call this."""
     path = Path(directory)
-    if path.name.startswith(DIR_PREFIX) and path.is_dir() and path.stat().st_uid == os.getuid():
-        shutil.rmtree(path, ignore_errors=True)
+    with contextlib.suppress(FileNotFoundError):
+        if path.name.startswith(DIR_PREFIX) and path.stat().st_uid == os.getuid():
+            shutil.rmtree(path, ignore_errors=True)
 
 
 # -- vLLM's wire -------------------------------------------------------------------------------
@@ -247,17 +250,24 @@ class Relay:
 
     def _run(self) -> None:
         """Follow the engine until stopped. A failure gives the view up (it stays given up
-        until the engine clears its cache) and the relay follows again on fresh sockets a
-        second later, so that a later clear is seen."""
+        until the engine clears its cache) and the relay follows again on fresh sockets, after
+        1 s and then up to 30 s between tries while they keep failing, so that a later clear is
+        seen. The first failure is logged with its traceback, later ones in a line."""
+        wait_s = 1.0
         while not self._stop.is_set():
             try:
                 self._follow()
             except Exception as exc:  # the view cannot follow the engine on these sockets
                 if self._stop.is_set():
                     return
-                log.exception("KV event relay failed; following again in 1 s")
+                if wait_s == 1.0:
+                    log.exception("KV event relay failed; following again in 1 s")
+                else:
+                    log.warning("KV event relay failed again (%r); next try in %.0f s", exc,
+                                wait_s)
                 self._lose(self.expected, f"the relay failed: {exc}")
-                self._stop.wait(1.0)
+                self._stop.wait(wait_s)
+                wait_s = min(30.0, wait_s * 2)
 
     def _follow(self) -> None:
         assert self._ctx is not None and self.pub is not None

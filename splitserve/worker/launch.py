@@ -72,15 +72,15 @@ _HANDED_OUT: deque[int] = deque(maxlen=512)
 
 def free_port(host: str = "127.0.0.1", count: int = 1) -> int:
     """A port that is free now (the first of `count` consecutive free ones), chosen outside the
-    kernel's ephemeral range (below it, else above it when it starts near 1024): the OS hands
-    ports in that range to outgoing connections, which could take ours before the worker binds
-    it."""
+    kernel's ephemeral range (below or above it, each side by its room): the OS hands ports in
+    that range to outgoing connections, which could take ours before the worker binds it."""
     low, high = _ephemeral_range()
     spans = [(lo, hi) for lo, hi in ((max(1024, low - 12000), low - count + 1),
                                      (high + 1, 65536 - count + 1)) if hi > lo]
     rng = random.SystemRandom()
     for _ in range(200 if spans else 0):
-        port = rng.randrange(*spans[0])
+        first, end = rng.choices(spans, weights=[b - a for a, b in spans])[0]  # by their room
+        port = rng.randrange(first, end)
         ports = range(port, port + count)
         if any(p in _HANDED_OUT for p in ports):  # given to an earlier caller not bound yet
             continue
@@ -319,9 +319,10 @@ def worker_command(cfg: WorkerConfig, token: str | None) -> tuple[list[str], dic
 
 def remove_worker_dir(env: Mapping[str, str]) -> None:
     """Remove the private directory `worker_command` made for the worker it gave `env` (none
-    made: nothing to do). Its owner calls this once the worker's process group is gone,
-    however it ended: the worker's plugin removes it only on a normal exit of an engine that
-    came up."""
+    made, or gone already: nothing to do). Its owner calls this once the worker's leader has
+    exited, however it ended (`WorkerProcess` does it on reaping): the worker's plugin removes
+    it only on a normal exit of an engine that came up. What is left of the group loses only
+    its event sockets."""
     directory = env.get(KV_EVENTS_DIR_ENV)
     if directory:
         remove_private_dir(directory)
