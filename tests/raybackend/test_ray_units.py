@@ -141,6 +141,7 @@ def test_directory_claims_cores_per_machine_and_waits_for_the_router() -> None:
     assert d.claim_cores("10.0.0.1", [0, 1, 2, 3], 2, "b") == (2, 3)
     assert d.claim_cores("10.0.0.2", [0, 1, 2, 3], 2, "c") == (0, 1)  # another machine
     assert d.claim_cores("10.0.0.1", [0, 1, 2, 3], 1, "e") == (0,)  # all taken: shared
+    assert d.placed() == ["a", "b", "c", "e"]
     d.register({"replica": "a", "kind": "decode", "url": "http://a", "node_id": "n",
                 "node_ip": "10.0.0.1", "cores": (0, 1)})
     d.router_report("http://r0", {"http://a": {"inflight": 1.0, "inflight_prefill_tokens": 9.0}})
@@ -157,6 +158,7 @@ def test_directory_claims_cores_per_machine_and_waits_for_the_router() -> None:
     assert d.routers() == ["http://r0"]
     assert d.router_load("http://a") == {"inflight": 1.0, "inflight_prefill_tokens": 9.0}
     d.deregister("a")
+    assert d.placed() == ["b", "c", "e"]
     assert d.claim_cores("10.0.0.1", [0, 1, 2, 3], 2, "f") == (0, 1)  # a's cores are free
     assert [h.get("decode", 0) for h in d.history()] == [1, 0, 0]
     d.set_secrets("tok", None)

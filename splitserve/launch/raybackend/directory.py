@@ -54,7 +54,6 @@ class WorkerDirectory:
         self._api_key: str | None = None
         self._entries: dict[str, Entry] = {}
         self._claims: dict[str, dict[str, tuple[int, ...]]] = {}  # node_ip -> replica -> cores
-        self._placed: set[str] = set()  # every replica that ever began on a node
         # router URL -> (its open legs by worker URL, when it last reported)
         self._routers: dict[str, tuple[dict[str, dict[str, float]], float]] = {}
         self._log: list[dict[str, Any]] = []  # (time, kind, replicas) after every change
@@ -78,13 +77,12 @@ class WorkerDirectory:
                     use[c] += 1
         chosen = tuple(sorted(sorted(use, key=lambda c: (use[c], c))[:max(1, n)]))
         claims[replica] = chosen
-        self._placed.add(replica)
         return chosen
 
     def placed(self) -> list[str]:
-        """Every replica (Serve's full id) that Ray placed on a node so far: each claims its
-        cores first thing."""
-        return sorted(self._placed)
+        """The replicas (Serve's full ids) on a node now: each claims its cores first thing and
+        gives them back when it deregisters."""
+        return sorted(r for claims in self._claims.values() for r in claims)
 
     def _release_cores(self, replica: str) -> None:
         for claims in self._claims.values():
