@@ -90,12 +90,15 @@ def _transport_errors() -> tuple[type[BaseException], ...]:
 
 def _repo_files(model: str, revision: str | None) -> list[str] | None:
     """The repository's file names, or None when the hub cannot be reached (the hub's own
-    answers, e.g. no such repository, are raised)."""
+    answers, e.g. no such repository, are raised). One request: the model's info lists its
+    files, where `list_repo_files` retries an unreachable hub five times with backoff (about
+    24 s before the cache could serve)."""
     from huggingface_hub import HfApi
     from huggingface_hub.errors import HfHubHTTPError
 
     try:
-        return list(HfApi().list_repo_files(model, revision=revision))
+        info = HfApi().model_info(model, revision=revision, expand=["siblings"])
+        return [sibling.rfilename for sibling in info.siblings or []]
     except HfHubHTTPError:
         raise
     except _transport_errors():  # offline, or no answer: the cache may still serve
