@@ -11,8 +11,8 @@ from __future__ import annotations
 
 # Prefill on D: a request whose chosen D holds all but at most this many prompt tokens runs
 # whole on that D. 128 tokens (one vLLM-CPU block): such a prefill stalls D's other streams
-# once, by ~0.1 s on the demo model (benchmarks/local_prefill_stall.py; router/README.md,
-# "Cache-aware routing").
+# once, by ~0.1 s on the demo model (benchmarks/local_prefill_stall.py; docs/concepts/routing.md,
+# "Prefill on D").
 LOCAL_PREFILL_MAX_TOKENS = 128
 
 
