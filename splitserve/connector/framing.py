@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import enum
 import json
+import os
 import socket
 import struct
 from typing import Any
@@ -47,21 +48,27 @@ def send_frame(sock: Conn, op: Op, body: dict[str, Any] | None = None) -> None:
     sock.sendall(encode_frame(op, body))
 
 
+# The most buffers one `sendmsg` takes (Linux: 1024; more fail with EMSGSIZE).
+IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 1024
+
+
 def send_parts(sock: Conn, parts: list[bytes | memoryview]) -> None:
-    """Send `parts` back to back. On a plain socket one gathering `sendmsg` per pass: a frame
-    and its payload leave in one system call, so D wakes once per frame rather than per part."""
+    """Send `parts` back to back. On a plain socket one gathering `sendmsg` per pass of up to
+    `IOV_MAX` parts: a frame and its payload leave in one system call, so D wakes once per
+    frame rather than per part."""
     if not isinstance(sock, socket.socket):  # TLS records: no gathering send
         for part in parts:
             sock.sendall(part)
         return
     views = [memoryview(p).cast("B") for p in parts if len(p)]
-    while views:
-        sent = sock.sendmsg(views)
-        while views and sent >= len(views[0]):
-            sent -= len(views[0])
-            views.pop(0)
+    first = 0  # views[first:] are still to send
+    while first < len(views):
+        sent = sock.sendmsg(views[first:first + IOV_MAX])
+        while first < len(views) and sent >= len(views[first]):
+            sent -= len(views[first])
+            first += 1
         if sent:
-            views[0] = views[0][sent:]
+            views[first] = views[first][sent:]
 
 
 def recv_exact_into(sock: Conn, view: memoryview) -> None:

@@ -11,6 +11,7 @@ import threading
 import pytest
 
 from splitserve.connector.framing import (
+    IOV_MAX,
     Op,
     ProtocolError,
     encode_frame,
@@ -45,6 +46,22 @@ def test_parts_arrive_in_order_across_partial_sends() -> None:
     assert frames == [(Op.LAYER, {"transfer_id": "t", "nbytes": len(payload)}),
                       (Op.END, {"transfer_id": "t"})]
     assert bytes(got) == payload
+
+
+def test_more_parts_than_one_sendmsg_takes_all_arrive() -> None:
+    """An END after thousands of payload-less LAYER frames (shm: layers x chunks) is more
+    buffers than one `sendmsg` takes (IOV_MAX); they leave in several calls, in order."""
+    a, b = socket.socketpair()
+    parts = [encode_frame(Op.LAYER, {"transfer_id": "t", "layer": i, "nbytes": 0})
+             for i in range(3 * IOV_MAX + 5)]
+    frames: list[tuple[Op, dict[str, object]]] = []
+    reader = threading.Thread(target=lambda: frames.extend(recv_frame(b) for _ in parts))
+    reader.start()
+    with a, b:
+        send_parts(a, parts)
+        reader.join(10)
+    assert not reader.is_alive()
+    assert [body["layer"] for _, body in frames] == list(range(len(parts)))
 
 
 def test_messages_round_trip_and_leave_out_unset_fields() -> None:
