@@ -19,6 +19,7 @@ from splitserve.common.vocab import Pool
 from splitserve.router.admin import add_admin_routes, add_peer_routes
 from splitserve.router.config import RouterConfig
 from splitserve.router.endpoints import authorized, chat_completions, completions, state
+from splitserve.router.formats import error_body
 from splitserve.router.hotpath import HotRoutes
 from splitserve.router.limits import BodyLimit
 from splitserve.router.schema import CHAT_REQUEST, COMPLETION_REQUEST, openapi_body
@@ -61,7 +62,11 @@ def create_app(cfg: RouterConfig, token: str | None, api_key: str | None = None,
 
 
 async def models(request: Request) -> JSONResponse:
-    return JSONResponse({"object": "list", "data": [state(request).model]})
+    """The served model; behind the API key when one is set, as vLLM guards every /v1 path."""
+    st = state(request)
+    if st.api_key and not authorized(request, st.api_key):
+        return JSONResponse(error_body("invalid API key", "AuthenticationError", None, 401), 401)
+    return JSONResponse({"object": "list", "data": [st.model]})
 
 
 async def health(request: Request) -> Response:

@@ -32,13 +32,18 @@ from splitserve.router.params import (
     Kind,
     Legs,
     RequestError,
+    check_budget,
     max_tokens_of,
     plan_legs,
     unsplittable_reason,
 )
 from splitserve.router.params import validate as validate_body
 from splitserve.router.policy import NoWorker, Overloaded
-from splitserve.router.prompt import completion_prompt, render_chat
+from splitserve.router.prompt import (
+    completion_prompt,
+    plain_conversation,
+    render_chat,
+)
 from splitserve.router.state import RouterState
 from splitserve.router.timings import Timings
 from splitserve.router.worker import Worker
@@ -139,12 +144,15 @@ def choose_mode(st: RouterState, body: dict[str, Any], kind: Kind) -> str:
     (or a 400 under `--unsplittable refuse`)."""
     reg = st.registry
     split_ready = bool(reg.routable(Pool.PREFILL) and (
-        reg.routable(Pool.DECODE) or max_tokens_of(body) == 1))
+        reg.routable(Pool.DECODE) or max_tokens_of(body, kind) == 1))
     if not split_ready:
         if not (reg.routable(Pool.COLOCATED) or reg.routable(Pool.DECODE)):
             raise NoWorker("prefill/decode or colocated")
         return "whole"
     reason = unsplittable_reason(body, kind)
+    if reason is None and kind == "chat" and st.tokenizer is not None and plain_conversation(
+            body["messages"], st.chat_format) is None:
+        reason = "messages"  # tool calls, images, roles vLLM rewrites: its own rendering
     if reason is None:
         return "split"
     if st.cfg.unsplittable == "refuse":
@@ -161,9 +169,10 @@ async def split(st: RouterState, request: Request, body: dict[str, Any], raw: by
     """P's leg (t1), then D's: one JSON answer, or one stream that starts with t1. Or, when
     the chosen D holds all but a few of the prompt's tokens (`Flow.plan`), D's leg alone from
     the prompt: prefill on D, counted as mode `local`, resumed on another D like any D leg."""
-    prompt = (render_chat(st.tokenizer, body) if kind == "chat"
+    prompt = (render_chat(st.tokenizer, body, st.chat_format) if kind == "chat"
               else completion_prompt(st.tokenizer, body, st.prompt_chars_limit))
     legs = plan_legs(body, kind, prompt)
+    check_budget(body, legs, st.flow.max_model_len)
     plan = st.flow.plan(legs)
     if plan.local:
         admission.mode = t.mode = "local"

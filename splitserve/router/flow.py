@@ -375,6 +375,10 @@ class Flow:
                 return
             except (*TRANSPORT_ERRORS, LegFailed) as exc:
                 abandon(tr, None)  # a later leg recomputes: none will load the staged KV
+                if joiner.finish_reason is not None:
+                    # the leg broke after its last token (on its usage chunk or `[DONE]`):
+                    # the answer is whole, and a new leg would add tokens past its end
+                    return
                 retry.failed(d, exc)
                 if attempt == retry.limit:
                     raise UpstreamError(502, {"error": {

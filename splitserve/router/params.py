@@ -141,6 +141,9 @@ def validate(body: Any, kind: Kind, served_model: str) -> dict[str, Any]:
     stream_options = body.get("stream_options")
     if stream_options is not None and not isinstance(stream_options, dict):
         raise RequestError("stream_options must be an object", "stream_options")
+    if stream_options and not body.get("stream"):  # vLLM's own check: P's leg never streams
+        raise RequestError("Stream options can only be defined when `stream=True`.",
+                           "stream_options")
     if "kv_transfer_params" in body:
         raise RequestError("kv_transfer_params is set by the router", "kv_transfer_params")
     xargs = body.get("vllm_xargs")
@@ -183,9 +186,20 @@ FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_
 FLOAT32_MAX = 3.4028234663852886e38
 
 
-def max_tokens_of(body: dict[str, Any]) -> int | None:
+# vLLM's default budget of a completion request without `max_tokens` (a chat request's is the
+# rest of the context): D's leg is a completion, so it is always sent the client's budget.
+COMPLETION_DEFAULT_MAX_TOKENS = 16
+
+
+def max_tokens_of(body: dict[str, Any], kind: Kind = "chat") -> int | None:
+    """The request's budget as vLLM reads it: None is the rest of the context (a chat
+    request without one, or either kind with `null`)."""
     value = body.get("max_completion_tokens")
-    return value if value is not None else body.get("max_tokens")
+    if value is not None:
+        return value
+    if kind == "completion" and "max_tokens" not in body:
+        return COMPLETION_DEFAULT_MAX_TOKENS
+    return body.get("max_tokens")
 
 
 @dataclass(frozen=True)
@@ -223,10 +237,11 @@ def plan_legs(body: dict[str, Any], kind: Kind, prompt: str | list[int]) -> Legs
         tokenwise = {k: copy.deepcopy(v) for k, v in body.items() if k in TOKENWISE_FIELDS}
     tokenwise.pop("return_token_ids", None)
     return Legs(
-        kind=kind, prompt=prompt, max_tokens=max_tokens_of(body),
+        kind=kind, prompt=prompt, max_tokens=max_tokens_of(body, kind),
         min_tokens=int(body.get("min_tokens") or 0), stream=stream,
         include_usage=stream and bool(opts.get("include_usage")),
-        continuous_usage=stream and bool(opts.get("continuous_usage_stats")),
+        continuous_usage=stream and bool(opts.get("include_usage"))
+        and bool(opts.get("continuous_usage_stats")),  # vLLM's: only with include_usage
         return_token_ids=bool(body.get("return_token_ids")), tokenwise=tokenwise,
     )
 
@@ -243,8 +258,10 @@ def prefill_body(legs: Legs, model: str, kv: dict[str, Any] | None) -> dict[str,
 
 def decode_body(legs: Legs, model: str, prompt_ids: list[int], produced: list[int],
                 kv: dict[str, Any] | None, replayed: int = 0) -> dict[str, Any]:
-    """D: prompt + the tokens produced so far, the rest of the budget. Always streams and always
-    returns token ids, so the router can count tokens and resume elsewhere without loss.
+    """D: prompt + the tokens produced so far, the rest of the budget (`max_tokens: null`, the
+    rest of the context, for a request without one: D's leg is a completion, whose own default
+    would be 16). Always streams and always returns token ids, so the router can count tokens
+    and resume elsewhere without loss.
     `replayed`: the last tokens of `produced` left out of the prompt, for D to generate again
     (they count toward D's budget)."""
     body = dict(legs.tokenwise)
@@ -256,8 +273,18 @@ def decode_body(legs: Legs, model: str, prompt_ids: list[int], produced: list[in
     body.update(model=model, prompt=prompt_ids + produced[:kept], max_tokens=remaining,
                 stream=True, return_token_ids=True, min_tokens=max(legs.min_tokens - kept, 0),
                 stream_options={"include_usage": True})
-    if remaining is None:
-        body.pop("max_tokens")
     if kv is not None:
         body["kv_transfer_params"] = kv
     return body
+
+
+def check_budget(body: dict[str, Any], legs: Legs, max_model_len: int | None) -> None:
+    """RequestError for a budget beyond the context, as vLLM answers it before any token. The
+    split must refuse it itself: P's leg asks for one token, so only D would refuse it, after
+    t1 went to the client. A budget within the context is clamped by vLLM on both legs alike."""
+    if legs.max_tokens is None or not max_model_len or legs.max_tokens <= max_model_len:
+        return
+    field = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
+        else "max_tokens"
+    raise RequestError(f"{field}={legs.max_tokens} cannot be greater than max_model_len="
+                       f"{max_model_len}. Please request fewer output tokens.", field)

@@ -25,15 +25,74 @@ def load_tokenizer(model_dir: str | None) -> Any:
     return AutoTokenizer.from_pretrained(model_dir) if model_dir else None
 
 
-def render_chat(tokenizer: Any, body: dict[str, Any]) -> list[int]:
-    """The chat prompt as token ids, rendered once with the model's chat template."""
+# Messages the router renders itself: text from these roles, and a name. Anything else (tool
+# calls and results, a developer role, images, reasoning) vLLM rewrites before its template
+# sees it, so such a request runs whole on one worker.
+PLAIN_ROLES = frozenset({"system", "user", "assistant"})
+PLAIN_KEYS = frozenset({"role", "content", "name"})
+# vLLM drops a system text that starts with this (Claude Code's per-request attribution line).
+BILLING_HEADER = "x-anthropic-billing-header"
+
+
+def content_format(tokenizer: Any) -> str | None:
+    """How vLLM hands message content to the model's chat template: "string" (text parts
+    joined by newlines) or "openai" (a list of text parts), from vLLM's own reading of the
+    template; None when unknown (no template, or vLLM is not installed beside the router)."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not isinstance(template, str):
+        return None
+    try:
+        from vllm.renderers.hf import _detect_content_format  # pinned: vllm==0.32.0
+    except ImportError:
+        return None
+    return str(_detect_content_format(template, default="string"))
+
+
+def plain_conversation(messages: Any, fmt: str | None) -> list[dict[str, Any]] | None:
+    """`messages` as vLLM gives them to a chat template of content format `fmt`, or None when
+    the router cannot render them exactly as vLLM would (see `PLAIN_ROLES`; a list of text
+    parts also needs the format known). vLLM makes every content a list of text parts, then
+    for "string" joins the non-empty ones with newlines and for "openai" keeps them all."""
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        if not (isinstance(m, dict) and m.get("role") in PLAIN_ROLES and set(m) <= PLAIN_KEYS
+                and isinstance(m.get("name", ""), str)):
+            return None
+        content = m.get("content")
+        if isinstance(content, str):
+            texts = [content]
+        elif isinstance(content, list) and fmt is not None and all(
+                isinstance(p, dict) and set(p) == {"type", "text"} and p["type"] == "text"
+                and isinstance(p["text"], str) for p in content):
+            texts = [p["text"] for p in content]
+        else:
+            return None
+        if m["role"] == "system" and any(t.startswith(BILLING_HEADER) for t in texts):
+            return None
+        msg = dict(m)
+        if fmt == "openai":
+            msg["content"] = [{"type": "text", "text": t} for t in texts]
+        elif isinstance(content, list):
+            msg["content"] = "\n".join(t for t in texts if t)
+        out.append(msg)
+    return out
+
+
+def render_chat(tokenizer: Any, body: dict[str, Any], fmt: str | None) -> list[int]:
+    """The chat prompt as token ids, rendered once with the model's chat template, from the
+    messages as vLLM gives them to a template of content format `fmt` (`plain_conversation`:
+    RequestError for others, which `endpoints.choose_mode` sends whole)."""
     if tokenizer is None:
         raise RequestError("chat needs the model's tokenizer; start the router with --model",
+                           "messages")
+    messages = plain_conversation(body["messages"], fmt)
+    if messages is None:
+        raise RequestError("these messages are rendered by the worker, not the router",
                            "messages")
     kwargs = dict(body.get("chat_template_kwargs") or {})
     try:
         ids = tokenizer.apply_chat_template(
-            body["messages"], tokenize=True,
+            messages, tokenize=True,
             add_generation_prompt=body.get("add_generation_prompt", True),
             continue_final_message=body.get("continue_final_message", False), **kwargs)
     except Exception as exc:  # the template is user-supplied code: report, don't crash

@@ -11,7 +11,7 @@ from typing import Any
 
 import aiohttp
 
-from splitserve.router.failures import LegFailed, UpstreamError
+from splitserve.router.failures import RETRYABLE_STATUS, LegFailed, UpstreamError
 from splitserve.router.formats import Joiner
 from splitserve.router.legs import drop_replayed
 from splitserve.router.timings import Timings
@@ -22,8 +22,10 @@ async def relay(r: aiohttp.ClientResponse, joiner: Joiner, t: Timings, replayed:
     """D's SSE events as the client's chunks. Reads the body to its end (past `[DONE]`), so a
     finished leg's connection is reused rather than closed. `replayed`: tokens D generates
     again first, dropped here once checked against what the client has (a mismatch is a
-    `LegFailed`); `on_first()` runs when D's first chunk with choices arrives; an error event
-    is an `UpstreamError`."""
+    `LegFailed`); `on_first()` runs when D's first chunk with choices arrives. An error event
+    with a status worth a retry (vLLM writes one when its engine fails mid-stream: 500) is a
+    `LegFailed`, resumed elsewhere as a cut stream is; any other is the answer
+    (`UpstreamError`)."""
     rest = b""
     async for piece in r.content.iter_any():
         lines = (rest + piece if rest else piece).split(b"\n")
@@ -33,8 +35,10 @@ async def relay(r: aiohttp.ClientResponse, joiner: Joiner, t: Timings, replayed:
                 continue  # blank separators, comments, and `data: [DONE]`
             obj = json.loads(line[6:])
             if "error" in obj:
-                err = obj["error"]
-                raise UpstreamError(int(err.get("code") or 500), obj)
+                status = error_status(obj["error"])
+                if status in RETRYABLE_STATUS:
+                    raise LegFailed("stream_error", str(obj["error"])[:200], status)
+                raise UpstreamError(status, obj)
             if obj.get("usage"):
                 t.d_usage = obj["usage"]
             choices = obj.get("choices")
@@ -67,3 +71,9 @@ def drop_chunk_replay(joiner: Joiner, ids: list[int], text: str, pending: int
         # the worker's text of the new tokens cannot be told apart from the replayed ones
         raise LegFailed("replay_mismatch", "a chunk mixes replayed and new tokens")
     return rest, text if rest else "", pending - (len(ids) - len(rest))
+
+
+def error_status(err: Any) -> int:
+    """The HTTP status an error event carries (vLLM's `code`); 500 when it names none."""
+    code = err.get("code") if isinstance(err, dict) else None
+    return code if isinstance(code, int) and not isinstance(code, bool) else 500

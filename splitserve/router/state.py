@@ -21,7 +21,12 @@ from splitserve.router.legs import LegProtocols, leg_protocols
 from splitserve.router.metrics import RouterMetrics
 from splitserve.router.peers import Peers
 from splitserve.router.policy import Picker
-from splitserve.router.prompt import kv_bytes_per_token, load_tokenizer, prompt_chars_limit
+from splitserve.router.prompt import (
+    content_format,
+    kv_bytes_per_token,
+    load_tokenizer,
+    prompt_chars_limit,
+)
 from splitserve.router.registry import Registry
 from splitserve.router.whole import Passthrough
 from splitserve.router.worker import Worker
@@ -44,6 +49,7 @@ class RouterState:
     model: dict[str, Any]
     tokenizer: Any
     prompt_chars_limit: int | None = None  # longer string prompts go to P untokenized
+    chat_format: str | None = None  # how vLLM gives the chat template content (`prompt`)
     health: asyncio.Task[None] | None = None  # the health loop's task
     inflight: int = 0  # admitted client requests not finished yet (`endpoints.Admission`)
     cache: CacheView | None = None  # every worker's cached blocks (`cacheview`)
@@ -76,6 +82,7 @@ async def open_state(cfg: RouterConfig, token: str | None, api_key: str | None,
         await checks.check_all()
         model_dir = cfg.model_dir or model.get("root")
         tokenizer = await asyncio.to_thread(load_tokenizer, model_dir)
+        chat_format = await asyncio.to_thread(content_format, tokenizer)
     except BaseException:  # timed out, no tokenizer, cancelled: nothing started stays open
         await cache.close()
         await session.close()
@@ -88,7 +95,7 @@ async def open_state(cfg: RouterConfig, token: str | None, api_key: str | None,
     whole = Passthrough(cfg, registry, picker, metrics, session)
     st = RouterState(cfg, token, api_key, session, registry, checks, protocols, metrics, flow,
                      whole, model, tokenizer, prompt_chars_limit(tokenizer, max_model_len),
-                     cache=cache)
+                     chat_format, cache=cache)
     st.peers = Peers(registry, session, cfg.peers, cfg.health_interval_s, cfg.health_timeout_s)
     st.peers.start()
     st.health = asyncio.create_task(checks.run())

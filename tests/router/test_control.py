@@ -61,6 +61,10 @@ def test_refusal_names_the_parameter_and_api_key(llama_pair: tuple[Worker, Worke
         for wrong in ({}, {"Authorization": "Bearer sk-wrong"}, {"Authorization": "sk-test"}):
             r = httpx.post(f"{router.url}/v1/completions", json=base, timeout=60, headers=wrong)
             assert r.status_code == 401 and r.json()["error"]["type"] == "AuthenticationError"
+            r = httpx.get(f"{router.url}/v1/models", timeout=10, headers=wrong)  # as vLLM
+            assert r.status_code == 401 and r.json()["error"]["type"] == "AuthenticationError"
+        r = httpx.get(f"{router.url}/v1/models", timeout=10, headers=key)
+        assert r.json()["data"][0]["id"] == model_of(llama_pair)
         for extra, param in (({"n": 2}, "n"), ({"logprobs": 1}, "logprobs"),
                              ({"presence_penalty": 1.0}, "presence_penalty"),
                              ({"stop": "."}, "stop"), ({"min_tokens": 2}, None)):

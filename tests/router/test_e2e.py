@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.support.rayload import metric
 from tests.support.routers import Router
 from tests.support.workers import Worker, auth_headers, chat_prompt_ids, hf_greedy
 
@@ -123,6 +124,40 @@ def test_chat_tokens_match_transformers(router_pd: Router, llama_pair: tuple[Wor
     assert r["prompt_token_ids"] == prompt and r["choices"][0]["token_ids"] == want
     events, _ = sse_events(router_pd.url, "/v1/chat/completions", body | {"stream": True})
     assert stream_token_ids(events) == want
+
+
+READ_AS_VLLM_READS: list[tuple[str, dict[str, Any], str]] = [
+    # no max_tokens: a completion's own default (16 tokens), not D's leg's
+    ("/v1/completions", {"prompt": "The river ran past the old mill and", "ignore_eos": True},
+     "split"),
+    # text parts: joined by newlines for this template, as vLLM joins them
+    ("/v1/chat/completions", {"max_tokens": 6, "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "Where does"}, {"type": "text", "text": "the river go?"}]}]},
+     "split"),
+    # a role vLLM rewrites (developer becomes system here): its own rendering, on one worker
+    ("/v1/chat/completions", {"max_tokens": 6, "messages": [
+        {"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"}]},
+     "whole"),
+]
+
+
+@pytest.mark.parametrize("path, body, mode", READ_AS_VLLM_READS)
+def test_requests_vllm_reads_its_own_way_answer_as_colocated(
+        path: str, body: dict[str, Any], mode: str, router_pd: Router, colocated_worker: Worker,
+        llama_pair: tuple[Worker, Worker]) -> None:
+    body = {"model": str(llama_pair[0].cfg.model), "temperature": 0, **body}
+
+    def served(outcome: str) -> float:
+        text = httpx.get(f"{router_pd.url}/metrics", timeout=10).text
+        return metric(text, "splitserve_router_requests_total", f'mode="{mode}"', outcome)
+
+    before = served('outcome="ok"')
+    routed = httpx.post(router_pd.url + path, json=body, timeout=60)
+    direct = httpx.post(colocated_worker.url + path, json=body, headers=auth_headers(),
+                        timeout=60)
+    assert routed.status_code == direct.status_code == 200, (routed.text, direct.text)
+    assert served('outcome="ok"') == before + 1  # served the way it should be
+    assert without_ids(routed.json()) == without_ids(direct.json())
 
 
 VARIANTS: list[dict[str, Any]] = [

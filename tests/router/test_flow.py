@@ -7,6 +7,7 @@ failure paths down exactly."""
 from __future__ import annotations
 
 import asyncio
+import json
 from types import SimpleNamespace
 from typing import Any, cast
 
@@ -99,6 +100,70 @@ async def test_decode_resumes_on_a_colocated_worker_when_no_other_d_is_routable(
     assert "".join(c["choices"][0]["text"] for c in out) == "bcd"
     assert seen[-1][1]["prompt"] == [1, 2, 3, 10, 11] and seen[-1][1]["max_tokens"] == 2
     assert t.decode_url == urls["c1"] and joiner.produced == [10, 11, 12, 13]
+
+
+def error_event(code: int) -> bytes:
+    """What vLLM writes into a stream whose request failed after it began (`EngineDeadError`
+    and the like are code 500)."""
+    err = {"error": {"message": "engine failed", "type": "InternalServerError", "param": None,
+                     "code": code}}
+    return f"data: {json.dumps(err)}\n\n".encode()
+
+
+@pytest.mark.parametrize("code", [500, 400])
+async def test_an_error_event_mid_stream_resumes_unless_it_is_the_answer(code: int) -> None:
+    seen: list[tuple[str, dict[str, Any]]] = []
+
+    async def handler(name: str, req: web.Request) -> web.StreamResponse:
+        seen.append((name, await req.json()))
+        if name == "p1":
+            return web.json_response(PREFILL_OK)
+        if name == "d1":
+            return await sse_reply(req, [chunk("b", 11), error_event(code)])
+        return await sse_reply(req, [chunk("c", 12), chunk("d", 13, "length")])
+
+    async with workers(handler, ("p1", "d1", "d2")) as urls, make_flow(urls) as (flow, _):
+        legs = plan_legs({"model": "m", "prompt": "x", "max_tokens": 4, "stream": True},
+                         "completion", "x")
+        pre = await flow.prefill(legs, "rid", t := Timings())
+        joiner = started(legs, pre)
+        out: list[dict[str, Any]] = []
+        if code == 400:  # a client error is the answer: not retried
+            with pytest.raises(UpstreamError) as err:
+                out.extend([c async for c in flow.decode(legs, "rid", pre, joiner, t)])
+            assert err.value.status == 400 and [n for n, _ in seen] == ["p1", "d1"]
+        else:
+            out.extend([c async for c in flow.decode(legs, "rid", pre, joiner, t)])
+            assert [n for n, _ in seen] == ["p1", "d1", "d2"]
+            assert seen[-1][1]["prompt"] == [1, 2, 3, 10, 11]
+            assert "".join(c["choices"][0]["text"] for c in out) == "bcd"
+            assert joiner.produced == [10, 11, 12, 13]
+        assert all(w.inflight == 0 for w in flow.registry.workers.values())
+
+
+async def test_a_leg_broken_after_its_last_token_is_not_resumed() -> None:
+    """D's finish chunk came, then the connection broke (before usage or `[DONE]`): the answer
+    is whole; a second leg would add tokens past its end."""
+    seen: list[str] = []
+
+    async def handler(name: str, req: web.Request) -> web.StreamResponse:
+        seen.append(name)
+        if name == "p1":
+            return web.json_response(PREFILL_OK)
+        if name == "d1":
+            return await sse_reply(req, [chunk("b", 11), chunk("c", 2, "stop")], cut=True)
+        return await sse_reply(req, [chunk("x", 12), chunk("y", 13, "length")])
+
+    async with workers(handler, ("p1", "d1", "d2")) as urls, make_flow(urls) as (flow, _):
+        legs = plan_legs({"model": "m", "prompt": "x", "max_tokens": 6, "stream": True},
+                         "completion", "x")
+        pre = await flow.prefill(legs, "rid", t := Timings())
+        joiner = started(legs, pre)
+        out = [c async for c in flow.decode(legs, "rid", pre, joiner, t)]
+        assert all(w.inflight == 0 for w in flow.registry.workers.values())
+    assert seen == ["p1", "d1"]
+    assert "".join(c["choices"][0]["text"] for c in out) == "bc"
+    assert joiner.produced == [10, 11, 2] and joiner.finish_reason == "stop"
 
 
 async def test_closing_the_decode_leg_aborts_it_on_the_worker() -> None:
@@ -353,7 +418,8 @@ def test_a_request_of_one_token_needs_a_p_and_no_d() -> None:
         w.health.healthy = True
     for w in reg.routable(Pool.DECODE):
         w.draining = True
-    st = cast(RouterState, SimpleNamespace(registry=reg, cfg=cfg))
+    st = cast(RouterState, SimpleNamespace(registry=reg, cfg=cfg, tokenizer=None,
+                                           chat_format=None))
     chat = {"messages": [{"role": "user", "content": "x"}]}
     assert choose_mode(st, {"prompt": "x", "max_tokens": 1}, "completion") == "split"
     assert choose_mode(st, {**chat, "max_completion_tokens": 1}, "chat") == "split"

@@ -6,6 +6,7 @@ import pytest
 
 from splitserve.router.params import (
     RequestError,
+    check_budget,
     decode_body,
     plan_legs,
     prefill_body,
@@ -66,6 +67,8 @@ def test_chat_parameters() -> None:
     ({"prompt": "x", "min_tokens": -1}, "min_tokens", 400),
     ({"prompt": "x", "kv_transfer_params": {}}, "kv_transfer_params", 400),
     ({"prompt": "x", "stream_options": 3}, "stream_options", 400),
+    # vLLM's own check, which P's leg (never streamed) would not make
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options", 400),
     # the workers' KV events are the router's cache index: a client does not set how they report
     ({"prompt": "x", "vllm_xargs": {"kv_cache_report_mode": "full"}}, "vllm_xargs", 400),
     # numbers beyond float32 (or NaN) would overflow into an engine error: found by the fuzzer
@@ -115,9 +118,19 @@ def test_leg_bodies_split_the_budget_exactly() -> None:
     assert d2["min_tokens"] == 0 and "kv_transfer_params" not in d2
 
 
-def test_no_max_tokens_means_the_context_limit_on_both() -> None:
+def test_a_budget_left_out_is_vllms_default_of_its_kind_on_d() -> None:
+    """D's leg is a completion, whose own default budget is 16: it is always told the client's.
+    A completion without max_tokens has 16 in all (t1 and 15 on D); a chat request without
+    one, or either kind with null, runs to the end of the context (D is sent null)."""
     legs = plan_legs({"model": "m", "prompt": "x"}, "completion", "x")
-    assert "max_tokens" not in decode_body(legs, "m", [1], [2], None)
+    assert legs.max_tokens == 16
+    assert decode_body(legs, "m", [1], [2], None)["max_tokens"] == 15
+    for body, kind in (({"model": "m", "prompt": "x", "max_tokens": None}, "completion"),
+                       ({"model": "m", "messages": [{"role": "user", "content": "x"}]}, "chat")):
+        legs = plan_legs(body, kind, [1])  # type: ignore[arg-type]
+        assert legs.max_tokens is None
+        d = decode_body(legs, "m", [1], [2], None)
+        assert "max_tokens" in d and d["max_tokens"] is None
 
 
 def test_chat_legs_carry_only_tokenwise_fields() -> None:
@@ -128,3 +141,30 @@ def test_chat_legs_carry_only_tokenwise_fields() -> None:
     p = prefill_body(legs, "m", None)
     assert p["prompt"] == [1, 2, 3] and "messages" not in p and "add_generation_prompt" not in p
     assert p["top_p"] == 0.9 and legs.max_tokens == 5
+
+
+def test_a_budget_beyond_the_context_is_refused_before_any_token() -> None:
+    """vLLM refuses max_tokens > max_model_len up front; split, only D would see the budget,
+    after t1 went out. Within the context, both legs clamp alike: no refusal."""
+    legs = plan_legs({"model": "m", "prompt": "x", "max_tokens": 4097}, "completion", "x")
+    with pytest.raises(RequestError, match="max_tokens=4097 cannot be greater than "
+                                           "max_model_len=4096") as err:
+        check_budget({"max_tokens": 4097}, legs, 4096)
+    assert err.value.param == "max_tokens" and err.value.status == 400
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}],
+            "max_completion_tokens": 5000}
+    with pytest.raises(RequestError) as err:
+        check_budget(body, plan_legs(body, "chat", [1]), 4096)
+    assert err.value.param == "max_completion_tokens"
+    for budget, limit in ((4096, 4096), (None, 4096), (10**6, None)):
+        check_budget({}, plan_legs({"prompt": "x", "max_tokens": budget}, "completion", "x"),
+                     limit)
+
+
+def test_continuous_usage_needs_include_usage_as_in_vllm() -> None:
+    opts = {"continuous_usage_stats": True}
+    assert not plan_legs({"prompt": "x", "stream": True, "stream_options": opts},
+                         "completion", "x").continuous_usage
+    assert plan_legs({"prompt": "x", "stream": True,
+                      "stream_options": opts | {"include_usage": True}},
+                     "completion", "x").continuous_usage

@@ -7,7 +7,12 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from splitserve.router.prompt import completion_prompt, prompt_chars_limit
+from splitserve.router.prompt import (
+    completion_prompt,
+    content_format,
+    plain_conversation,
+    prompt_chars_limit,
+)
 
 TEXT = "The quick brown fox jumps over the lazy dog. Ünïcödé and   spaces\n"
 
@@ -38,3 +43,40 @@ def test_the_engine_tokenizes_what_the_router_cannot_reproduce(llama_ckpt: Path)
     assert limit is not None and limit >= 8
     assert completion_prompt(tok, {"prompt": "x" * (limit + 1)}, limit) == "x" * (limit + 1)
     assert prompt_chars_limit(tok, None) is None and prompt_chars_limit(None, 8) is None
+
+
+def test_messages_reach_the_template_as_vllm_gives_them() -> None:
+    """vLLM makes every content a list of text parts, then joins the non-empty ones with
+    newlines for a "string" template and keeps them all for an "openai" one; the router does
+    the same, and declines (None: the request runs whole) what vLLM rewrites further."""
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": ""},
+             {"type": "text", "text": "b"}]
+    msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": parts, "name": "u"}]
+    assert plain_conversation(msgs, "string") == [
+        {"role": "system", "content": "s"}, {"role": "user", "content": "a\nb", "name": "u"}]
+    assert plain_conversation(msgs, "openai") == [
+        {"role": "system", "content": [{"type": "text", "text": "s"}]},
+        {"role": "user", "content": parts, "name": "u"}]
+    assert plain_conversation([{"role": "user", "content": "x"}], None) == [
+        {"role": "user", "content": "x"}]
+    for declined, fmt in (
+            ([{"role": "user", "content": parts}], None),  # the format is not known
+            ([{"role": "tool", "content": "r", "tool_call_id": "1"}], "string"),
+            ([{"role": "developer", "content": "d"}], "string"),
+            ([{"role": "assistant", "content": None, "tool_calls": []}], "string"),
+            ([{"role": "assistant", "content": "x", "reasoning": "r"}], "string"),
+            ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "u"}}]}],
+             "openai"),
+            ([{"role": "system", "content": "x-anthropic-billing-header: cch=1\nhi"}], "string"),
+            ([{"role": "user", "content": "x", "name": 3}], "string"),
+            (["hello"], "string")):
+        assert plain_conversation(declined, fmt) is None, declined
+
+
+def test_the_content_format_is_vllms_reading_of_the_template(llama_ckpt: Path) -> None:
+    tok = AutoTokenizer.from_pretrained(str(llama_ckpt))
+    assert content_format(tok) == "string"  # the demo template prints m['content'] whole
+    tok.chat_template = ("{% for m in messages %}{% for c in m['content'] %}{{ c['text'] }}"
+                         "{% endfor %}{% endfor %}")
+    assert content_format(tok) == "openai"
+    assert content_format(None) is None
