@@ -2,6 +2,8 @@
 
 Each module listed in `COMMAND_MODULES` exposes `register(subparsers)`, which adds its
 subcommands and sets `func` (a callable taking the parsed namespace and returning an exit code).
+A command refuses bad input by raising `Refused` (`splitserve.common.refusal`): `main` prints
+its one line and returns 2.
 """
 
 from __future__ import annotations
@@ -9,6 +11,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+
+from splitserve.common.refusal import Refused, refuse
 
 COMMAND_MODULES = (
     "splitserve.worker.cli",  # worker
@@ -46,7 +50,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if extra:
         args.vllm_args = extra
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except Refused as exc:  # bad input, refused before the command's real work
+        return refuse(exc.command, exc.why)
 
 
 if __name__ == "__main__":

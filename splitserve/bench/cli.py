@@ -47,6 +47,7 @@ from splitserve.bench.workload import (
     build_stream,
 )
 from splitserve.common.cpus import parse_cpus
+from splitserve.common.refusal import Refused, refusing
 from splitserve.config import bearer_headers, load_token
 from splitserve.hub import ModelSource, resolve_model
 
@@ -216,16 +217,18 @@ def _bench_all(args: argparse.Namespace, endpoints: dict[str, str],
                descriptions: dict[str, str], arms: list[Arm]) -> dict[str, dict[str, Any]]:
     """Endpoints given by URL, then deployments started here (one at a time, same stream)."""
     results: dict[str, dict[str, Any]] = {}
-    if args.sweep_rates and (why := spec_from_args(args).unpaced):  # before anything runs
-        raise SystemExit(f"splitserve bench: --sweep-rates: {why}")
+    with refusing("bench"):  # the workload's options, checked before anything runs
+        spec = spec_from_args(args)
+    if args.sweep_rates and (why := spec.unpaced):
+        raise Refused("bench", f"--sweep-rates: {why}")
+    model = deploy_model(args.deploy_model, args.revision) if arms else None
     with progress_bars() as progress:
         for name, url in endpoints.items():
             dep = _deployment(url, descriptions.get(name), None)
             results[name] = asyncio.run(_bench_one(name, url, args, dep, progress))
-        if arms:
-            model = deploy_model(args.deploy_model, args.revision)
+        if model is not None:
             log_dir = Path(tempfile.mkdtemp(prefix="splitserve-bench-logs-"))
-            longest = max(r.input_len for r in build_stream(spec_from_args(args)))
+            longest = max(r.input_len for r in build_stream(spec))
             for arm in arms:
                 with deployment(model, arm, log_dir) as ep:
                     dep = arm.description(longest) | {
@@ -238,20 +241,19 @@ def _bench_all(args: argparse.Namespace, endpoints: dict[str, str],
 
 def deploy_model(model: str | None, revision: str | None) -> ModelSource:
     """What every started arm loads: the embedded model, a directory, or a hub id's snapshot,
-    resolved once at one commit, so every arm loads the same files."""
+    resolved once at one commit, so every arm loads the same files. `Refused` for a model it
+    cannot resolve."""
     if model is None:
         from splitserve.demo_model import embedded_model_dir
 
         return ModelSource(str(embedded_model_dir()))
-    try:
+    with refusing("bench compare"):
         return resolve_model(model, revision)
-    except ValueError as exc:
-        raise SystemExit(f"splitserve bench compare: {exc}") from None
 
 
 def run_single(args: argparse.Namespace) -> int:
     if not args.url or not args.result_json:
-        raise SystemExit("splitserve bench: --url and --result-json are required")
+        raise Refused("bench", "--url and --result-json are required")
     results = _bench_all(args, {args.system: args.url}, {args.system: args.deployment}, [])
     save_result(results[args.system], args.result_json)
     if args.report_dir:
@@ -277,10 +279,10 @@ def run_compare(args: argparse.Namespace) -> int:
         arms = [parse_arm(text, args.deploy_cores, args.speculative_config)
                 for text in args.deploy or []]
     except ValueError as exc:
-        raise SystemExit(f"splitserve bench compare: --deploy: {exc}") from None
+        raise Refused("bench compare", f"--deploy: {exc}") from exc
     if len(endpoints) + len(arms) < 2:
-        raise SystemExit("splitserve bench compare: give at least two of --url NAME=URL and "
-                         "--deploy NAME=KIND")
+        raise Refused("bench compare", "give at least two of --url NAME=URL and --deploy "
+                      "NAME=KIND")
     results = _bench_all(args, endpoints, dict(args.deployment or []), arms)
     out = Path(args.out)
     for name, res in results.items():

@@ -12,6 +12,7 @@ from types import FrameType
 
 from splitserve.common.cpus import parse_cpus
 from splitserve.common.ports import check_port_free
+from splitserve.common.refusal import refusing
 from splitserve.common.vocab import Connector, values
 from splitserve.config import ConnectorConfig
 from splitserve.connector.tls import client_context, server_context
@@ -101,7 +102,7 @@ def make_backend(cfg: DeploymentConfig) -> LauncherBackend:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
+    with refusing("serve"):  # everything checked before anything starts
         cfg = config_from_args(args)
         tls = ConnectorConfig(tls_cert=cfg.kv_tls_cert, tls_key=cfg.kv_tls_key,
                               tls_ca=cfg.kv_tls_ca)
@@ -114,9 +115,6 @@ def run(args: argparse.Namespace) -> int:
             print(f"splitserve serve: warning: {warning}", file=sys.stderr, flush=True)
         check_can_start(cfg)
         deployment = make_backend(cfg)
-    except (ValueError, OSError) as exc:
-        print(f"splitserve serve: {exc}", file=sys.stderr)
-        return 2
     stop = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:

@@ -12,6 +12,7 @@ import os
 import sys
 
 from splitserve.common.ports import check_port_free
+from splitserve.common.refusal import refusing
 from splitserve.config import load_token
 from splitserve.router.config import (
     DECODE_POLICIES,
@@ -128,13 +129,10 @@ def serve(cfg: RouterConfig, token: str | None, api_key: str | None,
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
+    with refusing("router"):
         cfg = config_from_args(args)
         check_port_free(cfg.host, cfg.port)
         token = load_token(required=False)
-    except ValueError as exc:
-        print(f"splitserve router: {exc}", file=sys.stderr)
-        return 2
     if cfg.prefill and not token:
         print("splitserve router: no deployment token (SPLITSERVE_TOKEN or SPLITSERVE_TOKEN_FILE):"
               " workers' KV endpoints cannot be read, so D will recompute every prompt",

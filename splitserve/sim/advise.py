@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from splitserve.bench.cli import add_workload_arguments, spec_from_args
-from splitserve.sim.cli_args import refusing_bad_input
+from splitserve.common.refusal import refusing
 from splitserve.sim.gpuplan import GpuPlan, Shape
 from splitserve.sim.model import Profile
 
@@ -67,9 +67,10 @@ def measured_profile(model_dir: str, core: int, quick_grid: bool = True) -> Prof
         return profile_worker(url, plan, model_dir, probe_tcp=True)
 
 
-def advise_profiles(args: argparse.Namespace, model_dir: str) -> dict[int, Profile]:
-    """One profile a TP degree (see the module docstring, step 1); ValueError as
-    `gpuplan_cli.plan_profiles`."""
+def given_profiles(args: argparse.Namespace, model_dir: str) -> dict[int, Profile] | None:
+    """One profile a TP degree (see the module docstring, step 1), made from the inputs:
+    analytic on a GPU preset, `--profile`'s on `cpu`; None when a worker of the model is to
+    be profiled (`measured_profile`). ValueError as `gpuplan_cli.plan_profiles`."""
     from splitserve.sim.gpuplan_cli import plan_profiles
 
     if args.hardware != "cpu":
@@ -80,7 +81,7 @@ def advise_profiles(args: argparse.Namespace, model_dir: str) -> dict[int, Profi
         from splitserve.sim.cli_args import cli_profile
 
         return {1: cli_profile(args)}
-    return {1: measured_profile(model_dir, args.deploy_cores[0])}
+    return None
 
 
 @contextmanager
@@ -158,10 +159,11 @@ def print_verification(v: dict[str, Any], label: str) -> None:
     console.print(t)
 
 
-@refusing_bad_input("advise")
 def run_advise(args: argparse.Namespace) -> int:
-    """The whole command (see the module docstring). The SLOs, `--gpus` and `--tp` on
-    `cpu` are checked before any profile is made."""
+    """The whole command (see the module docstring). Its inputs (the SLOs, `--gpus`, `--tp` on
+    `cpu`, the model, the workload, the profiles made from them) are refused in one line before
+    any worker is profiled, and the plan's own (`--policies`, `--target`, the workload's file)
+    after; profiling and verifying keep their errors' tracebacks."""
     from splitserve.sim.gpuplan_cli import (
         plan_and_ladder,
         plan_json,
@@ -170,16 +172,20 @@ def run_advise(args: argparse.Namespace) -> int:
         serve_dtype,
     )
 
-    if args.slo_ttft_ms is None or args.slo_tpot_ms is None:
-        raise ValueError("--slo-ttft-ms and --slo-tpot-ms are required")
-    if args.gpus < 1:
-        raise ValueError("--gpus must be >= 1")
-    if args.hardware == "cpu" and args.tp and args.tp != "1":
-        raise ValueError("--hardware cpu plans TP-1 workers (one core each)")
-    model_dir, model_flag = model_source(args)
-    profiles = advise_profiles(args, model_dir)
-    with _bars() as progress:
-        plan, rungs, advice = plan_and_ladder(profiles, spec_from_args(args), args, progress)
+    with refusing("advise"):
+        if args.slo_ttft_ms is None or args.slo_tpot_ms is None:
+            raise ValueError("--slo-ttft-ms and --slo-tpot-ms are required")
+        if args.gpus < 1:
+            raise ValueError("--gpus must be >= 1")
+        if args.hardware == "cpu" and args.tp and args.tp != "1":
+            raise ValueError("--hardware cpu plans TP-1 workers (one core each)")
+        model_dir, model_flag = model_source(args)
+        spec = spec_from_args(args)
+        profiles = given_profiles(args, model_dir)
+    if profiles is None:
+        profiles = {1: measured_profile(model_dir, args.deploy_cores[0])}
+    with refusing("advise"), _bars() as progress:  # computation on the inputs, as `plan` is
+        plan, rungs, advice = plan_and_ladder(profiles, spec, args, progress)
     dtype = serve_dtype(profiles)
     print_gpu_plan(plan, rungs, advice, model_flag, dtype)
     out = Path(args.out_dir)

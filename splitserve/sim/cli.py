@@ -18,6 +18,7 @@ run of the same options see the same stream, and results use the benchmark's JSO
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
@@ -27,55 +28,19 @@ from splitserve.bench.cli import add_workload_arguments, spec_from_args
 from splitserve.bench.metrics import SLO, distserve_goodput
 from splitserve.bench.report import print_summary, progress_bars, save_result
 from splitserve.common.cpus import parse_cpus
-from splitserve.routing.prefix import LOCAL_PREFILL_MAX_TOKENS
+from splitserve.common.refusal import refusing
 from splitserve.sim.advise import register_advise
 from splitserve.sim.cli_args import (
-    add_connector_args,
+    add_deployment_args,
     add_profile_arg,
     cache_block_tokens,
     cli_profile,
     model_path,
-    refusing_bad_input,
     transport_for,
 )
-from splitserve.sim.deployment import MODES, POLICIES, SimConfig
+from splitserve.sim.deployment import SimConfig
 from splitserve.sim.model import VLLM_CPU_TOKEN_BUDGET, Profile, load_profile, save_profile
 from splitserve.sim.plan_cli import register_plan
-
-
-def _add_deployment_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("simulated deployment")
-    g.add_argument("--mode", choices=MODES, default="disagg")
-    g.add_argument("--prefill", type=int, default=1, help="P-workers (disagg)")
-    g.add_argument("--decode", type=int, default=1, help="D-workers (disagg)")
-    g.add_argument("--workers", type=int, default=1, help="workers (colocated, chunked)")
-    g.add_argument("--token-budget", type=int, default=None, help="default: the profile's")
-    g.add_argument("--p-policy", choices=POLICIES, default="power_of_two")
-    g.add_argument("--d-policy", choices=POLICIES, default="power_of_two")
-    add_connector_args(g)
-    g.add_argument("--no-overlap", action="store_true", help="send KV after the prefill")
-    g.add_argument("--shared-link", action="store_true", help="one link for all transfers")
-    g.add_argument("--router-hop-ms", type=float, default=0.0)
-    g.add_argument("--no-split-costs", action="store_true",
-                   help="disagg: ignore the profile's measured split costs (router, connector)")
-    c = p.add_argument_group("prefix caches (workloads with repeated prefixes: mooncake, "
-                             "multiturn, traces)")
-    c.add_argument("--no-prefix-caching", action="store_true",
-                   help="the engines keep no prefix cache (every prompt computed whole)")
-    c.add_argument("--cache-blind", action="store_true",
-                   help="the router has no index of the caches: routing by load alone, whole "
-                   "transfers, no prefill on D (the engines still reuse what they hold)")
-    c.add_argument("--local-prefill-max-tokens", type=int, default=LOCAL_PREFILL_MAX_TOKENS,
-                   help="prefill on D when its D holds all but at most this many prompt tokens "
-                   f"(the router's flag; default {LOCAL_PREFILL_MAX_TOKENS}; 0: never)")
-    c.add_argument("--index-lag-ms", type=float, default=None,
-                   help="the router's index sees each cache change this long after it (the "
-                   "router measures it: splitserve_router_kv_event_lag_seconds; default 0, "
-                   "sim validate: each repeat's measured mean)")
-    c.add_argument("--cache-block-tokens", type=int, default=None,
-                   help="tokens per cache block for prompts made of token ids (default: 128, "
-                   "vLLM-CPU's block, for a measured profile; 16, vLLM's GPU default, for an "
-                   "analytic one); Mooncake traces use their own blocks")
 
 
 def _sim_config(args: argparse.Namespace, prof: Profile) -> SimConfig:
@@ -103,26 +68,39 @@ def _label(cfg: SimConfig) -> str:
     return f"sim:{cfg.mode}x{cfg.n_workers}"
 
 
-def _with_links(args: argparse.Namespace) -> Profile:
-    """`--add-links`: links measured now (and `--nixl-json`'s), onto an existing profile."""
-    from splitserve.sim.links import measured_links, nixl_link_from_side_by_side
+Job = Callable[[], Profile]  # a profile's measurement, its inputs already read and checked
+
+
+def _with_links(args: argparse.Namespace) -> Job:
+    """`--add-links`: links measured by the job (and `--transfer-json`'s and `--nixl-json`'s,
+    read now), onto an existing profile."""
+    from splitserve.sim.links import (
+        links_from_benchmark,
+        measured_links,
+        nixl_link_from_side_by_side,
+    )
     from splitserve.sim.profile import nixl_desc_bytes
 
     prof = load_profile(args.add_links)
     desc = nixl_desc_bytes(prof.model, args.block_size)
-    links = measured_links(args.transfer_json, not args.no_tcp_probe,
-                           desc if args.nixl_probe else None,
-                           desc if args.mooncake_probe else None)
-    if not links and not args.nixl_json:
+    given = links_from_benchmark(args.transfer_json) if args.transfer_json else {}
+    probes = not args.no_tcp_probe or args.nixl_probe or args.mooncake_probe
+    if not (probes or given or args.nixl_json):
         raise ValueError("--add-links: nothing to measure (--nixl-probe, --mooncake-probe, "
                          "--nixl-json, --transfer-json, or the tcp probe)")
     if args.nixl_json:  # vLLM's own pulls replace the probe's transport numbers
-        links["nixl"], beyond = nixl_link_from_side_by_side(
+        given["nixl"], beyond = nixl_link_from_side_by_side(
             args.nixl_json, prof.model.kv_bytes_per_token)
         if beyond is not None:
             print(f"D's leg beyond its pull (request round trip and replay step): median "
                   f"{beyond * 1e3:.1f} ms; less D's step, that is --pull-request-ms")
-    return replace(prof, transfer=prof.transfer | links)
+
+    def measure() -> Profile:
+        links = measured_links(None, not args.no_tcp_probe, desc if args.nixl_probe else None,
+                               desc if args.mooncake_probe else None)
+        return replace(prof, transfer=prof.transfer | links | given)
+
+    return measure
 
 
 def _analytic(args: argparse.Namespace) -> Profile:
@@ -141,8 +119,10 @@ def _analytic(args: argparse.Namespace) -> Profile:
     return analytic_profile(model, replace(hw, **overrides), args.token_budget, tp=args.tp)
 
 
-def _measured(args: argparse.Namespace) -> Profile:
-    """A running worker (`--url`) profiled through the bench client."""
+def _measured(args: argparse.Namespace) -> Job:
+    """A running worker (`--url`) profiled through the bench client by the job; its model is
+    resolved and `--transfer-json` read now (the job reads it again once it has measured)."""
+    from splitserve.sim.links import links_from_benchmark
     from splitserve.sim.profile import ProfilePlan, profile_worker
 
     if not args.url:
@@ -151,42 +131,60 @@ def _measured(args: argparse.Namespace) -> Profile:
     if args.quick:
         plan = replace(plan, prefill_lens=(16, 256, 1024, 2048), prefill_repeats=2,
                        decode_batches=(1, 4, 8), decode_prompt_lens=(32, 1024))
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+    model_dir = model_path(args.model_dir)
+    if args.transfer_json:
+        links_from_benchmark(args.transfer_json)
 
-    with Progress("[progress.description]{task.description}", BarColumn(),
-                  MofNCompleteColumn(), TimeElapsedColumn()) as bar:
-        task = bar.add_task("profile: grid steps measured", total=None)
-        return profile_worker(args.url, plan, model_path(args.model_dir), args.transfer_json,
-                              probe_tcp=not args.no_tcp_probe, probe_nixl=args.nixl_probe,
-                              probe_mooncake=args.mooncake_probe,
-                              progress=lambda done, total: bar.update(task, completed=done,
-                                                                      total=total))
+    def measure() -> Profile:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+        with Progress("[progress.description]{task.description}", BarColumn(),
+                      MofNCompleteColumn(), TimeElapsedColumn()) as bar:
+            task = bar.add_task("profile: grid steps measured", total=None)
+            return profile_worker(args.url, plan, model_dir, args.transfer_json,
+                                  probe_tcp=not args.no_tcp_probe, probe_nixl=args.nixl_probe,
+                                  probe_mooncake=args.mooncake_probe,
+                                  progress=lambda done, total: bar.update(
+                                      task, completed=done, total=total))
+
+    return measure
 
 
-@refusing_bad_input("profile")
-def run_profile(args: argparse.Namespace) -> int:
+def _profile_job(args: argparse.Namespace) -> Job:
+    """The profile `args` ask for, as a job: every input read and checked now (ValueError,
+    OSError); what measures (a worker, a router, the link probes) left to the job. A profile
+    computed from its inputs alone (`--refit`, `--analytic`) is computed now."""
     if args.mooncake_probe:
         from splitserve.worker.kv_transfer import check_mooncake_installed
 
         check_mooncake_installed("splitserve profile --mooncake-probe")
     if args.add_links:
-        prof = _with_links(args)
-    elif args.refit:  # a split profile's split costs, else a plain profile's fits
+        return _with_links(args)
+    if args.refit:  # a split profile's split costs, else a plain profile's fits
         from splitserve.sim.calibration.calibrate import refit_split
         from splitserve.sim.profile import refit
 
-        prof = load_profile(args.refit)
-        prof = refit_split(prof) if prof.split is not None else refit(prof)
-    elif args.split:
+        old = load_profile(args.refit)
+        fitted = refit_split(old) if old.split is not None else refit(old)
+        return lambda: fitted
+    if args.split:
         from splitserve.sim.calibration.calibrate import SplitPlan, calibrate_split
 
         if not (args.url and args.base):
             raise ValueError("--split needs --url (a router) and --base")
-        prof = calibrate_split(args.url, load_profile(args.base), SplitPlan())
-    elif args.analytic:
-        prof = _analytic(args)
-    else:
-        prof = _measured(args)
+        base = load_profile(args.base)
+        return lambda: calibrate_split(args.url, base, SplitPlan())
+    if args.analytic:
+        derived = _analytic(args)
+        return lambda: derived
+    return _measured(args)
+
+
+def run_profile(args: argparse.Namespace) -> int:
+    """Inputs refused in one line (`refusing`); a measurement's errors keep their traceback."""
+    with refusing("profile"):
+        job = _profile_job(args)
+    prof = job()
     save_profile(prof, args.out)
     print(f"{prof.kind} profile of {prof.model.name} on {prof.engine.name} "
           f"{prof.engine.version}: prefill {prof.prefill}, decode {prof.decode}, "
@@ -214,7 +212,7 @@ def _decode_profile(args: argparse.Namespace) -> Profile | None:
         profile=args.decode_profile, accept_profile_mismatch=args.accept_profile_mismatch))
 
 
-@refusing_bad_input("sim")
+@refusing("sim")  # computation on its inputs alone: all of it refuses them
 def run_sim(args: argparse.Namespace) -> int:
     from splitserve.sim.records import MAX_RECORDS, request_records
     from splitserve.sim.results import summarize
@@ -262,15 +260,20 @@ def run_sim(args: argparse.Namespace) -> int:
     return 0
 
 
-@refusing_bad_input("sim validate")
 def run_validate(args: argparse.Namespace) -> int:
+    """The inputs refused in one line (`refusing`); the measurements (a worker or deployment
+    started, profiled, calibrated, benchmarked) keep their errors' tracebacks."""
     from splitserve.sim.validate_cli import Validation
 
-    prof, spec = cli_profile(args), spec_from_args(args)
-    cfg = _sim_config(args, prof)
-    if not args.prefix_caching:  # the engines validation starts keep no prefix cache (its
-        cfg = replace(cfg, prefix_caching=False)  # repeats replay one stream): nor does the sim
-    return Validation(args, prof, spec, cfg, cache_block_tokens(args, prof)).run()
+    with refusing("sim validate"):
+        prof, spec = cli_profile(args), spec_from_args(args)
+        cfg = _sim_config(args, prof)
+        if not args.prefix_caching:  # the engines validation starts keep no prefix cache (its
+            cfg = replace(cfg, prefix_caching=False)  # repeats replay one stream): nor the sim
+        validation = Validation(args, prof, spec, cfg, cache_block_tokens(args, prof))
+        if args.real_json:  # nothing measured: the stored runs simulated again
+            return validation.run()
+    return validation.run()
 
 
 def _rates(text: str) -> tuple[float, ...]:
@@ -328,14 +331,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add_profile_arg(sim)
     sim.add_argument("--decode-profile", help="the D pool's profile when its workers differ "
                      "from --profile's (e.g. another --tp of the same model)")
-    _add_deployment_args(sim)
+    add_deployment_args(sim)
     add_workload_arguments(sim)
     sim.add_argument("--out", help="result JSON (the benchmark's schema)")
     sim.set_defaults(func=run_sim)
     ssub = sim.add_subparsers(dest="sim_command")
     val = ssub.add_parser("validate", help="measured vs simulated, per metric and load")
     add_profile_arg(val)
-    _add_deployment_args(val)
+    add_deployment_args(val)
     add_workload_arguments(val)
     val.add_argument("--rates", type=_rates, action="extend", default=None,
                      help="load levels, e.g. 0.5,1,2 (repeatable: each adds its levels)")

@@ -4,35 +4,11 @@
 from __future__ import annotations
 
 import argparse
-import functools
-import sys
-from collections.abc import Callable
 from pathlib import Path
 
-from splitserve.sim.deployment import CONNECTORS
+from splitserve.routing.prefix import LOCAL_PREFILL_MAX_TOKENS
+from splitserve.sim.deployment import CONNECTORS, MODES, POLICIES
 from splitserve.sim.model import Profile, load_profile
-
-Command = Callable[[argparse.Namespace], int]
-
-
-def refusing_bad_input(name: str) -> Callable[[Command], Command]:
-    """A command (`name`: `sim`, `plan`, ...) whose bad input (a ValueError: an invalid
-    option or workload; an OSError: a file it cannot read) ends in one line on stderr,
-    `splitserve NAME: message`, and exit status 2, as argparse's own errors do, not in a
-    traceback."""
-
-    def wrap(run: Command) -> Command:
-        @functools.wraps(run)
-        def refusing(args: argparse.Namespace) -> int:
-            try:
-                return run(args)
-            except (ValueError, OSError) as exc:
-                print(f"splitserve {name}: {exc}", file=sys.stderr)
-                return 2
-
-        return refusing
-
-    return wrap
 
 
 def installed_engine() -> str | None:
@@ -117,3 +93,39 @@ def cache_block_tokens(args: argparse.Namespace, prof: Profile) -> int:
             raise ValueError("--cache-block-tokens must be >= 1")
         return int(args.cache_block_tokens)
     return 16 if prof.kind == "analytic" else 128
+
+
+def add_deployment_args(p: argparse.ArgumentParser) -> None:
+    """`sim`'s and `sim validate`'s simulated deployment and its prefix caches."""
+    g = p.add_argument_group("simulated deployment")
+    g.add_argument("--mode", choices=MODES, default="disagg")
+    g.add_argument("--prefill", type=int, default=1, help="P-workers (disagg)")
+    g.add_argument("--decode", type=int, default=1, help="D-workers (disagg)")
+    g.add_argument("--workers", type=int, default=1, help="workers (colocated, chunked)")
+    g.add_argument("--token-budget", type=int, default=None, help="default: the profile's")
+    g.add_argument("--p-policy", choices=POLICIES, default="power_of_two")
+    g.add_argument("--d-policy", choices=POLICIES, default="power_of_two")
+    add_connector_args(g)
+    g.add_argument("--no-overlap", action="store_true", help="send KV after the prefill")
+    g.add_argument("--shared-link", action="store_true", help="one link for all transfers")
+    g.add_argument("--router-hop-ms", type=float, default=0.0)
+    g.add_argument("--no-split-costs", action="store_true",
+                   help="disagg: ignore the profile's measured split costs (router, connector)")
+    c = p.add_argument_group("prefix caches (workloads with repeated prefixes: mooncake, "
+                             "multiturn, traces)")
+    c.add_argument("--no-prefix-caching", action="store_true",
+                   help="the engines keep no prefix cache (every prompt computed whole)")
+    c.add_argument("--cache-blind", action="store_true",
+                   help="the router has no index of the caches: routing by load alone, whole "
+                   "transfers, no prefill on D (the engines still reuse what they hold)")
+    c.add_argument("--local-prefill-max-tokens", type=int, default=LOCAL_PREFILL_MAX_TOKENS,
+                   help="prefill on D when its D holds all but at most this many prompt tokens "
+                   f"(the router's flag; default {LOCAL_PREFILL_MAX_TOKENS}; 0: never)")
+    c.add_argument("--index-lag-ms", type=float, default=None,
+                   help="the router's index sees each cache change this long after it (the "
+                   "router measures it: splitserve_router_kv_event_lag_seconds; default 0, "
+                   "sim validate: each repeat's measured mean)")
+    c.add_argument("--cache-block-tokens", type=int, default=None,
+                   help="tokens per cache block for prompts made of token ids (default: 128, "
+                   "vLLM-CPU's block, for a measured profile; 16, vLLM's GPU default, for an "
+                   "analytic one); Mooncake traces use their own blocks")

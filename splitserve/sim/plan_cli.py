@@ -13,16 +13,16 @@ from pathlib import Path
 
 from splitserve.bench.cli import add_workload_arguments, spec_from_args
 from splitserve.bench.metrics import SLO
+from splitserve.common.refusal import refusing
 from splitserve.sim.cli_args import (
     add_connector_args,
     add_profile_arg,
     cli_profile,
-    refusing_bad_input,
     transport_for,
 )
 
 
-@refusing_bad_input("plan")
+@refusing("plan")  # computation on its inputs alone: all of it refuses them
 def run_plan(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 

@@ -71,6 +71,12 @@ class Validation:
         if cfg.connector != "splitserve" and not (args.url or args.real_json):
             raise ValueError("it launches deployments on splitserve's connector only; "
                              f"for {cfg.connector}, give --url of a running one")
+        launches = not (args.url or args.real_json)
+        if launches and self.on_a_deployment and args.reprofile:
+            raise ValueError("--reprofile works with one plain worker (--mode chunked "
+                             "--workers 1); profile a worker of the deployment instead")
+        # the local worker's model, resolved before anything starts
+        self.model_dir = model_path(args.model_dir) if launches else None
         if args.repeats < 3:
             print("note: fewer than 3 repeats per point; the spread is poorly known")
         self.rates: tuple[float, ...] = args.rates or (self.spec.arrival.rate,)
@@ -81,13 +87,18 @@ class Validation:
         self.canary = (Canary(stretch=StretchPlan(), decode=prof.decode)
                        if cfg.mode == "disagg" else Canary())
 
+    @property
+    def on_a_deployment(self) -> bool:
+        """What it launches without --url: a deployment (else one plain worker)."""
+        return self.cfg.mode == "disagg" or self.cfg.n_workers != 1
+
     def run(self) -> int:
-        args, cfg = self.args, self.cfg
+        args = self.args
         if args.real_json:
             real = self.stored(Path(args.real_json))
         elif args.url:
             real = self.measure(args.url)
-        elif cfg.mode == "disagg" or cfg.n_workers != 1:
+        elif self.on_a_deployment:
             real = self.on_deployment()
         else:
             real = self.on_local_worker()
@@ -153,11 +164,8 @@ class Validation:
 
     def on_deployment(self) -> Real:
         """Launch splitserve's deployment of `cfg` and measure it (`--calibrate`: its split
-        costs first). ValueError with `--reprofile`, which profiles one plain worker."""
+        costs first)."""
         args, cfg, prof = self.args, self.cfg, self.prof
-        if args.reprofile:
-            raise ValueError("--reprofile works with one plain worker (--mode chunked "
-                             "--workers 1); profile a worker of the deployment instead")
         with launched(cfg, args.cpus, cfg.token_budget or prof.token_budget,
                       router_cpus=args.router_cpus, prefix_caching=self.caching) as url:
             if args.calibrate and cfg.mode == "disagg":  # this deployment's split costs
@@ -172,7 +180,7 @@ class Validation:
         from splitserve.demo_model import embedded_model_dir
 
         args, budget = self.args, self.cfg.token_budget or self.prof.token_budget
-        model = model_path(args.model_dir) or str(embedded_model_dir())
+        model = self.model_dir or str(embedded_model_dir())
         with local_worker(model, args.cpus, budget, prefix_caching=self.caching) as url:
             if args.reprofile:  # calibrate on this very worker, under today's conditions
                 from splitserve.sim.profile import ProfilePlan, profile_worker

@@ -23,6 +23,7 @@ from typing import IO
 
 from splitserve.common.cpus import check_cpus_usable, parse_cpus
 from splitserve.common.ports import check_port_free
+from splitserve.common.refusal import refusing
 from splitserve.common.vocab import Connector, Role, values
 from splitserve.config import (
     FAILURE_POLICIES,
@@ -165,12 +166,9 @@ def config_from_args(args: argparse.Namespace, extra: list[str]) -> WorkerConfig
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
+    with refusing("worker", RuntimeError):  # another vLLM than the one pinned
         version = check_vllm_version()
-    except RuntimeError as exc:
-        print(f"splitserve worker: {exc}", file=sys.stderr)
-        return 2
-    try:
+    with refusing("worker"):  # every input checked before vLLM starts
         check_cpus_usable(args.cpus)
         check_port_free(args.host, args.port)
         if args.kv_port:
@@ -191,9 +189,6 @@ def run(args: argparse.Namespace) -> int:
             server_context(cfg.connector_config())
             client_context(cfg.connector_config())
         token = load_token(required=cfg.role is not None)
-    except (ValueError, OSError) as exc:
-        print(f"splitserve worker: {exc}", file=sys.stderr)
-        return 2
     argv, env = worker_command(cfg, token)
     kv = {Connector.NIXL: f"nixl side channel {cfg.host}:{cfg.kv_port}",
           Connector.MOONCAKE: f"mooncake bootstrap {cfg.host}:{cfg.kv_port}"}.get(

@@ -12,6 +12,7 @@ from splitserve.bench.cli import options_from_args, parse_named_url, spec_from_a
 from splitserve.bench.deploy import Arm, parse_arm
 from splitserve.bench.workload import INTERFERENCE
 from splitserve.cli import build_parser
+from splitserve.common.refusal import Refused
 
 
 def parse(*argv: str):  # type: ignore[no-untyped-def]
@@ -106,7 +107,7 @@ def test_compare_names_a_bad_arm(capsys: pytest.CaptureFixture[str]) -> None:
 
     args = build_parser().parse_args(["bench", "compare", "--deploy", "a=disagg:2p2d:cache",
                                       "--deploy", "b=disagg:2p2d:lod"])
-    with pytest.raises(SystemExit, match="--deploy: 'b=disagg:2p2d:lod'"):
+    with pytest.raises(Refused, match="^splitserve bench compare: --deploy: 'b=disagg:2p2d:lod'"):
         run_compare(args)
 
 
@@ -138,6 +139,7 @@ def test_a_rate_sweep_of_a_workload_no_rate_sends_is_refused_before_anything_run
     for argv in (("--workload", "trace", "--dataset-path", str(trace)),
                  ("--arrival", "closed", "--max-concurrency", "4")):
         args = parse(*argv, "--slo-ttft-ms", "500", "--sweep-rates", "1,2")
-        with pytest.raises(SystemExit, match="--sweep-rates: .* own clock, not at a rate"):
+        with pytest.raises(Refused, match="^splitserve bench: --sweep-rates: .* own clock, not "
+                                          "at a rate"):
             run_single(args)
     assert spec_from_args(parse("--sweep-rates", "1,2")).with_rate(2.0).arrival.rate == 2.0
