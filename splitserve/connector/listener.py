@@ -39,7 +39,7 @@ from splitserve.connector.messages import (
     recv,
     send,
 )
-from splitserve.connector.protocol import Fingerprint, server_handshake
+from splitserve.connector.protocol import Fingerprint, server_handshake, watch_peer
 from splitserve.connector.staging import StagedTransfer, StagingArea, StagingRefused
 from splitserve.connector.tls import Conn, TlsStream
 
@@ -118,6 +118,7 @@ class KVListener:
         with raw:
             try:
                 raw.settimeout(10.0)  # the handshakes must not hold a thread forever
+                watch_peer(raw)  # nor, after them, a peer that vanished without a word
                 conn: Conn = raw
                 if self._tls is not None:
                     conn = TlsStream(raw, self._tls, server_side=True)

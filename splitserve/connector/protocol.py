@@ -150,6 +150,27 @@ def client_handshake(sock: Conn, token: str, purpose: str,
     return StagingInfo.from_wire(reply.staging)
 
 
+# A peer whose host died, or that a partition cut off, sends nothing, not even a FIN: without
+# these a thread blocked reading (D's listener) or writing (P's sender) on it would wait for
+# ever, holding D's staged region or P's engine thread. Idle, the kernel probes after
+# KEEPALIVE_IDLE_S and gives up after KEEPALIVE_PROBES unanswered probes; bytes sent and not
+# acknowledged within UNACKED_TIMEOUT_S end the connection too. Either way the blocked call
+# raises OSError: a lost connection, failed as every other.
+KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES = 10, 5, 3
+UNACKED_TIMEOUT_S = 30
+
+
+def watch_peer(raw: socket.socket) -> None:
+    """Bound how long a connection to a vanished peer stays open (see `KEEPALIVE_IDLE_S`)."""
+    raw.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (("TCP_KEEPIDLE", KEEPALIVE_IDLE_S),
+                        ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_S),
+                        ("TCP_KEEPCNT", KEEPALIVE_PROBES),
+                        ("TCP_USER_TIMEOUT", UNACKED_TIMEOUT_S * 1000)):
+        if hasattr(socket, name):  # Linux has them all
+            raw.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+
+
 def connect(host: str, port: int, token: str, purpose: str, fingerprint: Fingerprint | None,
             timeout_s: float, tls: ssl.SSLContext | None = None
             ) -> tuple[Conn, StagingInfo]:
@@ -159,6 +180,7 @@ def connect(host: str, port: int, token: str, purpose: str, fingerprint: Fingerp
     sock: Conn = raw
     try:
         raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        watch_peer(raw)
         if tls is not None:
             sock = TlsStream(raw, tls, server_side=False, server_hostname=host)
         info = client_handshake(sock, token, purpose, fingerprint)

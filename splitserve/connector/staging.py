@@ -12,6 +12,9 @@ Contract (the swap point between transports and the loader):
   dropped) and its reader is done (loaded into vLLM's blocks, given up on, failed while
   unclaimed, or its lease expired with no decode request claiming it). The reaper scans every
   entry, not just the oldest.
+- The lease (`lease_s`) runs from the transfer's last progress: its BEGIN, each layer
+  received, and its END. A prefill however long keeps its transfer as long as it moves; KV
+  complete and unclaimed is held `lease_s` after its END.
 """
 
 from __future__ import annotations
@@ -175,12 +178,15 @@ class StagingArea:
             if st.record.first_byte_s is None or first < st.record.first_byte_s:
                 st.record.first_byte_s = first
             st.tokens_per_layer[layer] += tokens
+            st.lease_deadline = time.monotonic() + self.lease_s  # it moves: the lease runs on
 
     def end(self, st: StagedTransfer) -> bool:
         """Mark the END marker seen; True if the transfer is complete and verified."""
         with self._lock:
             st.ended = True
             ok = st.complete
+            if ok:  # the lease of KV complete and not yet claimed runs from now
+                st.lease_deadline = time.monotonic() + self.lease_s
             if ok and self.done is not None and not st.reader_done:
                 self.done.mark(st.transfer_id)
         if ok:

@@ -14,6 +14,12 @@ import torch
 from splitserve.connector.faults import Faults
 from splitserve.connector.layout.cpu import VllmCpuLayout
 from splitserve.connector.listener import KVListener
+from splitserve.connector.protocol import (
+    KEEPALIVE_IDLE_S,
+    KEEPALIVE_PROBES,
+    UNACKED_TIMEOUT_S,
+    connect,
+)
 from splitserve.connector.staging import StagingArea
 from splitserve.connector.stats import ConnectorStats, TransferRecord
 from splitserve.connector.transport.items import LayerItem
@@ -231,3 +237,40 @@ def test_buffer_pool_reuses_and_bounds() -> None:
     pool.give(a)
     b = pool.take(900)  # none fits: the free 600 is dropped to make room
     assert b is not None and b is not a and pool.allocated == 900
+
+
+def test_both_ends_of_a_kv_connection_watch_for_a_vanished_peer(
+        listener: tuple[KVListener, StagingArea]) -> None:
+    """A peer whose host died sends nothing, not even a FIN: both ends probe an idle connection
+    and bound unacknowledged bytes, so D's read and P's write fail instead of blocking for ever
+    (D's staged region, P's engine thread)."""
+    lis, _ = listener
+    sock, _ = connect("127.0.0.1", lis.port, TOKEN, "push", FP, 5.0)
+    with sock:
+        deadline = time.monotonic() + 5
+        while not lis._conns and time.monotonic() < deadline:  # the listener's end, accepted
+            time.sleep(0.01)
+        (served,) = list(lis._conns)
+        for end in (sock, served):
+            assert isinstance(end, socket.socket)
+            assert end.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+            assert end.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == KEEPALIVE_IDLE_S
+            assert end.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT) == KEEPALIVE_PROBES
+            assert (end.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT)
+                    == UNACKED_TIMEOUT_S * 1000)
+
+
+def test_d_has_the_ack_timeout_from_the_end_however_long_the_prefill_took(
+        listener: tuple[KVListener, StagingArea]) -> None:
+    """P's ACK deadline runs from its last layer: a prefill longer than the ACK timeout is
+    acknowledged, not given up on at P's first poll after it."""
+    lis, _ = listener
+    ch = channel("tcp", lis.port)
+    caches = [torch.randn(2, 2, 64, 64)] * 2
+    ch.begin("long", 10, SHAPE.transfer_bytes(10), ack_timeout_s=0.3)
+    time.sleep(0.5)  # the prefill outlasts the ACK timeout
+    for layer, cache in enumerate(caches):
+        ch.push_layer(LayerItem("long", layer, 0, 10, VllmCpuLayout(cache), (0,)))
+    ch.end("long")
+    assert settle(ch, "long") == "complete"
+    ch.close()

@@ -75,6 +75,28 @@ def test_reaper_frees_every_expired_lease_not_just_the_oldest(area: StagingArea)
     assert area.final_status("a") == "expired"
 
 
+def test_the_lease_runs_from_the_transfers_last_progress() -> None:
+    """A prefill longer than the lease keeps its transfer while layers arrive; KV complete and
+    unclaimed is held a whole lease after its END, then reaped."""
+    area = StagingArea(1024**2, SHAPE, lease_s=0.3, stats=ConnectorStats())
+    st = area.begin("slow", 100)
+    st.chunks[0] = 100
+    time.sleep(0.2)
+    area.layer_received(st, 0, 100)
+    time.sleep(0.2)  # BEGIN's lease is over, but the transfer moved since
+    assert area.reap() == []
+    area.layer_received(st, 1, 100)
+    time.sleep(0.2)
+    assert area.end(st)
+    time.sleep(0.2)  # the last layer's lease is over, not END's
+    assert area.reap() == []
+    time.sleep(0.2)
+    assert area.reap() == ["slow"]
+    assert area.final_status("slow") == "expired"
+    area.writer_done(st)
+    area.close()
+
+
 def test_short_transfer_fails(area: StagingArea) -> None:
     st = area.begin("short", 100)
     st.chunks[0] = 100

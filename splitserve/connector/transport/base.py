@@ -104,7 +104,8 @@ class PushChannel(ABC):
               skip: int = 0) -> SendState:
         """Open a transfer of the prompt tokens [skip, num_tokens) (`nbytes` of them)."""
         rec = self._stats.open(transfer_id, "send", num_tokens - skip, nbytes, skip)
-        st = SendState(transfer_id, num_tokens, rec, time.monotonic() + ack_timeout_s, skip)
+        st = SendState(transfer_id, num_tokens, rec, time.monotonic() + ack_timeout_s, skip,
+                       ack_timeout_s=ack_timeout_s)
         with self._lock:
             self._states[transfer_id] = st
         self._queue.put(BeginItem(st))
@@ -132,10 +133,12 @@ class PushChannel(ABC):
         self._queue.put(copied)
 
     def end(self, transfer_id: str) -> None:
-        """After the forward pass that computed the transfer's last chunk (every layer done)."""
+        """After the forward pass that computed the transfer's last chunk (every layer done).
+        D has `ack_timeout_s` from now to acknowledge it, however long the prefill took."""
         st = self._states.get(transfer_id)
         if st is not None:
             st.record.last_layer_s = time.time()  # the end of P's last layer
+            st.deadline = time.monotonic() + st.ack_timeout_s
         self._queue.put(EndItem(transfer_id))
 
     def cancel(self, transfer_id: str) -> None:

@@ -32,8 +32,9 @@ class SendState:
     transfer_id: str
     num_tokens: int  # the prompt's length
     record: TransferRecord
-    deadline: float  # no ACK by then -> failed
+    deadline: float  # no ACK by then -> failed (`ack_timeout_s` after BEGIN, then after END)
     skip: int = 0  # the first token sent: D's prefix cache is to hold [0, skip)
+    ack_timeout_s: float = 30.0
     status: TransferStatus = TransferStatus.OPEN
     offset: int = -1  # D's staging offset (from BEGIN_OK)
     began: threading.Event = field(default_factory=threading.Event)
