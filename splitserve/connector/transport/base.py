@@ -91,6 +91,9 @@ class PushChannel(ABC):
         self._states: dict[str, SendState] = {}
         self._lock = threading.Lock()
         self._busy_with: str | None = None  # transfer id the sender is touching right now
+        # held by the forward thread across its check of a transfer and its copy into D's
+        # region (shm): once a transfer is settled, taking it waits out a copy in progress
+        self._writing = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._sock: Conn | None = None  # set by the sender thread; ended by either thread
         self._sending_on: Conn | None = None  # the sender thread's connection for its item
@@ -114,17 +117,27 @@ class PushChannel(ABC):
     def push_layer(self, item: LayerItem) -> None:
         """Called on the forward thread right after the layer's KV was written (see contract)."""
         st = self._states.get(item.transfer_id)
-        if st is not None and not st.settled and not self._faults.marks(item.transfer_id):
+        if st is not None and not self._faults.marks(item.transfer_id):
             t0 = time.perf_counter()
             try:
-                if self.stage_now(st, item):
-                    st.record.copy_forward_s += time.perf_counter() - t0
-                    return
+                with self._writing:  # see `_quiesce`
+                    staged = not st.settled and self.stage_now(st, item)
             except Exception:
                 log.exception("KV copy of transfer %s failed", item.transfer_id)
                 self._give_up(st, "internal_error")
                 return
+            if staged:
+                st.record.copy_forward_s += time.perf_counter() - t0
+                return
         self._queue.put(item)
+
+    def _quiesce(self) -> None:
+        """Return once the forward thread is not copying into D's regions. Called after the
+        transfers concerned are settled (none of their copies starts any more) and before D
+        may free their regions (an ABORT, the connection's end): D never hands a region to
+        another transfer while a stale copy still lands in it."""
+        with self._writing:
+            pass
 
     def queue_ready(self, ready: ReadyLayer) -> None:
         self._queue.put(ready)
@@ -266,15 +279,16 @@ class PushChannel(ABC):
                 return
             self._sock = None
             pending = [st for st in self._states.values() if not st.settled]
+        for st in pending:  # settled before D can free their regions (`_quiesce`)
+            self._fail(st, cause)
         if sock is not None:
+            self._quiesce()
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)  # its reply thread ends with it
         if pending:
             log.warning("push channel to %s:%d %s (%s: %r): %d transfer(s) failed",
                         self.host, self.port, "lost" if sock is not None else "not connected",
                         cause, error, len(pending))
-        for st in pending:
-            self._fail(st, cause)
 
     def on_closed(self) -> None:
         """On the sender thread, once `close()` was called and every queued item (device
@@ -334,6 +348,7 @@ class PushChannel(ABC):
         sock = self._sock  # the reply thread may end it meanwhile
         if sock is None:
             return
+        self._quiesce()  # D frees the region on ABORT
         try:
             send(sock, Abort(transfer_id))
         except OSError:
