@@ -106,7 +106,14 @@ class KVListener:
                     conn.close()
                     return
                 self._conns[conn] = thread
-            thread.start()
+            try:
+                thread.start()
+            except RuntimeError as exc:  # no thread to be had: refuse this one, keep listening
+                log.warning("KV listener: cannot serve a connection (%r)", exc)
+                with self._conns_lock:
+                    self._conns.pop(conn, None)
+                conn.close()
+                time.sleep(0.1)
 
     def _staging_info(self) -> StagingInfo:
         if self._staging is None:

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import logging
 import socket
+import threading
 import time
 
 import pytest
 import torch
 
 from splitserve.connector.faults import Faults
+from splitserve.connector.framing import ProtocolError
 from splitserve.connector.layout.cpu import VllmCpuLayout
 from splitserve.connector.listener import KVListener
 from splitserve.connector.protocol import (
@@ -274,3 +276,25 @@ def test_d_has_the_ack_timeout_from_the_end_however_long_the_prefill_took(
     ch.end("long")
     assert settle(ch, "long") == "complete"
     ch.close()
+
+
+def test_the_listener_outlives_a_connection_it_had_no_thread_for(
+        listener: tuple[KVListener, StagingArea], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A thread that cannot be started (the process is out of them) costs that connection
+    only: the accept loop goes on serving the next."""
+    lis, _ = listener
+    start = threading.Thread.start
+    refused: list[str] = []
+
+    def start_or_refuse(thread: threading.Thread) -> None:
+        if thread.name == "splitserve-kv-conn" and not refused:
+            refused.append(thread.name)
+            raise RuntimeError("can't start new thread")
+        start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", start_or_refuse)
+    with pytest.raises((OSError, ProtocolError)):
+        connect("127.0.0.1", lis.port, TOKEN, "push", FP, 5.0)
+    sock, _ = connect("127.0.0.1", lis.port, TOKEN, "push", FP, 5.0)
+    sock.close()
+    assert refused == ["splitserve-kv-conn"]

@@ -459,3 +459,7 @@ class PushChannel(ABC):
         except (OSError, ProtocolError):
             if not self._closed:
                 self._connection_lost("peer_gone", sock)
+        except Exception as exc:  # never a channel that looks connected with no reader
+            log.exception("push channel to %s:%d: reading D's replies failed", self.host,
+                          self.port)
+            self._connection_lost("internal_error", sock, exc)
