@@ -186,20 +186,20 @@ FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_
 FLOAT32_MAX = 3.4028234663852886e38
 
 
-# vLLM's default budget of a completion request without `max_tokens` (a chat request's is the
-# rest of the context): D's leg is a completion, so it is always sent the client's budget.
+# vLLM's budget of a completion request whose `max_tokens` is left out or null (a chat
+# request's is the rest of the context). D's leg is a completion: it is always sent a number.
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 
 
 def max_tokens_of(body: dict[str, Any], kind: Kind = "chat") -> int | None:
-    """The request's budget as vLLM reads it: None is the rest of the context (a chat
-    request without one, or either kind with `null`)."""
+    """The request's budget as vLLM reads it; None: the rest of the context (a chat request
+    without one)."""
     value = body.get("max_completion_tokens")
-    if value is not None:
-        return value
-    if kind == "completion" and "max_tokens" not in body:
+    if value is None:
+        value = body.get("max_tokens")
+    if value is None and kind == "completion":
         return COMPLETION_DEFAULT_MAX_TOKENS
-    return body.get("max_tokens")
+    return value
 
 
 @dataclass(frozen=True)
@@ -215,6 +215,7 @@ class Legs:
     continuous_usage: bool
     return_token_ids: bool
     tokenwise: dict[str, Any]  # fields copied unchanged into both legs
+    max_model_len: int | None = None  # the workers' context, for a budget of the rest of it
 
     @property
     def indexed_ids(self) -> list[int] | None:
@@ -227,7 +228,8 @@ class Legs:
         return self.prompt
 
 
-def plan_legs(body: dict[str, Any], kind: Kind, prompt: str | list[int]) -> Legs:
+def plan_legs(body: dict[str, Any], kind: Kind, prompt: str | list[int],
+              max_model_len: int | None = None) -> Legs:
     opts = body.get("stream_options") or {}
     stream = bool(body.get("stream"))
     if kind == "completion":
@@ -243,6 +245,7 @@ def plan_legs(body: dict[str, Any], kind: Kind, prompt: str | list[int]) -> Legs
         continuous_usage=stream and bool(opts.get("include_usage"))
         and bool(opts.get("continuous_usage_stats")),  # vLLM's: only with include_usage
         return_token_ids=bool(body.get("return_token_ids")), tokenwise=tokenwise,
+        max_model_len=max_model_len,
     )
 
 
@@ -258,10 +261,10 @@ def prefill_body(legs: Legs, model: str, kv: dict[str, Any] | None) -> dict[str,
 
 def decode_body(legs: Legs, model: str, prompt_ids: list[int], produced: list[int],
                 kv: dict[str, Any] | None, replayed: int = 0) -> dict[str, Any]:
-    """D: prompt + the tokens produced so far, the rest of the budget (`max_tokens: null`, the
-    rest of the context, for a request without one: D's leg is a completion, whose own default
-    would be 16). Always streams and always returns token ids, so the router can count tokens
-    and resume elsewhere without loss.
+    """D: prompt + the tokens produced so far, the rest of the budget: for a request without
+    one (chat), the rest of the context as a number, since D's leg is a completion, whose
+    default (and null) is 16. Always streams and always returns token ids, so the router can
+    count tokens and resume elsewhere without loss.
     `replayed`: the last tokens of `produced` left out of the prompt, for D to generate again
     (they count toward D's budget)."""
     body = dict(legs.tokenwise)
@@ -269,22 +272,29 @@ def decode_body(legs: Legs, model: str, prompt_ids: list[int], produced: list[in
     if not 0 <= replayed <= len(produced):
         raise ValueError(f"replayed must be within the {len(produced)} tokens produced")
     kept = len(produced) - replayed
-    remaining = None if legs.max_tokens is None else legs.max_tokens - kept
+    remaining = legs.max_tokens
+    if remaining is None and legs.max_model_len:  # vLLM's chat default, said outright
+        remaining = max(legs.max_model_len - len(prompt_ids) - kept, 1)
+    elif remaining is not None:
+        remaining -= kept
     body.update(model=model, prompt=prompt_ids + produced[:kept], max_tokens=remaining,
                 stream=True, return_token_ids=True, min_tokens=max(legs.min_tokens - kept, 0),
                 stream_options={"include_usage": True})
+    if remaining is None:  # the context is not known: D's own default
+        body.pop("max_tokens")
     if kv is not None:
         body["kv_transfer_params"] = kv
     return body
 
 
-def check_budget(body: dict[str, Any], legs: Legs, max_model_len: int | None) -> None:
+def check_budget(body: dict[str, Any], legs: Legs) -> None:
     """RequestError for a budget beyond the context, as vLLM answers it before any token. The
     split must refuse it itself: P's leg asks for one token, so only D would refuse it, after
     t1 went to the client. A budget within the context is clamped by vLLM on both legs alike."""
-    if legs.max_tokens is None or not max_model_len or legs.max_tokens <= max_model_len:
+    limit = legs.max_model_len
+    if legs.max_tokens is None or not limit or legs.max_tokens <= limit:
         return
     field = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
         else "max_tokens"
     raise RequestError(f"{field}={legs.max_tokens} cannot be greater than max_model_len="
-                       f"{max_model_len}. Please request fewer output tokens.", field)
+                       f"{limit}. Please request fewer output tokens.", field)

@@ -160,6 +160,28 @@ def test_requests_vllm_reads_its_own_way_answer_as_colocated(
     assert without_ids(routed.json()) == without_ids(direct.json())
 
 
+def test_a_chat_without_a_budget_runs_to_the_end_of_the_context(
+        router_pd: Router, colocated_worker: Worker, llama_pair: tuple[Worker, Worker]) -> None:
+    """vLLM's chat default is the rest of the context; D's leg is a completion, whose default
+    is 16 tokens, so D is told that rest outright. A prompt about 30 tokens short of the
+    context (2,048) keeps the run short and the rest above 16."""
+    model = str(llama_pair[0].cfg.model)
+    def length(words: int) -> int:
+        return len(chat_prompt_ids(model, [{"role": "user", "content": "sea " * words}]))
+
+    per_word = length(2) - length(1)
+    messages = [{"role": "user", "content": "sea " * ((2018 - length(0)) // per_word)}]
+    prompt_len = len(chat_prompt_ids(model, messages))
+    assert 24 < 2048 - prompt_len <= 30 + per_word, prompt_len
+    body = {"model": model, "messages": messages, "temperature": 0, "ignore_eos": True}
+    routed = httpx.post(f"{router_pd.url}/v1/chat/completions", json=body, timeout=120)
+    direct = httpx.post(f"{colocated_worker.url}/v1/chat/completions", json=body,
+                        headers=auth_headers(), timeout=120)
+    assert routed.status_code == direct.status_code == 200, (routed.text, direct.text)
+    assert without_ids(routed.json()) == without_ids(direct.json())
+    assert routed.json()["usage"]["completion_tokens"] == 2048 - prompt_len
+
+
 VARIANTS: list[dict[str, Any]] = [
     {},
     {"return_token_ids": True},

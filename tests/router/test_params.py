@@ -119,18 +119,19 @@ def test_leg_bodies_split_the_budget_exactly() -> None:
 
 
 def test_a_budget_left_out_is_vllms_default_of_its_kind_on_d() -> None:
-    """D's leg is a completion, whose own default budget is 16: it is always told the client's.
-    A completion without max_tokens has 16 in all (t1 and 15 on D); a chat request without
-    one, or either kind with null, runs to the end of the context (D is sent null)."""
-    legs = plan_legs({"model": "m", "prompt": "x"}, "completion", "x")
-    assert legs.max_tokens == 16
-    assert decode_body(legs, "m", [1], [2], None)["max_tokens"] == 15
-    for body, kind in (({"model": "m", "prompt": "x", "max_tokens": None}, "completion"),
-                       ({"model": "m", "messages": [{"role": "user", "content": "x"}]}, "chat")):
-        legs = plan_legs(body, kind, [1])  # type: ignore[arg-type]
-        assert legs.max_tokens is None
-        d = decode_body(legs, "m", [1], [2], None)
-        assert "max_tokens" in d and d["max_tokens"] is None
+    """D's leg is a completion, whose own default budget (and null) is 16: it is always sent a
+    number. A completion without max_tokens, or with null, has 16 in all (t1 and 15 on D); a
+    chat request without one runs to the end of the context, which D is told outright."""
+    for body in ({"model": "m", "prompt": "x"}, {"model": "m", "prompt": "x", "max_tokens": None}):
+        legs = plan_legs(body, "completion", "x", max_model_len=100)
+        assert legs.max_tokens == 16
+        assert decode_body(legs, "m", [1], [2], None)["max_tokens"] == 15
+    chat = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    legs = plan_legs(chat, "chat", [1, 2, 3], max_model_len=100)
+    assert legs.max_tokens is None
+    assert decode_body(legs, "m", [1, 2, 3], [4], None)["max_tokens"] == 96
+    assert decode_body(legs, "m", [1, 2, 3], [4, 5, 6], None, replayed=1)["max_tokens"] == 95
+    assert "max_tokens" not in decode_body(plan_legs(chat, "chat", [1]), "m", [1], [2], None)
 
 
 def test_chat_legs_carry_only_tokenwise_fields() -> None:
@@ -146,19 +147,19 @@ def test_chat_legs_carry_only_tokenwise_fields() -> None:
 def test_a_budget_beyond_the_context_is_refused_before_any_token() -> None:
     """vLLM refuses max_tokens > max_model_len up front; split, only D would see the budget,
     after t1 went out. Within the context, both legs clamp alike: no refusal."""
-    legs = plan_legs({"model": "m", "prompt": "x", "max_tokens": 4097}, "completion", "x")
+    body = {"model": "m", "prompt": "x", "max_tokens": 4097}
     with pytest.raises(RequestError, match="max_tokens=4097 cannot be greater than "
                                            "max_model_len=4096") as err:
-        check_budget({"max_tokens": 4097}, legs, 4096)
+        check_budget(body, plan_legs(body, "completion", "x", 4096))
     assert err.value.param == "max_tokens" and err.value.status == 400
     body = {"model": "m", "messages": [{"role": "user", "content": "x"}],
             "max_completion_tokens": 5000}
     with pytest.raises(RequestError) as err:
-        check_budget(body, plan_legs(body, "chat", [1]), 4096)
+        check_budget(body, plan_legs(body, "chat", [1], 4096))
     assert err.value.param == "max_completion_tokens"
     for budget, limit in ((4096, 4096), (None, 4096), (10**6, None)):
-        check_budget({}, plan_legs({"prompt": "x", "max_tokens": budget}, "completion", "x"),
-                     limit)
+        body = {"prompt": "x", "max_tokens": budget}
+        check_budget(body, plan_legs(body, "completion", "x", limit))
 
 
 def test_continuous_usage_needs_include_usage_as_in_vllm() -> None:
