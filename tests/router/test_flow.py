@@ -30,6 +30,7 @@ from tests.support.scripted import (
     closed_port,
     identify,
     make_flow,
+    split_once,
     sse_reply,
     started,
     workers,
@@ -90,12 +91,7 @@ async def test_decode_resumes_on_a_colocated_worker_when_no_other_d_is_routable(
         return await sse_reply(req, [chunk("c", 12), chunk("d", 13, "length")])
 
     async with workers(handler, ("p1", "d1", "c1")) as urls, make_flow(urls) as (flow, _):
-        legs = plan_legs({"model": "m", "prompt": "x", "max_tokens": 4, "stream": True},
-                         "completion", "x")
-        pre = await flow.prefill(legs, "rid", t := Timings())
-        joiner = started(legs, pre)
-        out = [c async for c in flow.decode(legs, "rid", pre, joiner, t)]
-        assert all(w.inflight == 0 for w in flow.registry.workers.values())
+        out, joiner, t = await split_once(flow, 4)
     assert [n for n, _ in seen] == ["p1", "d1", "c1"]
     assert "".join(c["choices"][0]["text"] for c in out) == "bcd"
     assert seen[-1][1]["prompt"] == [1, 2, 3, 10, 11] and seen[-1][1]["max_tokens"] == 2
@@ -123,22 +119,17 @@ async def test_an_error_event_mid_stream_resumes_unless_it_is_the_answer(code: i
         return await sse_reply(req, [chunk("c", 12), chunk("d", 13, "length")])
 
     async with workers(handler, ("p1", "d1", "d2")) as urls, make_flow(urls) as (flow, _):
-        legs = plan_legs({"model": "m", "prompt": "x", "max_tokens": 4, "stream": True},
-                         "completion", "x")
-        pre = await flow.prefill(legs, "rid", t := Timings())
-        joiner = started(legs, pre)
-        out: list[dict[str, Any]] = []
         if code == 400:  # a client error is the answer: not retried
             with pytest.raises(UpstreamError) as err:
-                out.extend([c async for c in flow.decode(legs, "rid", pre, joiner, t)])
+                await split_once(flow, 4)
             assert err.value.status == 400 and [n for n, _ in seen] == ["p1", "d1"]
-        else:
-            out.extend([c async for c in flow.decode(legs, "rid", pre, joiner, t)])
-            assert [n for n, _ in seen] == ["p1", "d1", "d2"]
-            assert seen[-1][1]["prompt"] == [1, 2, 3, 10, 11]
-            assert "".join(c["choices"][0]["text"] for c in out) == "bcd"
-            assert joiner.produced == [10, 11, 12, 13]
-        assert all(w.inflight == 0 for w in flow.registry.workers.values())
+            assert all(w.inflight == 0 for w in flow.registry.workers.values())
+            return
+        out, joiner, _ = await split_once(flow, 4)
+    assert [n for n, _ in seen] == ["p1", "d1", "d2"]
+    assert seen[-1][1]["prompt"] == [1, 2, 3, 10, 11]
+    assert "".join(c["choices"][0]["text"] for c in out) == "bcd"
+    assert joiner.produced == [10, 11, 12, 13]
 
 
 async def test_a_leg_broken_after_its_last_token_is_not_resumed() -> None:
@@ -155,12 +146,7 @@ async def test_a_leg_broken_after_its_last_token_is_not_resumed() -> None:
         return await sse_reply(req, [chunk("x", 12), chunk("y", 13, "length")])
 
     async with workers(handler, ("p1", "d1", "d2")) as urls, make_flow(urls) as (flow, _):
-        legs = plan_legs({"model": "m", "prompt": "x", "max_tokens": 6, "stream": True},
-                         "completion", "x")
-        pre = await flow.prefill(legs, "rid", t := Timings())
-        joiner = started(legs, pre)
-        out = [c async for c in flow.decode(legs, "rid", pre, joiner, t)]
-        assert all(w.inflight == 0 for w in flow.registry.workers.values())
+        out, joiner, _ = await split_once(flow, 6)
     assert seen == ["p1", "d1"]
     assert "".join(c["choices"][0]["text"] for c in out) == "bc"
     assert joiner.produced == [10, 11, 2] and joiner.finish_reason == "stop"

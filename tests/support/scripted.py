@@ -32,9 +32,10 @@ from splitserve.router.formats import Joiner
 from splitserve.router.http import new_session
 from splitserve.router.legs import LegProtocols, leg_protocols
 from splitserve.router.metrics import RouterMetrics
-from splitserve.router.params import Legs
+from splitserve.router.params import Legs, plan_legs
 from splitserve.router.policy import Picker
 from splitserve.router.registry import Registry
+from splitserve.router.timings import Timings
 from splitserve.router.worker import Worker
 
 Handler = Callable[[str, web.Request], Awaitable[web.StreamResponse]]
@@ -131,6 +132,19 @@ def started(legs: Legs, pre: Any) -> Joiner:
     joiner.start(pre.prompt_ids, pre.fingerprint)
     joiner.tokens(pre.t1_text, pre.t1_ids, None, None)
     return joiner
+
+
+async def split_once(flow: Flow, max_tokens: int
+                     ) -> tuple[list[dict[str, Any]], Joiner, Timings]:
+    """One streamed completion (prompt "x", `max_tokens`) through `flow`'s two legs: the
+    client's chunks after t1, the joiner and the timings. Every worker's hold is given back."""
+    legs = plan_legs({"model": "m", "prompt": "x", "max_tokens": max_tokens, "stream": True},
+                     "completion", "x")
+    pre = await flow.prefill(legs, "rid", t := Timings())
+    joiner = started(legs, pre)
+    out = [c async for c in flow.decode(legs, "rid", pre, joiner, t)]
+    assert all(w.inflight == 0 for w in flow.registry.workers.values())
+    return out, joiner, t
 
 
 # The cache view's pace for tests: short long polls, quick retries.
