@@ -12,9 +12,9 @@ Contract (the swap point between transports and the loader):
   dropped) and its reader is done (loaded into vLLM's blocks, given up on, failed while
   unclaimed, or its lease expired with no decode request claiming it). The reaper scans every
   entry, not just the oldest.
-- The lease (`lease_s`) runs from the transfer's last progress: its BEGIN, each layer
-  received, and its END. A prefill however long keeps its transfer as long as it moves; KV
-  complete and unclaimed is held `lease_s` after its END.
+- The lease (`lease_s`) bounds KV that is complete and unclaimed: it runs from the END. A
+  transfer still being written is never reaped, however long its prefill: its connection
+  bounds it (a writer that goes away, even silently, fails it; P ABORTs what it gives up).
 """
 
 from __future__ import annotations
@@ -178,7 +178,6 @@ class StagingArea:
             if st.record.first_byte_s is None or first < st.record.first_byte_s:
                 st.record.first_byte_s = first
             st.tokens_per_layer[layer] += tokens
-            st.lease_deadline = time.monotonic() + self.lease_s  # it moves: the lease runs on
 
     def end(self, st: StagedTransfer) -> bool:
         """Mark the END marker seen; True if the transfer is complete and verified."""
@@ -257,11 +256,13 @@ class StagingArea:
             self._free_if_done_locked(st, status)
 
     def reap(self, now: float | None = None) -> list[str]:
-        """End the lease of every unclaimed transfer past its deadline; return their ids."""
+        """End the lease of every unclaimed transfer written whole and past its deadline;
+        return their ids."""
         now = time.monotonic() if now is None else now
         with self._lock:
             expired = [st for st in self._transfers.values()
-                       if not st.claimed and not st.reader_done and st.lease_deadline <= now]
+                       if st.writer_done and not st.claimed and not st.reader_done
+                       and st.lease_deadline <= now]
             for st in expired:
                 st.reader_done = True
                 st.failed = st.failed or "lease_expired"

@@ -298,3 +298,25 @@ def test_the_listener_outlives_a_connection_it_had_no_thread_for(
     sock, _ = connect("127.0.0.1", lis.port, TOKEN, "push", FP, 5.0)
     sock.close()
     assert refused == ["splitserve-kv-conn"]
+
+
+@pytest.mark.parametrize("kind", ["tcp", "shm"])
+def test_a_push_that_outlasts_the_lease_is_not_reaped_while_it_moves(kind: str) -> None:
+    """D's lease bounds KV complete and unclaimed; a prefill longer than it keeps its transfer
+    (over shm D hears of its layers only at END)."""
+    staging = StagingArea(8 * 1024**2, SHAPE, lease_s=0.3, stats=ConnectorStats())
+    lis = KVListener("127.0.0.1", 0, TOKEN, FP, staging, lambda q: {})
+    ch = channel(kind, lis.port)
+    try:
+        caches = [torch.randn(4, 2, 64, 64) for _ in range(2)]
+        ch.begin("long", 150, SHAPE.transfer_bytes(150), ack_timeout_s=10.0)
+        for s, e in ((0, 50), (50, 100), (100, 150)):  # chunks 0.25 s apart: 0.75 s in all
+            time.sleep(0.25)
+            for layer, cache in enumerate(caches):
+                ch.push_layer(LayerItem("long", layer, s, e, VllmCpuLayout(cache), (0, 1, 2, 3)))
+        ch.end("long")
+        assert settle(ch, "long") == "complete"
+    finally:
+        ch.close()
+        lis.close()
+        staging.close()

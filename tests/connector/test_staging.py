@@ -75,25 +75,24 @@ def test_reaper_frees_every_expired_lease_not_just_the_oldest(area: StagingArea)
     assert area.final_status("a") == "expired"
 
 
-def test_the_lease_runs_from_the_transfers_last_progress() -> None:
-    """A prefill longer than the lease keeps its transfer while layers arrive; KV complete and
-    unclaimed is held a whole lease after its END, then reaped."""
-    area = StagingArea(1024**2, SHAPE, lease_s=0.3, stats=ConnectorStats())
+def test_the_lease_bounds_kv_complete_and_unclaimed_from_its_end() -> None:
+    """A transfer still being written is never reaped, however long its prefill (over shm its
+    layers are only announced at END); KV complete and unclaimed is held a whole lease after
+    its END, then reaped."""
+    area = StagingArea(1024**2, SHAPE, lease_s=0.2, stats=ConnectorStats())
     st = area.begin("slow", 100)
     st.chunks[0] = 100
-    time.sleep(0.2)
-    area.layer_received(st, 0, 100)
-    time.sleep(0.2)  # BEGIN's lease is over, but the transfer moved since
+    time.sleep(0.3)  # past BEGIN + lease: the writer is still at it
     assert area.reap() == []
-    area.layer_received(st, 1, 100)
-    time.sleep(0.2)
+    for layer in range(2):
+        area.layer_received(st, layer, 100)
     assert area.end(st)
-    time.sleep(0.2)  # the last layer's lease is over, not END's
+    area.writer_done(st)
     assert area.reap() == []
-    time.sleep(0.2)
+    time.sleep(0.3)
     assert area.reap() == ["slow"]
     assert area.final_status("slow") == "expired"
-    area.writer_done(st)
+    assert area.state()["staged_bytes"] == 0
     area.close()
 
 

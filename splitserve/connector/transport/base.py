@@ -133,9 +133,10 @@ class PushChannel(ABC):
 
     def _quiesce(self) -> None:
         """Return once the forward thread is not copying into D's regions. Called after the
-        transfers concerned are settled (none of their copies starts any more) and before D
-        may free their regions (an ABORT, the connection's end): D never hands a region to
-        another transfer while a stale copy still lands in it."""
+        transfers concerned are settled (none of their copies starts any more) and before P
+        lets D free their regions (its ABORT, its end of the connection), so no copy of the
+        forward thread's lands in a region D has handed on. Not covered: device copies still
+        queued (CUDA), and D ending the connection itself."""
         with self._writing:
             pass
 
