@@ -171,7 +171,7 @@ async def split(st: RouterState, request: Request, body: dict[str, Any], raw: by
     the prompt: prefill on D, counted as mode `local`, resumed on another D like any D leg."""
     prompt = (render_chat(st.tokenizer, body, st.chat_format) if kind == "chat"
               else completion_prompt(st.tokenizer, body, st.prompt_chars_limit))
-    legs = plan_legs(body, kind, prompt, st.flow.max_model_len)
+    legs = plan_legs(body, kind, prompt, st.flow.max_model_len, st.chat_max_tokens)
     check_budget(body, legs)
     plan = st.flow.plan(legs)
     if plan.local:

@@ -194,12 +194,11 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16
 def max_tokens_of(body: dict[str, Any], kind: Kind = "chat") -> int | None:
     """The request's budget as vLLM reads it; None: the rest of the context (a chat request
     without one)."""
-    value = body.get("max_completion_tokens")
-    if value is None:
+    if kind == "completion":  # vLLM's completions know no max_completion_tokens
         value = body.get("max_tokens")
-    if value is None and kind == "completion":
-        return COMPLETION_DEFAULT_MAX_TOKENS
-    return value
+        return COMPLETION_DEFAULT_MAX_TOKENS if value is None else value
+    value = body.get("max_completion_tokens")
+    return body.get("max_tokens") if value is None else value
 
 
 @dataclass(frozen=True)
@@ -229,7 +228,9 @@ class Legs:
 
 
 def plan_legs(body: dict[str, Any], kind: Kind, prompt: str | list[int],
-              max_model_len: int | None = None) -> Legs:
+              max_model_len: int | None = None, chat_max_tokens: int | None = None) -> Legs:
+    """The legs of one request. `max_model_len`: the workers' context; `chat_max_tokens`: the
+    budget vLLM gives a chat request without one (its model's generation config), if any."""
     opts = body.get("stream_options") or {}
     stream = bool(body.get("stream"))
     if kind == "completion":
@@ -238,8 +239,9 @@ def plan_legs(body: dict[str, Any], kind: Kind, prompt: str | list[int],
     else:
         tokenwise = {k: copy.deepcopy(v) for k, v in body.items() if k in TOKENWISE_FIELDS}
     tokenwise.pop("return_token_ids", None)
+    budget = max_tokens_of(body, kind)
     return Legs(
-        kind=kind, prompt=prompt, max_tokens=max_tokens_of(body, kind),
+        kind=kind, prompt=prompt, max_tokens=chat_max_tokens if budget is None else budget,
         min_tokens=int(body.get("min_tokens") or 0), stream=stream,
         include_usage=stream and bool(opts.get("include_usage")),
         continuous_usage=stream and bool(opts.get("include_usage"))
@@ -291,10 +293,10 @@ def check_budget(body: dict[str, Any], legs: Legs) -> None:
     """RequestError for a budget beyond the context, as vLLM answers it before any token. The
     split must refuse it itself: P's leg asks for one token, so only D would refuse it, after
     t1 went to the client. A budget within the context is clamped by vLLM on both legs alike."""
-    limit = legs.max_model_len
-    if legs.max_tokens is None or not limit or legs.max_tokens <= limit:
+    limit, asked = legs.max_model_len, max_tokens_of(body, legs.kind)
+    if asked is None or not limit or asked <= limit:
         return
-    field = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
-        else "max_tokens"
-    raise RequestError(f"{field}={legs.max_tokens} cannot be greater than max_model_len="
+    field = "max_completion_tokens" if legs.kind == "chat" and body.get(
+        "max_completion_tokens") is not None else "max_tokens"
+    raise RequestError(f"{field}={asked} cannot be greater than max_model_len="
                        f"{limit}. Please request fewer output tokens.", field)

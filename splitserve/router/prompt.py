@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 from splitserve.common.modelconfig import kv_shape, read_config
@@ -17,6 +19,19 @@ def kv_bytes_per_token(model_dir: str | None) -> int:
         return kv_shape(read_config(model_dir)).elements_per_token * 4
     except (OSError, KeyError, ValueError, TypeError):
         return 0
+
+
+def chat_default_max_tokens(model_dir: str | None) -> int | None:
+    """The budget vLLM gives a chat request without one, beyond the rest of the context: the
+    model's `generation_config.json` `max_new_tokens` (vLLM's `--generation-config auto`, its
+    default); None when it sets none."""
+    try:
+        config = json.loads((Path(model_dir or "") / "generation_config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    value = config.get("max_new_tokens") if isinstance(config, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 \
+        else None
 
 
 def load_tokenizer(model_dir: str | None) -> Any:
@@ -43,7 +58,7 @@ def content_format(tokenizer: Any) -> str | None:
         return None
     try:
         from vllm.renderers.hf import _detect_content_format  # pinned: vllm==0.32.0
-    except ImportError:
+    except Exception:  # not installed, or an install that does not import: not known
         return None
     return str(_detect_content_format(template, default="string"))
 

@@ -22,6 +22,7 @@ from splitserve.router.metrics import RouterMetrics
 from splitserve.router.peers import Peers
 from splitserve.router.policy import Picker
 from splitserve.router.prompt import (
+    chat_default_max_tokens,
     content_format,
     kv_bytes_per_token,
     load_tokenizer,
@@ -50,6 +51,7 @@ class RouterState:
     tokenizer: Any
     prompt_chars_limit: int | None = None  # longer string prompts go to P untokenized
     chat_format: str | None = None  # how vLLM gives the chat template content (`prompt`)
+    chat_max_tokens: int | None = None  # a chat's budget when it gives none, beyond the context
     health: asyncio.Task[None] | None = None  # the health loop's task
     inflight: int = 0  # admitted client requests not finished yet (`endpoints.Admission`)
     cache: CacheView | None = None  # every worker's cached blocks (`cacheview`)
@@ -95,7 +97,7 @@ async def open_state(cfg: RouterConfig, token: str | None, api_key: str | None,
     whole = Passthrough(cfg, registry, picker, metrics, session)
     st = RouterState(cfg, token, api_key, session, registry, checks, protocols, metrics, flow,
                      whole, model, tokenizer, prompt_chars_limit(tokenizer, max_model_len),
-                     chat_format, cache=cache)
+                     chat_format, chat_default_max_tokens(model_dir), cache=cache)
     st.peers = Peers(registry, session, cfg.peers, cfg.health_interval_s, cfg.health_timeout_s)
     st.peers.start()
     st.health = asyncio.create_task(checks.run())

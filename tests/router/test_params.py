@@ -126,12 +126,19 @@ def test_a_budget_left_out_is_vllms_default_of_its_kind_on_d() -> None:
         legs = plan_legs(body, "completion", "x", max_model_len=100)
         assert legs.max_tokens == 16
         assert decode_body(legs, "m", [1], [2], None)["max_tokens"] == 15
+    # vLLM's completions know no max_completion_tokens: it is ignored there, as by vLLM
+    body = {"model": "m", "prompt": "x", "max_completion_tokens": 5}
+    assert plan_legs(body, "completion", "x").max_tokens == 16
     chat = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
     legs = plan_legs(chat, "chat", [1, 2, 3], max_model_len=100)
     assert legs.max_tokens is None
     assert decode_body(legs, "m", [1, 2, 3], [4], None)["max_tokens"] == 96
     assert decode_body(legs, "m", [1, 2, 3], [4, 5, 6], None, replayed=1)["max_tokens"] == 95
     assert "max_tokens" not in decode_body(plan_legs(chat, "chat", [1]), "m", [1], [2], None)
+    # a model whose generation config sets max_new_tokens: vLLM caps such a chat request at it
+    legs = plan_legs(chat, "chat", [1, 2, 3], max_model_len=100, chat_max_tokens=20)
+    assert decode_body(legs, "m", [1, 2, 3], [4], None)["max_tokens"] == 19
+    check_budget(chat, plan_legs(chat, "chat", [1], max_model_len=100, chat_max_tokens=200))
 
 
 def test_chat_legs_carry_only_tokenwise_fields() -> None:

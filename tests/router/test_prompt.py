@@ -8,6 +8,7 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from splitserve.router.prompt import (
+    chat_default_max_tokens,
     completion_prompt,
     content_format,
     plain_conversation,
@@ -80,3 +81,13 @@ def test_the_content_format_is_vllms_reading_of_the_template(llama_ckpt: Path) -
                          "{% endfor %}{% endfor %}")
     assert content_format(tok) == "openai"
     assert content_format(None) is None
+
+
+def test_a_chats_default_budget_is_the_generation_configs(tmp_path: Path) -> None:
+    assert chat_default_max_tokens(str(tmp_path)) is None  # no generation config
+    for text, want in (('{"max_new_tokens": 512, "temperature": 0.7}', 512),
+                       ('{"temperature": 0.7}', None), ('{"max_new_tokens": true}', None),
+                       ("not json", None)):
+        (tmp_path / "generation_config.json").write_text(text)
+        assert chat_default_max_tokens(str(tmp_path)) == want, text
+    assert chat_default_max_tokens(None) is None
