@@ -89,17 +89,20 @@ def _transport_errors() -> tuple[type[BaseException], ...]:
 
 
 def _repo_files(model: str, revision: str | None) -> list[str] | None:
-    """The repository's file names, or None when the hub cannot be reached (the hub's own
-    answers, e.g. no such repository, are raised). One request: the model's info lists its
-    files, where `list_repo_files` retries an unreachable hub five times with backoff (about
-    24 s before the cache could serve)."""
+    """The repository's file names, or None when the hub cannot be reached or is unwell (429,
+    5xx: the cache may serve). The hub's answers about the model (no such repository, a gated
+    one) are raised. One request: the model's info lists its files, where `list_repo_files`
+    retries an unreachable hub five times with backoff (about 24 s before the cache serves)."""
     from huggingface_hub import HfApi
     from huggingface_hub.errors import HfHubHTTPError
 
     try:
         info = HfApi().model_info(model, revision=revision, expand=["siblings"])
         return [sibling.rfilename for sibling in info.siblings or []]
-    except HfHubHTTPError:
+    except HfHubHTTPError as exc:
+        status = exc.response.status_code if exc.response is not None else None
+        if status == 429 or (status is not None and status >= 500):
+            return None
         raise
     except _transport_errors():  # offline, or no answer: the cache may still serve
         return None

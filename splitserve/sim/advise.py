@@ -113,6 +113,7 @@ def verify(args: argparse.Namespace, plan: GpuPlan, out: Path) -> dict[str, Any]
     """Run the choice and a plain colocated worker here on the same stream and cores; the
     choice's simulated figures against its measured ones."""
     from splitserve.bench.cli import run_compare
+    from splitserve.common.refusal import Refused
 
     shape = plan.best.shape
     if shape.tp_p != 1 or shape.tp_d > 1:
@@ -127,7 +128,10 @@ def verify(args: argparse.Namespace, plan: GpuPlan, out: Path) -> dict[str, Any]
     ns.out = str(out / "verify")
     with started(shape, args.model, cores, out / "logs") as url:
         ns.url, ns.deployment = [("advised", url)], [("advised", shape.label)]
-        run_compare(ns)
+        try:
+            run_compare(ns)
+        except Refused as exc:  # after the plan: reported as not verified, not as bad input
+            return {"verified": False, "why": str(exc)}
     measured = json.loads((out / "verify" / "advised.json").read_text())
     baseline = json.loads((out / "verify" / "colocated.json").read_text())
     predicted = dict(plan.best.metrics or {})

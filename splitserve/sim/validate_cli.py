@@ -76,7 +76,8 @@ class Validation:
             raise ValueError("--reprofile works with one plain worker (--mode chunked "
                              "--workers 1); profile a worker of the deployment instead")
         # the local worker's model, resolved before anything starts
-        self.model_dir = model_path(args.model_dir) if launches else None
+        self.model_dir = (model_path(args.model_dir) if launches and not self.on_a_deployment
+                          else None)
         if args.repeats < 3:
             print("note: fewer than 3 repeats per point; the spread is poorly known")
         self.rates: tuple[float, ...] = args.rates or (self.spec.arrival.rate,)

@@ -9,6 +9,10 @@ import json
 import os
 import subprocess
 import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -40,14 +44,13 @@ print(json.dumps(out))
 
 
 def resolve_offline(hf_home: Path, *cases: tuple[str, str | None],
-                    unreachable: bool = False) -> list[dict]:
+                    endpoint: str | None = None) -> list[dict]:
     """`resolve_model` on each (model, revision) in a process whose environment is a user's:
-    HF_HOME names the cache, HF_HUB_OFFLINE=1 forbids the network (`unreachable`: it is
-    allowed, but the hub's address answers nothing)."""
+    HF_HOME names the cache, HF_HUB_OFFLINE=1 forbids the network (`endpoint`: it is allowed,
+    and the hub is at that address)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "HUGGINGFACE"))}
     env |= {"HF_HOME": str(hf_home)} | (
-        {"HF_ENDPOINT": f"http://127.0.0.1:{closed_port()}"} if unreachable
-        else {"HF_HUB_OFFLINE": "1"})
+        {"HF_ENDPOINT": endpoint} if endpoint else {"HF_HUB_OFFLINE": "1"})
     out = subprocess.run([sys.executable, "-c", RESOLVE, json.dumps(cases)], env=env,
                          capture_output=True, text=True, timeout=120, check=True)
     assert "Retrying" not in out.stderr  # an unreachable hub is asked once, not with backoff
@@ -67,11 +70,36 @@ def test_a_hub_id_resolves_to_its_cached_snapshot_offline(llama_ckpt: Path, tmp_
         assert "HF_HUB_OFFLINE" in missing["error"]
     assert "v2" in other_rev["error"]
     assert local == {"path": str(llama_ckpt), "name": None}  # a directory is served as itself
-    # a hub that does not answer: the cache serves, as offline
-    by_main, missing = resolve_offline(tmp_path / "hf", ("org/name", None), ("org/other", None),
-                                       unreachable=True)
-    assert by_main == {"path": str(snapshot), "name": "org/name"}
-    assert "the hub cannot be reached" in missing["error"]
+    # a hub that does not answer, or answers 503: the cache serves, as offline
+    with unwell_hub() as unwell:
+        for endpoint in (f"http://127.0.0.1:{closed_port()}", unwell):
+            by_main, missing = resolve_offline(tmp_path / "hf", ("org/name", None),
+                                               ("org/other", None), endpoint=endpoint)
+            assert by_main == {"path": str(snapshot), "name": "org/name"}
+            assert "the hub cannot be reached" in missing["error"]
+
+
+@contextmanager
+def unwell_hub() -> Iterator[str]:
+    """A hub that answers every request with 503 (its URL)."""
+    class Unwell(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(503)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        do_HEAD = do_GET
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Unwell)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}"
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def test_model_names_are_checked_without_resolving(tmp_path: Path) -> None:
