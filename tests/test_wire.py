@@ -36,7 +36,8 @@ INFO: dict[str, Any] = {
 NIXL_INFO: dict[str, Any] = {
     "connector": "nixl", "role": "prefill", "transport": "nixl", "kv_host": "10.0.0.2",
     "kv_port": 5600, "progress_delay_us": 10000, "vllm_version": "0.32.0",
-    "kv_events": True, "block_size": 128}
+    "kv_events": True, "block_size": 128, "chat_format": "openai",
+    "chat_template_sha256": "ab" * 32}
 STATE: dict[str, Any] = {
     **INFO, "staged_bytes": 4096, "staging_capacity_bytes": 1 << 20,
     "staging_free_bytes": (1 << 20) - 4096, "open_leases": 1, "claimed_transfers": 0,
@@ -87,7 +88,8 @@ def test_info_without_a_connector_is_splitserve_and_keeps_an_endpoint_key() -> N
     ("kv_port", 70000), ("kv_port", -1), ("kv_port", True), ("kv_tls", "yes"), ("kv_tls", 1),
     ("engine_id", 5), ("model_fingerprint", "fp"), ("vllm_version", 0.32),
     ("progress_delay_us", -5), ("progress_delay_us", 1.5), ("kv_events", 1),
-    ("block_size", 0), ("block_size", "128"),
+    ("block_size", 0), ("block_size", "128"), ("chat_format", "text"), ("chat_format", 1),
+    ("chat_template_sha256", 5),
 ])
 def test_info_refuses_each_bad_field(key: str, value: Any) -> None:
     with pytest.raises(WireError, match=key):

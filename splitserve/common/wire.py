@@ -19,6 +19,7 @@ from enum import StrEnum
 from functools import cache
 from typing import Any, ClassVar, Self, TypeVar
 
+from splitserve.common.chat import CONTENT_FORMATS
 from splitserve.common.vocab import Connector, Role, TransferStatus
 
 
@@ -97,6 +98,10 @@ class WorkerInfo:
     # tokens; whether its view is exact right now is the snapshot's `exact`
     kv_events: bool = False
     block_size: int | None = None
+    # how the worker's vLLM renders a chat (`common.chat`): the content format it gives the
+    # template ("string" | "openai") and the digest of its template and default kwargs
+    chat_format: str | None = None
+    chat_template_sha256: str | None = None
 
     def __post_init__(self) -> None:
         if self.kv_port is not None and not 0 < self.kv_port < 65536:
@@ -107,6 +112,9 @@ class WorkerInfo:
             raise WireError("info.block_size must be positive")
         if self.kv_events and self.block_size is None:
             raise WireError("info.kv_events needs info.block_size")
+        if self.chat_format not in (None, *CONTENT_FORMATS):
+            raise WireError(f"info.chat_format must be one of {CONTENT_FORMATS}, "
+                            f"got {self.chat_format!r}")
 
     @classmethod
     def from_json(cls, raw: Any) -> Self:
@@ -125,7 +133,9 @@ class WorkerInfo:
                    model_fingerprint=fp, vllm_version=_str(raw, "vllm_version", "info"),
                    progress_delay_us=_count(raw, "progress_delay_us", "info", None),
                    kv_events=_bool(raw, "kv_events", "info"),
-                   block_size=_count(raw, "block_size", "info", None))
+                   block_size=_count(raw, "block_size", "info", None),
+                   chat_format=_str(raw, "chat_format", "info"),
+                   chat_template_sha256=_str(raw, "chat_template_sha256", "info"))
 
     def to_json(self) -> dict[str, Any]:
         """Every field set, plus `kv_host` and `kv_port` always (None: no endpoint);

@@ -40,6 +40,7 @@ from splitserve.router.params import (
 from splitserve.router.params import validate as validate_body
 from splitserve.router.policy import NoWorker, Overloaded
 from splitserve.router.prompt import (
+    OTHER_TEMPLATE,
     completion_prompt,
     plain_conversation,
     render_chat,
@@ -150,9 +151,12 @@ def choose_mode(st: RouterState, body: dict[str, Any], kind: Kind) -> str:
             raise NoWorker("prefill/decode or colocated")
         return "whole"
     reason = unsplittable_reason(body, kind)
-    if reason is None and kind == "chat" and st.tokenizer is not None and plain_conversation(
-            body["messages"], st.chat_format) is None:
-        reason = "messages"  # tool calls, images, roles vLLM rewrites: its own rendering
+    if reason is None and kind == "chat" and st.tokenizer is not None:
+        fmt = st.chat_format()
+        if fmt == OTHER_TEMPLATE:
+            reason = "chat_template"  # the workers render from another template than ours
+        elif plain_conversation(body["messages"], fmt) is None:
+            reason = "messages"  # tool calls, images, roles vLLM rewrites: its own rendering
     if reason is None:
         return "split"
     if st.cfg.unsplittable == "refuse":
@@ -169,7 +173,7 @@ async def split(st: RouterState, request: Request, body: dict[str, Any], raw: by
     """P's leg (t1), then D's: one JSON answer, or one stream that starts with t1. Or, when
     the chosen D holds all but a few of the prompt's tokens (`Flow.plan`), D's leg alone from
     the prompt: prefill on D, counted as mode `local`, resumed on another D like any D leg."""
-    prompt = (render_chat(st.tokenizer, body, st.chat_format) if kind == "chat"
+    prompt = (render_chat(st.tokenizer, body, st.chat_format()) if kind == "chat"
               else completion_prompt(st.tokenizer, body, st.prompt_chars_limit))
     legs = plan_legs(body, kind, prompt, st.flow.max_model_len, st.chat_max_tokens)
     check_budget(body, legs)

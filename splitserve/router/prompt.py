@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from splitserve.common.chat import chat_template_sha256
 from splitserve.common.modelconfig import kv_shape, read_config
+from splitserve.common.wire import WorkerInfo
 from splitserve.router.params import ENGINE_TOKENIZES, RequestError
 
 
@@ -49,25 +52,46 @@ PLAIN_KEYS = frozenset({"role", "content", "name"})
 BILLING_HEADER = "x-anthropic-billing-header"
 
 
-def content_format(tokenizer: Any) -> str | None:
-    """How vLLM hands message content to the model's chat template: "string" (text parts
-    joined by newlines) or "openai" (a list of text parts), from vLLM's own reading of the
-    template; None when unknown (no template, or vLLM is not installed beside the router)."""
-    template = getattr(tokenizer, "chat_template", None)
-    if not isinstance(template, str):
+# `workers_chat_format` when the router cannot render the workers' chats
+OTHER_TEMPLATE = "other-template"
+
+
+def own_chat_template_sha256(tokenizer: Any) -> str | None:
+    """The digest (`common.chat`) of what the router renders chats from: its tokenizer's
+    default template and no default kwargs; None without a tokenizer."""
+    if tokenizer is None:
         return None
     try:
-        from vllm.renderers.hf import _detect_content_format  # pinned: vllm==0.32.0
-    except Exception:  # not installed, or an install that does not import: not known
+        template = tokenizer.get_chat_template()
+    except (ValueError, AttributeError):  # no template: rendering a chat raises
+        template = None
+    return chat_template_sha256(template if isinstance(template, str) else None, {})
+
+
+def workers_chat_format(infos: Iterable[WorkerInfo | None], own_sha256: str | None
+                        ) -> str | None:
+    """How the workers in `infos` give message content to their chat template, as they
+    advertise it ("string" | "openai"); `OTHER_TEMPLATE` when one renders from another
+    template or other default kwargs than the router (`own_sha256`), or two disagree: their
+    chats run whole. None when none advertises it: strings are rendered as they are."""
+    seen = {(i.chat_format, i.chat_template_sha256) for i in infos
+            if i is not None and i.chat_format is not None}
+    if not seen:
         return None
-    return str(_detect_content_format(template, default="string"))
+    if len(seen) > 1:
+        return OTHER_TEMPLATE
+    ((fmt, sha),) = seen
+    return fmt if sha == own_sha256 else OTHER_TEMPLATE
 
 
 def plain_conversation(messages: Any, fmt: str | None) -> list[dict[str, Any]] | None:
     """`messages` as vLLM gives them to a chat template of content format `fmt`, or None when
     the router cannot render them exactly as vLLM would (see `PLAIN_ROLES`; a list of text
-    parts also needs the format known). vLLM makes every content a list of text parts, then
-    for "string" joins the non-empty ones with newlines and for "openai" keeps them all."""
+    parts also needs the format known; none under `OTHER_TEMPLATE`). vLLM makes every content
+    a list of text parts, then for "string" joins the non-empty ones with newlines and for
+    "openai" keeps them all."""
+    if fmt == OTHER_TEMPLATE:
+        return None
     out: list[dict[str, Any]] = []
     for m in messages:
         if not (isinstance(m, dict) and m.get("role") in PLAIN_ROLES and set(m) <= PLAIN_KEYS

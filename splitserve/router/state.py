@@ -12,6 +12,7 @@ from typing import Any
 
 import aiohttp
 
+from splitserve.common.vocab import Pool
 from splitserve.router.cacheview import INDEX_BYTES_PER_BLOCK, CacheView
 from splitserve.router.config import RouterConfig
 from splitserve.router.flow import Flow
@@ -23,10 +24,11 @@ from splitserve.router.peers import Peers
 from splitserve.router.policy import Picker
 from splitserve.router.prompt import (
     chat_default_max_tokens,
-    content_format,
     kv_bytes_per_token,
     load_tokenizer,
+    own_chat_template_sha256,
     prompt_chars_limit,
+    workers_chat_format,
 )
 from splitserve.router.registry import Registry
 from splitserve.router.whole import Passthrough
@@ -50,12 +52,18 @@ class RouterState:
     model: dict[str, Any]
     tokenizer: Any
     prompt_chars_limit: int | None = None  # longer string prompts go to P untokenized
-    chat_format: str | None = None  # how vLLM gives the chat template content (`prompt`)
+    chat_template_sha256: str | None = None  # what the router renders chats from (`prompt`)
     chat_max_tokens: int | None = None  # a chat's budget when it gives none, beyond the context
     health: asyncio.Task[None] | None = None  # the health loop's task
     inflight: int = 0  # admitted client requests not finished yet (`endpoints.Admission`)
     cache: CacheView | None = None  # every worker's cached blocks (`cacheview`)
     peers: Peers | None = None  # the other routers' open legs (`peers`)
+
+    def chat_format(self) -> str | None:
+        """How the P and D workers in rotation render chats (`prompt.workers_chat_format`)."""
+        return workers_chat_format(
+            (w.info for pool in (Pool.PREFILL, Pool.DECODE) for w in self.registry.routable(pool)),
+            self.chat_template_sha256)
 
     def describe(self, worker: Worker) -> dict[str, Any]:
         """`worker` in `/workers` and the admin answers (with its cache: sync state, blocks
@@ -84,7 +92,6 @@ async def open_state(cfg: RouterConfig, token: str | None, api_key: str | None,
         await checks.check_all()
         model_dir = cfg.model_dir or model.get("root")
         tokenizer = await asyncio.to_thread(load_tokenizer, model_dir)
-        chat_format = await asyncio.to_thread(content_format, tokenizer)
     except BaseException:  # timed out, no tokenizer, cancelled: nothing started stays open
         await cache.close()
         await session.close()
@@ -97,7 +104,8 @@ async def open_state(cfg: RouterConfig, token: str | None, api_key: str | None,
     whole = Passthrough(cfg, registry, picker, metrics, session)
     st = RouterState(cfg, token, api_key, session, registry, checks, protocols, metrics, flow,
                      whole, model, tokenizer, prompt_chars_limit(tokenizer, max_model_len),
-                     chat_format, chat_default_max_tokens(model_dir), cache=cache)
+                     own_chat_template_sha256(tokenizer), chat_default_max_tokens(model_dir),
+                     cache=cache)
     st.peers = Peers(registry, session, cfg.peers, cfg.health_interval_s, cfg.health_timeout_s)
     st.peers.start()
     st.health = asyncio.create_task(checks.run())

@@ -60,6 +60,7 @@ from splitserve.connector.framing import ProtocolError
 from splitserve.connector.messages import Query
 from splitserve.kvindex.blockset import BlockSet, Gone
 from splitserve.kvindex.messages import EVENTS_PATH, SNAPSHOT_PATH
+from splitserve.worker.chat_rendering import ChatRendering, chat_rendering
 from splitserve.worker.kvrelay import (
     KV_EVENTS_DIR_ENV,
     Relay,
@@ -234,8 +235,8 @@ class TokenGuard:
         await self.app(scope, receive, send)
 
 
-def _attach_connector_routes(app: FastAPI, listeners: RankListeners, kv: KvReport | None
-                             ) -> None:
+def _attach_connector_routes(app: FastAPI, listeners: RankListeners,
+                             advertise: Callable[[WorkerInfo], WorkerInfo]) -> None:
     """The routes of a worker running splitserve's connector: its info, state, transfer records
     and discard, each answered by the connector's ranks (TokenGuard checks the callers)."""
 
@@ -258,7 +259,7 @@ def _attach_connector_routes(app: FastAPI, listeners: RankListeners, kv: KvRepor
     async def info() -> JSONResponse:
         """Rank 0's identity (the router polls this every health round)."""
         return await ask_connector(Query("state"), lambda answers: JSONResponse(
-            _with_kv(ConnectorState.from_json(answers[0]).info, kv).to_json()), every_rank=False)
+            advertise(ConnectorState.from_json(answers[0]).info).to_json()), every_rank=False)
 
     @app.get("/splitserve/state")
     async def state() -> JSONResponse:
@@ -295,6 +296,7 @@ class SplitserveEndpointPlugin:
 
     def __init__(self) -> None:
         self.kv: KvReport | None = None
+        self.chat: ChatRendering | None = None  # set in `init_state`
 
     def attach_router(self, app: FastAPI) -> None:
         token = load_token(required=False)
@@ -319,7 +321,7 @@ class SplitserveEndpointPlugin:
             @app.get("/splitserve/info")
             async def pulling_worker_info() -> JSONResponse:
                 assert pulled is not None
-                return JSONResponse(_with_kv(pulled, kv).to_json())
+                return JSONResponse(self.advertise(pulled).to_json())
             _attach_metrics(app, *([kv.collector()] if kv else []))
             return
         cfg = connector_config(args)
@@ -331,16 +333,27 @@ class SplitserveEndpointPlugin:
         listeners = RankListeners(cfg, token, tensor_parallel_size(args))
         _attach_metrics(app, ConnectorCollector(listeners), *([kv.collector()] if kv else []))
 
-        _attach_connector_routes(app, listeners, kv)
+        _attach_connector_routes(app, listeners, self.advertise)
 
     async def init_state(self, engine_client: Any, state: State, args: Namespace) -> None:
-        if self.kv is not None and engine_client is not None:
+        if engine_client is None:
+            return
+        if self.kv is not None:
             self.kv.start(engine_client)
+        try:
+            self.chat = chat_rendering(engine_client, args)
+        except Exception:  # a model without a tokenizer or template: the router renders none
+            log.warning("cannot tell how this worker renders chats", exc_info=True)
 
-
-def _with_kv(info: WorkerInfo, kv: KvReport | None) -> WorkerInfo:
-    """`info` with the worker's cache report (`kv_events`, `block_size`)."""
-    return info if kv is None else dataclasses.replace(info, **kv.info_fields())
+    def advertise(self, info: WorkerInfo) -> WorkerInfo:
+        """`info` with what the API server adds: its cache report (`kv_events`, `block_size`)
+        and how it renders chats."""
+        if self.kv is not None:
+            info = dataclasses.replace(info, **self.kv.info_fields())
+        if self.chat is not None:
+            info = dataclasses.replace(info, chat_format=self.chat.content_format,
+                                       chat_template_sha256=self.chat.template_sha256)
+        return info
 
 
 def _error(message: str, kind: str, code: int) -> JSONResponse:

@@ -175,6 +175,7 @@ def test_internal_routes_require_the_token(llama_pair: tuple[Worker, Worker]) ->
     info = httpx.get(f"{d.url}/splitserve/info", headers=auth_headers(), timeout=5).json()
     assert info["role"] == "decode" and info["kv_port"] == d.kv_port
     assert info["model_fingerprint"]["num_layers"] == 2
+    assert info["chat_format"] == "string"  # how its vLLM renders chats (`chat_rendering`)
     metrics = httpx.get(f"{d.url}/metrics", headers=auth_headers(), timeout=5).text
     assert "splitserve_kv_listener_up 1.0" in metrics
     assert "splitserve_kv_transfers_total" in metrics

@@ -40,6 +40,7 @@ def test_worker_advertises_nixl_and_its_side_channel(nixl_pd: tuple[Worker, Work
         info = httpx.get(f"{w.url}/splitserve/info", headers=auth_headers(), timeout=5).json()
         assert info["connector"] == "nixl" and info["role"] == role
         assert (info["kv_host"], info["kv_port"]) == ("127.0.0.1", w.kv_port)
+        assert info["chat_format"] == "string" and len(info["chat_template_sha256"]) == 64
     assert p.kv_port != d.kv_port
 
 

@@ -405,7 +405,7 @@ def test_a_request_of_one_token_needs_a_p_and_no_d() -> None:
     for w in reg.routable(Pool.DECODE):
         w.draining = True
     st = cast(RouterState, SimpleNamespace(registry=reg, cfg=cfg, tokenizer=None,
-                                           chat_format=None))
+                                           chat_format=lambda: None))
     chat = {"messages": [{"role": "user", "content": "x"}]}
     assert choose_mode(st, {"prompt": "x", "max_tokens": 1}, "completion") == "split"
     assert choose_mode(st, {**chat, "max_completion_tokens": 1}, "chat") == "split"

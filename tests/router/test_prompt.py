@@ -7,12 +7,17 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
+from splitserve.common.chat import chat_template_sha256
+from splitserve.common.vocab import Connector, Role
+from splitserve.common.wire import WorkerInfo
 from splitserve.router.prompt import (
+    OTHER_TEMPLATE,
     chat_default_max_tokens,
     completion_prompt,
-    content_format,
+    own_chat_template_sha256,
     plain_conversation,
     prompt_chars_limit,
+    workers_chat_format,
 )
 
 TEXT = "The quick brown fox jumps over the lazy dog. Ünïcödé and   spaces\n"
@@ -74,13 +79,27 @@ def test_messages_reach_the_template_as_vllm_gives_them() -> None:
         assert plain_conversation(declined, fmt) is None, declined
 
 
-def test_the_content_format_is_vllms_reading_of_the_template(llama_ckpt: Path) -> None:
+def test_the_router_renders_chats_only_from_the_workers_template(llama_ckpt: Path) -> None:
     tok = AutoTokenizer.from_pretrained(str(llama_ckpt))
-    assert content_format(tok) == "string"  # the demo template prints m['content'] whole
-    tok.chat_template = ("{% for m in messages %}{% for c in m['content'] %}{{ c['text'] }}"
-                         "{% endfor %}{% endfor %}")
-    assert content_format(tok) == "openai"
-    assert content_format(None) is None
+    own = own_chat_template_sha256(tok)
+    assert own == chat_template_sha256(tok.chat_template, {})
+    assert own_chat_template_sha256(None) is None
+
+    def info(fmt: str | None, sha: str | None) -> WorkerInfo:
+        return WorkerInfo(Connector.SPLITSERVE, Role.PREFILL, chat_format=fmt,
+                          chat_template_sha256=sha)
+
+    assert workers_chat_format([info("openai", own), info("openai", own), None], own) == "openai"
+    assert workers_chat_format([info("string", own), info(None, None)], own) == "string"
+    assert workers_chat_format([info(None, None), None], own) is None  # none advertises it
+    for infos in ([info("string", own), info("openai", own)],  # a worker's flag differs
+                  [info("string", own), info("string", "f" * 64)],  # another template
+                  [info("string", chat_template_sha256(tok.chat_template, {"x": 1}))]):
+        assert workers_chat_format(infos, own) == OTHER_TEMPLATE
+    assert plain_conversation([{"role": "user", "content": "x"}], OTHER_TEMPLATE) is None
+    # no template on either side: the same digest (the router then answers vLLM's 400)
+    tok.chat_template = None
+    assert own_chat_template_sha256(tok) == chat_template_sha256(None, {})
 
 
 def test_a_chats_default_budget_is_the_generation_configs(tmp_path: Path) -> None:
