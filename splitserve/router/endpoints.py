@@ -159,6 +159,12 @@ def choose_mode(st: RouterState, body: dict[str, Any], kind: Kind) -> str:
             reason = "messages"  # tool calls, images, roles vLLM rewrites: its own rendering
     if reason is None:
         return "split"
+    if st.cfg.unsplittable == "refuse" and reason == "chat_template":
+        raise RequestError(
+            "the prefill and decode workers render chats from another chat template than the "
+            "router's tokenizer (their --chat-template or --default-chat-template-kwargs), so "
+            "a chat cannot be split exactly; start the router with --unsplittable whole",
+            "messages")
     if st.cfg.unsplittable == "refuse":
         raise RequestError(
             f"parameter `{reason}` cannot be honoured exactly when prefill and decode run "

@@ -14,12 +14,14 @@ from typing import Any, cast
 import pytest
 from aiohttp import web
 
-from splitserve.common.vocab import Pool
+from splitserve.common.chat import chat_template_sha256
+from splitserve.common.vocab import Connector, Pool, Role
+from splitserve.common.wire import WorkerInfo
 from splitserve.router.config import RouterConfig
 from splitserve.router.endpoints import choose_mode
 from splitserve.router.failures import UpstreamError
 from splitserve.router.flow import Flow
-from splitserve.router.params import plan_legs
+from splitserve.router.params import RequestError, plan_legs
 from splitserve.router.policy import NoWorker, Overloaded
 from splitserve.router.registry import Registry
 from splitserve.router.state import RouterState
@@ -411,3 +413,30 @@ def test_a_request_of_one_token_needs_a_p_and_no_d() -> None:
     assert choose_mode(st, {**chat, "max_completion_tokens": 1}, "chat") == "split"
     with pytest.raises(NoWorker):
         choose_mode(st, {"prompt": "x", "max_tokens": 2}, "completion")
+
+
+def test_chats_are_split_only_when_the_workers_render_from_the_routers_template() -> None:
+    """The router renders a chat itself only when every P and D in rotation advertises its
+    template's digest; otherwise the chat runs whole, or is refused under `refuse`."""
+    own = chat_template_sha256("{{ messages }}", {})
+    chat = {"messages": [{"role": "user", "content": "x"}]}
+    for unsplittable in ("whole", "refuse"):
+        cfg = RouterConfig(prefill=("http://127.0.0.1:1",), decode=("http://127.0.0.1:2",),
+                           unsplittable=unsplittable)
+        reg = Registry(cfg)
+        st = SimpleNamespace(registry=reg, cfg=cfg, tokenizer=object(), chat_template_sha256=own)
+        st.chat_format = lambda st=st: RouterState.chat_format(cast(RouterState, st))
+        for w in reg.all():
+            w.health.healthy = True
+            reg.identified(w, WorkerInfo(Connector.SPLITSERVE, w.pool.worker_role or Role.BOTH,
+                                         chat_format="string", chat_template_sha256=own))
+        assert choose_mode(cast(RouterState, st), chat, "chat") == "split"
+        p = reg.routable(Pool.PREFILL)[0]
+        reg.identified(p, WorkerInfo(Connector.SPLITSERVE, Role.PREFILL, chat_format="string",
+                                     chat_template_sha256=chat_template_sha256("other", {})))
+        if unsplittable == "whole":
+            assert choose_mode(cast(RouterState, st), chat, "chat") == "whole"
+            assert choose_mode(cast(RouterState, st), {"prompt": "x"}, "completion") == "split"
+        else:
+            with pytest.raises(RequestError, match="another chat template"):
+                choose_mode(cast(RouterState, st), chat, "chat")
