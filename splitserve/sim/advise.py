@@ -165,10 +165,11 @@ def print_verification(v: dict[str, Any], label: str) -> None:
 
 def run_advise(args: argparse.Namespace) -> int:
     """The whole command (see the module docstring). Its inputs (the SLOs, `--gpus`, `--tp` on
-    `cpu`, the model, the workload, the profiles made from them) are refused in one line before
-    any worker is profiled, and the plan's own (`--policies`, `--target`, the workload's file)
+    `cpu`, `--policies`, `--target`, the model, the workload, the profiles made from them) are
+    refused in one line before any worker is profiled, and the plan's own (the workload's file)
     after; profiling and verifying keep their errors' tracebacks."""
     from splitserve.sim.gpuplan_cli import (
+        given_policies,
         plan_and_ladder,
         plan_json,
         plot_gpu_plan,
@@ -183,6 +184,9 @@ def run_advise(args: argparse.Namespace) -> int:
             raise ValueError("--gpus must be >= 1")
         if args.hardware == "cpu" and args.tp and args.tp != "1":
             raise ValueError("--hardware cpu plans TP-1 workers (one core each)")
+        given_policies(args)
+        if not 0 < args.target <= 1:
+            raise ValueError("target attainment must be in (0, 1]")
         model_dir, model_flag = model_source(args)
         spec = spec_from_args(args)
         profiles = given_profiles(args, model_dir)

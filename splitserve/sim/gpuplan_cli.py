@@ -174,6 +174,18 @@ def plot_gpu_plan(plan: GpuPlan, rungs: list[Rung], path: Path) -> Path:
     return path
 
 
+def given_policies(args: argparse.Namespace) -> tuple[str, ...] | None:
+    """`--policies` as given (None: not given); ValueError for an entry the simulator does
+    not know."""
+    if not args.policies:
+        return None
+    policies = tuple(args.policies.split(","))
+    unknown = [x for x in policies if x not in POLICIES]
+    if unknown:
+        raise ValueError(f"unknown --policies {unknown}; known: {', '.join(POLICIES)}")
+    return policies
+
+
 def plan_and_ladder(profiles: dict[int, Profile], spec: WorkloadSpec, args: argparse.Namespace,
                     progress: Callable[[str, int], Callable[[], None]]
                     ) -> tuple[GpuPlan, list[Rung], str | None]:
@@ -186,11 +198,8 @@ def plan_and_ladder(profiles: dict[int, Profile], spec: WorkloadSpec, args: argp
 
     wl = arrays_from_spec(spec, cache_block_tokens(args, next(iter(profiles.values()))))
     rate = spec.arrival.rate if spec.source == "synthetic" else wl.offered_rate
-    policies = tuple(args.policies.split(",")) if args.policies else (
+    policies = given_policies(args) or (
         ("cache", "load") if wl.blocks is not None else ("cache",))
-    unknown = [x for x in policies if x not in POLICIES]
-    if unknown:
-        raise ValueError(f"unknown --policies {unknown}; known: {', '.join(POLICIES)}")
     links = next(iter(profiles.values())).transfer
     transport = next((t for t in ("rdma", "tcp") if t in links), min(links, default="tcp"))
     req = GpuPlanRequest(args.gpus, rate, SLO(args.slo_ttft_ms, args.slo_tpot_ms),

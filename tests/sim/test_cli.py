@@ -141,6 +141,11 @@ GPUS = ["plan", "--gpus", "2", *SLOS]
     (["advise", "--gpus", "0", *SLOS], "splitserve advise: --gpus must be >= 1"),
     (["advise", "--gpus", "2", "--tp", "2", *SLOS],
      "splitserve advise: --hardware cpu plans TP-1 workers"),
+    # refused before a worker is profiled here
+    (["advise", "--gpus", "2", "--policies", "cache,best", *SLOS],
+     "splitserve advise: unknown --policies ['best']"),
+    (["advise", "--gpus", "2", "--target", "1.5", *SLOS],
+     "splitserve advise: target attainment must be in (0, 1]"),
 ])
 def test_bad_input_is_refused_in_one_line(argv: list[str], message: str, tmp_path: Path,
                                           capsys: pytest.CaptureFixture[str]) -> None:
