@@ -16,6 +16,7 @@ import hmac
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import aiohttp
@@ -117,10 +118,12 @@ async def serve_request(st: RouterState, request: Request, kind: Kind) -> Respon
         except ValueError as exc:  # not JSON, or not UTF-8 at all
             raise RequestError(f"invalid JSON body: {exc}") from exc
         body = validate_body(parsed, kind, st.model["id"])
-        admission.mode = choose_mode(st, body, kind)
-        t = Timings(mode=admission.mode)
-        if admission.mode == "split":
-            response = await split(st, request, body, raw, kind, rid, t, admission)
+        choice = choose_mode(st, body, kind)
+        admission.mode = choice.mode
+        t = Timings(mode=choice.mode)
+        if choice.mode == "split":
+            response = await split(st, request, body, raw, kind, rid, t, admission,
+                                   choice.messages)
         else:
             response = await whole(st, request, body, raw, kind, rid, t, admission)
         if isinstance(response, GuardedStream):
@@ -139,7 +142,17 @@ async def serve_request(st: RouterState, request: Request, kind: Kind) -> Respon
             admission.close()  # a no-op once counted above
 
 
-def choose_mode(st: RouterState, body: dict[str, Any], kind: Kind) -> str:
+@dataclass(frozen=True)
+class Choice:
+    """How one request runs, decided once: `mode` ("split" | "whole"); for a chat split by the
+    router, `messages` as the workers' template sees them (`prompt.plain_conversation`), which
+    the router renders, so what was checked is what is rendered."""
+
+    mode: str
+    messages: list[dict[str, Any]] | None = None
+
+
+def choose_mode(st: RouterState, body: dict[str, Any], kind: Kind) -> Choice:
     """`split` when a P and a D are in rotation (a P alone for a request of one token, which
     never reaches D) and the request's parameters mean the same on two workers; else `whole`
     (or a 400 under `--unsplittable refuse`)."""
@@ -149,16 +162,18 @@ def choose_mode(st: RouterState, body: dict[str, Any], kind: Kind) -> str:
     if not split_ready:
         if not (reg.routable(Pool.COLOCATED) or reg.routable(Pool.DECODE)):
             raise NoWorker("prefill/decode or colocated")
-        return "whole"
+        return Choice("whole")
     reason = unsplittable_reason(body, kind)
+    messages = None
     if reason is None and kind == "chat" and st.tokenizer is not None:
         fmt = st.chat_format()
+        messages = None if fmt == OTHER_TEMPLATE else plain_conversation(body["messages"], fmt)
         if fmt == OTHER_TEMPLATE:
             reason = "chat_template"  # the workers render from another template than ours
-        elif plain_conversation(body["messages"], fmt) is None:
+        elif messages is None:
             reason = "messages"  # tool calls, images, roles vLLM rewrites: its own rendering
     if reason is None:
-        return "split"
+        return Choice("split", messages)
     if st.cfg.unsplittable == "refuse" and reason == "chat_template":
         raise RequestError(
             "the prefill and decode workers render chats from another chat template than the "
@@ -170,16 +185,18 @@ def choose_mode(st: RouterState, body: dict[str, Any], kind: Kind) -> str:
             f"parameter `{reason}` cannot be honoured exactly when prefill and decode run "
             "on different workers; remove it, or start the router with "
             "--unsplittable whole", reason)
-    return "whole"
+    return Choice("whole")
 
 
 # --- the two legs -------------------------------------------------------------------------
 async def split(st: RouterState, request: Request, body: dict[str, Any], raw: bytes,
-                kind: Kind, rid: str, t: Timings, admission: Admission) -> Response:
+                kind: Kind, rid: str, t: Timings, admission: Admission,
+                messages: list[dict[str, Any]] | None = None) -> Response:
     """P's leg (t1), then D's: one JSON answer, or one stream that starts with t1. Or, when
     the chosen D holds all but a few of the prompt's tokens (`Flow.plan`), D's leg alone from
-    the prompt: prefill on D, counted as mode `local`, resumed on another D like any D leg."""
-    prompt = (render_chat(st.tokenizer, body, st.chat_format()) if kind == "chat"
+    the prompt: prefill on D, counted as mode `local`, resumed on another D like any D leg.
+    A chat is rendered from `messages` (`Choice.messages`)."""
+    prompt = (render_chat(st.tokenizer, body, messages) if kind == "chat"
               else completion_prompt(st.tokenizer, body, st.prompt_chars_limit))
     legs = plan_legs(body, kind, prompt, st.flow.max_model_len, st.chat_max_tokens)
     check_budget(body, legs)

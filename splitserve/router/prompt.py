@@ -117,14 +117,14 @@ def plain_conversation(messages: Any, fmt: str | None) -> list[dict[str, Any]] |
     return out
 
 
-def render_chat(tokenizer: Any, body: dict[str, Any], fmt: str | None) -> list[int]:
-    """The chat prompt as token ids, rendered once with the model's chat template, from the
-    messages as vLLM gives them to a template of content format `fmt` (`plain_conversation`:
-    RequestError for others, which `endpoints.choose_mode` sends whole)."""
+def render_chat(tokenizer: Any, body: dict[str, Any], messages: list[dict[str, Any]] | None
+                ) -> list[int]:
+    """The chat prompt as token ids, rendered once with the model's chat template from
+    `messages`: `body`'s messages as vLLM gives them to the workers' template
+    (`plain_conversation`; None: the router cannot render them, a RequestError)."""
     if tokenizer is None:
         raise RequestError("chat needs the model's tokenizer; start the router with --model",
                            "messages")
-    messages = plain_conversation(body["messages"], fmt)
     if messages is None:
         raise RequestError("these messages are rendered by the worker, not the router",
                            "messages")

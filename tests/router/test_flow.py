@@ -18,7 +18,7 @@ from splitserve.common.chat import chat_template_sha256
 from splitserve.common.vocab import Connector, Pool, Role
 from splitserve.common.wire import WorkerInfo
 from splitserve.router.config import RouterConfig
-from splitserve.router.endpoints import choose_mode
+from splitserve.router.endpoints import Choice, choose_mode
 from splitserve.router.failures import UpstreamError
 from splitserve.router.flow import Flow
 from splitserve.router.params import RequestError, plan_legs
@@ -409,8 +409,8 @@ def test_a_request_of_one_token_needs_a_p_and_no_d() -> None:
     st = cast(RouterState, SimpleNamespace(registry=reg, cfg=cfg, tokenizer=None,
                                            chat_format=lambda: None))
     chat = {"messages": [{"role": "user", "content": "x"}]}
-    assert choose_mode(st, {"prompt": "x", "max_tokens": 1}, "completion") == "split"
-    assert choose_mode(st, {**chat, "max_completion_tokens": 1}, "chat") == "split"
+    assert choose_mode(st, {"prompt": "x", "max_tokens": 1}, "completion").mode == "split"
+    assert choose_mode(st, {**chat, "max_completion_tokens": 1}, "chat").mode == "split"
     with pytest.raises(NoWorker):
         choose_mode(st, {"prompt": "x", "max_tokens": 2}, "completion")
 
@@ -430,13 +430,19 @@ def test_chats_are_split_only_when_the_workers_render_from_the_routers_template(
             w.health.healthy = True
             reg.identified(w, WorkerInfo(Connector.SPLITSERVE, w.pool.worker_role or Role.BOTH,
                                          chat_format="string", chat_template_sha256=own))
-        assert choose_mode(cast(RouterState, st), chat, "chat") == "split"
+        # what was checked is what the router renders: the messages as the template sees them
+        assert choose_mode(cast(RouterState, st), chat, "chat") == Choice("split", chat["messages"])
+        parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                           {"type": "text", "text": "b"}]}]}
+        assert choose_mode(cast(RouterState, st), parts, "chat").messages == [
+            {"role": "user", "content": "a\nb"}]
         p = reg.routable(Pool.PREFILL)[0]
         reg.identified(p, WorkerInfo(Connector.SPLITSERVE, Role.PREFILL, chat_format="string",
                                      chat_template_sha256=chat_template_sha256("other", {})))
         if unsplittable == "whole":
-            assert choose_mode(cast(RouterState, st), chat, "chat") == "whole"
-            assert choose_mode(cast(RouterState, st), {"prompt": "x"}, "completion") == "split"
+            assert choose_mode(cast(RouterState, st), chat, "chat") == Choice("whole")
+            assert choose_mode(cast(RouterState, st), {"prompt": "x"}, "completion") == Choice(
+                "split")
         else:
             with pytest.raises(RequestError, match="another chat template"):
                 choose_mode(cast(RouterState, st), chat, "chat")
