@@ -84,7 +84,7 @@ def test_a_start_that_cannot_finish_fails_and_leaves_the_running_deployment_serv
         ray_deployment: Any, ray_cluster: Any, llama_ckpt: Path) -> None:
     """A second deployment of the running one's name fails at once, naming it (in its
     namespace or another); one whose replicas no node can place fails at `startup_timeout_s`,
-    naming its pool. Either ends
+    naming its pool, without waiting on replicas that never ran. Either ends
     having deleted only what it deployed: the running deployment serves on, token-exact."""
     from ray import serve
 
@@ -107,8 +107,11 @@ def test_a_start_that_cannot_finish_fails_and_leaves_the_running_deployment_serv
                                        "decode_resources": {"no_such_node": 1}}
     unplaceable = RayDeployment(from_mapping(mapping | {"startup_timeout_s": 6}),
                                 say=lines.append)
+    t0 = time.monotonic()
     with pytest.raises(TimeoutError, match="unplaceable-prefill: .*unplaceable-decode: "):
         unplaceable.start()
+    # its replicas never ran: Serve is not left to wait out their graceful shutdown (70 s)
+    assert time.monotonic() - t0 < 6 + 30
     assert not {"unplaceable-prefill", "unplaceable-decode"} & set(serve.status().applications)
     assert {w["kind"] for w in dep.workers()} == {"prefill", "decode"}
     prompt = prompt_of(20, 5)

@@ -19,9 +19,10 @@ Invariants:
   deployment (resources, cores, `max_replicas_per_node`) fails the start with a TimeoutError
   naming it; a placed replica's load is bounded by the replica itself.
 - `stop()` drains front to back: the router first, then each pool's replicas (each drains
-  itself), then the directory; whatever it started, it ends. Each step runs even when an
-  earlier one failed; a failure (other than a part that is gone already) is told through `say`
-  and raised as one `RuntimeError` once every step ran.
+  itself; one no node holds yet runs no worker and is killed), then the directory; whatever
+  it started, it ends. Each step runs even when an earlier one failed; a failure (other than
+  a part that is gone already) is told through `say` and raised as one `RuntimeError` once
+  every step ran.
 """
 
 from __future__ import annotations
@@ -354,13 +355,40 @@ class RayDeployment(LauncherBackend):
                         + "; ".join(f"{name}: {why}" for name, why in unplaced.items()))
             time.sleep(0.5)
 
+    def _kill_unplaced(self) -> None:
+        """Kill this deployment's replicas that no node holds (pending placement, or started
+        and not yet claiming cores: no worker of theirs runs). Serve would wait out each one's
+        graceful shutdown timeout for an actor that never answers, and replaces one that
+        fails to start until it has processed the delete: hence called on every poll while
+        the pools delete. Pinned (Ray Serve 2.x): a replica's actor is named
+        `SERVE_REPLICA::<app>#<deployment>#<id>` in namespace `serve`."""
+        import ray
+
+        if self.directory is None:
+            return
+        ours = tuple(f"SERVE_REPLICA::{app}#" for app in self.apps)
+        named = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                 if a["namespace"] == "serve" and a["name"].startswith(ours)]
+        if not named:
+            return
+        placed = set(ray.get(self.directory.placed.remote(), timeout=10))  # after the listing
+        for name in named:
+            if name in placed:
+                continue
+            try:
+                ray.kill(ray.get_actor(name, namespace="serve"), no_restart=True)
+            except ValueError:
+                pass  # gone already
+
     def _wait_deleted(self) -> None:
-        """Until no pool's application is left (each replica drains, then stops)."""
+        """Until no pool's application is left (each placed replica drains, then stops; one
+        no node holds is killed)."""
         from ray import serve
 
         limit = self.cfg.ray.drain_timeout_s + self.cfg.stop_timeout_s + 60
         deadline = time.monotonic() + limit
         while set(self.apps) & set(serve.status().applications):
+            self._kill_unplaced()
             if time.monotonic() > deadline:
                 raise TimeoutError(f"pools still deleting after {limit:.0f} s")
             time.sleep(0.5)
