@@ -48,6 +48,7 @@ from _common import cpu_seconds, spawn, stop, summary, timed_stream, write_json 
 from splitserve.config import TOKEN_ENV, WorkerConfig, bearer_headers  # noqa: E402
 from splitserve.demo_model import ModelSpec, build_checkpoint, default_cache_dir  # noqa: E402
 from splitserve.worker.launch import (  # noqa: E402
+    WorkerProcess,
     child_preexec,
     free_port,
     start_worker,
@@ -190,7 +191,7 @@ def split_run(args: argparse.Namespace, model_dir: str, logs: Path, router_core:
     return lat, gaps, thr, {"direct": ""} | urls
 
 
-def start_open_worker(cfg: WorkerConfig, token: str, log: str) -> subprocess.Popen[bytes]:
+def start_open_worker(cfg: WorkerConfig, token: str, log: str) -> WorkerProcess:
     """A NIXL worker exactly as `splitserve worker --connector nixl` starts it, minus the
     deployment token in its environment, so its HTTP paths are open: vllm-router's health checks
     and `/metrics` polls carry no `Authorization`, and the token guard would refuse them. A NIXL
@@ -198,8 +199,8 @@ def start_open_worker(cfg: WorkerConfig, token: str, log: str) -> subprocess.Pop
     argv, env = worker_command(cfg, token)
     env.pop(TOKEN_ENV, None)
     with open(log, "ab") as out:
-        return subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT,
-                                preexec_fn=child_preexec(cfg.cpus), start_new_session=True)
+        return WorkerProcess(argv, env, stdout=out, stderr=subprocess.STDOUT,
+                             preexec_fn=child_preexec(cfg.cpus), start_new_session=True)
 
 
 def wait_started(urls: dict[str, str], started: dict[str, subprocess.Popen[bytes]],

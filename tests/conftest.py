@@ -59,7 +59,7 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, object, object]:
 
 @pytest.fixture(scope="session", autouse=True)
 def runtime_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """Where `worker_command` makes each worker's private directory for its engine's KV event
+    """Where `worker_command` makes each worker's private directory for its Unix
     sockets (`worker.kvrelay.private_dir`): this session's temporary directory, which pytest
     removes, since many tests build a worker's command without starting it."""
     path = tmp_path_factory.getbasetemp() / "run"

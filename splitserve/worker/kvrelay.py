@@ -58,20 +58,24 @@ log = logging.getLogger("splitserve.kvrelay")
 
 KV_EVENTS_DIR_ENV = "SPLITSERVE_KV_EVENTS_DIR"  # set by worker_command: the worker's socket dir
 RUNTIME_DIR_ENV = "SPLITSERVE_RUNTIME_DIR"  # where those directories are made (optional)
-DIR_PREFIX = "splitserve-kv-"
+DIR_PREFIX = "splitserve-worker-"
 PUB_NAME, REPLAY_NAME = "pub", "replay"
 BUFFER_STEPS = 1000  # engine batches the replay socket keeps (the engine's memory, not ours)
-MAX_IPC_PATH = 100  # a Unix socket path has at most 107 bytes
+MAX_IPC_PATH = 107  # a Unix socket path has at most 107 bytes
+# the longest name a socket gets in such a directory: vLLM's own are a uuid4
+LONGEST_SOCKET_NAME = 36
 END_SEQ = -1  # the replay socket's end-of-answer marker
 
 
 def private_dir() -> str:
-    """A new directory only this user can enter, for one worker's event sockets: under
-    `$SPLITSERVE_RUNTIME_DIR`, else `$XDG_RUNTIME_DIR`, else the system's temporary directory
-    (whichever keeps the socket paths short enough)."""
+    """A new directory only this user can enter, for one worker's Unix sockets (its engine's
+    own, `VLLM_RPC_BASE_PATH`, and its KV events'): under `$SPLITSERVE_RUNTIME_DIR`, else
+    `$XDG_RUNTIME_DIR`, else the system's temporary directory (whichever keeps the socket paths
+    short enough)."""
+    longest_child = len(DIR_PREFIX) + 8 + 1 + LONGEST_SOCKET_NAME  # mkdtemp adds 8 characters
     for parent in (os.environ.get(RUNTIME_DIR_ENV), os.environ.get("XDG_RUNTIME_DIR"),
                    tempfile.gettempdir(), "/tmp"):
-        if parent and os.path.isdir(parent) and len(parent) + 30 <= MAX_IPC_PATH:
+        if parent and os.path.isdir(parent) and len(parent) + 1 + longest_child <= MAX_IPC_PATH:
             return tempfile.mkdtemp(prefix=DIR_PREFIX, dir=parent)  # mode 0700
     raise RuntimeError(f"no directory with a path short enough for Unix sockets; set "
                        f"{RUNTIME_DIR_ENV} to a short one")

@@ -3,7 +3,8 @@
 `worker_command(cfg)` gives the argv and environment; `start_worker` runs it as a child process;
 `wait_healthy` waits for `/health`. The launcher and the tests use these; `splitserve worker`
 runs the same command as its child. Whoever runs a `worker_command` owns the private directory
-it may make (`remove_worker_dir`, once the worker's process group is gone).
+it makes for the worker's sockets (`remove_worker_dir`, once the worker's process group is
+gone).
 """
 
 from __future__ import annotations
@@ -103,6 +104,7 @@ _UNUSUAL_KEYS = ("text_config", "sliding_window", "layer_types", "rope_scaling",
 _UNUSUAL_ARGS = ("--kv-cache-dtype", "--max-model-len", "--tensor-parallel-size", "-tp",
                  "--pipeline-parallel-size", "-pp", "--hf-overrides", "--block-size",
                  "--cpu-offload-gb", "--kv-sharing-fast-prefill", "--dtype")
+WORKER_DIR_ENV = "SPLITSERVE_WORKER_DIR"  # set by worker_command: the private directory it made
 KV_MARGIN = 1.1  # refuse only when one sequence needs this much more than the cache holds
 
 
@@ -240,9 +242,11 @@ def _ephemeral_range() -> tuple[int, int]:
 
 def worker_command(cfg: WorkerConfig, token: str | None) -> tuple[list[str], dict[str, str]]:
     """argv and environment for one worker process. The token travels only in the environment.
-    A worker that reports its cache (`cfg.kv_events`, with a token) gets a private directory
-    for its engine's event sockets, made here (`kvrelay.private_dir`): call this where the
-    worker runs, right before starting it, and `remove_worker_dir(env)` once it is gone."""
+    Every worker gets a private directory, made here (`kvrelay.private_dir`), for its Unix
+    sockets: vLLM's own between its processes (`VLLM_RPC_BASE_PATH`), which vLLM leaves behind
+    when a process is killed, and its KV events' when it reports its cache (`cfg.kv_events`,
+    with a token). Call this where the worker runs, right before starting it, and
+    `remove_worker_dir(env)` once it is gone."""
     if cfg.role is not None and not token:
         raise RuntimeError("a worker with a connector needs the deployment token")
     argv = [
@@ -268,10 +272,10 @@ def worker_command(cfg: WorkerConfig, token: str | None) -> tuple[list[str], dic
         argv += ["--speculative-config", cfg.speculative_config]
     if cfg.tensor_parallel_size > 1:
         argv += ["--tensor-parallel-size", str(cfg.tensor_parallel_size)]
-    events_dir = None
-    if cfg.kv_events and token:  # the relay's routes are behind the token: none, no report
-        events_dir = private_dir()
-        argv += ["--kv-events-config", json.dumps(events_config(events_dir))]
+    worker_dir = private_dir()
+    events = cfg.kv_events and bool(token)  # the relay's routes need the token: none, no report
+    if events:
+        argv += ["--kv-events-config", json.dumps(events_config(worker_dir))]
     argv += latent_args(cfg.model, cfg.dtype, cfg.extra_args) + list(cfg.extra_args)
 
     env = dict(os.environ)
@@ -312,8 +316,9 @@ def worker_command(cfg: WorkerConfig, token: str | None) -> tuple[list[str], dic
     env.pop(KV_EVENTS_DIR_ENV, None)
     if token:
         env[TOKEN_ENV] = token
-    if events_dir is not None:  # the plugin relays the events published there
-        env[KV_EVENTS_DIR_ENV] = events_dir
+    if events:  # the plugin relays the events published there
+        env[KV_EVENTS_DIR_ENV] = worker_dir
+    env[WORKER_DIR_ENV] = env["VLLM_RPC_BASE_PATH"] = worker_dir
     return argv, env
 
 
@@ -322,8 +327,8 @@ def remove_worker_dir(env: Mapping[str, str]) -> None:
     made, or gone already: nothing to do). Its owner calls this once the worker's leader has
     exited, however it ended (`WorkerProcess` does it on reaping): the worker's plugin removes
     it only on a normal exit of an engine that came up. What is left of the group loses only
-    its event sockets."""
-    directory = env.get(KV_EVENTS_DIR_ENV)
+    its sockets."""
+    directory = env.get(WORKER_DIR_ENV)
     if directory:
         remove_private_dir(directory)
 
@@ -388,13 +393,16 @@ def start_worker(cfg: WorkerConfig, token: str | None, log_path: str | None = No
 
 def wait_healthy(url: str, proc: subprocess.Popen[bytes] | None = None,
                  timeout_s: float = 300.0, token: str | None = None,
-                 log: str | Path | None = None) -> None:
+                 log: str | Path | None = None, check: Callable[[], None] | None = None
+                 ) -> None:
     """Block until `url/health` answers 200; raise if the process exits (with what its `log`
-    says went wrong, when recognised), the worker wants a token we do not hold, or time runs
-    out."""
+    says went wrong, when recognised), the worker wants a token we do not hold, `check` raises
+    (called on every poll: e.g. a process the server needs has exited), or time runs out."""
     deadline = time.monotonic() + timeout_s
     headers = bearer_headers(token)
     while time.monotonic() < deadline:
+        if check is not None:
+            check()
         if proc is not None and proc.poll() is not None:
             why = explain_log(log) if log is not None else None
             raise RuntimeError(f"worker {url} exited with code {proc.returncode} while starting"

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import stat
+import uuid
 from importlib import metadata
 from pathlib import Path
 
@@ -15,14 +18,34 @@ from splitserve.common.cpus import parse_cpus
 from splitserve.common.vocab import Connector, Role
 from splitserve.config import TOKEN_ENV, TOKEN_FILE_ENV, WorkerConfig, load_token
 from splitserve.worker.kv_transfer import kv_buffer_device
-from splitserve.worker.kvrelay import KV_EVENTS_DIR_ENV, events_config
-from splitserve.worker.launch import check_vllm_version, free_port, worker_command
+from splitserve.worker.kvrelay import KV_EVENTS_DIR_ENV, MAX_IPC_PATH, events_config
+from splitserve.worker.launch import (
+    WORKER_DIR_ENV,
+    WorkerProcess,
+    check_vllm_version,
+    free_port,
+    remove_worker_dir,
+    worker_command,
+)
 from tests.support.workers import TOKEN, Worker
 
 
 def test_parse_cpus() -> None:
     assert parse_cpus("0,1") == (0, 1)
     assert parse_cpus("0-3,6") == (0, 1, 2, 3, 6)
+    assert parse_cpus("4, 1") == (4, 1)
+    for bad, why in [("1-", "not a core list"), ("", "not a core list"), ("-1", "not a core"),
+                     ("0,x", "not a core list"), ("5-4", "runs backwards"),
+                     ("0-3,2-5", r"core\(s\) 2-3 given twice"), ("1,1", "given twice")]:
+        with pytest.raises(ValueError, match=why):
+            parse_cpus(bad)
+
+
+def test_a_bad_core_list_is_refused_with_its_reason(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "--colocated", "1", "--cpus", "0-1,1"])
+    assert exit_.value.code == 2
+    assert "argument --cpus: core(s) 1 given twice" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("bad", [
@@ -161,6 +184,43 @@ def test_running_worker_keeps_the_token_out_of_logs_and_argv(
             assert TOKEN.encode() not in cmdline
 
 
+def test_a_running_workers_vllm_sockets_are_in_its_private_directory(
+        llama_pair: tuple[Worker, Worker]) -> None:
+    """vLLM's processes talk over Unix sockets named by a uuid4: a worker's are all in its
+    private directory (removed with it), none in the system's temporary directory."""
+    for w in llama_pair:
+        assert isinstance(w.proc, WorkerProcess)
+        directory = Path(w.proc.worker_env[WORKER_DIR_ENV])
+        own = [p for p in directory.iterdir() if stat.S_ISSOCK(p.lstat().st_mode)]
+        assert any(is_uuid(p.name) for p in own), sorted(p.name for p in own)
+        for pid in [w.proc.pid, *children(w.proc.pid)]:  # each process's bound sockets
+            for path in bound_unix_sockets(pid):
+                assert not is_uuid(Path(path).name) or Path(path).parent == directory, path
+
+
+def is_uuid(name: str) -> bool:
+    try:
+        return str(uuid.UUID(name)) == name
+    except ValueError:
+        return False
+
+
+def bound_unix_sockets(pid: int) -> set[str]:
+    """The paths of the Unix sockets `pid` holds (its inodes looked up in /proc/net/unix)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            target = os.readlink(fd)
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    paths = set()
+    for line in Path("/proc/net/unix").read_text().splitlines()[1:]:
+        fields = line.split()
+        if len(fields) >= 8 and fields[6] in inodes:
+            paths.add(fields[7])
+    return paths
+
+
 def children(pid: int) -> list[int]:
     out = []
     for entry in os.listdir("/proc"):
@@ -248,6 +308,23 @@ def test_kv_events_need_the_token_and_can_be_turned_off() -> None:
     assert "--kv-events-config" not in argv and KV_EVENTS_DIR_ENV not in env
     argv, env = worker_command(WorkerConfig(model="m", port=8000, kv_events=False), TOKEN)
     assert "--kv-events-config" not in argv and KV_EVENTS_DIR_ENV not in env
+
+
+@pytest.mark.parametrize("kv_events", [True, False])
+def test_vllms_own_sockets_go_in_the_workers_private_directory(kv_events: bool,
+                                                               monkeypatch: pytest.MonkeyPatch
+                                                               ) -> None:
+    """vLLM's processes talk over Unix sockets it names under `VLLM_RPC_BASE_PATH` and leaves
+    behind when killed: each worker's go in its private directory, removed with the worker."""
+    monkeypatch.setenv("VLLM_RPC_BASE_PATH", "/tmp")  # the operator's is replaced
+    _, env = worker_command(WorkerConfig(model="m", port=8000, kv_events=kv_events), TOKEN)
+    directory = env[WORKER_DIR_ENV]
+    assert env["VLLM_RPC_BASE_PATH"] == directory and os.path.isdir(directory)
+    assert env.get(KV_EVENTS_DIR_ENV) == (directory if kv_events else None)
+    # vLLM's own names (a uuid4) fit a Unix socket path there
+    assert len(f"{directory}/{uuid.uuid4()}") <= MAX_IPC_PATH
+    remove_worker_dir(env)
+    assert not os.path.exists(directory)
 
 
 @pytest.mark.parametrize("arg", ["--kv-events-config", "--kv-events-config={}",

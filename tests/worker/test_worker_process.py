@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 
 from splitserve.config import WorkerConfig
-from splitserve.worker.kvrelay import KV_EVENTS_DIR_ENV, RUNTIME_DIR_ENV, private_dir
-from splitserve.worker.launch import WorkerProcess, start_worker
+from splitserve.worker.kvrelay import RUNTIME_DIR_ENV, private_dir
+from splitserve.worker.launch import WORKER_DIR_ENV, WorkerProcess, start_worker
 
 
 def leader(code: str) -> tuple[WorkerProcess, str]:
     directory = private_dir()
-    env = dict(os.environ) | {KV_EVENTS_DIR_ENV: directory}
+    env = dict(os.environ) | {WORKER_DIR_ENV: directory}
     return WorkerProcess([sys.executable, "-c", code], env), directory
 
 
@@ -40,10 +40,11 @@ def test_a_start_that_fails_leaves_no_directory(tmp_path: Path,
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     runtime = tempfile.mkdtemp(dir="/tmp")  # short: room for socket paths
     monkeypatch.setenv(RUNTIME_DIR_ENV, runtime)
-    cfg = WorkerConfig(model=str(tmp_path), port=8000, kv_events=True)
     try:
-        with pytest.raises(ValueError, match="null"):  # the environment cannot be passed on
-            start_worker(cfg, "token", extra_env={"BAD": "a\0b"})
-        assert os.listdir(runtime) == []
+        for kv_events in (True, False):  # a worker has its directory either way
+            cfg = WorkerConfig(model=str(tmp_path), port=8000, kv_events=kv_events)
+            with pytest.raises(ValueError, match="null"):  # the environment cannot be passed on
+                start_worker(cfg, "token", extra_env={"BAD": "a\0b"})
+            assert os.listdir(runtime) == []
     finally:
         os.rmdir(runtime)
