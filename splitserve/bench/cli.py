@@ -46,7 +46,7 @@ from splitserve.bench.workload import (
     WorkloadSpec,
     build_stream,
 )
-from splitserve.common.cpus import parse_cpus
+from splitserve.common.cpus import cpus_flag
 from splitserve.common.refusal import Refused, refusing
 from splitserve.config import bearer_headers, load_token
 from splitserve.hub import ModelSource, resolve_model
@@ -353,7 +353,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     cmp_.add_argument("--speculative-config", default=None, metavar="JSON",
                       help="vLLM's speculative config for the --deploy arms marked `spec` "
                       "(their D, or their colocated worker)")
-    cmp_.add_argument("--deploy-cores", type=parse_cpus, default=(0, 1),
+    cmp_.add_argument("--deploy-cores", type=cpus_flag, default=(0, 1),
                       help="cores every started deployment gets (equal total cores)")
     cmp_.add_argument("--deploy-model", "--model-dir", dest="deploy_model", default=None,
                       metavar="MODEL", help="model for started deployments: a directory or a "

@@ -10,7 +10,7 @@ import threading
 from pathlib import Path
 from types import FrameType
 
-from splitserve.common.cpus import parse_cpus
+from splitserve.common.cpus import cpus_flag
 from splitserve.common.ports import check_port_free
 from splitserve.common.refusal import refusing
 from splitserve.common.vocab import Connector, values
@@ -198,8 +198,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="longest sequence, prompt and output (default: the model's own length)")
     p.add_argument("--kv-cache-gib", type=int, default=None,
                    help="each worker's KV cache in GiB (VLLM_CPU_KVCACHE_SPACE; default 1)")
-    p.add_argument("--cpus", type=parse_cpus, default=None, help="cores to use, e.g. 0-7")
-    p.add_argument("--router-cpus", type=parse_cpus, default=None,
+    p.add_argument("--cpus", type=cpus_flag, default=None, help="cores to use, e.g. 0-7")
+    p.add_argument("--router-cpus", type=cpus_flag, default=None,
                    help="the router's cores (default: one of its own when there are more "
                         "cores than workers, else it shares all of them)")
     p.add_argument("--log-dir", default=None)

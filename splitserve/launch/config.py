@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from splitserve.common import speculative
-from splitserve.common.cpus import check_cpus_usable, parse_cpus
+from splitserve.common.cpus import check_cpus_usable, check_distinct, parse_cpus
 from splitserve.common.vocab import Connector, values
 from splitserve.config import (
     TRANSPORTS,
@@ -131,10 +131,18 @@ class DeploymentConfig:
             raise ValueError("kv_lease_s must be positive")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be positive")
-        if self.cpus is not None and not self.cpus:
-            raise ValueError("cpus must not be empty")
-        if self.router_cpus is not None and not self.router_cpus:
-            raise ValueError("router_cpus must not be empty")
+        for key in ("cpus", "router_cpus"):
+            cores = getattr(self, key)
+            if cores is not None and not cores:
+                raise ValueError(f"{key} must not be empty")
+            if cores is not None:
+                check_distinct(cores, key)
+        for key in ("kv_cache_gib", "staging_mib", "max_inflight"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{key} must be at least 1, got {getattr(self, key)}")
+        for key in ("startup_timeout_s", "stop_timeout_s"):
+            if getattr(self, key) <= 0:
+                raise ValueError(f"{key} must be positive, got {getattr(self, key)}")
         if self.backend == "local":  # the cores of this machine (the Ray backend ignores both)
             check_cpus_usable(self.cpus, "cpus")
             check_cpus_usable(self.router_cpus, "router_cpus")
@@ -155,6 +163,9 @@ class DeploymentConfig:
                                  "model")
         elif self.files_here:  # on a remote Ray cluster the model lives on its nodes
             check_model_name(self.model, self.revision)
+        if not all(isinstance(a, str) for a in self.worker_args):
+            raise ValueError(f"worker_args are command-line words, each a string (quote numbers "
+                             f"in YAML): {list(self.worker_args)!r}")
         check_passthrough(self.worker_args)
         if not isinstance(self.kv_events, bool):
             raise ValueError(f"kv_events must be true or false, got {self.kv_events!r}")
@@ -233,8 +244,8 @@ def from_mapping(data: dict[str, Any], overrides: dict[str, Any] | None = None
         if isinstance(value, str):
             try:
                 flat[key] = parse_cpus(value)
-            except ValueError:
-                raise ValueError(f"{key}: not a core list like 0-3,6: {value!r}") from None
+            except ValueError as exc:
+                raise ValueError(f"{key}: {exc}") from None
         elif isinstance(value, int) and not isinstance(value, bool):
             flat[key] = (value,)
     for key in ("cpus", "router_cpus", "worker_args"):

@@ -227,7 +227,7 @@ def _bars() -> Iterator[Callable[[str, int], Callable[[], None]]]:
 
 
 def register_advise(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from splitserve.common.cpus import parse_cpus
+    from splitserve.common.cpus import cpus_flag
     from splitserve.sim.cli_args import add_profile_arg
 
     ad = sub.add_parser("advise", help="my model, my hardware, my traffic: a plan, verified "
@@ -248,7 +248,7 @@ def register_advise(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     ad.add_argument("--target", type=float, default=0.9, help="SLO attainment target")
     ad.add_argument("--no-ladder", action="store_true", help="plan the budget only")
     ad.add_argument("--no-verify", action="store_true", help="cpu: do not start the choice")
-    ad.add_argument("--deploy-cores", type=parse_cpus, default=(0, 1),
+    ad.add_argument("--deploy-cores", type=cpus_flag, default=(0, 1),
                     help="cpu: the cores to profile on (the first) and to verify on")
     ad.add_argument("--cache-block-tokens", type=int, default=None,
                     help="prefix-cache block for token-id prompts (default: 128 on cpu, 16 on "

@@ -27,7 +27,7 @@ from typing import Any
 from splitserve.bench.cli import add_workload_arguments, spec_from_args
 from splitserve.bench.metrics import SLO, distserve_goodput
 from splitserve.bench.report import print_summary, progress_bars, save_result
-from splitserve.common.cpus import parse_cpus
+from splitserve.common.cpus import cpus_flag
 from splitserve.common.refusal import refusing
 from splitserve.sim.advise import register_advise
 from splitserve.sim.cli_args import (
@@ -346,11 +346,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                      "for --mode chunked --workers 1, else splitserve's launcher)")
     val.add_argument("--model-dir", help="model directory or Hugging Face model id for the "
                      "local worker (default: embedded)")
-    val.add_argument("--cpus", type=parse_cpus,
+    val.add_argument("--cpus", type=cpus_flag,
                      help="cores for the local worker or deployment, e.g. 0,1")
-    val.add_argument("--router-cpus", type=parse_cpus,
+    val.add_argument("--router-cpus", type=cpus_flag,
                      help="cores for the deployment's router, e.g. 1")
-    val.add_argument("--client-cpus", type=parse_cpus,
+    val.add_argument("--client-cpus", type=cpus_flag,
                      help="cores for this command (the benchmark client), e.g. 1")
     val.add_argument("--reprofile", action="store_true",
                      help="profile the local worker first and simulate with that profile")

@@ -21,7 +21,7 @@ from collections import deque
 from types import FrameType
 from typing import IO
 
-from splitserve.common.cpus import check_cpus_usable, parse_cpus
+from splitserve.common.cpus import check_cpus_usable, cpus_flag
 from splitserve.common.ports import check_port_free
 from splitserve.common.refusal import refusing
 from splitserve.common.vocab import Connector, Role, values
@@ -78,7 +78,7 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
                    help="prefill, decode or both; omit for plain vLLM (no connector)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)
-    p.add_argument("--cpus", type=parse_cpus, default=None, help="cores, e.g. 0,1 or 0-3")
+    p.add_argument("--cpus", type=cpus_flag, default=None, help="cores, e.g. 0,1 or 0-3")
     p.add_argument("--tp", type=int, default=1, metavar="N",
                    help="tensor parallelism: N ranks of one engine, --cpus split evenly across "
                         "them (fewer cores than ranks: the ranks share them; default 1)")

@@ -8,8 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from splitserve.common.vocab import Role
 from splitserve.launch.config import DeploymentConfig, from_mapping, load_yaml
 from splitserve.launch.local import LocalDeployment, plan_cores
+from splitserve.worker.launch import remove_worker_dir
 
 
 def test_enough_cores_gives_every_worker_its_own() -> None:
@@ -72,7 +74,16 @@ def test_yaml_with_flags_overriding(tmp_path: Path) -> None:
     ({"colocated": 1, "revision": 1.0}, "revision: expected a string"),
     ({"colocated": 1, "kv_lease_s": "30"}, "kv_lease_s: expected a number"),
     ({"colocated": 1, "cpus": "0-x"}, "cpus: not a core list"),
+    ({"colocated": 1, "cpus": "0-1,1"}, r"cpus: core\(s\) 1 given twice"),
+    ({"colocated": 1, "cpus": [0, 0]}, r"core\(s\) 0 given twice"),
+    ({"colocated": 1, "router_cpus": "3-2"}, "router_cpus: the range 3-2 runs backwards"),
     ({"colocated": 1, "worker_args": "--x"}, "worker_args: expected a list"),
+    ({"colocated": 1, "worker_args": ["--max-num-seqs", 64]}, "each a string"),
+    ({"colocated": 1, "kv_cache_gib": 0}, "kv_cache_gib must be at least 1"),
+    ({"colocated": 1, "staging_mib": 0}, "staging_mib must be at least 1"),
+    ({"colocated": 1, "max_inflight": 0}, "max_inflight must be at least 1"),
+    ({"colocated": 1, "stop_timeout_s": -1}, "stop_timeout_s must be positive"),
+    ({"colocated": 1, "startup_timeout_s": 0}, "startup_timeout_s must be positive"),
     ({"colocated": 1, "routers": 3, "port": 65534}, "run past 65535"),
 ])
 def test_invalid_deployments_are_refused(data: dict, message: str) -> None:
@@ -170,6 +181,30 @@ def test_cache_routing_is_the_default_and_reaches_the_router(tmp_path: Path) -> 
     assert (rcfg.prefill_hit_weight, rcfg.decode_hit_weight) == (2.0, 0.25)
     with pytest.raises(ValueError, match="weights must not be negative"):
         DeploymentConfig(prefill=1, decode=1, decode_hit_weight=-1)
+
+
+def test_the_router_and_the_workers_drain_within_the_deployments_stop_timeout(
+        tmp_path: Path) -> None:
+    """The launcher SIGKILLs a stage `stop_timeout_s` + `EXIT_S` after its SIGTERM: the
+    router's drain and vLLM's shutdown are bounded by `stop_timeout_s`, not their own longer
+    defaults (30 s each), so neither is killed mid-drain."""
+    import argparse
+
+    from splitserve.launch.local import pool_worker_config, router_argv
+    from splitserve.router.cli import add_router_arguments
+    from splitserve.router.cli import config_from_args as router_config
+    from splitserve.worker.launch import worker_command
+
+    cfg = from_mapping({"prefill": 1, "decode": 1, "stop_timeout_s": 12})
+    argv = router_argv(cfg, str(tmp_path), "127.0.0.1",
+                       {"prefill": ["http://p:1"], "decode": ["http://d:1"]})
+    p = argparse.ArgumentParser()
+    add_router_arguments(p)
+    assert router_config(p.parse_args(argv[argv.index("router") + 1:])).drain_timeout_s == 12
+    wcfg = pool_worker_config(cfg, Role.DECODE, str(tmp_path), None, "127.0.0.1", None)
+    worker_argv, env = worker_command(wcfg, "token")
+    remove_worker_dir(env)
+    assert worker_argv[worker_argv.index("--shutdown-timeout") + 1] == "12"
 
 
 def test_several_routers_each_name_the_others_as_peers(tmp_path: Path) -> None:
