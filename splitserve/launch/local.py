@@ -5,8 +5,10 @@ Invariants:
   shared with a Prometheus that scrapes the workers), else generated here; it reaches children
   only in their environment.
 - Every child runs in its own process group and gets SIGKILL if this process dies
-  (PR_SET_PDEATHSIG); `stop()` sends SIGTERM to every group, then SIGKILL after
-  `stop_timeout_s`, so no process outlives the deployment. A group leader not reaped even
+  (PR_SET_PDEATHSIG); `stop()` stops the routers, then the workers: each stage's groups get
+  SIGTERM, which drains each process for up to `stop_timeout_s` (the router's
+  `--drain-timeout`, vLLM's `--shutdown-timeout`), and SIGKILL `EXIT_S` later, so no process
+  outlives the deployment. A group leader not reaped even
   after its SIGKILL makes `stop()` raise `RuntimeError` naming it, once the rest is stopped.
 - A worker's private directory (`worker_command`'s) is removed once its process is stopped,
   or at once when its process never started.
@@ -47,6 +49,7 @@ from splitserve.worker.launch import (
 )
 
 ROUTER_RESTARTS = 5  # a router of several that exits more often than this ends the deployment
+EXIT_S = 5.0  # a process's exit after its drain (closing connections, its engine, itself)
 
 
 def last_log_line(path: Path, tail_bytes: int = 64 * 1024) -> str | None:
@@ -81,6 +84,8 @@ def router_argv(cfg: DeploymentConfig, model_dir: str, host: str,
             "--prefill-hit-weight", str(cfg.prefill_hit_weight),
             "--decode-hit-weight", str(cfg.decode_hit_weight),
             "--unsplittable", cfg.unsplittable, "--max-inflight", str(cfg.max_inflight),
+            # SIGTERM: in-flight requests get the deployment's stop timeout to finish
+            "--drain-timeout", str(cfg.stop_timeout_s),
             "--log-level", "warning", *extra]
     for kind in values(Pool):
         if urls.get(kind):
@@ -164,6 +169,8 @@ def pool_worker_config(cfg: DeploymentConfig, role: Role | None, model_dir: str,
         kv_cache_gib=cfg.kv_cache_gib, max_model_len=cfg.max_model_len,
         max_num_batched_tokens=cfg.max_num_batched_tokens,
         served_model_name=served_name,
+        # SIGTERM: in-flight requests get the deployment's stop timeout to finish
+        shutdown_timeout_s=max(1, int(cfg.stop_timeout_s)),
         staging_bytes=cfg.staging_mib * 1024**2, kv_events=cfg.kv_events,
         speculative_config=cfg.speculative if role != Role.PREFILL else None,
         tensor_parallel_size=tp,
@@ -282,8 +289,8 @@ class LocalDeployment(LauncherBackend):
                      "is ready")
             self._wait_workers(list(self.children))
             routers = self._start_routers(planned)
-            for r in routers:
-                self._wait_ready(r, None)
+            for r in routers:  # a router is healthy once a P and a D (or a colocated) are up
+                self._wait_ready(r, None, check=self._workers_alive)
         except BaseException as exc:
             try:
                 self.stop()
@@ -312,12 +319,15 @@ class LocalDeployment(LauncherBackend):
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
 
-    def _wait_ready(self, child: Child, token: str | None) -> None:
-        """Wait until `child` is healthy and say so; a failure names it and, when the cause
-        is not recognised, the last meaningful line of its log."""
+    def _wait_ready(self, child: Child, token: str | None,
+                    check: Callable[[], None] | None = None) -> None:
+        """Wait until `child` is healthy and say so; a failure (`check` raising included)
+        names it and, when the cause is not recognised, the last meaningful line of its
+        log."""
         started = time.monotonic()
         try:
-            wait_healthy(child.url, child.proc, self.cfg.startup_timeout_s, token, child.log)
+            wait_healthy(child.url, child.proc, self.cfg.startup_timeout_s, token, child.log,
+                         check)
         except (RuntimeError, TimeoutError) as exc:
             last = None if explain_log(child.log) else last_log_line(child.log)
             raise type(exc)(f"{child.name} did not start: {exc}"
@@ -340,6 +350,12 @@ class LocalDeployment(LauncherBackend):
                      f"(log {child.log})")
             out.append(child)
         return out
+
+    def _workers_alive(self) -> None:
+        """RuntimeError naming the first worker that has exited (with its log)."""
+        for c in self.dead():
+            if not c.is_router:
+                raise RuntimeError(f"{c.name} exited with code {c.proc.returncode} (log {c.log})")
 
     def dead(self) -> list[Child]:
         return [c for c in self.children if c.proc.poll() is not None]
@@ -364,14 +380,14 @@ class LocalDeployment(LauncherBackend):
     def stop(self) -> None:
         """Graceful drain, front to back: SIGTERM the router and wait while it finishes its
         in-flight requests (it takes no new ones), then SIGTERM the workers, which drain what
-        is left; SIGKILL whatever outlives the timeout. Every part is stopped (and forgotten)
-        before a leader not reaped after its SIGKILL is reported: `RuntimeError` naming it."""
-        deadline = time.monotonic() + self.cfg.stop_timeout_s
+        is left; SIGKILL whatever outlives its stage's `stop_timeout_s` + `EXIT_S`. Every part
+        is stopped (and forgotten) before a leader not reaped after its SIGKILL is reported:
+        `RuntimeError` naming it."""
         front = [c for c in self.children if c.is_router]
         stuck: list[str] = []
         for stage in (front, [c for c in self.children if c not in front]):
             # sweep: a group may hold engine processes even after its leader exited
-            codes = stop_groups([c.proc for c in stage], deadline - time.monotonic(),
+            codes = stop_groups([c.proc for c in stage], self.cfg.stop_timeout_s + EXIT_S,
                                 sweep=True, reap_s=5.0)
             stuck += [f"{c.name} (pid {c.proc.pid}, log {c.log})"
                       for c, code in zip(stage, codes, strict=True) if code is None]

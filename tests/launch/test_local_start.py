@@ -20,11 +20,26 @@ from typing import Any
 import pytest
 
 from splitserve.launch.config import DeploymentConfig
-from splitserve.launch.local import Child, LocalDeployment
-from splitserve.worker.kvrelay import KV_EVENTS_DIR_ENV, RUNTIME_DIR_ENV
-from splitserve.worker.launch import free_port
+from splitserve.launch.local import EXIT_S, Child, LocalDeployment
+from splitserve.worker.kvrelay import RUNTIME_DIR_ENV
+from splitserve.worker.launch import WORKER_DIR_ENV, free_port
 
 SLEEPS = "import time; time.sleep(60)"  # a vLLM still loading: never healthy in the test
+# a worker that comes up (its /health answers on the port its command line names), then dies
+UP_THEN_DIES = """
+import http.server, sys, threading, time
+port = int(sys.argv[sys.argv.index("--port") + 1])
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+    def log_message(self, *args):
+        pass
+server = http.server.HTTPServer(("127.0.0.1", port), Health)
+threading.Thread(target=server.serve_forever, daemon=True).start()
+time.sleep(4)
+sys.exit(3)
+"""
 CRASHES = "import sys; print('RuntimeError: CUDA out of memory'); sys.exit(1)"
 
 
@@ -40,12 +55,14 @@ class StandIns(LocalDeployment):
 
     def _popen(self, argv: list[str], env: dict[str, str], cpus: tuple[int, ...] | None,
                log: Path) -> subprocess.Popen[bytes]:
-        self.runtime_dirs.append(env[KV_EVENTS_DIR_ENV])
+        if WORKER_DIR_ENV in env:  # a worker's (a router has none)
+            self.runtime_dirs.append(env[WORKER_DIR_ENV])
         script = self.scripts[log.stem]
         if isinstance(script, BaseException):
             raise script
         with open(log, "ab") as out:
-            proc = subprocess.Popen([sys.executable, "-c", script], env=env, stdout=out,
+            port = argv[argv.index("--port"):argv.index("--port") + 2]  # the stand-in's
+            proc = subprocess.Popen([sys.executable, "-c", script, *port], env=env, stdout=out,
                                     stderr=subprocess.STDOUT, start_new_session=True)
         self.started[log.stem] = proc
         return proc
@@ -81,6 +98,22 @@ def test_a_worker_that_crashes_at_once_fails_the_start_at_once(tmp_path: Path,
     assert message.endswith("its log ends: RuntimeError: CUDA out of memory"), message
     loading = dep.started["prefill0"]
     assert loading.poll() is not None, "the worker still loading was not stopped"
+    assert dep.children == []
+
+
+def test_a_worker_that_dies_while_the_router_starts_fails_the_start_at_once(
+        tmp_path: Path, runtime_dir: Path) -> None:
+    """The router is healthy only once a P and a D are in rotation: a worker that dies after
+    it came up ends the router's wait at once, naming that worker (not after
+    `startup_timeout_s`)."""
+    dep = StandIns(pd_config(tmp_path, timeout_s=120),
+                   {"prefill0": UP_THEN_DIES.replace("time.sleep(4)", "time.sleep(60)"),
+                    "decode1": UP_THEN_DIES, "router": SLEEPS})
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"router did not start: decode1 exited with code 3"):
+        dep.start()
+    assert time.monotonic() - started < 60
+    assert all(p.poll() is not None for p in dep.started.values())
     assert dep.children == []
 
 
@@ -131,7 +164,7 @@ def test_stop_reports_a_worker_not_reaped_after_sigkill_and_stops_the_rest(
         with pytest.raises(RuntimeError, match=f"not reaped even after SIGKILL: prefill0 "
                                                f"\\(pid {stuck.pid}, log "):
             dep.stop()
-        assert time.monotonic() - started < 10
+        assert time.monotonic() - started < dep.cfg.stop_timeout_s + EXIT_S + 10
         assert fine.poll() is not None  # the rest is stopped all the same
         assert dep.children == []
         dep.stop()  # called again: nothing left to report
