@@ -219,10 +219,13 @@ class Legs:
     @property
     def indexed_ids(self) -> list[int] | None:
         """P's prompt ids as the router's cache index keys them, or None: a string prompt;
-        ids the engine truncates (`ENGINE_TOKENIZES`); or a `cache_salt`, which vLLM hashes
-        into the prompt's blocks, where the index keys the ids alone."""
+        ids the engine truncates (`ENGINE_TOKENIZES`); a `cache_salt`, which vLLM hashes
+        into the prompt's blocks, where the index keys the ids alone; or an id the index
+        cannot key (outside int64: the worker refuses such a prompt with a 400)."""
         if not isinstance(self.prompt, list) or any(
                 self.tokenwise.get(k) is not None for k in (*ENGINE_TOKENIZES, "cache_salt")):
+            return None
+        if self.prompt and not (-(2**63) <= min(self.prompt) and max(self.prompt) < 2**63):
             return None
         return self.prompt
 

@@ -268,6 +268,19 @@ async def test_ids_the_index_cannot_key_are_never_predicted_nor_run_on_d(
         assert r.with_threshold(128).plan(legs_of(PROMPT)).local  # the same ids, plain
 
 
+async def test_an_id_outside_int64_is_routed_by_length_for_the_worker_to_refuse() -> None:
+    """vLLM answers such a prompt with a 400 (out of vocabulary); the index, which keys ids as
+    int64, leaves it alone rather than fail the request with a 500."""
+    async with routed() as r:
+        d1 = r.urls["d1"]
+        r.caches["d1"].store(PROMPT[:28])
+        await until(lambda: r.view.predict(PROMPT, [d1]) == {d1: 28})
+        for bad in (2**63, -(2**63) - 1):
+            plan = r.with_threshold(128).plan(legs_of(PROMPT[:27] + [bad]))
+            assert not plan.local and plan.request.token_ids is None
+            assert plan.request.prompt_len == 28
+
+
 async def test_p_leg_goes_to_the_p_that_holds_the_prefix_and_tells_the_legs_ds() -> None:
     async with routed() as r:
         p1, d0 = r.urls["p1"], r.urls["d0"]
