@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from splitserve.worker.kvrelay import RUNTIME_DIR_ENV
+from splitserve.common.privatedir import RUNTIME_DIR_ENV
 from tests.support import cores
 from tests.support.integration import check_drained, is_integration, no_server_processes
 from tests.support.workers import Worker, launch_together, make_checkpoint, stop_all

@@ -5,7 +5,9 @@ Invariants:
   shared with a Prometheus that scrapes the workers), else generated here; it reaches children
   only in their environment.
 - Every child runs in its own process group and gets SIGKILL if this process dies
-  (PR_SET_PDEATHSIG); `stop()` stops the routers, then the workers: each stage's groups get
+  (PR_SET_PDEATHSIG); a worker runs under a guard (`common.guard`), which takes the worker's
+  whole group down with it (vLLM's engine processes do not die with their API server).
+  `stop()` stops the routers, then the workers: each stage's groups get
   SIGTERM, which drains each process for up to `stop_timeout_s` (the router's
   `--drain-timeout`, vLLM's `--shutdown-timeout`), and SIGKILL `EXIT_S` later, so no process
   outlives the deployment. A group leader not reaped even
@@ -32,7 +34,9 @@ from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
+from splitserve.common.guard import GRACE_ENV, guarded
 from splitserve.common.procs import stop_groups
 from splitserve.common.vocab import Connector, Pool, Role, values
 from splitserve.config import TOKEN_ENV, WorkerConfig, load_token, new_token
@@ -275,8 +279,10 @@ class LocalDeployment(LauncherBackend):
             for name, wcfg in planned:
                 argv, env = worker_command(wcfg, self.token)
                 env[TOKEN_ENV] = self.token
+                # the guard's own deadline after it passes SIGTERM on: this one's (`stop`)
+                env[GRACE_ENV] = str(cfg.stop_timeout_s + EXIT_S)
                 try:
-                    child = self._spawn(name, wcfg.url, argv, env, wcfg.cpus)
+                    child = self._spawn(name, wcfg.url, guarded(argv), env, wcfg.cpus)
                 except BaseException:  # never started: stop() will not know of it
                     remove_worker_dir(env)
                     raise
@@ -385,10 +391,13 @@ class LocalDeployment(LauncherBackend):
         `RuntimeError` naming it."""
         front = [c for c in self.children if c.is_router]
         stuck: list[str] = []
-        for stage in (front, [c for c in self.children if c not in front]):
-            # sweep: a group may hold engine processes even after its leader exited
+        stages: tuple[tuple[list[Child], Literal["group", "leader"]], ...] = (
+            (front, "group"), ([c for c in self.children if c not in front], "leader"))
+        for stage, term in stages:
+            # a worker's guard passes SIGTERM on (its sentinel would SIGKILL the group at
+            # once); sweep: a group may hold engine processes even after its leader exited
             codes = stop_groups([c.proc for c in stage], self.cfg.stop_timeout_s + EXIT_S,
-                                sweep=True, reap_s=5.0)
+                                term=term, sweep=True, reap_s=5.0)
             stuck += [f"{c.name} (pid {c.proc.pid}, log {c.log})"
                       for c, code in zip(stage, codes, strict=True) if code is None]
             for c in stage:

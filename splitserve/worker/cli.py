@@ -22,6 +22,7 @@ from types import FrameType
 from typing import IO
 
 from splitserve.common.cpus import check_cpus_usable, cpus_flag
+from splitserve.common.guard import GRACE_ENV, guarded
 from splitserve.common.ports import check_port_free
 from splitserve.common.refusal import refusing
 from splitserve.common.vocab import Connector, Role, values
@@ -198,8 +199,9 @@ def run(args: argparse.Namespace) -> int:
           + (" (TLS)" if cfg.kv_tls_cert else "")
           + (f", tp {cfg.tensor_parallel_size}" if cfg.tensor_parallel_size > 1 else "")
           + (f", cpus {','.join(map(str, cfg.cpus))}" if cfg.cpus else ""), flush=True)
-    try:
-        return supervise(argv, env, cfg.cpus)
+    env[GRACE_ENV] = str(cfg.shutdown_timeout_s + 5)  # the guard's, after vLLM's own drain
+    try:  # under a guard: vLLM's engine processes go with it, even when this one is killed
+        return supervise(guarded(argv), env, cfg.cpus)
     finally:  # the plugin removes it only after an engine that came up
         remove_worker_dir(env)
 

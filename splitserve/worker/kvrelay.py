@@ -4,11 +4,11 @@
 
 The engine publishes privately. `worker.launch.worker_command` starts every worker (P, D,
 colocated; either connector) with `--kv-events-config` naming two `ipc://` sockets in a
-directory of its own (`private_dir`: mode 0700, made by `tempfile.mkdtemp`), so only this user's
+directory of its own (`common.privatedir`: mode 0700), so only this user's
 processes can connect: no TCP port, on any interface. The engine core binds both: a PUB socket
 (each batch as `[topic, seq (8 bytes, big-endian), msgpack KVEventBatch]`) and a ROUTER that
 replays the last `BUFFER_STEPS` batches from a given seq. The plugin removes the directory when
-the API server exits (a worker killed with SIGKILL leaves it, empty but for two socket names).
+the API server exits; the worker's guard and its launcher remove it however it ends.
 
 Exactness (the `BlockSet` is exact while every engine batch is applied, in order):
 - The engine numbers its batches 0, 1, 2, ... for its whole life, which is the API server's: the
@@ -28,15 +28,10 @@ Exactness (the `BlockSet` is exact while every engine batch is applied, in order
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import os
-import shutil
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -57,28 +52,9 @@ from splitserve.kvindex.messages import MAX_WAIT_S, KvEvents, KvSnapshot
 log = logging.getLogger("splitserve.kvrelay")
 
 KV_EVENTS_DIR_ENV = "SPLITSERVE_KV_EVENTS_DIR"  # set by worker_command: the worker's socket dir
-RUNTIME_DIR_ENV = "SPLITSERVE_RUNTIME_DIR"  # where those directories are made (optional)
-DIR_PREFIX = "splitserve-worker-"
 PUB_NAME, REPLAY_NAME = "pub", "replay"
 BUFFER_STEPS = 1000  # engine batches the replay socket keeps (the engine's memory, not ours)
-MAX_IPC_PATH = 107  # a Unix socket path has at most 107 bytes
-# the longest name a socket gets in such a directory: vLLM's own are a uuid4
-LONGEST_SOCKET_NAME = 36
 END_SEQ = -1  # the replay socket's end-of-answer marker
-
-
-def private_dir() -> str:
-    """A new directory only this user can enter, for one worker's Unix sockets (its engine's
-    own, `VLLM_RPC_BASE_PATH`, and its KV events'): under `$SPLITSERVE_RUNTIME_DIR`, else
-    `$XDG_RUNTIME_DIR`, else the system's temporary directory (whichever keeps the socket paths
-    short enough)."""
-    longest_child = len(DIR_PREFIX) + 8 + 1 + LONGEST_SOCKET_NAME  # mkdtemp adds 8 characters
-    for parent in (os.environ.get(RUNTIME_DIR_ENV), os.environ.get("XDG_RUNTIME_DIR"),
-                   tempfile.gettempdir(), "/tmp"):
-        if parent and os.path.isdir(parent) and len(parent) + 1 + longest_child <= MAX_IPC_PATH:
-            return tempfile.mkdtemp(prefix=DIR_PREFIX, dir=parent)  # mode 0700
-    raise RuntimeError(f"no directory with a path short enough for Unix sockets; set "
-                       f"{RUNTIME_DIR_ENV} to a short one")
 
 
 def endpoints(directory: str) -> tuple[str, str]:
@@ -91,15 +67,6 @@ def events_config(directory: str) -> dict[str, Any]:
     pub, replay = endpoints(directory)
     return {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": pub,
             "replay_endpoint": replay, "buffer_steps": BUFFER_STEPS, "topic": ""}
-
-
-def remove_private_dir(directory: str) -> None:
-    """Remove a directory `private_dir` made (and nothing else); one already gone is fine, so
-    that several owners may call this."""
-    path = Path(directory)
-    with contextlib.suppress(FileNotFoundError):
-        if path.name.startswith(DIR_PREFIX) and path.stat().st_uid == os.getuid():
-            shutil.rmtree(path, ignore_errors=True)
 
 
 # -- vLLM's wire -------------------------------------------------------------------------------
@@ -395,5 +362,4 @@ class RelayCollector:
             yield c
 
 
-__all__ = ["Gone", "Relay", "RelayCollector", "decode_batch", "endpoints", "events_config",
-           "private_dir", "remove_private_dir"]
+__all__ = ["Gone", "Relay", "RelayCollector", "decode_batch", "endpoints", "events_config"]

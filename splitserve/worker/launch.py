@@ -29,6 +29,7 @@ import httpx
 from splitserve.common.engine import installed_vllm_version
 from splitserve.common.modelconfig import kv_shape, read_config
 from splitserve.common.ports import bindable
+from splitserve.common.privatedir import WORKER_DIR_ENV, private_dir, remove_private_dir
 from splitserve.common.vocab import Connector
 from splitserve.config import (
     TOKEN_ENV,
@@ -42,8 +43,6 @@ from splitserve.worker.kv_transfer import kv_buffer_device, kv_transfer_config
 from splitserve.worker.kvrelay import (
     KV_EVENTS_DIR_ENV,
     events_config,
-    private_dir,
-    remove_private_dir,
 )
 from splitserve.worker.spin import SPIN_ENV
 
@@ -104,7 +103,6 @@ _UNUSUAL_KEYS = ("text_config", "sliding_window", "layer_types", "rope_scaling",
 _UNUSUAL_ARGS = ("--kv-cache-dtype", "--max-model-len", "--tensor-parallel-size", "-tp",
                  "--pipeline-parallel-size", "-pp", "--hf-overrides", "--block-size",
                  "--cpu-offload-gb", "--kv-sharing-fast-prefill", "--dtype")
-WORKER_DIR_ENV = "SPLITSERVE_WORKER_DIR"  # set by worker_command: the private directory it made
 KV_MARGIN = 1.1  # refuse only when one sequence needs this much more than the cache holds
 
 
@@ -242,7 +240,7 @@ def _ephemeral_range() -> tuple[int, int]:
 
 def worker_command(cfg: WorkerConfig, token: str | None) -> tuple[list[str], dict[str, str]]:
     """argv and environment for one worker process. The token travels only in the environment.
-    Every worker gets a private directory, made here (`kvrelay.private_dir`), for its Unix
+    Every worker gets a private directory, made here (`common.privatedir`), for its Unix
     sockets: vLLM's own between its processes (`VLLM_RPC_BASE_PATH`), which vLLM leaves behind
     when a process is killed, and its KV events' when it reports its cache (`cfg.kv_events`,
     with a token). Call this where the worker runs, right before starting it, and

@@ -53,6 +53,7 @@ from starlette.datastructures import Headers, State
 from starlette.routing import Mount
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from splitserve.common.privatedir import remove_private_dir
 from splitserve.common.vocab import Connector, Role
 from splitserve.common.wire import ConnectorState, TransferRecord, WireError, WorkerInfo
 from splitserve.config import ConnectorConfig, load_token
@@ -66,7 +67,6 @@ from splitserve.worker.kvrelay import (
     Relay,
     RelayCollector,
     endpoints,
-    remove_private_dir,
 )
 from splitserve.worker.load import LOAD_PATH, read_load
 from splitserve.worker.metrics_page import metrics_app

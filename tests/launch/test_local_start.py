@@ -19,10 +19,10 @@ from typing import Any
 
 import pytest
 
+from splitserve.common.privatedir import RUNTIME_DIR_ENV, WORKER_DIR_ENV
 from splitserve.launch.config import DeploymentConfig
 from splitserve.launch.local import EXIT_S, Child, LocalDeployment
-from splitserve.worker.kvrelay import RUNTIME_DIR_ENV
-from splitserve.worker.launch import WORKER_DIR_ENV, free_port
+from splitserve.worker.launch import free_port
 
 SLEEPS = "import time; time.sleep(60)"  # a vLLM still loading: never healthy in the test
 # a worker that comes up (its /health answers on the port its command line names), then dies

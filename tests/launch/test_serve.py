@@ -1,8 +1,9 @@
 """`splitserve serve` end to end: a 1P+1D deployment over shared memory on loopback, from a YAML
 file with flags overriding it, behind two routers; greedy output of concurrent mixed-length
 requests through both equals Hugging Face transformers; each router counts the other as its peer;
-a router that is killed is started again on its port while the other serves; then SIGTERM: every
-process gone, the token never on a command line.
+a router that is killed is started again on its port while the other serves; the token never on
+a command line; then the launcher is killed with SIGKILL: every process of the deployment gone
+(vLLM's engine processes included) and the workers' private directories removed.
 (1P+1D, not 2P+2D: with the session's other workers alive, four more do not fit in this machine's
 memory; choosing among several P and D is covered by the router's policy and flow tests.)"""
 
@@ -57,6 +58,13 @@ def cmdlines() -> dict[int, str]:
             except OSError:
                 continue
     return out
+
+
+def environ(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return []
 
 
 def test_serve_starts_answers_and_stops_without_orphans(llama_ckpt: Path, tmp_path: Path
@@ -149,19 +157,32 @@ def test_serve_starts_answers_and_stops_without_orphans(llama_ckpt: Path, tmp_pa
         assert len(tokens) == 1
         token = tokens.pop()
         assert not any(token in cmd for cmd in cmdlines().values())
+        worker_dirs = {Path(line.split("=", 1)[1]) for pid in children
+                       for line in environ(pid) if line.startswith("SPLITSERVE_WORKER_DIR=")}
+        assert len(worker_dirs) == 2 and all(d.is_dir() for d in worker_dirs)
+        # the launcher killed outright (OOM, kill -9): its workers' guards take every
+        # process of theirs down, vLLM's engine processes included, and their directories
+        proc.kill()
+        proc.wait(10)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(60)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(60)
         out.close()
-    assert proc.returncode == 0, (tmp_path / "serve.out").read_text()
+    assert proc.returncode == -signal.SIGKILL, (tmp_path / "serve.out").read_text()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(alive(pid) for pid in children):
+        time.sleep(0.2)
+    leftover = {pid: cmd[:120] for pid, cmd in cmdlines().items() if pid in children
+                and alive(pid)}
+    assert leftover == {}, leftover
     for w in workers:
         try:
             httpx.get(f"{w}/health", timeout=2)
             raise AssertionError(f"{w} still answers after shutdown")
         except httpx.TransportError:
             pass
-    leftover = [pid for pid in children if alive(pid)]
-    assert leftover == [], leftover
+    assert not any(d.exists() for d in worker_dirs)
     # the YAML's speculative config reached D's engine and not P's
     logs = {f.stem: f.read_text(errors="replace") for f in log_dir.glob("*.log")}
     assert "speculative_config=None" in logs["prefill0"]

@@ -169,7 +169,7 @@ def off_loopback_connections(pids: set[int]) -> list[str]:
     return bad
 
 
-GUARD = "splitserve.launch.raybackend.guard"
+GUARD = "splitserve.common.guard"
 
 
 def processes() -> list[tuple[int, int, str]]:

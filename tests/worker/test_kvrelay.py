@@ -20,17 +20,19 @@ import msgspec
 import pytest
 import zmq
 
+from splitserve.common.privatedir import (
+    DIR_PREFIX,
+    RUNTIME_DIR_ENV,
+    private_dir,
+    remove_private_dir,
+)
 from splitserve.kvindex.blockset import BlockSet, Cleared, Gone, Removed, Stored
 from splitserve.kvindex.keys import prefix_keys
 from splitserve.worker.kvrelay import (
-    DIR_PREFIX,
-    RUNTIME_DIR_ENV,
     Relay,
     decode_batch,
     endpoints,
     events_config,
-    private_dir,
-    remove_private_dir,
 )
 
 BS = 4

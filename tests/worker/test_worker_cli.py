@@ -15,12 +15,12 @@ import pytest
 from splitserve.cli import main
 from splitserve.common import engine
 from splitserve.common.cpus import parse_cpus
+from splitserve.common.privatedir import MAX_IPC_PATH, WORKER_DIR_ENV
 from splitserve.common.vocab import Connector, Role
 from splitserve.config import TOKEN_ENV, TOKEN_FILE_ENV, WorkerConfig, load_token
 from splitserve.worker.kv_transfer import kv_buffer_device
-from splitserve.worker.kvrelay import KV_EVENTS_DIR_ENV, MAX_IPC_PATH, events_config
+from splitserve.worker.kvrelay import KV_EVENTS_DIR_ENV, events_config
 from splitserve.worker.launch import (
-    WORKER_DIR_ENV,
     WorkerProcess,
     check_vllm_version,
     free_port,

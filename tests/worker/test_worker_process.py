@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from splitserve.common.privatedir import RUNTIME_DIR_ENV, WORKER_DIR_ENV, private_dir
 from splitserve.config import WorkerConfig
-from splitserve.worker.kvrelay import RUNTIME_DIR_ENV, private_dir
-from splitserve.worker.launch import WORKER_DIR_ENV, WorkerProcess, start_worker
+from splitserve.worker.launch import WorkerProcess, start_worker
 
 
 def leader(code: str) -> tuple[WorkerProcess, str]:

@@ -24,7 +24,6 @@ import asyncio
 import contextlib
 import os
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -32,13 +31,13 @@ from typing import Any
 
 import httpx
 
+from splitserve.common.guard import GRACE_ENV, guarded
 from splitserve.common.procs import stop_group
 from splitserve.common.vocab import Pool
 from splitserve.common.wire import ConnectorState, WorkerLoad
 from splitserve.config import bearer_headers
 from splitserve.launch.config import DeploymentConfig
 from splitserve.launch.local import pool_worker_config
-from splitserve.launch.raybackend.guard import GRACE_ENV
 from splitserve.worker.launch import remove_worker_dir, wait_healthy, worker_command
 from splitserve.worker.load import LOAD_PATH
 
@@ -112,7 +111,7 @@ class WorkerReplica:
         try:
             with open(self.log, "ab") as out:
                 self.proc = subprocess.Popen(
-                    [sys.executable, "-m", "splitserve.launch.raybackend.guard", *argv],
+                    guarded(argv),
                     env=env, stdout=out, stderr=subprocess.STDOUT, preexec_fn=setup,
                     start_new_session=True)
         except BaseException:  # never ran: stop() will not be called for it

@@ -20,7 +20,6 @@ from __future__ import annotations
 import logging
 import os
 import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -28,12 +27,12 @@ from typing import Any
 
 import httpx
 
+from splitserve.common.guard import GRACE_ENV, guarded
 from splitserve.common.procs import stop_group
 from splitserve.common.vocab import Pool, values
 from splitserve.config import TOKEN_ENV, bearer_headers
 from splitserve.launch.config import DeploymentConfig
 from splitserve.launch.local import router_argv
-from splitserve.launch.raybackend.guard import GRACE_ENV
 from splitserve.launch.raybackend.replica import log_path, node_model
 from splitserve.router.cli import API_KEY_ENV
 from splitserve.worker.launch import wait_healthy
@@ -104,7 +103,7 @@ class RouterHost:
                            "--health-interval", "0.5", port=self.port)
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "splitserve.launch.raybackend.guard", *argv], env=env,
+                guarded(argv), env=env,
                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         wait_healthy(self.url, self.proc, timeout_s)
         self.client = httpx.Client(headers=self.headers, timeout=5.0)

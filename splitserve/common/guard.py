@@ -1,19 +1,25 @@
-"""`python -m splitserve.launch.raybackend.guard ARGV...`: run ARGV as the child of a process
-group leader that takes the whole group down with it.
+"""`python -m splitserve.common.guard ARGV...` (`guarded(argv)`): run ARGV as the child of a
+process group leader that takes the whole group down with it. vLLM's engine processes do not
+die with their API server, so every worker runs under one: started by the local launcher, by
+`splitserve worker`, by a Ray replica; a Ray router host runs its router under one too.
 
 Invariants:
 - The guard leads its own session and process group (its parent starts it with
   `start_new_session=True`); ARGV and everything ARGV starts (vLLM's `EngineCore` included)
   stay in that group.
-- The guard gets SIGTERM when its parent (a Ray replica or actor) dies (PR_SET_PDEATHSIG).
-- The guard itself may be SIGKILLed: Ray's core worker kills its direct children when it exits
-  (`kill_child_processes_on_worker_exit`, e.g. when its node is lost). A sentinel process in the
-  group (`--sentinel`), started first, gets SIGTERM when the guard dies and SIGKILLs the whole
-  group then, so vLLM's API server and `EngineCore` never outlive their guard.
+- The guard gets SIGTERM when its parent (a launcher, a Ray replica or actor) dies
+  (PR_SET_PDEATHSIG), however the parent died (SIGKILL included).
+- The guard itself may be SIGKILLed (a parent's PR_SET_PDEATHSIG; Ray's core worker kills its
+  direct children when it exits, e.g. when its node is lost). A sentinel process in the group
+  (`--sentinel`), started first, gets SIGTERM when the guard dies and SIGKILLs the whole group
+  then, so vLLM's API server and `EngineCore` never outlive their guard.
+- Whoever of the two takes the group down removes ARGV's private directory first
+  (`WORKER_DIR_ENV` in its environment, `common.privatedir`).
 - On SIGTERM it forwards SIGTERM to ARGV (vLLM drains for its `--shutdown-timeout`), waits up to
   `SPLITSERVE_GUARD_GRACE_S` (default 30; 0 when the parent is already gone), then SIGKILLs the
   whole group. When ARGV exits on its own, the rest of the group is SIGKILLed too (no engine
-  process outlives its API server) and the guard exits with ARGV's status.
+  process outlives its API server) and the guard exits with ARGV's status (128 + N for a
+  death by signal N).
 """
 
 from __future__ import annotations
@@ -27,11 +33,26 @@ import sys
 import threading
 from types import FrameType
 
+from splitserve.common.privatedir import WORKER_DIR_ENV, remove_private_dir
+
 PR_SET_PDEATHSIG = 1
 GRACE_ENV = "SPLITSERVE_GUARD_GRACE_S"
 
 
+def guarded(argv: list[str]) -> list[str]:
+    """The command that runs `argv` under a guard (start it with `start_new_session=True`,
+    `GRACE_ENV` in its environment)."""
+    return [sys.executable, "-m", "splitserve.common.guard", *argv]
+
+
+def remove_worker_dir() -> None:
+    directory = os.environ.get(WORKER_DIR_ENV)
+    if directory:
+        remove_private_dir(directory)
+
+
 def kill_group() -> None:
+    remove_worker_dir()
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(os.getpgid(0), signal.SIGKILL)
 
@@ -71,7 +92,7 @@ def sentinel(guard: int) -> int:
 
 def main(argv: list[str]) -> int:
     if not argv:
-        print("usage: python -m splitserve.launch.raybackend.guard ARGV...", file=sys.stderr)
+        print("usage: python -m splitserve.common.guard ARGV...", file=sys.stderr)
         return 2
     if argv[0] == "--sentinel":
         return sentinel(int(argv[1]))
@@ -79,8 +100,7 @@ def main(argv: list[str]) -> int:
     if not parent:  # the parent died before the death signal was armed
         return 1
     grace = float(os.environ.pop(GRACE_ENV, "30"))
-    subprocess.Popen([sys.executable, "-m", "splitserve.launch.raybackend.guard",
-                      "--sentinel", str(os.getpid())], stdin=subprocess.DEVNULL)
+    subprocess.Popen(guarded(["--sentinel", str(os.getpid())]), stdin=subprocess.DEVNULL)
     child = subprocess.Popen(argv)
     stopping = threading.Event()
     # a daemon: once ARGV has exited, the guard exits at once with its status (a pending
@@ -103,7 +123,8 @@ def main(argv: list[str]) -> int:
     code = child.wait()
     deadline.cancel()
     kill_rest_of_group()
-    return code
+    remove_worker_dir()
+    return 128 - code if code < 0 else code  # a signal's death as a shell reports it
 
 
 if __name__ == "__main__":
