@@ -211,6 +211,7 @@ class CacheView:
     async def _run(self, f: Follower) -> None:
         backoff = self.follow.backoff_min_s
         inexact = self.follow.inexact_min_s
+        churn = 0.0  # the pause before a snapshot that follows another one closely
         while True:
             try:
                 got = await self._snapshot(f) if self._says_it_reports(f) else None
@@ -226,7 +227,17 @@ class CacheView:
                     inexact = min(inexact * 2, self.follow.recheck_s)
                     continue
                 backoff, inexact = self.follow.backoff_min_s, self.follow.inexact_min_s
+                tailed = time.monotonic()
                 await self._tail(f)  # returns when a new snapshot is needed
+                if time.monotonic() - tailed < self.follow.backoff_max_s:
+                    # resyncs in quick succession (e.g. two engines' reports behind one URL,
+                    # each of its own epoch): each snapshot costs the worker and this loop the
+                    # whole cache, so back off as for a lost stream
+                    await self._pause(f, churn)
+                    churn = min(max(churn * 2, self.follow.backoff_min_s),
+                                self.follow.backoff_max_s)
+                else:
+                    churn = 0.0
             except Exception as exc:  # transport, WireError and JSON (ValueErrors), any other:
                 # the view is lost, never left frozen; the follower backs off and rebuilds it
                 was = f.state

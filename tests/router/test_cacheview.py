@@ -111,6 +111,25 @@ async def test_410_and_a_gap_take_a_new_snapshot() -> None:
         assert s.view.predict(PROMPT, [p]) == {p: 28}
 
 
+async def test_resyncs_in_quick_succession_back_off() -> None:
+    """Two engines' reports behind one URL (a snapshot of one epoch, a 410 from the other, and
+    again): the follower takes snapshots less and less often, not in a tight loop (each is
+    the worker's whole cache)."""
+    async with followed() as s:
+        p, cache = s.urls["p0"], s.caches["p0"]
+        cache.store(PROMPT)
+        await until(synced(s.view, p))
+        cache.two_lives = cache.gone = True  # from the next read on
+        cache.store(PROMPT[:8])  # ends the long poll
+        await asyncio.sleep(1.0)
+        snapshots = sum(a.startswith("/splitserve/kv/snapshot") for a in cache.asked)
+        # at most one a `backoff_max_s` (0.1 s here) once backed off: about ten; a tight
+        # loop takes hundreds
+        assert 3 < snapshots < 25, snapshots
+        cache.two_lives = False
+        await until(lambda: s.view.synced(p) and s.view.predict(PROMPT, [p]) == {p: 28})
+
+
 async def test_a_new_epoch_or_a_restart_forgets_the_worker() -> None:
     async with followed(("p0", "d0")) as s:
         p, cache = s.urls["p0"], s.caches["p0"]

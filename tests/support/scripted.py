@@ -169,6 +169,8 @@ class ScriptedCache:
     `check_epoch` (the workers' contract), a reader of another epoch, or ahead of the worker,
     gets 410; without it, the answer's own epoch tells the reader. `exact=False`: the report
     cannot vouch for the engine's cache (`exact: false` snapshots, 410 on events).
+    `two_lives=True`: two engines' reports behind one URL, each request answered by the other
+    (a snapshot of one epoch, then 410 from the other).
     `handle(request)` answers the two routes (None for any other path)."""
 
     def __init__(self, block_size: int = 4, epoch: str = "e1", retain: int = 1000,
@@ -184,6 +186,7 @@ class ScriptedCache:
         self.exact = True  # False: the report cannot vouch (empty snapshot, 410 on events)
         self.down = False
         self.garbage: bytes | None = None
+        self.two_lives = False
         self.asked: list[str] = []
         self._changed: asyncio.Event | None = None
 
@@ -231,7 +234,11 @@ class ScriptedCache:
         if not self.reporting:
             return web.Response(status=404)
         if request.path == SNAPSHOT_PATH:
-            return web.json_response(self.snapshot().to_json())
+            snapshot = self.snapshot()
+            if self.two_lives:  # the next request reaches the other engine
+                self.epoch = "other-" + self.epoch if not self.epoch.startswith(
+                    "other-") else self.epoch.removeprefix("other-")
+            return web.json_response(snapshot.to_json())
         after = int(request.query["after"])
         wait_s = float(request.query.get("wait_s", "0"))
         if self.gone:
