@@ -166,8 +166,8 @@ def pool_worker_config(cfg: DeploymentConfig, role: Role | None, model_dir: str,
     backend."""
     tp = cfg.tp_of(role.value if role is not None else Pool.COLOCATED.value)
     return WorkerConfig(
-        model=model_dir, port=free_port(host), role=role, host=host, cpus=cpus,
-        kv_port=free_port(host, tp) if role else 0,
+        model=model_dir, port=free_port(host, avoid=cfg.router_ports), role=role, host=host,
+        cpus=cpus, kv_port=free_port(host, tp, avoid=cfg.router_ports) if role else 0,
         connector=cfg.connector, transport=cfg.transport,  # type: ignore[arg-type]
         dtype=cfg.dtype, lease_s=cfg.kv_lease_s,
         kv_cache_gib=cfg.kv_cache_gib, max_model_len=cfg.max_model_len,

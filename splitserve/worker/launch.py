@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Container, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -70,10 +70,11 @@ def check_vllm_version() -> str:
 _HANDED_OUT: deque[int] = deque(maxlen=512)
 
 
-def free_port(host: str = "127.0.0.1", count: int = 1) -> int:
+def free_port(host: str = "127.0.0.1", count: int = 1, avoid: Container[int] = ()) -> int:
     """A port that is free now (the first of `count` consecutive free ones), chosen outside the
     kernel's ephemeral range (below or above it, each side by its room): the OS hands ports in
-    that range to outgoing connections, which could take ours before the worker binds it."""
+    that range to outgoing connections, which could take ours before the worker binds it.
+    Never one of `avoid` (ports free now that another part binds later, e.g. a router's)."""
     low, high = _ephemeral_range()
     spans = [(lo, hi) for lo, hi in ((max(1024, low - 12000), low - count + 1),
                                      (high + 1, 65536 - count + 1)) if hi > lo]
@@ -82,7 +83,7 @@ def free_port(host: str = "127.0.0.1", count: int = 1) -> int:
         first, end = rng.choices(spans, weights=[b - a for a, b in spans])[0]  # by their room
         port = rng.randrange(first, end)
         ports = range(port, port + count)
-        if any(p in _HANDED_OUT for p in ports):  # given to an earlier caller not bound yet
+        if any(p in _HANDED_OUT or p in avoid for p in ports):  # given out, not bound yet
             continue
         if all(bindable(host, p) for p in ports):
             _HANDED_OUT.extend(ports)

@@ -37,6 +37,28 @@ def test_no_room_outside_falls_back_to_the_kernels_choice(
         launch.free_port(count=2)
 
 
+def test_ports_to_avoid_are_never_given_nor_a_routers_to_a_worker(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Room for five ports (65531-65535) outside the ephemeral range: four avoided leave one;
+    a local deployment's workers never get its routers' ports (free until the routers start,
+    after the workers)."""
+    from splitserve.common.vocab import Role
+    from splitserve.launch.config import DeploymentConfig
+    from splitserve.launch.local import pool_worker_config
+
+    monkeypatch.setattr(launch, "_ephemeral_range", lambda: (1024, 65530))
+    routers = (65531, 65532, 65533, 65534)
+    for _ in range(10):
+        monkeypatch.setattr(launch, "_HANDED_OUT", [])  # each time: none given out yet
+        assert launch.free_port(avoid=routers) == 65535
+    cfg = DeploymentConfig(prefill=1, decode=1, port=65531, routers=4)
+    assert cfg.router_ports == routers
+    for _ in range(5):
+        monkeypatch.setattr(launch, "_HANDED_OUT", [])
+        w = pool_worker_config(cfg, Role.PREFILL, "m", None, "127.0.0.1", None)
+        assert w.port not in routers and w.kv_port not in routers
+
+
 def test_a_port_in_use_and_a_host_not_here_are_told_apart() -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
