@@ -37,6 +37,7 @@ FAULTS_ENV = "SPLITSERVE_FAULTS"
 
 E = TypeVar("E", Role, Connector)
 KV_EVENTS_FLAG = "--kv-events-config"
+KV_MEMORY_FLAG = "--kv-cache-memory-bytes"
 
 
 def check_idle_spin(spin_s: float, name: str) -> float:
@@ -63,6 +64,20 @@ def check_kv_events_passthrough(args: tuple[str, ...] | list[str], kv_events: bo
                 "(published on a private socket that the worker relays to routers, behind the "
                 "deployment token); to publish them your own way, turn splitserve's off with "
                 "--no-kv-events (YAML: kv_events: false)")
+
+
+def check_kv_memory_passthrough(args: tuple[str, ...] | list[str]) -> None:
+    """vLLM's CPU build sizes the KV cache from `VLLM_CPU_KVCACHE_SPACE` over any
+    `--kv-cache-memory-bytes` (`platforms/cpu.py`), and splitserve sets that variable from
+    `--kv-cache-gib`: refuse the flag (or an abbreviation of it) among the arguments passed to
+    vLLM, which would be ignored, naming `--kv-cache-gib`."""
+    for arg in args:
+        flag = arg.split("=", 1)[0].replace("_", "-")
+        if flag.startswith("--kv-cache-mem") and KV_MEMORY_FLAG.startswith(flag):
+            raise ValueError(
+                f"{arg.split('=', 1)[0]}: vLLM's CPU build sizes the KV cache from "
+                "VLLM_CPU_KVCACHE_SPACE, which splitserve sets: give --kv-cache-gib instead "
+                "(YAML: kv_cache_gib; GiB per engine rank)")
 
 
 def as_member(enum: type[E], value: Any, name: str, or_else: str = "") -> E:
@@ -186,6 +201,7 @@ class WorkerConfig:
 
     def __post_init__(self) -> None:
         check_kv_events_passthrough(self.extra_args, self.kv_events)
+        check_kv_memory_passthrough(self.extra_args)
         if self.role is not None:
             object.__setattr__(self, "role", as_member(Role, self.role, "role", " or None"))
         flag = speculative.passthrough_flag(self.extra_args)

@@ -197,7 +197,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-model-len", type=int, default=None,
                    help="longest sequence, prompt and output (default: the model's own length)")
     p.add_argument("--kv-cache-gib", type=int, default=None,
-                   help="each worker's KV cache in GiB (VLLM_CPU_KVCACHE_SPACE; default 1)")
+                   help="each worker's KV cache in GiB, each rank's with TP "
+                   "(VLLM_CPU_KVCACHE_SPACE; default 1)")
     p.add_argument("--cpus", type=cpus_flag, default=None, help="cores to use, e.g. 0-7")
     p.add_argument("--router-cpus", type=cpus_flag, default=None,
                    help="the router's cores (default: one of its own when there are more "

@@ -36,6 +36,7 @@ from splitserve.common.vocab import Connector, values
 from splitserve.config import (
     TRANSPORTS,
     check_kv_events_passthrough,
+    check_kv_memory_passthrough,
     check_tensor_parallel,
     check_tls_files,
 )
@@ -170,6 +171,7 @@ class DeploymentConfig:
         if not isinstance(self.kv_events, bool):
             raise ValueError(f"kv_events must be true or false, got {self.kv_events!r}")
         check_kv_events_passthrough(self.worker_args, self.kv_events)
+        check_kv_memory_passthrough(self.worker_args)
         self._check_engines()
         check_tls_files(self.kv_tls_cert, self.kv_tls_key, self.kv_tls_ca, prefix="kv_tls_",
                         must_exist=self.files_here)

@@ -104,7 +104,8 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--on-transfer-failure", choices=FAILURE_POLICIES, default="recompute")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "auto"), default="float32")
     p.add_argument("--kv-cache-gib", type=int, default=1,
-                   help="KV cache memory in GiB (sets VLLM_CPU_KVCACHE_SPACE)")
+                   help="KV cache memory in GiB, each rank's with --tp "
+                   "(sets VLLM_CPU_KVCACHE_SPACE)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="longest sequence, prompt and output (default: the model's own length)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None)

@@ -337,6 +337,20 @@ def test_a_users_own_kv_events_config_is_refused_unless_ours_is_off(arg: str) ->
     assert argv[-2:] == [arg, "{}"]
 
 
+@pytest.mark.parametrize("arg", ["--kv-cache-memory-bytes", "--kv-cache-memory-bytes=8G",
+                                 "--kv_cache_memory_bytes", "--kv-cache-mem"])
+def test_a_kv_size_vllms_cpu_build_would_ignore_is_refused_naming_kv_cache_gib(arg: str
+                                                                               ) -> None:
+    from splitserve.launch.config import from_mapping
+
+    with pytest.raises(ValueError, match="give --kv-cache-gib instead"):
+        WorkerConfig(model="m", port=8000, extra_args=(arg, "8G"))
+    with pytest.raises(ValueError, match="give --kv-cache-gib instead"):
+        from_mapping({"colocated": 1, "worker_args": [arg, "8G"]})
+    # other --kv-cache-* flags pass
+    WorkerConfig(model="m", port=8000, extra_args=("--kv-cache-dtype", "auto"))
+
+
 def test_no_kv_events_flag_reaches_the_worker_and_the_deployment(tmp_path: Path) -> None:
     import argparse
 
