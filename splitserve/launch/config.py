@@ -128,25 +128,7 @@ class DeploymentConfig:
             raise ValueError(f"routers must be at least 1, got {self.routers!r}")
         if self.port + self.routers - 1 > 65535:
             raise ValueError(f"{self.routers} routers from port {self.port} run past 65535")
-        if self.kv_lease_s <= 0:
-            raise ValueError("kv_lease_s must be positive")
-        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
-            raise ValueError("max_num_batched_tokens must be positive")
-        for key in ("cpus", "router_cpus"):
-            cores = getattr(self, key)
-            if cores is not None and not cores:
-                raise ValueError(f"{key} must not be empty")
-            if cores is not None:
-                check_distinct(cores, key)
-        for key in ("kv_cache_gib", "staging_mib", "max_inflight"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"{key} must be at least 1, got {getattr(self, key)}")
-        for key in ("startup_timeout_s", "stop_timeout_s"):
-            if getattr(self, key) <= 0:
-                raise ValueError(f"{key} must be positive, got {getattr(self, key)}")
-        if self.backend == "local":  # the cores of this machine (the Ray backend ignores both)
-            check_cpus_usable(self.cpus, "cpus")
-            check_cpus_usable(self.router_cpus, "router_cpus")
+        self._check_sizes()
         if self.prefill_policy not in PREFILL_POLICIES:
             raise ValueError(f"prefill_policy must be one of {PREFILL_POLICIES}")
         if self.decode_policy not in DECODE_POLICIES:
@@ -205,6 +187,28 @@ class DeploymentConfig:
             object.__setattr__(self, "speculative", speculative.canonical(self.speculative))
             if self.prefill:
                 speculative.check_for_role(self.speculative, "decode")
+
+    def _check_sizes(self) -> None:
+        """The numbers that size the deployment (memory, limits, timeouts) and its cores."""
+        if self.kv_lease_s <= 0:
+            raise ValueError("kv_lease_s must be positive")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be positive")
+        for key in ("kv_cache_gib", "staging_mib", "max_inflight"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{key} must be at least 1, got {getattr(self, key)}")
+        for key in ("startup_timeout_s", "stop_timeout_s"):
+            if getattr(self, key) <= 0:
+                raise ValueError(f"{key} must be positive, got {getattr(self, key)}")
+        for key in ("cpus", "router_cpus"):
+            cores = getattr(self, key)
+            if cores is not None and not cores:
+                raise ValueError(f"{key} must not be empty")
+            if cores is not None:
+                check_distinct(cores, key)
+        if self.backend == "local":  # the cores of this machine (the Ray backend ignores both)
+            check_cpus_usable(self.cpus, "cpus")
+            check_cpus_usable(self.router_cpus, "router_cpus")
 
     @property
     def files_here(self) -> bool:
