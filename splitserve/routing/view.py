@@ -71,10 +71,11 @@ class RouteRequest:
     `prompt_len`: its length in tokens (`len(token_ids)` when they are known, else an estimate).
     `kv_bytes`: the KV the prompt takes on D (0: unknown; the staging fit is then skipped).
     `cached`: by `WorkerView.worker_id`, the prompt tokens each worker's prefix cache is known
-    to hold (the router's exact index: a multiple of the worker's block size, at most what the
-    engine would reuse); a worker left out is not known (its view is not synced) and is scored
-    as holding nothing, as `load` scores it. None: nothing is known (no index, no ids, the
-    simulator)."""
+    to hold (the router's exact index: a multiple of the worker's block size; of a prompt held
+    whole the engine still computes the last token, one block more: the router caps it for
+    P's reuse it reports and for prefill on D, policies score what is held); a worker left
+    out is not known (its view is not synced) and is scored as holding nothing, as `load`
+    scores it. None: nothing is known (no index, no ids, the simulator)."""
 
     prompt_len: int = 0
     token_ids: Sequence[int] | None = None
