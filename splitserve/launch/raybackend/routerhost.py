@@ -32,7 +32,7 @@ from splitserve.common.procs import stop_group
 from splitserve.common.vocab import Pool, values
 from splitserve.config import TOKEN_ENV, bearer_headers
 from splitserve.launch.config import DeploymentConfig
-from splitserve.launch.local import router_argv
+from splitserve.launch.local import EXIT_S, router_argv
 from splitserve.launch.raybackend.replica import log_path, node_model
 from splitserve.router.cli import API_KEY_ENV
 from splitserve.worker.launch import wait_healthy
@@ -94,7 +94,8 @@ class RouterHost:
         env[TOKEN_ENV] = token or ""
         if api_key:
             env[API_KEY_ENV] = api_key
-        env[GRACE_ENV] = str(self.cfg.stop_timeout_s)
+        # the router drains for stop_timeout_s (`router_argv`), then closes and exits
+        env[GRACE_ENV] = str(self.cfg.stop_timeout_s + EXIT_S)
         self.log = log_path(self.cfg, f"{self.cfg.ray.name}-router"
                             + (str(self.index) if self.index else ""))
         urls = {kind: [w["url"] for w in live if w["kind"] == kind]
@@ -181,4 +182,5 @@ class RouterHost:
         if self.proc is None:
             return
         # the guard alone (it passes SIGTERM on): its sentinel SIGKILLs the group on a SIGTERM
-        stop_group(self.proc, self.cfg.stop_timeout_s + 5, term="leader", sweep=True, reap_s=0.0)
+        stop_group(self.proc, self.cfg.stop_timeout_s + EXIT_S, term="leader", sweep=True,
+                   reap_s=0.0)
