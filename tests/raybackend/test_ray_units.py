@@ -41,6 +41,27 @@ def test_step_moves_one_replica_and_holds_while_a_change_is_in_progress() -> Non
     assert step(2, 2, needed=1.5, downscale_below=0.5) == 2  # fits 2, not 1 at half load
     assert step(2, 2, needed=0.4, downscale_below=0.5) == 1
     assert step(1, 1, needed=0.0, downscale_below=0.5) == 1
+    # a change still in progress after hold_s (a replica no node can place) is given up
+    assert step(1, 2, needed=5.0, downscale_below=0.5, held_s=9.0, hold_s=10.0) == 2
+    assert step(1, 2, needed=5.0, downscale_below=0.5, held_s=11.0, hold_s=10.0) == 1
+
+
+def test_a_step_that_never_completes_is_given_up_after_hold_s() -> None:
+    """The policy state keeps when the change began: held within `hold_s`, then the target
+    goes back to the replicas running (Serve drops the unplaced one) and the pool scales on."""
+    policy = DecodePolicy(running=8, kv_usage=0.5, downscale_below=0.5, hold_s=60.0)
+    target, state = policy(ctx(1, 1, running={"a": 9.0}))
+    assert target == 2 and state["changing_since"] is None
+    starting = ctx(1, 2, running={"a": 9.0})
+    target, state = policy(starting)
+    assert target == 2 and state["changing_since"] is not None
+    starting.policy_state = state
+    assert policy(starting)[0] == 2  # just begun: held
+    starting.policy_state = {**state, "changing_since": state["changing_since"] - 61.0}
+    assert policy(starting)[0] == 1  # over a minute: given up
+    idle = ctx(1, 1, running={"a": 0.0})
+    idle.policy_state = {"changing_since": 0.0}  # a stale mark: no change is in progress
+    assert policy(idle) == (1, {"needed": 0.0, "changing_since": None})
 
 
 def test_prefill_scales_on_queued_prompt_tokens_only() -> None:

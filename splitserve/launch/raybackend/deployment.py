@@ -86,7 +86,7 @@ def pool_app(cfg: DeploymentConfig, kind: str, n: int, directory: str) -> Any:
 
     opts = cfg.ray
     auto = autoscaling_config(kind, opts.bounds(kind, n) if kind != "colocated" else (n, n),
-                              opts)
+                              opts, hold_s=cfg.startup_timeout_s)
     options: dict[str, Any] = {
         "name": kind,
         "ray_actor_options": {
