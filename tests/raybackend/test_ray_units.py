@@ -155,7 +155,7 @@ def test_sync_adds_new_workers_and_removes_draining_or_vanished_ones() -> None:
 
 
 def test_directory_claims_cores_per_machine_and_waits_for_the_router() -> None:
-    d = WorkerDirectory()
+    d = WorkerDirectory(liveness=lambda: ({"a", "b", "c", "e", "f"}, set()))
     assert d.claim_cores("10.0.0.1", [0, 1, 2, 3], 2, "a") == (0, 1)
     assert d.claim_cores("10.0.0.1", [0, 1, 2, 3], 2, "b") == (2, 3)
     assert d.claim_cores("10.0.0.2", [0, 1, 2, 3], 2, "c") == (0, 1)  # another machine
@@ -194,5 +194,17 @@ def test_the_directory_frees_the_cores_of_replicas_gone_before_or_after_register
     assert d.claim_cores("10.0.0.1", [0, 1], 1, "new") == (1,)
     d.prune({"new"}, set())  # "starting" died before it registered
     assert d.claim_cores("10.0.0.1", [0, 1], 1, "next") == (0,)
+
+
+def test_a_replica_that_died_holding_cores_is_not_counted_placed() -> None:
+    """A start waits until each pool's replicas are placed: one that claimed its cores and
+    then died (its node lost, killed) must not count, or the start never times out."""
+    alive = {"p1", "d1"}
+    d = WorkerDirectory(liveness=lambda: (set(alive), set()))
+    d.claim_cores("10.0.0.1", [0, 1], 1, "p1")
+    d.claim_cores("10.0.0.1", [0, 1], 1, "d1")
+    assert d.placed() == ["d1", "p1"]
+    alive.discard("p1")
+    assert d.placed() == ["d1"]
 
 

@@ -21,8 +21,19 @@ Contract:
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
+
+# the named actors alive on the cluster, and the nodes it declared dead
+Liveness = Callable[[], tuple[set[str], set[str]]]
+
+
+def ray_liveness() -> tuple[set[str], set[str]]:
+    import ray
+
+    return ({a["name"] for a in ray.util.list_named_actors(all_namespaces=True)},
+            {n["NodeID"] for n in ray.nodes() if not n["Alive"]})
 
 ROUTER_STALE_S = 5.0  # a router host silent this long is gone: drains stop waiting for it
 
@@ -49,7 +60,8 @@ def replica_alive(name: str, alive_names: set[str], dead_nodes: set[str], entry:
 class WorkerDirectory:
     """Made a Ray actor by the driver (`ray.remote(WorkerDirectory)`); methods run one at a time."""
 
-    def __init__(self) -> None:
+    def __init__(self, liveness: Liveness = ray_liveness) -> None:
+        self._liveness = liveness  # what `prune` is told, when a reader needs the truth now
         self._token: str | None = None
         self._api_key: str | None = None
         self._entries: dict[str, Entry] = {}
@@ -81,7 +93,9 @@ class WorkerDirectory:
 
     def placed(self) -> list[str]:
         """The replicas (Serve's full ids) on a node now: each claims its cores first thing and
-        gives them back when it deregisters."""
+        gives them back when it deregisters; one that died (its node lost, or killed) does
+        not count."""
+        self._prune_now()
         return sorted(r for claims in self._claims.values() for r in claims)
 
     def _release_cores(self, replica: str) -> None:
@@ -117,11 +131,12 @@ class WorkerDirectory:
         self._note()
 
     def snapshot(self) -> list[dict[str, Any]]:
-        import ray
 
-        self.prune({a["name"] for a in ray.util.list_named_actors(all_namespaces=True)},
-                   {n["NodeID"] for n in ray.nodes() if not n["Alive"]})
+        self._prune_now()
         return [asdict(e) for e in self._entries.values()]
+
+    def _prune_now(self) -> None:
+        self.prune(*self._liveness())
 
     def prune(self, alive: set[str], dead_nodes: set[str]) -> None:
         """Forget the replicas that are not among the `alive` actor names or sit on one of
