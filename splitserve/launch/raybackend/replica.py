@@ -155,17 +155,21 @@ class WorkerReplica:
         return {"running": gauges.running or 0.0, "kv_usage": gauges.kv_usage or 0.0}
 
     async def _idle(self) -> bool:
+        """Whether the worker holds nothing another part still needs: no request running or
+        waiting, and with splitserve's connector no KV staged for D's engine (D) and no
+        blocks held for a D that has not acknowledged its load (P)."""
         try:
             load = WorkerLoad.from_json(
                 (await self.client.get(f"{self.wcfg.url}{LOAD_PATH}")).json())
-            staged = 0
-            if self.kind == Pool.DECODE:
+            held = 0
+            if self.kind in (Pool.PREFILL, Pool.DECODE):
                 r = await self.client.get(f"{self.wcfg.url}/splitserve/state")
-                if r.status_code == 200:
-                    staged = ConnectorState.from_json(r.json()).staged_bytes
+                if r.status_code == 200:  # 404: vLLM's own connectors
+                    state = ConnectorState.from_json(r.json())
+                    held = state.staged_bytes + state.held_sends
         except (httpx.HTTPError, ValueError):  # ValueError: not JSON, or WireError
             return True  # a worker that cannot answer holds nothing we could wait for
-        return not load.running and not load.waiting and not staged
+        return not load.running and not load.waiting and not held
 
     async def __del__(self) -> None:
         """Serve stops this replica (scale-down, redeploy, delete): drain, then stop."""
