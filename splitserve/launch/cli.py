@@ -4,6 +4,8 @@ Ctrl-C/SIGTERM, then stop every process."""
 from __future__ import annotations
 
 import argparse
+import functools
+import os
 import signal
 import sys
 import threading
@@ -116,13 +118,8 @@ def run(args: argparse.Namespace) -> int:
         check_can_start(cfg)
         deployment = make_backend(cfg)
     stop = threading.Event()
-
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        stop.set()
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)  # even where the shell started us ignoring it
+    for sig in STOP_SIGNALS:  # SIGINT even where the shell started us ignoring it
+        signal.signal(sig, functools.partial(on_stop_signal, stop))
     code = 0
     try:
         deployment.start()
@@ -143,8 +140,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"splitserve serve: {exc}", file=sys.stderr)
         code = 1
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
         print("splitserve: stopping", flush=True)
         try:
             deployment.stop()  # raises RuntimeError naming what could not be stopped
@@ -154,6 +151,19 @@ def run(args: argparse.Namespace) -> int:
         else:
             print("splitserve: stopped", flush=True)
     return code
+
+
+# Ctrl-C, a stop, a closed terminal: each drains and stops the deployment
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def on_stop_signal(stop: threading.Event, signum: int, frame: FrameType | None) -> None:
+    """Set `stop` and interrupt the main thread. After SIGHUP the terminal is gone: what is
+    still said goes nowhere (a write to it would fail and skip the stop)."""
+    if signum == signal.SIGHUP:
+        sys.stdout = sys.stderr = open(os.devnull, "w")  # noqa: SIM115
+    stop.set()
+    raise KeyboardInterrupt
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import textwrap
 from pathlib import Path
 
@@ -276,3 +277,31 @@ def test_serve_refuses_cores_it_may_not_use_before_starting_anything(
     assert err.startswith(f"splitserve serve: router_cpus: core(s) {beyond} not available to "
                           "this process (it may use "), err
     assert len(err.splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
+def test_ctrl_c_a_stop_or_a_closed_terminal_stops_the_deployment(
+        signum: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each sets the stop and interrupts `serve`'s wait, whose `finally` drains and stops the
+    deployment; after SIGHUP what `serve` still says goes to /dev/null (the terminal is gone,
+    and a failed write must not skip the stop)."""
+    import io
+    import sys
+    import threading
+
+    from splitserve.launch.cli import STOP_SIGNALS, on_stop_signal
+
+    assert signum in STOP_SIGNALS
+    out, err = io.StringIO(), io.StringIO()
+    monkeypatch.setattr(sys, "stdout", out)
+    monkeypatch.setattr(sys, "stderr", err)
+    stop = threading.Event()
+    with pytest.raises(KeyboardInterrupt):
+        on_stop_signal(stop, signum, None)
+    assert stop.is_set()
+    if signum == signal.SIGHUP:
+        assert sys.stdout is not out and sys.stdout.name == os.devnull
+        print("splitserve: stopping")  # goes nowhere, raises nothing
+        sys.stdout.close()
+    else:
+        assert sys.stdout is out and sys.stderr is err
