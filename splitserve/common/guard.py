@@ -33,7 +33,7 @@ import sys
 import threading
 from types import FrameType
 
-from splitserve.common.privatedir import WORKER_DIR_ENV, remove_private_dir
+from splitserve.common.privatedir import remove_worker_dir
 
 PR_SET_PDEATHSIG = 1
 GRACE_ENV = "SPLITSERVE_GUARD_GRACE_S"
@@ -45,14 +45,8 @@ def guarded(argv: list[str]) -> list[str]:
     return [sys.executable, "-m", "splitserve.common.guard", *argv]
 
 
-def remove_worker_dir() -> None:
-    directory = os.environ.get(WORKER_DIR_ENV)
-    if directory:
-        remove_private_dir(directory)
-
-
 def kill_group() -> None:
-    remove_worker_dir()
+    remove_worker_dir(os.environ)
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(os.getpgid(0), signal.SIGKILL)
 
@@ -123,7 +117,7 @@ def main(argv: list[str]) -> int:
     code = child.wait()
     deadline.cancel()
     kill_rest_of_group()
-    remove_worker_dir()
+    remove_worker_dir(os.environ)
     return 128 - code if code < 0 else code  # a signal's death as a shell reports it
 
 

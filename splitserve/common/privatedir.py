@@ -14,6 +14,7 @@ import contextlib
 import os
 import shutil
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 
 WORKER_DIR_ENV = "SPLITSERVE_WORKER_DIR"  # set by worker_command: the directory it made
@@ -43,3 +44,13 @@ def remove_private_dir(directory: str) -> None:
     with contextlib.suppress(FileNotFoundError):
         if path.name.startswith(DIR_PREFIX) and path.stat().st_uid == os.getuid():
             shutil.rmtree(path, ignore_errors=True)
+
+
+def remove_worker_dir(env: Mapping[str, str]) -> None:
+    """Remove the private directory of the worker whose environment is `env` (none made, or
+    gone already: nothing to do). Its owner calls this once the worker's leader has exited,
+    however it ended (`WorkerProcess` on reaping, the launcher, the guard as it takes the group
+    down); the worker's plugin removes it only on a normal exit of an engine that came up."""
+    directory = env.get(WORKER_DIR_ENV)
+    if directory:
+        remove_private_dir(directory)

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Literal
 
 from splitserve.common.guard import GRACE_ENV, guarded
+from splitserve.common.privatedir import remove_worker_dir
 from splitserve.common.procs import stop_groups
 from splitserve.common.vocab import Connector, Pool, Role, values
 from splitserve.config import TOKEN_ENV, WorkerConfig, load_token, new_token
@@ -47,7 +48,6 @@ from splitserve.worker.diagnose import explain_log
 from splitserve.worker.launch import (
     child_preexec,
     free_port,
-    remove_worker_dir,
     wait_healthy,
     worker_command,
 )

@@ -24,6 +24,7 @@ from typing import IO
 from splitserve.common.cpus import check_cpus_usable, cpus_flag
 from splitserve.common.guard import GRACE_ENV, guarded
 from splitserve.common.ports import check_port_free
+from splitserve.common.privatedir import remove_worker_dir
 from splitserve.common.refusal import refusing
 from splitserve.common.vocab import Connector, Role, values
 from splitserve.config import (
@@ -46,7 +47,6 @@ from splitserve.worker.launch import (
     child_preexec,
     free_port,
     gpu_connector_warning,
-    remove_worker_dir,
     worker_command,
 )
 

@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 from collections import deque
-from collections.abc import Callable, Container, Mapping
+from collections.abc import Callable, Container
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,7 @@ import httpx
 from splitserve.common.engine import installed_vllm_version
 from splitserve.common.modelconfig import kv_shape, read_config
 from splitserve.common.ports import bindable
-from splitserve.common.privatedir import WORKER_DIR_ENV, private_dir, remove_private_dir
+from splitserve.common.privatedir import WORKER_DIR_ENV, private_dir, remove_worker_dir
 from splitserve.common.vocab import Connector
 from splitserve.config import (
     TOKEN_ENV,
@@ -319,17 +319,6 @@ def worker_command(cfg: WorkerConfig, token: str | None) -> tuple[list[str], dic
         env[KV_EVENTS_DIR_ENV] = worker_dir
     env[WORKER_DIR_ENV] = env["VLLM_RPC_BASE_PATH"] = worker_dir
     return argv, env
-
-
-def remove_worker_dir(env: Mapping[str, str]) -> None:
-    """Remove the private directory `worker_command` made for the worker it gave `env` (none
-    made, or gone already: nothing to do). Its owner calls this once the worker's leader has
-    exited, however it ended (`WorkerProcess` does it on reaping): the worker's plugin removes
-    it only on a normal exit of an engine that came up. What is left of the group loses only
-    its sockets."""
-    directory = env.get(WORKER_DIR_ENV)
-    if directory:
-        remove_private_dir(directory)
 
 
 def _is_unicast_ip(host: str) -> bool:

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from splitserve.common.privatedir import remove_worker_dir
 from splitserve.common.vocab import Role
 from splitserve.launch.config import DeploymentConfig, from_mapping, load_yaml
 from splitserve.launch.local import LocalDeployment, plan_cores
-from splitserve.worker.launch import remove_worker_dir
 
 
 def test_enough_cores_gives_every_worker_its_own() -> None:

@@ -15,7 +15,7 @@ import pytest
 from splitserve.cli import main
 from splitserve.common import engine
 from splitserve.common.cpus import parse_cpus
-from splitserve.common.privatedir import MAX_IPC_PATH, WORKER_DIR_ENV
+from splitserve.common.privatedir import MAX_IPC_PATH, WORKER_DIR_ENV, remove_worker_dir
 from splitserve.common.vocab import Connector, Role
 from splitserve.config import TOKEN_ENV, TOKEN_FILE_ENV, WorkerConfig, load_token
 from splitserve.worker.kv_transfer import kv_buffer_device
@@ -24,7 +24,6 @@ from splitserve.worker.launch import (
     WorkerProcess,
     check_vllm_version,
     free_port,
-    remove_worker_dir,
     worker_command,
 )
 from tests.support.workers import TOKEN, Worker

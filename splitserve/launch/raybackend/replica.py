@@ -32,13 +32,14 @@ from typing import Any
 import httpx
 
 from splitserve.common.guard import GRACE_ENV, guarded
+from splitserve.common.privatedir import remove_worker_dir
 from splitserve.common.procs import stop_group
 from splitserve.common.vocab import Pool
 from splitserve.common.wire import ConnectorState, WorkerLoad
 from splitserve.config import bearer_headers
 from splitserve.launch.config import DeploymentConfig
 from splitserve.launch.local import pool_worker_config
-from splitserve.worker.launch import remove_worker_dir, wait_healthy, worker_command
+from splitserve.worker.launch import wait_healthy, worker_command
 from splitserve.worker.load import LOAD_PATH
 
 HEALTH_FAILURES = 3
