@@ -31,7 +31,7 @@ EXAMPLE = Path(__file__).parents[2] / "docs" / "ray-2p4d.yaml"
 
 def ctx(current: int, target: int, **metrics: dict[str, float]) -> SimpleNamespace:
     return SimpleNamespace(current_num_replicas=current, target_num_replicas=target,
-                           aggregated_metrics=metrics)
+                           aggregated_metrics=metrics, policy_state={})
 
 
 def test_step_moves_one_replica_and_holds_while_a_change_is_in_progress() -> None:

@@ -61,7 +61,7 @@ def decide(ctx: Any, needed: float, downscale_below: float, hold_s: float
     """`step` on Serve's context; the policy state keeps when the change in progress began."""
     current, target = ctx.current_num_replicas, ctx.target_num_replicas
     now = time.monotonic()
-    since = (getattr(ctx, "policy_state", None) or {}).get("changing_since")
+    since = (ctx.policy_state or {}).get("changing_since")
     if current == target or since is None:
         since = now
     decided = step(current, target, needed, downscale_below, now - since, hold_s)
